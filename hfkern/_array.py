@@ -1,0 +1,159 @@
+"""The array convention: shared inputs, input checks and layout-preserving folds.
+
+Every array tensor has the array dimension B first. Physically, conv-family ops
+keep activations as ``[N, B, C, *spatial]`` memory behind a ``[B, N, C, *spatial]``
+view (so cuDNN's grouped conv reads ``[N, B*C, *spatial]`` without a copy); the
+helpers here let the element-wise and pooling layers between two convs keep that
+memory order instead of forcing it back to ``[B, N, ...]``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["broadcast", "is_shared"]
+
+
+def broadcast(x: torch.Tensor, B: int) -> torch.Tensor:
+    """Share one input among the B models of an array, without a copy.
+
+    Returns a ``[B, *x.shape]`` view of ``x`` whose array dimension has stride 0.
+    hfkern modules treat it exactly like B stacked copies of ``x`` and use the
+    cheaper math where there is one (a first conv or linear layer on a shared
+    input is one dense conv/matmul with the B weights concatenated).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"broadcast: expected a torch.Tensor, got {type(x).__name__}")
+    B = check_B(B)
+    return x.unsqueeze(0).expand(B, *x.shape)
+
+
+def is_shared(x: torch.Tensor) -> bool:
+    """True if ``x`` is an :func:`broadcast` view (stride 0 on a non-trivial array dim)."""
+    return x.dim() > 0 and x.stride(0) == 0 and x.size(0) > 1
+
+
+def check_B(B: object, name: str = "B") -> int:
+    """Validate an array size: a Python int (not bool) >= 1."""
+    if isinstance(B, bool) or not isinstance(B, int):
+        raise TypeError(f"{name} must be an int >= 1, got {type(B).__name__} {B!r}")
+    if B < 1:
+        raise ValueError(f"{name} must be >= 1, got {B}")
+    return B
+
+
+def check_input(
+    module: str,
+    x: object,
+    B: int | None,
+    model_ndims: Sequence[int],
+    param: torch.Tensor | None = None,
+    name: str = "input",
+) -> torch.Tensor:
+    """Check an array input ``[B, *model_shape]`` before any kernel sees it.
+
+    ``model_ndims`` lists the per-model ranks the torch namesake accepts (for
+    Conv2d: 3 or 4). With ``param`` given, dtype and device must match it
+    (dtype is not checked under autocast, where torch mixes them on purpose).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{module}: expected {name} to be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() - 1 not in model_ndims:
+        shapes = " or ".join(f"{d + 1}-D" for d in model_ndims)
+        raise ValueError(
+            f"{module}: expected {name} of {shapes} shape [B, ...] (array dim first), "
+            f"got {x.dim()}-D shape {list(x.shape)}"
+        )
+    if B is not None and x.size(0) != B:
+        raise ValueError(
+            f"{module}: expected {name} with leading (array) dim B={B}, got shape {list(x.shape)}"
+        )
+    if param is not None:
+        check_same_device_dtype(module, x, param, name)
+    return x
+
+
+def check_same_device_dtype(
+    module: str, x: torch.Tensor, param: torch.Tensor, name: str = "input"
+) -> None:
+    if x.device != param.device:
+        raise ValueError(
+            f"{module}: {name} is on {x.device} but the parameters are on {param.device}"
+        )
+    if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{module}: expected {name} of dtype {param.dtype} (the parameters' dtype), "
+            f"got {x.dtype}"
+        )
+
+
+def check_channels(module: str, x: torch.Tensor, dim: int, expected: int, name: str = "input") -> None:
+    if x.size(dim) != expected:
+        raise ValueError(
+            f"{module}: expected {name} with {expected} channels at dim {dim} "
+            f"(shape [B, N, C, ...]), got {x.size(dim)} in shape {list(x.shape)}"
+        )
+
+
+def per_model_memory_first(x: torch.Tensor) -> bool:
+    """True if ``x`` ([B, N, ...]) is stored as ``[N, B, ...]``-contiguous memory."""
+    return x.dim() >= 2 and x.transpose(0, 1).is_contiguous()
+
+
+def fold(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """Merge the array and batch dims of ``x`` ([B, N, *rest]) into one batch dim.
+
+    Returns ``(folded, unfold)``: ``folded`` is ``[N*B, *rest]`` when ``x`` has
+    ``[N, B, ...]`` memory (a free view, and the result of ``unfold`` keeps that
+    memory order for the next conv) and ``[B*N, *rest]`` otherwise. ``unfold``
+    maps a ``[B*N or N*B, *out_rest]`` result back to ``[B, N, *out_rest]``.
+    Ops that treat every (model, sample) pair independently use it.
+    """
+    B, N = x.shape[:2]
+    if per_model_memory_first(x) and not is_shared(x):
+        folded = x.transpose(0, 1).reshape(N * B, *x.shape[2:])
+
+        def unfold(y: torch.Tensor) -> torch.Tensor:
+            return y.view(N, B, *y.shape[1:]).transpose(0, 1)
+
+    else:
+        folded = x.reshape(B * N, *x.shape[2:])
+
+        def unfold(y: torch.Tensor) -> torch.Tensor:
+            return y.view(B, N, *y.shape[1:])
+
+    return folded, unfold
+
+
+def hyper(value, B: int, name: str, *, like: torch.Tensor | None = None) -> torch.Tensor:
+    """A per-model hyperparameter as a ``[B]`` float64 tensor.
+
+    Accepts a float, a length-B sequence, or a 1-D tensor of length B; rejects
+    other lengths, NaN and negative values with a ValueError naming ``name``.
+    """
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to(dtype=torch.float64, device="cpu")
+        if t.dim() == 0:
+            t = t.expand(B)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        t = torch.full((B,), float(value), dtype=torch.float64)
+    elif isinstance(value, Sequence) and not isinstance(value, str):
+        try:
+            t = torch.tensor([float(v) for v in value], dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be a float or a length-{B} sequence of floats, got {value!r}")
+    else:
+        raise TypeError(
+            f"{name} must be a float, a length-{B} sequence or a 1-D tensor, got {type(value).__name__}"
+        )
+    if t.dim() != 1 or t.numel() != B:
+        raise ValueError(f"{name} must have one value per model (length B={B}), got shape {list(t.shape)}")
+    if torch.isnan(t).any():
+        raise ValueError(f"{name} must not be NaN, got {t.tolist()}")
+    if (t < 0).any():
+        raise ValueError(f"{name} must be >= 0 for every model, got {t.tolist()}")
+    if like is not None:
+        t = t.to(device=like.device)
+    return t

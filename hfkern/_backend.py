@@ -1,0 +1,229 @@
+"""The one registry that decides which implementation serves each hfkern op.
+
+Every op family (``hfkern/ops/*.py``) registers one implementation per backend
+with :func:`register`. The op's torch.library kernel asks :func:`resolve` for the
+implementation at call time, so switching backends never retraces a model and
+never touches ``hfkern.nn`` or ``hfkern.optim``.
+
+Selection:
+
+* ``"torch"``, ``"triton"``, ``"cuda"``: that backend serves every op, or the call
+  raises. There is no silent fallback.
+* ``"auto"`` (the default): per op and device, the first backend in
+  :data:`AUTO_PREFERENCE` that registered the op as *auto-eligible* and is
+  available. A backend registers as auto-eligible only if it computes what the
+  torch backend computes under the same dtype policy (same accumulation dtype,
+  same TF32 flags), so ``auto`` never silently changes numerics. The choice is
+  logged once per (op, device type) at DEBUG level on the ``hfkern`` logger.
+
+The initial selection comes from the environment variable ``HFKERN_BACKEND``
+(default ``auto``); :func:`set_backend` overrides it for the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+__all__ = ["BACKENDS", "set_backend", "get_backend", "use_backend", "backend_info"]
+
+logger = logging.getLogger("hfkern")
+
+BACKENDS = ("torch", "triton", "cuda")
+AUTO_PREFERENCE = ("cuda", "triton", "torch")
+_CHOICES = ("auto",) + BACKENDS
+
+
+@dataclass(frozen=True)
+class _Impl:
+    fn: Callable
+    device_types: tuple[str, ...]
+    auto: bool
+
+
+# op name -> backend -> implementation
+_registry: dict[str, dict[str, _Impl]] = {}
+# backend -> callable returning (available, reason)
+_availability: dict[str, Callable[[], tuple[bool, str]]] = {}
+# Process-wide, not thread-local: autograd runs CUDA backward passes on its own
+# threads, which must see the same selection as the forward.
+_selected: str | None = None
+_logged_auto: set[tuple[str, str]] = set()
+
+
+def _torch_available() -> tuple[bool, str]:
+    return True, f"pure-PyTorch path (torch {torch.__version__}), serves every device"
+
+
+def _triton_available() -> tuple[bool, str]:
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return False, f"triton is not importable ({e})"
+    if not any(impl for ops in _registry.values() for b, impl in ops.items() if b == "triton"):
+        return False, "no hfkern op has a Triton implementation in this build"
+    if not torch.cuda.is_available():
+        return False, "Triton kernels need a CUDA device and torch.cuda.is_available() is False"
+    return True, f"triton {triton.__version__} with CUDA device {torch.cuda.get_device_name()}"
+
+
+def _cuda_available() -> tuple[bool, str]:
+    if not any(impl for ops in _registry.values() for b, impl in ops.items() if b == "cuda"):
+        return False, "no hfkern op has a CUDA implementation in this build"
+    try:
+        from hfkern import _C  # noqa: F401
+    except ImportError as e:
+        return False, f"the compiled extension hfkern._C could not be loaded ({e})"
+    if not torch.cuda.is_available():
+        return False, "torch.cuda.is_available() is False"
+    return True, "compiled extension hfkern._C"
+
+
+_availability.update(torch=_torch_available, triton=_triton_available, cuda=_cuda_available)
+
+
+def register(
+    op: str,
+    backend: str,
+    fn: Callable,
+    *,
+    device_types: tuple[str, ...] | None = None,
+    auto: bool = True,
+) -> None:
+    """Register ``fn`` as ``backend``'s implementation of ``op``.
+
+    ``device_types`` lists the device types the implementation serves (None: all).
+    ``auto=False`` keeps ``auto`` from ever choosing it (for example a backend
+    whose numerics differ from the torch path).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _registry.setdefault(op, {})[backend] = _Impl(fn, tuple(device_types or ()), auto)
+
+
+def _env_choice() -> str:
+    value = os.environ.get("HFKERN_BACKEND", "auto").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise ValueError(f"HFKERN_BACKEND must be one of {_CHOICES}, got {value!r}")
+    return value
+
+
+def get_backend() -> str:
+    """The backend requested now: ``set_backend``'s value, else ``HFKERN_BACKEND``, else ``auto``."""
+    return _selected if _selected is not None else _env_choice()
+
+
+def _check_requestable(name: str) -> None:
+    if not isinstance(name, str) or name.lower() not in _CHOICES:
+        raise ValueError(f"backend must be one of {_CHOICES}, got {name!r}")
+    name = name.lower()
+    if name != "auto":
+        ok, reason = _availability[name]()
+        if not ok:
+            raise RuntimeError(f"hfkern backend {name!r} is not available: {reason}")
+
+
+def set_backend(name: str) -> None:
+    """Select the backend for every hfkern op in this process.
+
+    One of ``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"``. Asking for a backend
+    that is not available raises ``RuntimeError`` with the reason.
+    """
+    global _selected
+    _check_requestable(name)
+    _selected = name.lower()
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Context manager form of :func:`set_backend`; restores the previous choice on exit."""
+    global _selected
+    _check_requestable(name)
+    previous, _selected = _selected, name.lower()
+    try:
+        yield
+    finally:
+        _selected = previous
+
+
+def _serves(impl: _Impl, device_type: str) -> bool:
+    return not impl.device_types or device_type in impl.device_types
+
+
+def _choose(op: str, device_type: str) -> tuple[str, str]:
+    """Return (backend, reason) for ``op`` on ``device_type`` under the current selection."""
+    impls = _registry.get(op)
+    if not impls:
+        raise RuntimeError(f"hfkern op {op!r} has no registered implementation")
+    requested = get_backend()
+    if requested != "auto":
+        impl = impls.get(requested)
+        if impl is None:
+            raise RuntimeError(
+                f"hfkern backend {requested!r} was requested but has no implementation of "
+                f"hfkern::{op}; registered: {sorted(impls)}"
+            )
+        if not _serves(impl, device_type):
+            raise RuntimeError(
+                f"hfkern backend {requested!r} cannot serve hfkern::{op} on {device_type} "
+                f"tensors (it serves {list(impl.device_types)})"
+            )
+        ok, why = _availability[requested]()
+        if not ok:
+            raise RuntimeError(f"hfkern backend {requested!r} is not available: {why}")
+        return requested, "requested explicitly"
+    for name in AUTO_PREFERENCE:
+        impl = impls.get(name)
+        if impl is None or not impl.auto or not _serves(impl, device_type):
+            continue
+        if _availability[name]()[0]:
+            return name, f"auto: first available of {list(AUTO_PREFERENCE)} serving {device_type}"
+    raise RuntimeError(f"no available hfkern backend serves hfkern::{op} on {device_type}")
+
+
+def resolve(op: str, device: torch.device) -> Callable:
+    """The implementation of ``op`` that serves tensors on ``device`` now."""
+    backend, reason = _choose(op, device.type)
+    if get_backend() == "auto" and (op, device.type) not in _logged_auto:
+        _logged_auto.add((op, device.type))
+        logger.debug("hfkern::%s on %s -> %s backend (%s)", op, device.type, backend, reason)
+    return _registry[op][backend].fn
+
+
+def backend_info() -> dict:
+    """What is available, what is requested, and what each op resolves to.
+
+    Returns a dict::
+
+        {"requested": "auto", "source": "default" | "HFKERN_BACKEND" | "set_backend",
+         "backends": {name: {"available": bool, "reason": str}},
+         "ops": {op: {"registered": [backends], "cpu": choice, "cuda": choice}}}
+
+    where a choice is ``"<backend> (<why>)"`` or ``"error: <why>"``.
+    """
+    if _selected is not None:
+        source = "set_backend"
+    elif "HFKERN_BACKEND" in os.environ:
+        source = "HFKERN_BACKEND"
+    else:
+        source = "default"
+    backends = {}
+    for name in BACKENDS:
+        ok, reason = _availability[name]()
+        backends[name] = {"available": ok, "reason": reason}
+    ops = {}
+    for op in sorted(_registry):
+        row: dict = {"registered": sorted(_registry[op])}
+        for device_type in ("cpu", "cuda"):
+            try:
+                backend, why = _choose(op, device_type)
+                row[device_type] = f"{backend} ({why})"
+            except RuntimeError as e:
+                row[device_type] = f"error: {e}"
+        ops[op] = row
+    return {"requested": get_backend(), "source": source, "backends": backends, "ops": ops}

@@ -1,0 +1,4 @@
+"""hfkern ops: one module per op family, each registering torch.library ops in the
+``hfkern`` namespace and their implementations with :mod:`hfkern._backend`."""
+
+from . import conv  # noqa: F401
