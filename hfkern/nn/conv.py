@@ -1,0 +1,175 @@
+"""Array convolutions: Conv1d, Conv2d, ConvTranspose1d, ConvTranspose2d.
+
+Input ``[B, N, C_in, *s]`` (or ``[B, C_in, *s]`` for unbatched models), output
+``[B, N, C_out, *s']`` stored as ``[N, B, C_out, *s']`` memory, which the next
+conv, norm or pooling layer reads without a copy. A shared input
+(:func:`hfkern.broadcast`) runs one dense convolution over the B weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn import init
+
+from .._array import check_channels, check_input, is_shared
+from ..ops import conv_torch
+from ..ops.conv import array_conv
+from ._base import ArrayModule, stack_init
+
+__all__ = ["Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d"]
+
+
+def reset_kaiming_uniform(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """torch's default init of Linear and _ConvNd, applied to each model independently."""
+
+    def reset(w, b):
+        init.kaiming_uniform_(w, a=math.sqrt(5))
+        if b is not None:
+            fan_in, _ = init._calculate_fan_in_and_fan_out(w)
+            if fan_in != 0:
+                bound = 1 / math.sqrt(fan_in)
+                init.uniform_(b, -bound, bound)
+
+    stack_init([weight, bias], reset)
+
+
+class _ArrayConvNd(ArrayModule):
+    _n: int  # spatial dims
+    _transposed = False
+    _config_fields = (
+        "in_channels", "out_channels", "kernel_size", "stride", "padding",
+        "dilation", "groups", "bias", "padding_mode",
+    )
+
+    def _build(self, template: nn.Module, B: int, factory: dict) -> None:
+        # The namesake, built on the meta device, validates and normalizes the
+        # arguments exactly as torch does (int -> tuple, 'same' -> padding pairs).
+        self._set_B(B, required=True)
+        for field in self._config_fields + ("transposed", "output_padding", "_reversed_padding_repeated_twice"):
+            if field != "bias":
+                setattr(self, field, getattr(template, field))
+        self.weight = nn.Parameter(torch.empty((self.B, *template.weight.shape), **factory))
+        if template.bias is not None:
+            self.bias = nn.Parameter(torch.empty((self.B, self.out_channels), **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        reset_kaiming_uniform(self.weight, self.bias)
+
+    def _check(self, input: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        name = type(self).__name__
+        n = self._n
+        x = check_input(name, input, self.B, (n + 1, n + 2), self.weight)
+        unbatched = x.dim() == n + 2
+        if unbatched:
+            x = x.unsqueeze(1)
+        check_channels(name, x, 2, self.in_channels)
+        return x, unbatched
+
+    def _conv(self, x: torch.Tensor, padding, output_padding) -> torch.Tensor:
+        """x: [B, N, C, *s] (possibly shared) already padded for non-zero modes."""
+        if is_shared(x):
+            x = x[0]
+        return array_conv(
+            x, self.weight, self.bias, list(self.stride), list(padding),
+            list(self.dilation), self._transposed, list(output_padding), self.groups,
+        )
+
+
+class _ArrayConv(_ArrayConvNd):
+    def __init__(
+        self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+        groups=1, bias=True, padding_mode="zeros", *, B, device=None, dtype=None,
+    ):
+        super().__init__()
+        template = self._torch_cls(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+            bias, padding_mode, device="meta",
+        )
+        self._build(template, B, {"device": device, "dtype": dtype})
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x, unbatched = self._check(input)
+        pad = self._reversed_padding_repeated_twice  # F.pad order: last dim first
+        left, right = pad[0::2][::-1], pad[1::2][::-1]
+        if self.padding_mode != "zeros" or left != right:
+            # Non-zero padding modes and the asymmetric part of padding='same'
+            # are applied by F.pad first, as torch does.
+            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+            if self.padding_mode == "zeros":  # pad only the excess on the right
+                pad = [0 if i % 2 == 0 else pad[i] - pad[i - 1] for i in range(len(pad))]
+                conv_padding = left
+            else:
+                conv_padding = [0] * self._n
+            if is_shared(x):
+                x = F.pad(x[0], pad, mode=mode).expand(x.shape[0], -1, -1, *([-1] * self._n))
+            else:
+                x = conv_torch.from_grouped(F.pad(conv_torch.to_grouped(x), pad, mode=mode), x.shape[0])
+        else:
+            conv_padding = left
+        y = self._conv(x, conv_padding, [0] * self._n)
+        return y.squeeze(1) if unbatched else y
+
+
+class Conv1d(_ArrayConv):
+    """B ``torch.nn.Conv1d`` models: input ``[B, N, C_in, L]`` or ``[B, C_in, L]``."""
+
+    _torch_cls = nn.Conv1d
+    _n = 1
+
+
+class Conv2d(_ArrayConv):
+    """B ``torch.nn.Conv2d`` models: input ``[B, N, C_in, H, W]`` or ``[B, C_in, H, W]``."""
+
+    _torch_cls = nn.Conv2d
+    _n = 2
+
+
+class _ArrayConvTranspose(_ArrayConvNd):
+    _transposed = True
+    _config_fields = _ArrayConvNd._config_fields + ("output_padding",)
+
+    def __init__(
+        self, in_channels, out_channels, kernel_size, stride=1, padding=0, output_padding=0,
+        groups=1, bias=True, dilation=1, padding_mode="zeros", *, B, device=None, dtype=None,
+    ):
+        super().__init__()
+        template = self._torch_cls(
+            in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
+            bias, dilation, padding_mode, device="meta",
+        )
+        self._build(template, B, {"device": device, "dtype": dtype})
+
+    def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        name = type(self).__name__
+        if self.padding_mode != "zeros":
+            raise ValueError(f"Only `zeros` padding mode is supported for {name}")
+        x, unbatched = self._check(input)
+        # torch's own output_size -> output_padding logic, on one model's shape
+        per_model = x[0].squeeze(0) if unbatched else x[0]
+        output_padding = nn.modules.conv._ConvTransposeNd._output_padding(
+            self, per_model, output_size, list(self.stride), list(self.padding),
+            list(self.kernel_size), self._n, list(self.dilation),
+        )
+        y = self._conv(x, self.padding, output_padding)
+        return y.squeeze(1) if unbatched else y
+
+
+class ConvTranspose1d(_ArrayConvTranspose):
+    """B ``torch.nn.ConvTranspose1d`` models: input ``[B, N, C_in, L]`` or ``[B, C_in, L]``."""
+
+    _torch_cls = nn.ConvTranspose1d
+    _n = 1
+
+
+class ConvTranspose2d(_ArrayConvTranspose):
+    """B ``torch.nn.ConvTranspose2d`` models: input ``[B, N, C_in, H, W]`` or ``[B, C_in, H, W]``."""
+
+    _torch_cls = nn.ConvTranspose2d
+    _n = 2

@@ -1,0 +1,60 @@
+"""Array Linear: B ``torch.nn.Linear`` models as one batched matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._array import check_input, is_shared
+from ._base import ArrayModule
+from .conv import reset_kaiming_uniform
+
+__all__ = ["Linear"]
+
+
+class Linear(ArrayModule):
+    """B ``torch.nn.Linear`` models.
+
+    Input ``[B, *, in_features]``, output ``[B, *, out_features]``; weight
+    ``[B, out_features, in_features]``, bias ``[B, out_features]``. A shared input
+    (:func:`hfkern.broadcast`) is one dense matmul with the B weights
+    concatenated; its output is stored as ``[*, B, out_features]`` memory.
+    """
+
+    _torch_cls = nn.Linear
+    _config_fields = ("in_features", "out_features", "bias")
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, B: int,
+                 device=None, dtype=None):
+        super().__init__()
+        nn.Linear(in_features, out_features, bias, device="meta")  # torch's argument checks
+        self._set_B(B, required=True)
+        self.in_features, self.out_features = in_features, out_features
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty((self.B, out_features, in_features), **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty((self.B, out_features), **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        reset_kaiming_uniform(self.weight, self.bias)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = check_input("Linear", input, self.B, range(1, 64), self.weight)
+        if x.size(-1) != self.in_features:
+            raise ValueError(
+                f"Linear: expected input with in_features={self.in_features} in its last dim, "
+                f"got shape {list(x.shape)}"
+            )
+        B, out = self.B, self.out_features
+        if is_shared(x):
+            bias = None if self.bias is None else self.bias.reshape(-1)
+            y = F.linear(x[0], self.weight.reshape(B * out, self.in_features), bias)
+            return y.unflatten(-1, (B, out)).movedim(-2, 0)
+        x3 = x.reshape(B, -1, self.in_features)
+        w = self.weight.transpose(1, 2)
+        y = torch.bmm(x3, w) if self.bias is None else torch.baddbmm(self.bias.unsqueeze(1), x3, w)
+        return y.view(*x.shape[:-1], out)
