@@ -30,3 +30,113 @@ def test_conv_matches_torch(cls, kw, shape, B, mode):
     x, xs, leaf = array_input(shape, B, shared=mode == "shared", layout=mode if mode != "shared" else "contiguous")
     compare_modules(array, modules, x, xs, leaf, shared=mode == "shared")
     assert_state_equal(array, modules)
+
+
+@pytest.mark.parametrize("cls", [hnn.ConvTranspose1d, hnn.ConvTranspose2d])
+def test_conv_transpose_output_size(cls):
+    n = cls._n
+    kw = dict(in_channels=3, out_channels=2, kernel_size=3, stride=2, padding=1)
+    modules = [cls._torch_cls(**kw) for _ in range(2)]
+    array = cls.from_modules(modules)
+    shape = (4, 3) + (5,) * n
+    x = torch.randn(2, *shape)
+    size = [10] * n
+    y = array(x, output_size=size)
+    expected = torch.stack([m(x[b], output_size=size) for b, m in enumerate(modules)])
+    torch.testing.assert_close(y, expected)
+    with pytest.raises(ValueError, match="output size"):
+        array(x, output_size=[20] * n)
+
+
+def test_conv_output_keeps_batch_major_memory():
+    conv1 = hnn.Conv2d(3, 4, 3, B=3)
+    conv2 = hnn.Conv2d(4, 5, 3, B=3)
+    y = conv1(torch.randn(3, 2, 3, 9, 9))
+    assert y.shape == (3, 2, 4, 7, 7)
+    assert y.transpose(0, 1).is_contiguous()
+    z = conv2(y)
+    assert z.transpose(0, 1).is_contiguous()
+
+
+@pytest.mark.parametrize("cls,kw", [
+    (hnn.Conv1d, dict(in_channels=3, out_channels=8, kernel_size=3, groups=1)),
+    (hnn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=(3, 5), groups=2)),
+    (hnn.ConvTranspose2d, dict(in_channels=4, out_channels=6, kernel_size=3)),
+])
+def test_init_matches_torch_distribution(cls, kw):
+    B = 64
+    array = cls(**kw, B=B)
+    ref = torch.stack([cls._torch_cls(**kw).weight.detach() for _ in range(B)])
+    fan_in = torch.nn.init._calculate_fan_in_and_fan_out(ref[0])[0]
+    bound = 1 / fan_in ** 0.5  # kaiming_uniform_(a=sqrt(5)) bound and bias bound coincide
+    for got, want in ((array.weight, ref),):
+        assert got.abs().max() <= bound
+        torch.testing.assert_close(got.std(), want.std(), atol=0, rtol=0.05)
+    assert array.bias.abs().max() <= bound
+    # models are drawn independently
+    assert not torch.equal(array.weight[0], array.weight[1])
+    assert not torch.equal(array.bias[0], array.bias[1])
+
+
+def test_bad_inputs():
+    conv = hnn.Conv2d(3, 4, 3, B=2)
+    with pytest.raises(ValueError, match="leading .*B=2"):
+        conv(torch.randn(3, 1, 3, 8, 8))
+    with pytest.raises(ValueError, match="4-D or 5-D"):
+        conv(torch.randn(2, 8, 8))
+    with pytest.raises(ValueError, match="expected input with 3 channels.*got 5"):
+        conv(torch.randn(2, 1, 5, 8, 8))
+    with pytest.raises(TypeError, match="dtype torch.float32.*got torch.float64"):
+        conv(torch.randn(2, 1, 3, 8, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="on meta but the parameters are on cpu"):
+        conv(torch.randn(2, 1, 3, 8, 8, device="meta"))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        conv([1, 2, 3])
+    with pytest.raises(ValueError, match="B must be >= 1, got 0"):
+        hnn.Conv2d(3, 4, 3, B=0)
+    with pytest.raises(TypeError, match="B must be an int"):
+        hnn.Conv2d(3, 4, 3, B=2.0)
+    with pytest.raises(TypeError, match="keyword-only argument: 'B'"):
+        hnn.Conv2d(3, 4, 3)
+    with pytest.raises(ValueError, match="in_channels must be divisible by groups"):
+        hnn.Conv2d(3, 4, 3, groups=2, B=2)
+
+
+def test_from_modules_rejects_mixed_configs():
+    with pytest.raises(ValueError, match="field 'stride' differs: module 0 has \\(1, 1\\), module 1 has \\(2, 2\\)"):
+        hnn.Conv2d.from_modules([nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3, stride=2)])
+    with pytest.raises(ValueError, match="field 'bias' differs"):
+        hnn.Conv2d.from_modules([nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3, bias=False)])
+    with pytest.raises(TypeError, match="expected torch.nn.Conv2d modules, got Linear at index 1"):
+        hnn.Conv2d.from_modules([nn.Conv2d(3, 4, 3), nn.Linear(3, 4)])
+    with pytest.raises(ValueError, match="dtype of 'weight' differs"):
+        hnn.Conv2d.from_modules([nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3).double()])
+    with pytest.raises(ValueError, match="at least one module"):
+        hnn.Conv2d.from_modules([])
+
+
+def _conv_op_args(transposed, shared, groups, B=3):
+    ci, co = 4, 6
+    x = torch.randn(2, ci, 6, 5) if shared else torch.randn(B, 2, ci, 6, 5)
+    w = torch.randn(B, ci, co // groups, 3, 2) if transposed else torch.randn(B, co, ci // groups, 3, 2)
+    b = torch.randn(B, co)
+    for t in (x, w, b):
+        t.requires_grad_()
+    return (x, w, b, [2, 1], [1, 0], [1, 2], transposed, [1, 0] if transposed else [0, 0], groups)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_opcheck_array_conv(transposed, shared, groups):
+    from hfkern.ops.conv import array_conv
+    torch.library.opcheck(array_conv, _conv_op_args(transposed, shared, groups))
+
+
+def test_opcheck_array_conv_grads():
+    from hfkern.ops.conv import array_conv, array_conv_input_grad, array_conv_weight_grad
+    x, w, b, *conv = _conv_op_args(False, False, 2)
+    y = array_conv(x, w, b, *conv)
+    gy = torch.randn_like(y)
+    torch.library.opcheck(array_conv_input_grad, (gy, w.detach(), list(x.shape), *conv))
+    torch.library.opcheck(array_conv_weight_grad, (gy, x.detach(), w.detach(), *conv))

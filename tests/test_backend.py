@@ -1,0 +1,112 @@
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hfkern
+from hfkern import _backend
+
+
+@pytest.fixture(autouse=True)
+def _restore_backend():
+    previous = _backend._selected
+    yield
+    _backend._selected = previous
+
+
+def test_default_is_auto_and_torch_serves_cpu():
+    info = hfkern.backend_info()
+    assert info["requested"] in ("auto", "torch")
+    assert info["backends"]["torch"]["available"]
+    assert info["ops"]["array_conv"]["cpu"].startswith("torch")
+    assert "torch" in info["ops"]["array_conv"]["registered"]
+
+
+def test_unavailable_backends_raise_with_reason():
+    for name in ("triton", "cuda"):
+        ok, reason = _backend._availability[name]()
+        if ok:
+            continue
+        with pytest.raises(RuntimeError, match=f"backend '{name}' is not available: "):
+            hfkern.set_backend(name)
+        assert hfkern.backend_info()["backends"][name]["reason"] == reason
+
+
+def test_bad_backend_name():
+    with pytest.raises(ValueError, match="backend must be one of .*got 'cudnn'"):
+        hfkern.set_backend("cudnn")
+
+
+def test_set_backend_and_use_backend():
+    hfkern.set_backend("torch")
+    assert hfkern.get_backend() == "torch"
+    assert hfkern.backend_info()["source"] == "set_backend"
+    with hfkern.use_backend("auto"):
+        assert hfkern.get_backend() == "auto"
+    assert hfkern.get_backend() == "torch"
+
+
+def test_explicit_backend_without_implementation_raises():
+    _backend.register("test_only_op", "triton", lambda: None, device_types=("cuda",))
+    try:
+        _backend._selected = "torch"
+        with pytest.raises(RuntimeError, match="'torch' was requested but has no implementation of hfkern::test_only_op"):
+            _backend.resolve("test_only_op", torch.device("cpu"))
+        _backend._selected = "auto"
+        with pytest.raises(RuntimeError, match="no available hfkern backend serves hfkern::test_only_op on cpu"):
+            _backend.resolve("test_only_op", torch.device("cpu"))
+    finally:
+        del _backend._registry["test_only_op"]
+
+
+def test_auto_skips_backends_not_marked_auto(monkeypatch):
+    calls = []
+    _backend.register("test_only_op", "torch", lambda: calls.append("torch"))
+    _backend.register("test_only_op", "cuda", lambda: calls.append("cuda"), auto=False)
+    monkeypatch.setitem(_backend._availability, "cuda", lambda: (True, "pretend"))
+    try:
+        _backend._selected = "auto"
+        _backend.resolve("test_only_op", torch.device("cpu"))()
+        _backend._selected = "cuda"
+        _backend.resolve("test_only_op", torch.device("cpu"))()
+        assert calls == ["torch", "cuda"]
+    finally:
+        del _backend._registry["test_only_op"]
+
+
+def test_auto_logs_choice_once(caplog):
+    _backend._logged_auto.clear()
+    _backend._selected = "auto"
+    with caplog.at_level(logging.DEBUG, logger="hfkern"):
+        for _ in range(3):
+            _backend.resolve("array_conv", torch.device("cpu"))
+    msgs = [r.getMessage() for r in caplog.records if "array_conv" in r.getMessage()]
+    assert len(msgs) == 1 and "torch backend" in msgs[0]
+
+
+def test_environment_variable_selects_and_validates():
+    code = "import hfkern; print(hfkern.get_backend(), hfkern.backend_info()['source'])"
+    out = subprocess.run([sys.executable, "-c", code], env={**_env(), "HFKERN_BACKEND": "torch"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["torch", "HFKERN_BACKEND"]
+    bad = subprocess.run([sys.executable, "-c", code], env={**_env(), "HFKERN_BACKEND": "nope"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "HFKERN_BACKEND must be one of" in bad.stderr
+
+
+def _env():
+    import os
+    return {k: v for k, v in os.environ.items() if k != "HFKERN_BACKEND"}
+
+
+def test_broadcast_is_zero_copy_view():
+    x = torch.randn(4, 5)
+    xb = hfkern.broadcast(x, 3)
+    assert xb.shape == (3, 4, 5) and xb.stride(0) == 0 and xb.data_ptr() == x.data_ptr()
+    assert hfkern.is_shared(xb) and not hfkern.is_shared(x)
+    with pytest.raises(ValueError, match="B must be >= 1"):
+        hfkern.broadcast(x, 0)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        hfkern.broadcast([1.0], 2)

@@ -1,0 +1,62 @@
+import pytest
+import torch
+from torch import nn
+
+import hfkern
+import hfkern.nn as hnn
+from _util import array_input, assert_state_equal, compare_modules
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape,layout", [
+    ((7, 5), "contiguous"), ((7, 5), "batch_major"), ((7, 5), "strided"),
+    ((5,), "contiguous"), ((2, 3, 5), "contiguous"), ((7, 5), "shared"), ((2, 3, 5), "shared"),
+])
+def test_linear_matches_torch(B, bias, shape, layout):
+    modules = [nn.Linear(5, 3, bias=bias) for _ in range(B)]
+    array = hnn.Linear.from_modules(modules)
+    shared = layout == "shared"
+    x, xs, leaf = array_input(shape, B, shared=shared, layout="contiguous" if shared else layout)
+    y = compare_modules(array, modules, x, xs, leaf, shared=shared)
+    assert y.shape == (B, *shape[:-1], 3)
+    assert_state_equal(array, modules)
+
+
+def test_linear_shared_is_one_dense_matmul():
+    array = hnn.Linear(5, 3, B=4)
+    x = hfkern.broadcast(torch.randn(7, 5), 4)
+    y = array(x)
+    # the dense path returns the [N, B, out] memory of one [N, B*out] matmul
+    assert y.transpose(0, 1).is_contiguous()
+
+
+def test_linear_init_distribution_and_independence():
+    B = 128
+    array = hnn.Linear(20, 10, B=B)
+    bound = 1 / 20 ** 0.5
+    assert array.weight.abs().max() <= bound and array.bias.abs().max() <= bound
+    ref = torch.stack([nn.Linear(20, 10).weight.detach() for _ in range(B)])
+    torch.testing.assert_close(array.weight.std(), ref.std(), atol=0, rtol=0.05)
+    assert not torch.equal(array.weight[0], array.weight[1])
+
+
+def test_linear_bad_inputs():
+    lin = hnn.Linear(5, 3, B=2)
+    with pytest.raises(ValueError, match="in_features=5.*got shape \\[2, 7, 4\\]"):
+        lin(torch.randn(2, 7, 4))
+    with pytest.raises(ValueError, match="leading .*B=2"):
+        lin(torch.randn(3, 7, 5))
+    with pytest.raises(TypeError, match="dtype"):
+        lin(torch.randn(2, 7, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="field 'out_features' differs"):
+        hnn.Linear.from_modules([nn.Linear(5, 3), nn.Linear(5, 4)])
+
+
+def test_linear_device_dtype_factory_kwargs():
+    lin = hnn.Linear(5, 3, B=2, dtype=torch.float64)
+    assert lin.weight.dtype == torch.float64
+    mods = lin.to_modules()
+    assert mods[0].weight.dtype == torch.float64
+    x = torch.randn(2, 4, 5, dtype=torch.float64)
+    torch.testing.assert_close(lin(x)[1], mods[1](x[1]))
