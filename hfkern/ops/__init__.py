@@ -2,3 +2,4 @@
 ``hfkern`` namespace and their implementations with :mod:`hfkern._backend`."""
 
 from . import conv  # noqa: F401
+from . import embedding  # noqa: F401

@@ -1,0 +1,142 @@
+"""hfkern::array_embedding: B embedding lookups (B tables, B index tensors) as one op.
+
+Ops (all registered with torch.library, implementations chosen by the registry):
+
+``array_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False)``
+    weight ``[B, V, D]``, indices ``[B, *]`` int64 or int32 with any strides
+    (stride 0 on dim 0: one index tensor shared by the B models). Returns
+    ``[B, *, D]`` with ``out[b, ...] = weight[b, indices[b, ...]]``. The last
+    three arguments mean what they mean for ``aten::embedding`` and only shape
+    the backward: ``padding_idx`` (``-1``: none; otherwise in ``[0, V)``) rows
+    get no gradient, ``scale_grad_by_freq`` divides each row's gradient by the
+    number of times that model's indices hit it, ``sparse`` makes the weight
+    gradient a sparse COO tensor.
+``array_embedding_backward(grad_out, indices, num_weights, padding_idx, scale_grad_by_freq)``
+    The dense weight gradient ``[B, num_weights, D]``, deterministic.
+``array_embedding_sparse_backward(grad_out, indices, num_weights, padding_idx)``
+    The sparse COO weight gradient ``[B, num_weights, D]`` (sparse dims B and
+    V, dense dim D); its slice ``[b]`` is the gradient ``torch.nn.Embedding``
+    with ``sparse=True`` gives model b.
+``array_embedding_renorm_(weight, indices, max_norm, norm_type)``
+    In place, no autograd: each row of model b referenced by ``indices[b]``
+    whose ``norm_type``-norm exceeds ``max_norm`` is rescaled to ``max_norm``
+    (``torch.embedding_renorm_`` per model). Call under ``torch.no_grad()``.
+
+Indices must lie in ``[0, V)``. The ops do not check this (that would cost a
+device synchronization per call); an out-of-range index can read another
+model's rows, so callers check at the Python boundary, as
+:class:`hfkern.nn.Embedding` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from . import embedding_torch
+
+_FWD = "array_embedding"
+_BWD = "array_embedding_backward"
+_SPARSE_BWD = "array_embedding_sparse_backward"
+_RENORM = "array_embedding_renorm_"
+
+
+@torch.library.custom_op("hfkern::array_embedding", mutates_args=())
+def array_embedding(
+    weight: Tensor,
+    indices: Tensor,
+    padding_idx: int = -1,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Tensor:
+    fn = _backend.resolve(_FWD, weight.device)
+    return fn(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+
+
+@array_embedding.register_fake
+def _(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return weight.new_empty((*indices.shape, weight.shape[-1]))
+
+
+@torch.library.custom_op("hfkern::array_embedding_backward", mutates_args=())
+def array_embedding_backward(
+    grad_out: Tensor,
+    indices: Tensor,
+    num_weights: int,
+    padding_idx: int,
+    scale_grad_by_freq: bool,
+) -> Tensor:
+    fn = _backend.resolve(_BWD, grad_out.device)
+    return fn(grad_out, indices, num_weights, padding_idx, scale_grad_by_freq)
+
+
+@array_embedding_backward.register_fake
+def _(grad_out, indices, num_weights, padding_idx, scale_grad_by_freq):
+    return grad_out.new_empty((grad_out.shape[0], num_weights, grad_out.shape[-1]))
+
+
+@torch.library.custom_op("hfkern::array_embedding_sparse_backward", mutates_args=())
+def array_embedding_sparse_backward(
+    grad_out: Tensor,
+    indices: Tensor,
+    num_weights: int,
+    padding_idx: int,
+) -> Tensor:
+    fn = _backend.resolve(_SPARSE_BWD, grad_out.device)
+    return fn(grad_out, indices, num_weights, padding_idx)
+
+
+@array_embedding_sparse_backward.register_fake
+def _(grad_out, indices, num_weights, padding_idx):
+    return torch.empty(
+        (grad_out.shape[0], num_weights, grad_out.shape[-1]),
+        dtype=grad_out.dtype, device=grad_out.device, layout=torch.sparse_coo,
+    )
+
+
+@torch.library.custom_op("hfkern::array_embedding_renorm_", mutates_args=("weight",))
+def array_embedding_renorm_(weight: Tensor, indices: Tensor, max_norm: float, norm_type: float) -> None:
+    fn = _backend.resolve(_RENORM, weight.device)
+    fn(weight, indices, max_norm, norm_type)
+
+
+@array_embedding_renorm_.register_fake
+def _(weight, indices, max_norm, norm_type):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    weight, indices, padding_idx, scale_grad_by_freq, sparse = inputs
+    ctx.save_for_backward(indices)
+    ctx.num_weights = weight.shape[1]
+    ctx.padding_idx = padding_idx
+    ctx.scale_grad_by_freq = scale_grad_by_freq
+    ctx.sparse = sparse
+
+
+def _backward(ctx, grad_out):
+    (indices,) = ctx.saved_tensors
+    grad_w = None
+    if ctx.needs_input_grad[0]:
+        if ctx.sparse:
+            if ctx.scale_grad_by_freq:
+                # torch.nn.Embedding refuses this combination at the same point.
+                raise RuntimeError(
+                    "array_embedding backward: scale_grad_by_freq is not supported with sparse "
+                    "gradients (sparse=True); use sparse=False or scale_grad_by_freq=False"
+                )
+            grad_w = array_embedding_sparse_backward(grad_out, indices, ctx.num_weights, ctx.padding_idx)
+        else:
+            grad_w = array_embedding_backward(
+                grad_out, indices, ctx.num_weights, ctx.padding_idx, ctx.scale_grad_by_freq
+            )
+    return grad_w, None, None, None, None
+
+
+array_embedding.register_autograd(_backward, setup_context=_setup_context)
+
+_backend.register(_FWD, "torch", embedding_torch.array_embedding)
+_backend.register(_BWD, "torch", embedding_torch.array_embedding_backward)
+_backend.register(_SPARSE_BWD, "torch", embedding_torch.array_embedding_sparse_backward)
+_backend.register(_RENORM, "torch", embedding_torch.array_embedding_renorm_)
