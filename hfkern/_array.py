@@ -15,6 +15,8 @@ import torch
 
 __all__ = ["broadcast", "is_shared"]
 
+MAX_NDIM = 64  # torch's own limit on tensor rank
+
 
 def broadcast(x: torch.Tensor, B: int) -> torch.Tensor:
     """Share one input among the B models of an array, without a copy.
@@ -55,13 +57,16 @@ def check_input(
     """Check an array input ``[B, *model_shape]`` before any kernel sees it.
 
     ``model_ndims`` lists the per-model ranks the torch namesake accepts (for
-    Conv2d: 3 or 4). With ``param`` given, dtype and device must match it
+    Conv2d: ``(3, 4)``; for "any rank from k up": ``range(k, MAX_NDIM)``). With ``param`` given, dtype and device must match it
     (dtype is not checked under autocast, where torch mixes them on purpose).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{module}: expected {name} to be a torch.Tensor, got {type(x).__name__}")
     if x.dim() - 1 not in model_ndims:
-        shapes = " or ".join(f"{d + 1}-D" for d in model_ndims)
+        if isinstance(model_ndims, range) and model_ndims.stop >= MAX_NDIM:
+            shapes = f"at least {model_ndims.start + 1}-D"
+        else:
+            shapes = " or ".join(f"{d + 1}-D" for d in model_ndims)
         raise ValueError(
             f"{module}: expected {name} of {shapes} shape [B, ...] (array dim first), "
             f"got {x.dim()}-D shape {list(x.shape)}"

@@ -5,13 +5,31 @@ plain ``torch.nn`` modules on array tensors.
 """
 
 from ._base import ArrayModule
+from .activation import PReLU
+from .attention import MultiheadAttention
 from .conv import Conv1d, Conv2d, ConvTranspose1d, ConvTranspose2d
+from .dropout import Dropout, Dropout1d, Dropout2d
 from .embedding import Embedding
+from .flatten import Flatten
 from .linear import Linear
+from .transformer import TransformerEncoderLayer
+from .pooling import (
+    AdaptiveAvgPool1d,
+    AdaptiveAvgPool2d,
+    AvgPool1d,
+    AvgPool2d,
+    MaxPool1d,
+    MaxPool2d,
+)
 
 __all__ = [
     "ArrayModule",
     "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d",
     "Linear",
     "Embedding",
+    "Dropout", "Dropout1d", "Dropout2d",
+    "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
+    "Flatten",
+    "PReLU",
+    "MultiheadAttention", "TransformerEncoderLayer",
 ]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._array import check_input, is_shared
+from .._array import MAX_NDIM, check_input, is_shared
 from ._base import ArrayModule
 from .conv import reset_kaiming_uniform
 
@@ -43,7 +43,7 @@ class Linear(ArrayModule):
         reset_kaiming_uniform(self.weight, self.bias)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        x = check_input("Linear", input, self.B, range(1, 64), self.weight)
+        x = check_input("Linear", input, self.B, range(1, MAX_NDIM), self.weight)
         if x.size(-1) != self.in_features:
             raise ValueError(
                 f"Linear: expected input with in_features={self.in_features} in its last dim, "

@@ -1,0 +1,62 @@
+"""Array activations with parameters: PReLU.
+
+Parameter-free activations (ReLU, GELU, ...) need no array version: the plain
+``torch.nn`` modules work element-wise on array tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import init
+
+from .._array import MAX_NDIM, check_channels, check_input
+from ._base import ArrayModule, stack_init
+
+__all__ = ["PReLU"]
+
+
+class PReLU(ArrayModule):
+    """B ``torch.nn.PReLU`` models: input ``[B, *s]``, output ``[B, *s]``.
+
+    ``weight`` is ``[B, num_parameters]``, model b's slopes in row b. As in
+    torch, one model's input ``s`` has its channel dim at dim 1 (array dim 2):
+    with ``num_parameters > 1`` it must have at least 2 dims and
+    ``s[1] == num_parameters``; with ``num_parameters == 1`` the slope applies
+    to every element of any input (0-d per-model inputs included). The output
+    has the input's memory order; a shared input gives a ``[B, *s]`` tensor.
+    """
+
+    _torch_cls = nn.PReLU
+    _config_fields = ("num_parameters", "init")
+
+    def __init__(self, num_parameters: int = 1, init: float = 0.25, *, B: int,
+                 device=None, dtype=None):
+        super().__init__()
+        nn.PReLU(num_parameters, init, device="meta")  # torch's argument checks
+        self._set_B(B, required=True)
+        self.num_parameters, self.init = num_parameters, init
+        self.weight = nn.Parameter(torch.empty((self.B, num_parameters), device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        stack_init([self.weight], lambda w: init.constant_(w, self.init))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = check_input("PReLU", input, self.B, range(0, MAX_NDIM), self.weight)
+        B, P, r = self.weight.size(0), self.num_parameters, x.dim() - 1
+        if P == 1:
+            w = self.weight.view(B, *([1] * r))
+        else:
+            if r < 2:
+                raise ValueError(
+                    f"PReLU: num_parameters={P} needs one model's input to have a channel dim "
+                    f"(dim 1, at least 2 dims: array input [B, N, C, ...]), got {r}-D per-model "
+                    f"inputs (array input shape {list(x.shape)})"
+                )
+            check_channels("PReLU", x, 2, P)
+            w = self.weight.view(B, 1, P, *([1] * (r - 2)))
+        # torch.prelu reshapes its weight to broadcast over the input and calls
+        # this kernel; a [B, ...] weight broadcasts the same way per model, and
+        # autograd sums the weight gradient back to [B, P].
+        return torch._prelu_kernel(x, w)
