@@ -4,6 +4,7 @@ Element-wise activations (ReLU, GELU, Tanh, ...) need no array version: use the
 plain ``torch.nn`` modules on array tensors.
 """
 
+from . import functional
 from ._base import ArrayModule
 from .activation import PReLU
 from .attention import MultiheadAttention
@@ -24,6 +25,7 @@ from .pooling import (
 
 __all__ = [
     "ArrayModule",
+    "functional",
     "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d",
     "Linear",
     "Embedding",

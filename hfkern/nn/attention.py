@@ -1,0 +1,360 @@
+"""Array multi-head attention: B ``torch.nn.MultiheadAttention`` models.
+
+The in-projections are batched matmuls over the array (one dense matmul for a
+shared input), the attention runs over a merged batch of (model, sample, head)
+triples: ``F.scaled_dot_product_attention`` when the weights are not returned,
+an explicit softmax when they are, as torch does.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn import init
+
+from .._array import check_input, is_shared
+from ._base import ArrayModule, stack_init
+from .linear import Linear
+
+__all__ = ["MultiheadAttention"]
+
+
+def _array_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x ``[B, *, in]`` (maybe shared), w ``[B, out, in]``, b ``[B, out]`` -> ``[B, *, out]``."""
+    B, out, inp = w.shape
+    if is_shared(x):
+        # One dense matmul against the B weights stacked; the result is a view
+        # of [*, B, out] memory.
+        bias = None if b is None else b.reshape(B * out)
+        y = F.linear(x[0], w.reshape(B * out, inp), bias)
+        return y.unflatten(-1, (B, out)).movedim(-2, 0)
+    x3 = x.reshape(B, -1, inp)
+    wt = w.transpose(1, 2)
+    y = torch.bmm(x3, wt) if b is None else torch.baddbmm(b.unsqueeze(1), x3, wt)
+    return y.view(*x.shape[:-1], out)
+
+
+def _float_mask(module: str, mask: torch.Tensor | None, name: str, query: torch.Tensor) -> torch.Tensor | None:
+    """torch's canonical mask: bool (True = masked) becomes an additive -inf float mask."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{module}: expected {name} to be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.device != query.device:
+        raise ValueError(f"{module}: {name} is on {mask.device} but query is on {query.device}")
+    if mask.dtype == torch.bool:
+        return torch.zeros_like(mask, dtype=query.dtype).masked_fill_(mask, float("-inf"))
+    if not mask.is_floating_point():
+        raise TypeError(f"{module}: expected {name} of dtype torch.bool or {query.dtype}, got {mask.dtype}")
+    if mask.dtype != query.dtype:
+        raise TypeError(
+            f"{module}: expected a float {name} of the query's dtype {query.dtype}, got {mask.dtype}"
+        )
+    return mask
+
+
+class MultiheadAttention(ArrayModule):
+    """B ``torch.nn.MultiheadAttention`` models.
+
+    Parameters (torch's names, each stacked on a leading B): ``in_proj_weight``
+    ``[B, 3E, E]`` (or ``q_proj_weight`` ``[B, E, E]``, ``k_proj_weight``
+    ``[B, E, kdim]``, ``v_proj_weight`` ``[B, E, vdim]`` when ``kdim`` or ``vdim``
+    differs from ``E``), ``in_proj_bias`` ``[B, 3E]``, ``bias_k``/``bias_v``
+    ``[B, 1, 1, E]`` and ``out_proj`` (an :class:`hfkern.nn.Linear`).
+
+    Inputs (each of query, key, value may be shared via :func:`hfkern.broadcast`
+    or per model): ``[B, L, N, E]`` (``[B, N, L, E]`` with ``batch_first``) or
+    unbatched ``[B, L, E]``; key and value likewise with source length S and
+    feature sizes ``kdim``/``vdim``.
+
+    Masks (bool: True = not allowed to attend; float: added to the scores):
+
+    - ``key_padding_mask``: shared as torch's ``[N, S]`` (unbatched ``[S]``) or
+      per model ``[B, N, S]`` (unbatched ``[B, S]``).
+    - ``attn_mask``: shared as torch's ``[L, S]`` or ``[N*num_heads, L, S]``
+      (unbatched ``[num_heads, L, S]``), or per model as the 4-D
+      ``[B, 1, L, S]`` or ``[B, N*num_heads, L, S]`` (unbatched N = 1). The rank
+      decides: a 3-D mask is always torch's shared form, even when
+      ``B == N*num_heads``.
+
+    Outputs: ``attn_output`` with the query's shape, and ``attn_weights``
+    ``[B, N, L, S]`` averaged over heads or ``[B, N, num_heads, L, S]``
+    (unbatched: without N), or None when ``need_weights=False``.
+    """
+
+    _torch_cls = nn.MultiheadAttention
+
+    def __init__(
+        self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+        add_zero_attn=False, kdim=None, vdim=None, batch_first=False, *, B,
+        device=None, dtype=None,
+    ):
+        super().__init__()
+        template = nn.MultiheadAttention(  # torch's argument checks
+            embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
+            batch_first, device="meta",
+        )
+        self._set_B(B, required=True)
+        for field in ("embed_dim", "kdim", "vdim", "_qkv_same_embed_dim", "num_heads",
+                      "dropout", "batch_first", "head_dim", "add_zero_attn"):
+            setattr(self, field, getattr(template, field))
+        E = embed_dim
+        factory = {"device": device, "dtype": dtype}
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty((self.B, 3 * E, E), **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty((self.B, E, E), **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty((self.B, E, self.kdim), **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty((self.B, E, self.vdim), **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty((self.B, 3 * E), **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = Linear(E, E, bias=bias, B=self.B, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty((self.B, 1, 1, E), **factory))
+            self.bias_v = nn.Parameter(torch.empty((self.B, 1, 1, E), **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        """torch's ``_reset_parameters``, drawn independently for each model."""
+        if self._qkv_same_embed_dim:
+            stack_init([self.in_proj_weight], init.xavier_uniform_)
+        else:
+            stack_init([self.q_proj_weight, self.k_proj_weight, self.v_proj_weight],
+                       lambda q, k, v: [init.xavier_uniform_(t) for t in (q, k, v)])
+        if self.in_proj_bias is not None:
+            with torch.no_grad():
+                self.in_proj_bias.zero_()
+                self.out_proj.bias.zero_()
+        if self.bias_k is not None:
+            stack_init([self.bias_k, self.bias_v],
+                       lambda k, v: [init.xavier_normal_(t) for t in (k, v)])
+
+    @classmethod
+    def _config_of(cls, module: nn.Module) -> dict:
+        # torch keeps "bias" and "add_bias_kv" only as the presence of parameters.
+        return {
+            "embed_dim": module.embed_dim,
+            "num_heads": module.num_heads,
+            "dropout": module.dropout,
+            "bias": module.in_proj_bias is not None,
+            "add_bias_kv": module.bias_k is not None,
+            "add_zero_attn": module.add_zero_attn,
+            "kdim": module.kdim,
+            "vdim": module.vdim,
+            "batch_first": module.batch_first,
+        }
+
+    # ---- input checks ---------------------------------------------------
+    def _check_inputs(self, query, key, value) -> bool:
+        name = "MultiheadAttention"
+        w = self.in_proj_weight if self.in_proj_weight is not None else self.q_proj_weight
+        check_input(name, query, self.B, (2, 3), w, "query")
+        batched = query.dim() == 4
+        for t, tname in ((key, "key"), (value, "value")):
+            check_input(name, t, self.B, (query.dim() - 1,), w, tname)
+        for t, tname, dim in ((query, "query", self.embed_dim), (key, "key", self.kdim),
+                              (value, "value", self.vdim)):
+            if t.size(-1) != dim:
+                raise ValueError(
+                    f"{name}: expected {tname} with {dim} features in its last dim, "
+                    f"got shape {list(t.shape)}"
+                )
+        if key.shape[1:-1] != value.shape[1:-1]:
+            raise ValueError(
+                f"{name}: key and value must agree in all but the feature dim, "
+                f"got key {list(key.shape)} and value {list(value.shape)}"
+            )
+        if batched:
+            n_dim = 1 if self.batch_first else 2
+            if key.size(n_dim) != query.size(n_dim):
+                layout = "[B, N, L, E]" if self.batch_first else "[B, L, N, E]"
+                raise ValueError(
+                    f"{name}: query and key must have the same batch size N (layout {layout}), "
+                    f"got query {list(query.shape)} and key {list(key.shape)}"
+                )
+        return batched
+
+    def _check_masks(self, kpm, attn_mask, N, L, S, batched):
+        name = "MultiheadAttention"
+        B, H = self.B, self.num_heads
+        if kpm is not None:
+            shared = [N, S] if batched else [S]
+            if list(kpm.shape) == shared:
+                kpm = kpm.unsqueeze(0)
+            elif list(kpm.shape) != [B] + shared:
+                raise ValueError(
+                    f"{name}: expected key_padding_mask of shape {shared} (shared) or "
+                    f"{[B] + shared} (per model), got {list(kpm.shape)}"
+                )
+            kpm = kpm.reshape(kpm.size(0), N, 1, 1, S)  # [1 or B, N, 1, 1, S]
+        if attn_mask is not None:
+            shape = list(attn_mask.shape)
+            if shape == [L, S]:
+                attn_mask = attn_mask.view(1, 1, 1, L, S)
+            elif shape == [N * H, L, S]:
+                attn_mask = attn_mask.view(1, N, H, L, S)
+            elif shape == [B, 1, L, S]:
+                attn_mask = attn_mask.view(B, 1, 1, L, S)
+            elif shape == [B, N * H, L, S]:
+                attn_mask = attn_mask.view(B, N, H, L, S)
+            else:
+                raise ValueError(
+                    f"{name}: expected attn_mask of shape {[L, S]} or {[N * H, L, S]} (shared), "
+                    f"or {[B, 1, L, S]} or {[B, N * H, L, S]} (per model), got {shape}"
+                )
+        return kpm, attn_mask
+
+    # ---- forward --------------------------------------------------------
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of each model over its own (or the shared) inputs.
+
+        Shapes as in the class docstring. ``is_causal`` is torch's hint that
+        ``attn_mask`` is causal: it requires ``attn_mask`` and, as in torch, is
+        used in place of it only when there is no ``key_padding_mask`` and the
+        weights are not needed.
+        """
+        name = "MultiheadAttention"
+        batched = self._check_inputs(query, key, value)
+        B, H, D, E = self.B, self.num_heads, self.head_dim, self.embed_dim
+        if not batched:
+            L, S, N = query.size(1), key.size(1), 1
+        elif self.batch_first:
+            N, L, S = query.size(1), query.size(2), key.size(2)
+        else:
+            L, N, S = query.size(1), query.size(2), key.size(1)
+
+        if (isinstance(key_padding_mask, torch.Tensor) and isinstance(attn_mask, torch.Tensor)
+                and key_padding_mask.dtype != attn_mask.dtype):
+            warnings.warn(
+                "Support for mismatched key_padding_mask and attn_mask is deprecated. "
+                "Use same type for both instead.",
+                stacklevel=2,
+            )
+        kpm = _float_mask(name, key_padding_mask, "key_padding_mask", query)
+        mask = _float_mask(name, attn_mask, "attn_mask", query)
+        kpm, mask = self._check_masks(kpm, mask, N, L, S, batched)
+        if is_causal and mask is None:
+            raise RuntimeError(
+                "MultiheadAttention: need attn_mask if specifying the is_causal hint "
+                "(torch.nn.Transformer.generate_square_subsequent_mask makes one)"
+            )
+        if is_causal and kpm is None and not need_weights:
+            mask = None  # scaled_dot_product_attention applies the causal mask itself
+        elif kpm is not None:
+            is_causal = False  # the merged mask is no longer causal
+
+        q, k, v = self._in_projection(query, key, value)
+        q, k, v = (self._split_heads(t, batched) for t in (q, k, v))  # [B, N, H, len, D]
+
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.view(B, 1, H, 1, D).expand(B, N, H, 1, D)], dim=3)
+            v = torch.cat([v, self.bias_v.view(B, 1, H, 1, D).expand(B, N, H, 1, D)], dim=3)
+            mask = None if mask is None else F.pad(mask, (0, 1))
+            kpm = None if kpm is None else F.pad(kpm, (0, 1))
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(B, N, H, 1, D)], dim=3)
+            v = torch.cat([v, v.new_zeros(B, N, H, 1, D)], dim=3)
+            mask = None if mask is None else F.pad(mask, (0, 1))
+            kpm = None if kpm is None else F.pad(kpm, (0, 1))
+        if kpm is not None:
+            mask = kpm if mask is None else mask + kpm
+
+        # Merge (model, sample, head) into SDPA's two batch dims, choosing the
+        # pair that q's memory order merges without a copy.
+        merge_nh = N == 1 or H == 1 or q.stride(1) == H * q.stride(2)
+        q4, k4, v4 = (self._merge(t, merge_nh) for t in (q, k, v))
+        mask4 = None if mask is None else self._merge_mask(mask, merge_nh, N)
+        dropout_p = self.dropout if self.training else 0.0
+
+        if need_weights:
+            scores = torch.matmul(q4 * math.sqrt(1.0 / D), k4.transpose(-2, -1))
+            if mask4 is not None:
+                scores = scores + mask4
+            weights = torch.softmax(scores, dim=-1)
+            if dropout_p > 0.0:
+                weights = F.dropout(weights, p=dropout_p)
+            out = torch.matmul(weights, v4)
+        else:
+            out = F.scaled_dot_product_attention(q4, k4, v4, mask4, dropout_p, is_causal)
+
+        out = out.view(B, N, H, L, D)
+        if not batched:
+            out = out[:, 0].transpose(1, 2).reshape(B, L, E)
+        elif self.batch_first:
+            out = out.transpose(2, 3).reshape(B, N, L, E)
+        else:
+            out = out.permute(0, 3, 1, 2, 4).reshape(B, L, N, E)
+        out = self.out_proj(out)
+        if not need_weights:
+            return out, None
+        weights = weights.view(B, N, H, L, weights.size(-1))
+        if average_attn_weights:
+            weights = weights.mean(dim=2)
+        return out, (weights if batched else weights[:, 0])
+
+    def _in_projection(self, query, key, value):
+        """Per-model projections ``[B, *, E]``; self-attention projects once."""
+        E, b = self.embed_dim, self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else (b[:, :E], b[:, E:2 * E], b[:, 2 * E:])
+        if not self._qkv_same_embed_dim:
+            return (_array_linear(query, self.q_proj_weight, bq),
+                    _array_linear(key, self.k_proj_weight, bk),
+                    _array_linear(value, self.v_proj_weight, bv))
+        w = self.in_proj_weight
+        if query is key and key is value:
+            qkv = _array_linear(query, w, b).unflatten(-1, (3, E))
+            return qkv.select(-2, 0), qkv.select(-2, 1), qkv.select(-2, 2)
+        q = _array_linear(query, w[:, :E], bq)
+        if key is value:
+            kv = _array_linear(key, w[:, E:], None if b is None else b[:, E:]).unflatten(-1, (2, E))
+            return q, kv.select(-2, 0), kv.select(-2, 1)
+        return q, _array_linear(key, w[:, E:2 * E], bk), _array_linear(value, w[:, 2 * E:], bv)
+
+    def _split_heads(self, t: torch.Tensor, batched: bool) -> torch.Tensor:
+        """``[B, *, E]`` in the input layout -> a ``[B, N, H, len, D]`` view."""
+        t = t.unflatten(-1, (self.num_heads, self.head_dim))
+        if not batched:
+            t = t.unsqueeze(1)
+        elif not self.batch_first:
+            t = t.transpose(1, 2)
+        return t.transpose(2, 3)
+
+    def _merge(self, t: torch.Tensor, merge_nh: bool) -> torch.Tensor:
+        B, N, H = t.shape[:3]
+        if merge_nh:
+            return t.reshape(B, N * H, *t.shape[3:])
+        return t.reshape(B * N, H, *t.shape[3:])
+
+    def _merge_mask(self, m: torch.Tensor, merge_nh: bool, N: int) -> torch.Tensor:
+        """A broadcastable ``[1|B, 1|N, 1|H, 1|L, S]`` mask in ``_merge``'s batch dims."""
+        b, n, h, l, s = m.shape
+        B, H = self.B, self.num_heads
+        if merge_nh:
+            if n == 1 and h == 1:
+                return m.reshape(b, 1, l, s)
+            return m.expand(b, N, H, l, s).reshape(b, N * H, l, s)
+        if b == 1 and n == 1:
+            return m.reshape(1, h, l, s)
+        return m.expand(B, N, h, l, s).reshape(B * N, h, l, s)
