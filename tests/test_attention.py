@@ -359,8 +359,8 @@ def test_mha_dropout_sdpa_semantics():
 
 def test_mha_self_attention_projects_once(monkeypatch):
     calls = []
-    real = attention_mod._array_linear
-    monkeypatch.setattr(attention_mod, "_array_linear", lambda *a: calls.append(1) or real(*a))
+    real = attention_mod.array_linear
+    monkeypatch.setattr(attention_mod, "array_linear", lambda *a: calls.append(1) or real(*a))
     array = MultiheadAttention(12, 3, B=2)
     x, y, z = (torch.randn(2, L, N, 12) for _ in range(3))
     for args, n in (((x, x, x), 1), ((x, y, y), 2), ((x, y, z), 3)):

@@ -16,26 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import init
 
-from .._array import check_input, is_shared
+from .._array import check_input
 from ._base import ArrayModule, stack_init
-from .linear import Linear
+from .linear import Linear, array_linear
 
 __all__ = ["MultiheadAttention"]
-
-
-def _array_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x ``[B, *, in]`` (maybe shared), w ``[B, out, in]``, b ``[B, out]`` -> ``[B, *, out]``."""
-    B, out, inp = w.shape
-    if is_shared(x):
-        # One dense matmul against the B weights stacked; the result is a view
-        # of [*, B, out] memory.
-        bias = None if b is None else b.reshape(B * out)
-        y = F.linear(x[0], w.reshape(B * out, inp), bias)
-        return y.unflatten(-1, (B, out)).movedim(-2, 0)
-    x3 = x.reshape(B, -1, inp)
-    wt = w.transpose(1, 2)
-    y = torch.bmm(x3, wt) if b is None else torch.baddbmm(b.unsqueeze(1), x3, wt)
-    return y.view(*x.shape[:-1], out)
 
 
 def _float_mask(module: str, mask: torch.Tensor | None, name: str, query: torch.Tensor) -> torch.Tensor | None:
@@ -319,18 +304,18 @@ class MultiheadAttention(ArrayModule):
         E, b = self.embed_dim, self.in_proj_bias
         bq, bk, bv = (None, None, None) if b is None else (b[:, :E], b[:, E:2 * E], b[:, 2 * E:])
         if not self._qkv_same_embed_dim:
-            return (_array_linear(query, self.q_proj_weight, bq),
-                    _array_linear(key, self.k_proj_weight, bk),
-                    _array_linear(value, self.v_proj_weight, bv))
+            return (array_linear(query, self.q_proj_weight, bq),
+                    array_linear(key, self.k_proj_weight, bk),
+                    array_linear(value, self.v_proj_weight, bv))
         w = self.in_proj_weight
         if query is key and key is value:
-            qkv = _array_linear(query, w, b).unflatten(-1, (3, E))
+            qkv = array_linear(query, w, b).unflatten(-1, (3, E))
             return qkv.select(-2, 0), qkv.select(-2, 1), qkv.select(-2, 2)
-        q = _array_linear(query, w[:, :E], bq)
+        q = array_linear(query, w[:, :E], bq)
         if key is value:
-            kv = _array_linear(key, w[:, E:], None if b is None else b[:, E:]).unflatten(-1, (2, E))
+            kv = array_linear(key, w[:, E:], None if b is None else b[:, E:]).unflatten(-1, (2, E))
             return q, kv.select(-2, 0), kv.select(-2, 1)
-        return q, _array_linear(key, w[:, E:2 * E], bk), _array_linear(value, w[:, 2 * E:], bv)
+        return q, array_linear(key, w[:, E:2 * E], bk), array_linear(value, w[:, 2 * E:], bv)
 
     def _split_heads(self, t: torch.Tensor, batched: bool) -> torch.Tensor:
         """``[B, *, E]`` in the input layout -> a ``[B, N, H, len, D]`` view."""

@@ -10,7 +10,25 @@ from .._array import MAX_NDIM, check_input, is_shared
 from ._base import ArrayModule
 from .conv import reset_kaiming_uniform
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "array_linear"]
+
+
+def array_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x ``[B, *, in]`` (per model or shared), weight ``[B, out, in]``, bias ``[B, out]`` -> ``[B, *, out]``.
+
+    Per-model inputs are one batched matmul. A shared input
+    (:func:`hfkern.broadcast`) is one dense matmul against the B weights
+    concatenated; its result is a view of ``[*, B, out]`` memory.
+    """
+    B, out, inp = weight.shape
+    if is_shared(x):
+        dense_bias = None if bias is None else bias.reshape(B * out)
+        y = F.linear(x[0], weight.reshape(B * out, inp), dense_bias)
+        return y.unflatten(-1, (B, out)).movedim(-2, 0)
+    x3 = x.reshape(B, -1, inp)
+    wt = weight.transpose(1, 2)
+    y = torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
+    return y.view(*x.shape[:-1], out)
 
 
 class Linear(ArrayModule):
@@ -49,12 +67,4 @@ class Linear(ArrayModule):
                 f"Linear: expected input with in_features={self.in_features} in its last dim, "
                 f"got shape {list(x.shape)}"
             )
-        B, out = self.B, self.out_features
-        if is_shared(x):
-            bias = None if self.bias is None else self.bias.reshape(-1)
-            y = F.linear(x[0], self.weight.reshape(B * out, self.in_features), bias)
-            return y.unflatten(-1, (B, out)).movedim(-2, 0)
-        x3 = x.reshape(B, -1, self.in_features)
-        w = self.weight.transpose(1, 2)
-        y = torch.bmm(x3, w) if self.bias is None else torch.baddbmm(self.bias.unsqueeze(1), x3, w)
-        return y.view(*x.shape[:-1], out)
+        return array_linear(x, self.weight, self.bias)
