@@ -13,6 +13,7 @@ from .dropout import Dropout, Dropout1d, Dropout2d
 from .embedding import Embedding
 from .flatten import Flatten
 from .linear import Linear
+from .normalization import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
 from .transformer import TransformerEncoderLayer
 from .pooling import (
     AdaptiveAvgPool1d,
@@ -29,6 +30,7 @@ __all__ = [
     "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d",
     "Linear",
     "Embedding",
+    "LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d",
     "Dropout", "Dropout1d", "Dropout2d",
     "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
     "Flatten",

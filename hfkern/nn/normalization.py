@@ -1,0 +1,392 @@
+"""Array normalization layers: LayerNorm, RMSNorm, GroupNorm, BatchNorm1d, BatchNorm2d.
+
+LayerNorm and RMSNorm run the ``hfkern::array_layer_norm`` / ``array_rms_norm``
+ops, which read any input strides and write the output in the input's memory
+order. GroupNorm and BatchNorm run torch's own kernels on the grouped view
+``[N, B*C, *]`` with the per-model parameters and buffers viewed as ``[B*C]``;
+that view is free for the ``[N, B, C, *]`` memory an array conv produces. For
+``[B, N, C, *]`` memory (a Linear output, or a user's stacked tensor) they
+compute over the per-model dims directly instead of copying the activation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn import init
+
+from .._array import check_channels, check_input, is_shared, per_model_memory_first
+from ..ops.layer_norm import array_layer_norm, array_rms_norm
+from ._base import ArrayModule
+
+__all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d"]
+
+
+def _check_trailing(
+    module: str, input: object, B: int | None, shape: tuple[int, ...], param: Tensor | None
+) -> Tensor:
+    """Check an input ``[B, *, *shape]``: at least one per-model dim per normalized dim."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"{module}: expected input to be a torch.Tensor, got {type(input).__name__}")
+    n = len(shape)
+    if input.dim() < n + 1 or tuple(input.shape[input.dim() - n:]) != shape:
+        raise ValueError(
+            f"{module}: expected input of shape [B, *, {', '.join(map(str, shape))}] "
+            f"(array dim first, normalized_shape={list(shape)} last), got shape {list(input.shape)}"
+        )
+    return check_input(module, input, B, (input.dim() - 1,), param)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class LayerNorm(ArrayModule):
+    """B ``torch.nn.LayerNorm`` models.
+
+    Input ``[B, *, *normalized_shape]`` (any strides), output of the same shape
+    in the input's memory order; weight and bias ``[B, *normalized_shape]``.
+    ``B`` is required when ``elementwise_affine`` (the models have parameters).
+    """
+
+    _torch_cls = nn.LayerNorm
+    _config_fields = ("normalized_shape", "eps", "elementwise_affine", "bias")
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, *, B: int | None = None, device=None, dtype=None):
+        super().__init__()
+        template = nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias, device="meta")
+        self._set_B(B, required=elementwise_affine)
+        self.normalized_shape = template.normalized_shape
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty((self.B, *self.normalized_shape), **factory))
+            if bias:
+                self.bias = nn.Parameter(torch.empty((self.B, *self.normalized_shape), **factory))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        x = _check_trailing("LayerNorm", input, self.B, self.normalized_shape, self.weight)
+        n = len(self.normalized_shape)
+        if is_shared(x) and self.weight is None and self.bias is None:
+            # Without parameters the B models compute the same thing: once.
+            return array_layer_norm(x[:1], None, None, n, self.eps)[0].expand(x.shape)
+        return array_layer_norm(x, self.weight, self.bias, n, self.eps)[0]
+
+
+class RMSNorm(ArrayModule):
+    """B ``torch.nn.RMSNorm`` models.
+
+    Input ``[B, *, *normalized_shape]`` (any strides), output of the same shape
+    in the input's memory order; weight ``[B, *normalized_shape]``. ``eps=None``
+    uses ``torch.finfo(input.dtype).eps``, as torch does. ``B`` is required when
+    ``elementwise_affine``.
+    """
+
+    _torch_cls = nn.RMSNorm
+    _config_fields = ("normalized_shape", "eps", "elementwise_affine")
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
+                 *, B: int | None = None, device=None, dtype=None):
+        super().__init__()
+        template = nn.RMSNorm(normalized_shape, eps, elementwise_affine, device="meta")
+        self._set_B(B, required=elementwise_affine)
+        self.normalized_shape = template.normalized_shape
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(
+                torch.empty((self.B, *self.normalized_shape), device=device, dtype=dtype)
+            )
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            init.ones_(self.weight)
+
+    def forward(self, input: Tensor) -> Tensor:
+        x = _check_trailing("RMSNorm", input, self.B, self.normalized_shape, self.weight)
+        n = len(self.normalized_shape)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        if is_shared(x) and self.weight is None:
+            return array_rms_norm(x[:1], None, n, eps)[0].expand(x.shape)
+        return array_rms_norm(x, self.weight, n, eps)[0]
+
+
+class GroupNorm(ArrayModule):
+    """B ``torch.nn.GroupNorm`` models.
+
+    Input ``[B, N, C, *]`` (torch's ``(N, C, *)`` per model), output of the same
+    shape; weight and bias ``[B, C]``. ``[N, B, C, *]`` memory (an array conv's
+    output) runs one ``group_norm`` with ``B * num_groups`` groups on the free
+    view ``[N, B*C, *]`` and keeps that memory order; other layouts run it on
+    ``[1, B*N*C, *]`` with the weight expanded over N (a copy of ``B*N*C``
+    values, not of the activation). ``B`` is required when ``affine``.
+
+    Like torch, which reads every input as ``(N, C, *)`` and has no unbatched
+    form, a per-model input must have at least 2 dims.
+    """
+
+    _torch_cls = nn.GroupNorm
+    _config_fields = ("num_groups", "num_channels", "eps", "affine", "bias")
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 *, bias: bool = True, B: int | None = None, device=None, dtype=None):
+        super().__init__()
+        nn.GroupNorm(num_groups, num_channels, eps, affine, bias=bias, device="meta")
+        self._set_B(B, required=affine)
+        self.num_groups, self.num_channels = num_groups, num_channels
+        self.eps, self.affine = eps, affine
+        factory = {"device": device, "dtype": dtype}
+        if affine:
+            self.weight = nn.Parameter(torch.empty((self.B, num_channels), **factory))
+            if bias:
+                self.bias = nn.Parameter(torch.empty((self.B, num_channels), **factory))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Tensor) and input.dim() < 3:
+            raise ValueError(
+                "GroupNorm: expected input of shape [B, N, C, *] (at least 3-D: torch reads "
+                f"every per-model input as (N, C, *)), got {input.dim()}-D shape {list(input.shape)}"
+            )
+        x = check_input("GroupNorm", input, self.B, (getattr(input, "ndim", 0) - 1,), self.weight)
+        check_channels("GroupNorm", x, 2, self.num_channels)
+        B, N, C = x.shape[:3]
+        rest = tuple(x.shape[3:])
+        G = self.num_groups
+        # torch's own guard (F.group_norm -> _verify_batch_size), on one model's input.
+        if N * (C // G) * math.prod(rest) == 1:
+            raise ValueError(
+                "GroupNorm: expected more than 1 value per channel when training, got per-model "
+                f"input shape {list(x.shape[1:])}"
+            )
+        w, b = self.weight, self.bias
+        cudnn = torch.backends.cudnn.enabled
+        if is_shared(x):
+            # One normalization serves every model; only the affine differs.
+            xhat = torch.group_norm(x[0], G, None, None, self.eps, cudnn)
+            if w is None and b is None:
+                return xhat.expand(x.shape)
+            shape = (1, B, C) + (1,) * len(rest)  # [N, B, C, *]: the memory a conv expects
+            y = xhat.unsqueeze(1)
+            y = y * w.view(shape) if w is not None else y
+            y = y + b.view(shape) if b is not None else y
+            return y.transpose(0, 1)
+        if per_model_memory_first(x):
+            xg = x.transpose(0, 1).reshape(N, B * C, *rest)
+            y = torch.group_norm(
+                xg, B * G, None if w is None else w.reshape(-1),
+                None if b is None else b.reshape(-1), self.eps, cudnn,
+            )
+            return y.view(N, B, C, *rest).transpose(0, 1)
+        # Each (model, sample) pair is its own set of G groups of a [1, B*N*C, *]
+        # input, so the activation is only viewed; the per-channel affine is
+        # expanded over the samples instead.
+        def per_sample(p: Tensor | None) -> Tensor | None:
+            return None if p is None else p.unsqueeze(1).expand(B, N, C).reshape(-1)
+
+        y = torch.group_norm(
+            x.reshape(1, B * N * C, *rest), B * N * G, per_sample(w), per_sample(b), self.eps, cudnn
+        )
+        return y.view(x.shape)
+
+
+class _BatchNorm(ArrayModule):
+    _model_ndims: tuple[int, ...]
+    _config_fields = ("num_features", "eps", "momentum", "affine", "track_running_stats", "bias")
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, *, bias: bool = True,
+                 B: int | None = None, device=None, dtype=None):
+        super().__init__()
+        self._torch_cls(num_features, eps, momentum, affine, track_running_stats,
+                        bias=bias, device="meta")
+        self._set_B(B, required=affine or track_running_stats)
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        factory = {"device": device, "dtype": dtype}
+        C = num_features
+        if affine:
+            self.weight = nn.Parameter(torch.empty((self.B, C), **factory))
+            if bias:
+                self.bias = nn.Parameter(torch.empty((self.B, C), **factory))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros((self.B, C), **factory))
+            self.register_buffer("running_var", torch.ones((self.B, C), **factory))
+            self.register_buffer(
+                "num_batches_tracked", torch.zeros(self.B, dtype=torch.long, device=device)
+            )
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        name = type(self).__name__
+        param = self.weight if self.weight is not None else self.running_mean
+        x = check_input(name, input, self.B, self._model_ndims, param)
+        check_channels(name, x, 2, self.num_features)
+        # As torch: batch statistics in training, and in eval when nothing is tracked.
+        use_batch_stats = self.training or self.running_mean is None
+        update = self.training and self.track_running_stats
+        if use_batch_stats:
+            n = x.size(1) * math.prod(x.shape[3:])
+            if n == 1:  # torch's F.batch_norm -> _verify_batch_size, per model
+                raise ValueError(
+                    f"{name}: expected more than 1 value per channel when training, got "
+                    f"per-model input shape {list(x.shape[1:])}"
+                )
+            if self.eps <= 0.0:
+                raise ValueError(f"{name}: batch_norm eps must be positive during training, got {self.eps}")
+        elif self.eps < 0.0:
+            raise ValueError(f"{name}: batch_norm eps must be non-negative, got {self.eps}")
+        factor: float | Tensor | None = None
+        if update:
+            self.num_batches_tracked.add_(1)
+            # momentum=None is a cumulative average: 1/count per model (the B
+            # counts may differ after from_modules).
+            if self.momentum is None:
+                factor = 1.0 / self.num_batches_tracked.to(torch.float64).unsqueeze(1)
+            else:
+                factor = float(self.momentum)
+        if per_model_memory_first(x) and not is_shared(x):
+            return self._grouped(x, use_batch_stats, update, factor)
+        return self._direct(x, use_batch_stats, update, factor)
+
+    def _update_running(self, mean: Tensor, var_unbiased: Tensor, factor: float | Tensor) -> None:
+        """running <- factor * batch + (1 - factor) * running, per model, in float64 as torch's CPU kernel."""
+        with torch.no_grad():
+            for buf, new in ((self.running_mean, mean), (self.running_var, var_unbiased)):
+                buf.copy_(factor * new.to(torch.float64) + (1 - factor) * buf.to(torch.float64))
+
+    def _grouped(self, x: Tensor, use_batch_stats: bool, update: bool, factor) -> Tensor:
+        """[N, B, C, *] memory: torch's batch_norm on the free view [N, B*C, *]."""
+        B, N, C = x.shape[:3]
+        rest = tuple(x.shape[3:])
+        xg = x.transpose(0, 1).reshape(N, B * C, *rest)
+        w = None if self.weight is None else self.weight.reshape(-1)
+        b = None if self.bias is None else self.bias.reshape(-1)
+        running = (None, None)
+        momentum = 0.0
+        if update and isinstance(factor, float):
+            # [B*C] views of the [B, C] buffers: torch updates them in place.
+            running, momentum = (self.running_mean.view(-1), self.running_var.view(-1)), factor
+        elif update:
+            # Per-model factors: let torch write the batch mean and unbiased
+            # variance (momentum 1 into zeros) and blend them here.
+            zeros = lambda: torch.zeros(B * C, device=x.device, dtype=self.running_mean.dtype)  # noqa: E731
+            running, momentum = (zeros(), zeros()), 1.0
+        elif not use_batch_stats:
+            running = (self.running_mean.view(-1), self.running_var.view(-1))
+        y = torch.batch_norm(
+            xg, w, b, running[0], running[1], use_batch_stats, momentum, self.eps,
+            torch.backends.cudnn.enabled,
+        )
+        if update and not isinstance(factor, float):
+            self._update_running(running[0].view(B, C), running[1].view(B, C), factor)
+        return y.view(N, B, C, *rest).transpose(0, 1)
+
+    def _direct(self, x: Tensor, use_batch_stats: bool, update: bool, factor) -> Tensor:
+        """Any other layout: reduce over the per-model dims (N, *) of x in place, no copy."""
+        B, C = x.shape[0], x.shape[2]
+        acc = _acc_dtype(x.dtype)
+        stat_shape = (-1, 1, C) + (1,) * (x.dim() - 3)
+        if use_batch_stats:
+            # A shared input is the same batch for every model: its statistics once.
+            src = x[:1] if is_shared(x) else x
+            xf = src.to(acc)
+            dims = [1] + list(range(3, x.dim()))
+            var, mean = torch.var_mean(xf, dim=dims, correction=0, keepdim=True)
+            invstd = torch.rsqrt(var + self.eps)
+            if update:
+                n = x.size(1) * math.prod(x.shape[3:])
+                self._update_running(
+                    mean.detach().reshape(-1, C), var.detach().reshape(-1, C) * (n / (n - 1)), factor
+                )
+        else:
+            xf = x.to(acc)
+            mean = self.running_mean.to(acc).view(stat_shape)
+            invstd = torch.rsqrt(self.running_var.to(acc) + self.eps).view(stat_shape)
+        scale = invstd if self.weight is None else invstd * self.weight.to(acc).view(stat_shape)
+        centered = xf - mean
+        if self.bias is None:
+            y = centered * scale
+        else:
+            y = torch.addcmul(self.bias.to(acc).view(stat_shape), centered, scale)
+        # a shared input's batch statistics without per-model parameters: one
+        # result, the same for every model
+        return y.to(x.dtype).expand(x.shape)
+
+
+class BatchNorm1d(_BatchNorm):
+    """B ``torch.nn.BatchNorm1d`` models: input ``[B, N, C]`` or ``[B, N, C, L]``.
+
+    Parameters and ``running_mean``/``running_var`` are ``[B, C]``,
+    ``num_batches_tracked`` is ``[B]``; every model's statistics and running
+    averages are its own, exactly as B torch modules would keep them. ``B`` is
+    required when ``affine`` or ``track_running_stats``.
+    """
+
+    _torch_cls = nn.BatchNorm1d
+    _model_ndims = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    """B ``torch.nn.BatchNorm2d`` models: input ``[B, N, C, H, W]``.
+
+    Parameters and ``running_mean``/``running_var`` are ``[B, C]``,
+    ``num_batches_tracked`` is ``[B]``. ``[N, B, C, H, W]`` memory (an array
+    conv's output) is normalized on the free view ``[N, B*C, H, W]`` and keeps
+    that memory order. ``B`` is required when ``affine`` or ``track_running_stats``.
+    """
+
+    _torch_cls = nn.BatchNorm2d
+    _model_ndims = (4,)
