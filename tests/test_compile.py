@@ -1,0 +1,75 @@
+"""torch.compile(fullgraph=True) traces hfkern models without graph breaks."""
+
+import pytest
+import torch
+from torch import nn
+
+import hfkern
+import hfkern.nn as hnn
+import hfkern.nn.functional as HF
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _check_compiled(model, make_inputs, loss_fn, backend):
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    for _ in range(2):  # the second call must hit the compiled graph, not retrace badly
+        inputs = make_inputs()
+        model.zero_grad()
+        ref_loss = loss_fn(model(*inputs))
+        ref_loss.sum().backward()
+        ref = _grads(model)
+        model.zero_grad()
+        loss = loss_fn(compiled(*inputs))
+        loss.sum().backward()
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-4)
+        for g, r in zip(_grads(model), ref):
+            torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["inductor"])
+def test_compile_cnn(backend):
+    torch._dynamo.reset()
+    B = 3
+    model = nn.Sequential(
+        hnn.Conv2d(1, 4, 3, padding=1, B=B), hnn.BatchNorm2d(4, B=B), nn.ReLU(), hnn.MaxPool2d(2),
+        hnn.Conv2d(4, 4, 3, groups=2, B=B), hnn.GroupNorm(2, 4, B=B), nn.GELU(),
+        hnn.AdaptiveAvgPool2d(2), hnn.Flatten(), hnn.Dropout(0.0), hnn.Linear(16, 5, B=B),
+    ).eval()  # eval: batch-norm running stats are read, not written, so both runs agree
+    target = torch.randint(0, 5, (6,))
+    _check_compiled(
+        model,
+        lambda: (hfkern.broadcast(torch.randn(6, 1, 8, 8), B),),
+        lambda out: HF.cross_entropy(out, target),
+        backend,
+    )
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, B, vocab=11, d=8):
+        super().__init__()
+        self.emb = hnn.Embedding(vocab, d, padding_idx=0, B=B)
+        self.layer = hnn.TransformerEncoderLayer(d, 2, dim_feedforward=16, dropout=0.0,
+                                                 batch_first=True, B=B)
+        self.norm = hnn.RMSNorm(d, B=B)
+        self.head = hnn.Linear(d, vocab, B=B)
+
+    def forward(self, tokens, mask):
+        return self.head(self.norm(self.layer(self.emb(tokens), src_mask=mask)))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"])
+def test_compile_transformer(backend):
+    torch._dynamo.reset()
+    B, vocab, T = 3, 11, 5
+    model = _TinyLM(B, vocab)
+    mask = nn.Transformer.generate_square_subsequent_mask(T)
+    tokens = torch.randint(0, vocab, (4, T))
+    _check_compiled(
+        model,
+        lambda: (hfkern.broadcast(tokens, B), mask),
+        lambda out: HF.cross_entropy(out.flatten(1, 2), tokens.flatten()),
+        backend,
+    )
