@@ -29,12 +29,8 @@ from torch import nn
 from tqdm import tqdm
 
 import hfkern
-from hfkern.nn.conv import Conv2d
-from hfkern.nn.flatten import Flatten
+from hfkern.nn import BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d
 from hfkern.nn.functional import cross_entropy
-from hfkern.nn.linear import Linear
-from hfkern.nn.normalization import BatchNorm2d
-from hfkern.nn.pooling import MaxPool2d
 from hfkern.optim import SGD
 
 MOMENTUM = 0.9
