@@ -17,6 +17,9 @@ digits 0-9), so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import platform
 import time
 
 import torch
@@ -48,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed for initialization and data order")
+    p.add_argument("--save", metavar="PATH", default=None,
+                   help="also write the measurements (with device, versions and date) as JSON to PATH")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK_EPOCHS} epochs of {QUICK_STEPS_PER_EPOCH} steps")
     args = p.parse_args(argv)
@@ -231,6 +236,29 @@ def main(argv=None) -> None:
     speed.add_row(f"torch, {B} models one by one", f"{seq_s:.3f}", f"{samples / seq_s:,.0f}")
     console.print(speed)
     console.print(f"speedup of the fused array: {seq_s / array_s:.2f}x on {device_name(device)}")
+    if args.save:
+        record = {
+            "benchmark": "examples/digits_sweep.py",
+            "date": datetime.date.today().isoformat(),
+            "device": device_name(device),
+            "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "hfkern": hfkern.__version__,
+            "backend": hfkern.get_backend(),
+            "models": B, "epochs": args.epochs, "batch_size": args.batch_size,
+            "steps_per_epoch": len(plan[0]), "timed_epochs": args.epochs - 1,
+            "fused_seconds": array_s, "serial_seconds": seq_s,
+            "fused_samples_per_s": samples / array_s, "serial_samples_per_s": samples / seq_s,
+            "speedup": seq_s / array_s,
+            "per_model": [
+                {"lr": lrs[b], "train_loss": array_loss[b], "test_acc": array_acc[b],
+                 "test_acc_torch": seq_acc[b]}
+                for b in range(B)
+            ],
+        }
+        with open(args.save, "w") as f:
+            json.dump(record, f, indent=1)
+        console.print(f"measurements written to {args.save}")
 
 
 if __name__ == "__main__":

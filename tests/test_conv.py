@@ -16,6 +16,16 @@ CASES = [
     (hnn.ConvTranspose2d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2,
                                output_padding=1, groups=2), (5, 4, 7, 6)),
     (hnn.ConvTranspose1d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, dilation=2), (4, 7)),
+    (hnn.Conv2d, dict(in_channels=2, out_channels=3, kernel_size=(2, 3), padding=(1, 2),
+                      padding_mode="replicate", stride=(2, 1)), (3, 2, 6, 7)),
+    (hnn.Conv2d, dict(in_channels=6, out_channels=6, kernel_size=3, padding="valid", groups=6), (2, 6, 5, 5)),
+    (hnn.Conv1d, dict(in_channels=4, out_channels=2, kernel_size=4, padding="same", dilation=3,
+                      groups=2, bias=False), (3, 4, 11)),
+    (hnn.Conv1d, dict(in_channels=3, out_channels=3, kernel_size=2, padding=1, padding_mode="reflect"), (3, 5)),
+    (hnn.ConvTranspose2d, dict(in_channels=3, out_channels=4, kernel_size=(2, 3), stride=(1, 2),
+                               padding=(1, 1), dilation=(2, 1), bias=False), (2, 3, 5, 4)),
+    (hnn.ConvTranspose1d, dict(in_channels=4, out_channels=4, kernel_size=3, stride=3, padding=1,
+                               output_padding=2, groups=4), (2, 4, 5)),
 ]
 
 
@@ -140,3 +150,14 @@ def test_opcheck_array_conv_grads():
     gy = torch.randn_like(y)
     torch.library.opcheck(array_conv_input_grad, (gy, w.detach(), list(x.shape), *conv))
     torch.library.opcheck(array_conv_weight_grad, (gy, x.detach(), w.detach(), *conv))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, dict(atol=1e-10, rtol=1e-10)),
+                                       (torch.bfloat16, dict(atol=2e-2, rtol=2e-2))])
+def test_conv_dtypes(dtype, tol):
+    modules = [nn.Conv2d(3, 4, 3, padding=1, dtype=dtype) for _ in range(3)]
+    array = hnn.Conv2d.from_modules(modules)
+    assert array.weight.dtype == dtype
+    x = torch.randn(3, 2, 3, 6, 5, dtype=dtype)
+    expected = torch.stack([m(x[b]) for b, m in enumerate(modules)])
+    torch.testing.assert_close(array(x), expected, **tol)
