@@ -11,3 +11,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

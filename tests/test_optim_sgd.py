@@ -243,7 +243,7 @@ def test_load_state_dict_restores_momentum():
     torch.testing.assert_close(other.state[p]["momentum_buffer"], expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_step_does_not_synchronize():
     B = 4
     params = [torch.nn.Parameter(torch.randn(B, *s, device="cuda")) for s in SHAPES]

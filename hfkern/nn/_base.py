@@ -19,12 +19,9 @@ __all__ = ["ArrayModule"]
 
 
 def _read_field(module: nn.Module, field: str) -> Any:
-    # torch modules say "bias=False" by registering bias as None.
-    if field == "bias" and not isinstance(getattr(module, "bias", None), (bool, type(None))):
-        return True
-    if field == "bias" and getattr(module, "bias", None) is None:
-        return False
     value = getattr(module, field)
+    if field == "bias" and not isinstance(value, bool):
+        return value is not None  # torch says bias=False by registering bias as None
     return tuple(value) if isinstance(value, list) else value
 
 
