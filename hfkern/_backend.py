@@ -23,6 +23,7 @@ The initial selection comes from the environment variable ``HFKERN_BACKEND``
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -39,11 +40,19 @@ AUTO_PREFERENCE = ("cuda", "triton", "torch")
 _CHOICES = ("auto",) + BACKENDS
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Impl:
-    fn: Callable
+    fn: Callable | str  # the implementation, or "module:attr" imported on first use
     device_types: tuple[str, ...]
     auto: bool
+
+    def load(self) -> Callable:
+        # Kernel modules (triton, the compiled extension) are imported only when an
+        # op first runs on them, so importing hfkern never pays for them.
+        if isinstance(self.fn, str):
+            module, attr = self.fn.split(":")
+            self.fn = getattr(importlib.import_module(module), attr)
+        return self.fn
 
 
 # op name -> backend -> implementation
@@ -54,6 +63,8 @@ _availability: dict[str, Callable[[], tuple[bool, str]]] = {}
 # threads, which must see the same selection as the forward.
 _selected: str | None = None
 _logged_auto: set[tuple[str, str]] = set()
+# (op, device type, requested backend) -> implementation; cleared by register()
+_resolved: dict[tuple[str, str, str], Callable] = {}
 
 
 def _torch_available() -> tuple[bool, str]:
@@ -90,13 +101,14 @@ _availability.update(torch=_torch_available, triton=_triton_available, cuda=_cud
 def register(
     op: str,
     backend: str,
-    fn: Callable,
+    fn: Callable | str,
     *,
     device_types: tuple[str, ...] | None = None,
     auto: bool = True,
 ) -> None:
     """Register ``fn`` as ``backend``'s implementation of ``op``.
 
+    ``fn`` may be a ``"package.module:function"`` string, imported on first use.
     ``device_types`` lists the device types the implementation serves (None: all).
     ``auto=False`` keeps ``auto`` from ever choosing it (for example a backend
     whose numerics differ from the torch path).
@@ -104,6 +116,7 @@ def register(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _registry.setdefault(op, {})[backend] = _Impl(fn, tuple(device_types or ()), auto)
+    _resolved.clear()
 
 
 def _env_choice() -> str:
@@ -187,12 +200,21 @@ def _choose(op: str, device_type: str) -> tuple[str, str]:
 
 
 def resolve(op: str, device: torch.device) -> Callable:
-    """The implementation of ``op`` that serves tensors on ``device`` now."""
-    backend, reason = _choose(op, device.type)
-    if get_backend() == "auto" and (op, device.type) not in _logged_auto:
-        _logged_auto.add((op, device.type))
-        logger.debug("hfkern::%s on %s -> %s backend (%s)", op, device.type, backend, reason)
-    return _registry[op][backend].fn
+    """The implementation of ``op`` that serves tensors on ``device`` now.
+
+    Decided once per (op, device type, requested backend) and cached: the
+    per-call cost is one dict lookup.
+    """
+    requested = get_backend()
+    key = (op, device.type, requested)
+    fn = _resolved.get(key)
+    if fn is None:
+        backend, reason = _choose(op, device.type)
+        if requested == "auto" and (op, device.type) not in _logged_auto:
+            _logged_auto.add((op, device.type))
+            logger.debug("hfkern::%s on %s -> %s backend (%s)", op, device.type, backend, reason)
+        fn = _resolved[key] = _registry[op][backend].load()
+    return fn
 
 
 def backend_info() -> dict:

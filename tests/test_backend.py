@@ -12,8 +12,10 @@ from hfkern import _backend
 @pytest.fixture(autouse=True)
 def _restore_backend():
     previous = _backend._selected
+    _backend._resolved.clear()
     yield
     _backend._selected = previous
+    _backend._resolved.clear()
 
 
 def test_default_is_auto_and_torch_serves_cpu():
@@ -78,6 +80,7 @@ def test_auto_skips_backends_not_marked_auto(monkeypatch):
 
 def test_auto_logs_choice_once(caplog):
     _backend._logged_auto.clear()
+    _backend._resolved.clear()
     _backend._selected = "auto"
     with caplog.at_level(logging.DEBUG, logger="hfkern"):
         for _ in range(3):
@@ -110,3 +113,12 @@ def test_broadcast_is_zero_copy_view():
         hfkern.broadcast(x, 0)
     with pytest.raises(TypeError, match="expected a torch.Tensor"):
         hfkern.broadcast([1.0], 2)
+
+
+def test_lazy_registration_imports_on_first_use():
+    _backend.register("test_only_op", "torch", "math:sqrt")
+    try:
+        _backend._selected = "torch"
+        assert _backend.resolve("test_only_op", torch.device("cpu"))(16.0) == 4.0
+    finally:
+        del _backend._registry["test_only_op"]
