@@ -5,7 +5,8 @@
 #   make install   create or reuse .venv; install torch (only if none is importable)
 #                  and hfkern in editable mode with its demo and test extras
 #   make demo      the fused 16-model hyper-parameter sweep (examples/digits_sweep.py)
-#   make test      the test suite (Triton kernels run in the interpreter on CPU)
+#   make test      the test suite (without a GPU, Triton kernels run in Triton's
+#                  interpreter on CPU tensors; tests/conftest.py chooses)
 #   make clean     remove .venv and build/test leftovers
 #
 # DEMO_ARGS passes options to the demo, e.g. make demo DEMO_ARGS="--quick".
@@ -42,7 +43,6 @@ demo: install
 	$(VPY) examples/digits_sweep.py $(DEMO_ARGS)
 
 # pytest's exit status is make's: 5 (no tests collected) fails the target too.
-test: export TRITON_INTERPRET = 1
 test: install
 	$(VPY) -m pytest -q tests
 

@@ -17,6 +17,6 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "demo": ["scikit-learn", "tqdm", "rich"],
-        "test": ["pytest", "scikit-learn", "tqdm", "rich"],
+        "test": ["pytest", "scikit-learn", "tqdm", "rich", "triton>=3.0"],
     },
 )

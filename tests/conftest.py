@@ -6,6 +6,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It
+# must be chosen before triton is first imported (hfkern imports it lazily).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -14,9 +23,10 @@ def _seed():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_interp = pytest.mark.skip(reason="runs in Triton's interpreter (TRITON_INTERPRET=1)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and not triton_interpreting():
+            item.add_marker(skip_interp)

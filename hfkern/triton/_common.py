@@ -1,0 +1,51 @@
+"""What every Triton launcher shares: interpreter detection and autotuned launches."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+import triton
+from torch.library import wrap_triton
+
+
+def interpreting() -> bool:
+    """True when kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def tl_dtype_ok(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+class Tuned:
+    """A ``@triton.jit`` kernel launched with autotuning, or with one fixed
+    config in the interpreter (which cannot time configs).
+
+    ``Tuned(kernel, configs, key)[grid](*args, **kwargs)`` launches like an
+    autotuned kernel. Launches go through ``torch.library.wrap_triton`` so a
+    launcher called inside a ``torch.library.triton_op`` stays traceable by
+    ``torch.compile``.
+    """
+
+    def __init__(
+        self,
+        kernel: Any,
+        configs: Sequence[triton.Config],
+        key: Sequence[str],
+        *,
+        interpret_config: triton.Config | None = None,
+        **autotune_kwargs: Any,
+    ):
+        self.kernel = kernel
+        self.configs = list(configs)
+        self.tuned = triton.autotune(configs=self.configs, key=list(key), **autotune_kwargs)(kernel)
+        self.interpret_config = interpret_config or self.configs[0]
+
+    def __getitem__(self, grid: Callable | tuple) -> Callable:
+        if interpreting():
+            launch = wrap_triton(self.kernel)[grid]
+            meta = dict(self.interpret_config.kwargs)
+            return lambda *args, **kwargs: launch(*args, **kwargs, **meta)
+        return wrap_triton(self.tuned)[grid]
