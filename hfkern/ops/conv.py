@@ -145,3 +145,12 @@ array_conv.register_autograd(_backward, setup_context=_setup_context)
 _backend.register(_FWD, "torch", conv_torch.array_conv)
 _backend.register(_DGRAD, "torch", conv_torch.array_conv_input_grad)
 _backend.register(_WGRAD, "torch", conv_torch.array_conv_weight_grad)
+
+
+# The Triton implementations are torch.library triton ops defined in
+# hfkern/ops/conv_triton.py, imported on first use (defining a triton op imports
+# triton and parts of inductor, which plain "import hfkern" should not pay for).
+# auto=False: auto picks them only once a GPU benchmark shows them faster.
+for _op in (_FWD, _DGRAD, _WGRAD):
+    _backend.register(_op, "triton", f"hfkern.ops.conv_triton:{_op}_triton",
+                      device_types=("cuda",), auto=False)

@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 
 
@@ -47,5 +48,14 @@ class Tuned:
         if interpreting():
             launch = wrap_triton(self.kernel)[grid]
             meta = dict(self.interpret_config.kwargs)
-            return lambda *args, **kwargs: launch(*args, **kwargs, **meta)
+
+            def run(*args, **kwargs):
+                # Under the interpreter wrap_triton hands back the raw kernel, which
+                # would run on FakeTensors (opcheck, torch.compile tracing); a
+                # traced launch has no effect on the shapes, so skip it there.
+                if any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+                    return None
+                return launch(*args, **kwargs, **meta)
+
+            return run
         return wrap_triton(self.tuned)[grid]

@@ -1,0 +1,316 @@
+"""Triton kernels for the array embedding: the gather forward and the dense backward.
+
+Shapes (as in :mod:`hfkern.ops.embedding_torch`, whose functions these launchers
+mirror argument for argument)::
+
+    weight    [B, V, D]  any strides
+    indices   [B, *]     int32 or int64, any strides (stride 0 on dim 0: shared)
+    out       [B, *, D]  contiguous
+    grad_out  [B, *, D]  any strides
+    grad_w    [B, V, D]  contiguous
+
+Both kernels address the ``*`` dims of indices and grad_out through their
+strides, collapsed to at most two dims ``[M, L]`` (a contiguous ``[B, N, L]``
+becomes ``[B, N*L]``; the ``[N, B, L]`` memory an array layer produces stays
+``[B, N, L]``), so strided inputs are read in place. Only a layout whose ``*``
+dims cannot be collapsed to two is copied first.
+
+The backward is deterministic without atomics: each model's indices are
+sorted once (stably, by torch), ``searchsorted`` turns the sorted keys into one
+segment ``[start, end)`` per table row, and each program owns a block of rows of
+one group of models and sums every row's segment in sorted order, one grad row
+after another. Every element of a row is therefore the same sequential sum
+whatever the tile shape, unroll or warp count the autotuner picks, so results
+are bitwise reproducible across runs and processes. Every row of the gradient is
+written exactly once (zero where no index hits it and on the padding row), so
+the output needs no zero fill.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import Tuned, tl_dtype_ok
+
+__all__ = ["array_embedding", "array_embedding_backward"]
+
+_INT32_MAX = torch.iinfo(torch.int32).max
+# Widest D slice one program holds; wider rows are split over grid dim 1, which
+# also gives small-vocabulary, wide-row problems enough programs.
+_MAX_BLOCK_D = 256
+# Grad rows a backward program loads before adding them; a row's segment is a
+# chain of dependent adds, and issuing several loads first hides their latency.
+# Results do not depend on it (masked loads add +0.0, which leaves any fp32 sum
+# unchanged since the running sum starts at +0.0 and can never become -0.0).
+_UNROLL = 4
+
+
+# ---- kernels ------------------------------------------------------------------
+
+
+@triton.jit
+def _array_embedding_fwd_kernel(
+    weight_ptr,  # [B, V, D]
+    idx_ptr,  # [B, M, L] indices, * dims collapsed to (M, L); stride 0 on B when shared
+    out_ptr,  # [B, n, D] contiguous, n = M * L
+    B,
+    n,
+    L,
+    D,
+    s_wb,
+    s_wv,
+    s_wd,
+    s_ib,
+    s_im,
+    s_il,
+    n_key,  # autotune key only: next power of two of n
+    SHARED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE: tl.constexpr,
+    MODELS: tl.constexpr,
+):
+    # A tile of TILE elements: BLOCK_N positions x BLOCK_D features, for MODELS models.
+    BLOCK_N: tl.constexpr = (TILE + BLOCK_D - 1) // BLOCK_D
+    pid_n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    p = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_p = p < n
+    mask_d = d < D
+    i_off = (p // L) * s_im + (p % L) * s_il
+    if SHARED:
+        # One index tensor for all models: load it once, gather from MODELS tables.
+        rows = tl.load(idx_ptr + i_off, mask=mask_p, other=0).to(tl.int64) * s_wv
+    for i in tl.static_range(MODELS):
+        b = pid_b * MODELS + i
+        b64 = b.to(tl.int64)
+        # The last group may run past B: its extra models see no positions.
+        mask_pb = p < tl.where(b < B, n, 0)
+        if not SHARED:
+            rows = tl.load(idx_ptr + b64 * s_ib + i_off, mask=mask_pb, other=0).to(tl.int64) * s_wv
+        mask = mask_pb[:, None] & mask_d[None, :]
+        vals = tl.load(weight_ptr + b64 * s_wb + rows[:, None] + (d * s_wd)[None, :], mask=mask)
+        tl.store(out_ptr + (b64 * n + p)[:, None] * D + d[None, :], vals, mask=mask)
+
+
+@triton.jit
+def _array_embedding_bwd_kernel(
+    grad_ptr,  # [B, M, L, D] grad_out, * dims collapsed to (M, L)
+    perm_ptr,  # [B * n] (or [n] when shared) position of each sorted index within its model
+    bounds_ptr,  # [B * V + 1] (or [V + 1] when shared) sorted-order start of each row's segment
+    out_ptr,  # [B, V, D] contiguous
+    B,
+    V,
+    L,
+    D,
+    padding_idx,
+    s_gb,
+    s_gm,
+    s_gl,
+    s_gd,
+    s_bb,  # bounds stride per model: V, or 0 when the indices are shared
+    n_key,  # autotune key only: next power of two of n
+    SCALE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UNROLL: tl.constexpr,
+    TILE: tl.constexpr,
+    MODELS: tl.constexpr,
+):
+    BLOCK_V: tl.constexpr = (TILE + BLOCK_D - 1) // BLOCK_D
+    pid_v = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = d < D
+    for i in tl.static_range(MODELS):
+        b = pid_b * MODELS + i
+        b64 = b.to(tl.int64)
+        # The last group may run past B: its extra models see no rows.
+        mask_vb = v < tl.where(b < B, V, 0)
+        seg = bounds_ptr + b64 * s_bb + v
+        start = tl.load(seg, mask=mask_vb, other=0)
+        end = tl.load(seg + 1, mask=mask_vb, other=0)
+        # The padding row gets no gradient: an empty segment.
+        cnt = tl.where(v == padding_idx, 0, end - start)
+        g_base = grad_ptr + b64 * s_gb + (d * s_gd)[None, :]
+        acc = tl.zeros([BLOCK_V, BLOCK_D], dtype=tl.float32)
+        longest = tl.max(cnt, axis=0)
+        for k in range(0, longest, UNROLL):
+            for u in tl.static_range(UNROLL):
+                hit = (k + u) < cnt
+                pos = tl.load(perm_ptr + start + k + u, mask=hit, other=0)
+                g = tl.load(
+                    g_base + ((pos // L) * s_gm + (pos % L) * s_gl)[:, None],
+                    mask=hit[:, None] & mask_d[None, :],
+                    other=0.0,
+                )
+                acc += g.to(tl.float32)
+        if SCALE:
+            acc = acc / tl.maximum(cnt, 1).to(tl.float32)[:, None]
+        mask = mask_vb[:, None] & mask_d[None, :]
+        tl.store(
+            out_ptr + (b64 * V + v)[:, None] * D + d[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+
+# Aimed at H100/H200 (also valid on Ampere): TILE is elements per model per
+# program; MODELS > 1 lets one program reuse a shared index block across tables.
+_CONFIGS = [
+    triton.Config({"TILE": tile, "MODELS": models}, num_warps=warps)
+    for tile in (2048, 8192)
+    for models in (1, 4)
+    for warps in (4, 8)
+]
+# Small tiles so interpreter tests cover several programs per dim, and a model
+# group of 2 so B = 3 has a partly filled group.
+_INTERPRET = triton.Config({"TILE": 64, "MODELS": 2}, num_warps=1)
+
+_fwd = Tuned(
+    _array_embedding_fwd_kernel, _CONFIGS, key=["B", "D", "n_key", "SHARED"], interpret_config=_INTERPRET
+)
+_bwd = Tuned(
+    _array_embedding_bwd_kernel, _CONFIGS, key=["B", "V", "D", "n_key", "SCALE"], interpret_config=_INTERPRET
+)
+
+
+# ---- launchers ----------------------------------------------------------------
+
+
+def _collapse(sizes, strides) -> list[tuple[int, int]] | None:
+    """Merge the dims of a strided view where memory allows; [(size, stride)] of at
+    most two dims, outermost first, or None if more than two remain."""
+    dims: list[tuple[int, int]] = []
+    for size, stride in zip(sizes, strides):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == stride * size:
+            dims[-1] = (dims[-1][0] * size, stride)
+        else:
+            dims.append((size, stride))
+    if len(dims) > 2:
+        return None
+    return [(1, 0)] * (2 - len(dims)) + dims
+
+
+def _index_dims(t: torch.Tensor, n: int, trailing: int) -> tuple[torch.Tensor, int, int, int]:
+    """``t`` ``[B, *, ...]`` (``trailing`` dims after ``*``) -> (t or a copy, L, stride M, stride L)."""
+    end = t.dim() - trailing
+    dims = _collapse(t.shape[1:end], t.stride()[1:end])
+    if dims is None:
+        # More than two uncollapsible dims: rare enough that one copy is acceptable.
+        t = t.reshape(t.shape[0], n, *t.shape[end:])
+        dims = [(1, 0), (n, t.stride(1))]
+    (_, s_m), (size_l, s_l) = dims
+    return t, size_l, s_m, s_l
+
+
+def _check_dtype(name: str, t: torch.Tensor) -> None:
+    if not tl_dtype_ok(t):
+        raise TypeError(
+            f"the Triton array embedding needs {name} of dtype float32, float16 or bfloat16, got {t.dtype}"
+        )
+
+
+def array_embedding(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    padding_idx: int = -1,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> torch.Tensor:
+    """``out[b, ...] = weight[b, indices[b, ...]]``.
+
+    weight ``[B, V, D]``, indices ``[B, *]`` int32/int64 -> contiguous ``[B, *, D]``.
+    The last three arguments only shape the backward and are ignored here.
+    """
+    _check_dtype("weight", weight)
+    B, V, D = weight.shape
+    out = torch.empty((*indices.shape, D), dtype=weight.dtype, device=weight.device)
+    n = math.prod(indices.shape[1:])
+    if out.numel() == 0:
+        return out
+    idx, L, s_im, s_il = _index_dims(indices, n, 0)
+    shared = idx.stride(0) == 0 or B == 1
+    block_d = min(triton.next_power_of_2(D), _MAX_BLOCK_D)
+
+    def grid(meta):
+        block_n = triton.cdiv(meta["TILE"], block_d)
+        return (triton.cdiv(n, block_n), triton.cdiv(D, block_d), triton.cdiv(B, meta["MODELS"]))
+
+    _fwd[grid](
+        weight, idx, out,
+        B, n, L, D,
+        *weight.stride(),
+        idx.stride(0), s_im, s_il,
+        triton.next_power_of_2(n),
+        SHARED=shared,
+        BLOCK_D=block_d,
+    )
+    return out
+
+
+def array_embedding_backward(
+    grad_out: torch.Tensor,
+    indices: torch.Tensor,
+    num_weights: int,
+    padding_idx: int,
+    scale_grad_by_freq: bool,
+) -> torch.Tensor:
+    """Dense weight gradient ``[B, num_weights, D]`` (contiguous), deterministic.
+
+    grad_out ``[B, *, D]``, indices ``[B, *]``. Row ``padding_idx`` (``-1``: none)
+    gets zero; with ``scale_grad_by_freq`` each row's sum is divided by the number
+    of times that model's indices hit it.
+    """
+    _check_dtype("grad_out", grad_out)
+    B, D = grad_out.shape[0], grad_out.shape[-1]
+    V = num_weights
+    grad_w = torch.empty((B, V, D), dtype=grad_out.dtype, device=grad_out.device)
+    if grad_w.numel() == 0:
+        return grad_w
+    n = indices[0].numel()
+    grad, L, s_gm, s_gl = _index_dims(grad_out, n, 1)
+
+    shared = indices.stride(0) == 0 or B == 1
+    models = 1 if shared else B
+    key_dtype = torch.int64 if (indices.dtype == torch.int64 or models * V + 1 > _INT32_MAX) else torch.int32
+    if shared:
+        # One sort serves all B models.
+        keys = indices[0].reshape(1, n).to(key_dtype)
+    else:
+        # Model b's rows are b*V + index, so the per-model sorted rows, read
+        # flat, are sorted over all models and one searchsorted finds every
+        # model's segments.
+        offsets = torch.arange(0, B * V, V, dtype=key_dtype, device=indices.device).view(B, 1)
+        keys = torch.empty((B, n), dtype=key_dtype, device=indices.device)
+        torch.add(indices.reshape(B, n), offsets, out=keys)
+    # Stable: equal indices keep their input order, which fixes the summation order.
+    sorted_keys, perm = torch.sort(keys, dim=1, stable=True)
+    rows = torch.arange(models * V + 1, dtype=key_dtype, device=indices.device)
+    bounds = torch.searchsorted(sorted_keys.reshape(-1), rows)
+
+    block_d = min(triton.next_power_of_2(D), _MAX_BLOCK_D)
+
+    def grid(meta):
+        block_v = triton.cdiv(meta["TILE"], block_d)
+        return (triton.cdiv(V, block_v), triton.cdiv(D, block_d), triton.cdiv(B, meta["MODELS"]))
+
+    _bwd[grid](
+        grad, perm.reshape(-1), bounds, grad_w,
+        B, V, L, D, padding_idx,
+        grad.stride(0), s_gm, s_gl, grad.stride(-1),
+        0 if shared else V,
+        triton.next_power_of_2(n),
+        SCALE=bool(scale_grad_by_freq),
+        BLOCK_D=block_d,
+        UNROLL=_UNROLL,
+    )
+    return grad_w
