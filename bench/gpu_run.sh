@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# One GPU session in one command, run from the repository root of a checkout on
+# a CUDA machine with torch and Triton installed (nothing is downloaded):
+#
+#     bash bench/gpu_run.sh
+#
+# Stages (each one's exit status is recorded; a failing stage never stops the next):
+#   1. environment  Python, torch, CUDA, cuDNN and Triton versions, the device,
+#                   nvidia-smi, and which hfkern backend serves each op
+#   2. gpu tests    python -m pytest -m gpu tests (Triton compiles for the device;
+#                   TRITON_INTERPRET is unset), capped in time
+#   3. ceilings     the device's copy bandwidth and matmul rates (bench/bandwidth.py)
+#   4. benchmark    bench/bench_kernels.py once per op (layer norm, embedding, conv),
+#                   each in its own process with a time budget, so that a kernel
+#                   that breaks the CUDA context loses only its own op's rows
+#   5. report       the parts merged into one CSV + JSON; the summary printed last
+#
+# Results go to $OUT (default bench/results/gpu_run), flat, at most 8 files:
+#   gpu_run.log  everything printed;  gpu_tests.log  the pytest output;
+#   stages.txt   each stage's exit status and seconds;
+#   kernels_<device>_<date>.csv / .json  the benchmark rows (bench/README.md).
+#
+# Settings (environment variables):
+#   HFKERN_RUN_SECONDS   wall-clock target for the whole script (default 530)
+#   HFKERN_TEST_SECONDS  cap on the GPU tests (default 180)
+#   BENCH_ARGS           extra options for bench_kernels.py, e.g. "--quick" or "--dtypes bf16"
+#   PYTHON               the interpreter (default python3)
+#
+# hfkern is used in place through PYTHONPATH (no pip install, so no dependency
+# is touched).
+
+set -u
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/bench/results/gpu_run}
+RUN_SECONDS=${HFKERN_RUN_SECONDS:-530}
+TEST_SECONDS=${HFKERN_TEST_SECONDS:-180}
+BENCH_ARGS=${BENCH_ARGS:-}
+PY=${PYTHON:-python3}
+START=$(date +%s)
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+
+mkdir -p "$OUT" || exit 1
+WORK=$(mktemp -d) || exit 1
+STAGES=$OUT/stages.txt
+FAILED=0
+
+left() { echo $((START + RUN_SECONDS - $(date +%s))); }
+
+min() { if (($1 < $2)); then echo "$1"; else echo "$2"; fi; }
+
+max() { if (($1 > $2)); then echo "$1"; else echo "$2"; fi; }
+
+# run_stage NAME COMMAND...: run, print and record its exit status and duration.
+run_stage() {
+    local name=$1 t0 rc
+    shift
+    t0=$(date +%s)
+    echo
+    echo "=== $name ($(left) s of the run left) ==="
+    "$@"
+    rc=$?
+    printf '%-20s rc=%-4s %5s s\n' "$name" "$rc" "$(($(date +%s) - t0))" >>"$STAGES"
+    ((rc == 0)) || FAILED=1
+    return 0
+}
+
+environment() {
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "host: $(uname -srm)"
+    echo "git: $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo 'not a git checkout')"
+    "$PY" - <<'EOF'
+import importlib.metadata, json, platform
+import torch
+print("python", platform.python_version())
+print("torch", torch.__version__, "| CUDA", torch.version.cuda, "| cuDNN", torch.backends.cudnn.version())
+try:
+    print("triton", importlib.metadata.version("triton"))
+except importlib.metadata.PackageNotFoundError:
+    print("triton: not installed")
+print("cuda available:", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB, "
+          f"L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB, capability {p.major}.{p.minor}")
+import hfkern
+info = hfkern.backend_info()
+for name, b in info["backends"].items():
+    print(f"backend {name}: {'available' if b['available'] else 'unavailable'} ({b['reason']})")
+for op, row in info["ops"].items():
+    print(f"  {op}: registered {row['registered']}; cuda -> {row['cuda']}")
+EOF
+    local rc=$?
+    nvidia-smi || echo "nvidia-smi failed"
+    return $rc
+}
+
+gpu_tests() {
+    # Leave the benchmark at least 200 s of the run.
+    local budget
+    budget=$(max 30 "$(min "$TEST_SECONDS" $(($(left) - 200)))")
+    echo "python -m pytest -m gpu tests (at most ${budget} s; full log in gpu_tests.log)"
+    # importlib import mode: tests/ and tests/triton/ hold test files of the same
+    # basename (test_conv.py), which the default mode cannot collect together.
+    timeout -k 10 "$budget" "$PY" -m pytest -m gpu tests --import-mode=importlib -v -rfE \
+        --tb=short --durations=15 -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
+    local rc=$?
+    tail -n 60 "$OUT/gpu_tests.log"
+    ((rc == 124 || rc == 137)) && echo "GPU tests stopped at their time cap (${budget} s)"
+    return $rc
+}
+
+ceilings() {
+    "$PY" bench/bandwidth.py --out "$WORK/ceilings.json"
+}
+
+# bench OP CAP: bench_kernels.py for one op, with a time budget of at most CAP
+# seconds out of what the run has left (keeping RESERVE for what follows).
+RESERVE=40
+bench() {
+    local op=$1 cap=$2 budget ceil=()
+    budget=$(max 20 "$(min "$cap" $(($(left) - RESERVE)))")
+    [[ -f $WORK/ceilings.json ]] && ceil=(--ceilings "$WORK/ceilings.json")
+    echo "bench_kernels.py --ops $op: time budget ${budget} s"
+    # The budget stops new cases from starting; SIGINT after a grace period makes
+    # the script write what it has; SIGKILL 15 s later if it cannot.
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+    timeout -s INT -k 15 $((budget + 45)) "$PY" bench/bench_kernels.py --ops "$op" \
+        --time-budget "$budget" --out "$WORK" --name "part_$op" --no-table ${ceil[@]+"${ceil[@]}"} $BENCH_ARGS
+}
+
+report() {
+    local parts=("$WORK"/part_*.csv)
+    if [[ ! -e ${parts[0]} ]]; then
+        echo "no benchmark results to report"
+        return 1
+    fi
+    if ! "$PY" bench/report.py merge "${parts[@]}" --out "$OUT" --table; then
+        echo "merge failed; copying the parts as they are"
+        cp "${parts[@]}" "$OUT"/
+        return 1
+    fi
+}
+
+main() {
+    : >"$STAGES"
+    echo "hfkern GPU run: results in $OUT, target ${RUN_SECONDS} s"
+    run_stage environment environment
+    run_stage gpu_tests gpu_tests
+    run_stage ceilings ceilings
+    # Layer norm and embedding suites are small; conv takes whatever is left.
+    run_stage bench_layer_norm bench layer_norm $(max 20 $((($(left) - RESERVE) / 6)))
+    run_stage bench_embedding bench embedding $(max 20 $((($(left) - RESERVE) / 5)))
+    run_stage bench_conv bench conv $(($(left) - RESERVE))
+    run_stage report report
+    echo
+    echo "=== stages (exit status, seconds) ==="
+    cat "$STAGES"
+    echo "total: $(($(date +%s) - START)) s; files in $OUT:"
+    ls -l "$OUT"
+    rm -rf "$WORK"
+    return $FAILED
+}
+
+main 2>&1 | tee "$OUT/gpu_run.log"
+exit "${PIPESTATUS[0]}"
