@@ -140,3 +140,14 @@ _backend.register(_FWD, "torch", embedding_torch.array_embedding)
 _backend.register(_BWD, "torch", embedding_torch.array_embedding_backward)
 _backend.register(_SPARSE_BWD, "torch", embedding_torch.array_embedding_sparse_backward)
 _backend.register(_RENORM, "torch", embedding_torch.array_embedding_renorm_)
+
+
+# The Triton implementations are torch.library triton ops defined in
+# hfkern/ops/embedding_triton.py, imported on first use (defining a triton op
+# imports triton and parts of inductor, which plain "import hfkern" should not
+# pay for). The sparse backward and the renorm stay torch-only: neither reduces
+# across indices, and aten's kernels for them are already single passes.
+# auto=False: auto picks them only once a GPU benchmark shows them faster.
+for _op in (_FWD, _BWD):
+    _backend.register(_op, "triton", f"hfkern.ops.embedding_triton:{_op}_triton",
+                      device_types=("cuda",), auto=False)

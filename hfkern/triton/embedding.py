@@ -101,8 +101,8 @@ def _array_embedding_fwd_kernel(
 @triton.jit
 def _array_embedding_bwd_kernel(
     grad_ptr,  # [B, M, L, D] grad_out, * dims collapsed to (M, L)
-    perm_ptr,  # [B * n] (or [n] when shared) position of each sorted index within its model
-    bounds_ptr,  # [B * V + 1] (or [V + 1] when shared) sorted-order start of each row's segment
+    perm_ptr,  # [B * n] ([n] when shared): the j-th sorted index's position within its model
+    bounds_ptr,  # [B * V + 1] ([V + 1] when shared): row b*V+v's hits are perm[bounds[b*V+v]:bounds[b*V+v+1]]
     out_ptr,  # [B, V, D] contiguous
     B,
     V,
@@ -163,9 +163,17 @@ def _array_embedding_bwd_kernel(
 
 # Aimed at H100/H200 (also valid on Ampere): TILE is elements per model per
 # program; MODELS > 1 lets one program reuse a shared index block across tables.
-_CONFIGS = [
+# The backward keeps an fp32 accumulator plus UNROLL loaded tiles in registers,
+# hence its smaller tiles.
+_FWD_CONFIGS = [
     triton.Config({"TILE": tile, "MODELS": models}, num_warps=warps)
     for tile in (2048, 8192)
+    for models in (1, 4)
+    for warps in (4, 8)
+]
+_BWD_CONFIGS = [
+    triton.Config({"TILE": tile, "MODELS": models}, num_warps=warps)
+    for tile in (1024, 4096)
     for models in (1, 4)
     for warps in (4, 8)
 ]
@@ -174,10 +182,10 @@ _CONFIGS = [
 _INTERPRET = triton.Config({"TILE": 64, "MODELS": 2}, num_warps=1)
 
 _fwd = Tuned(
-    _array_embedding_fwd_kernel, _CONFIGS, key=["B", "D", "n_key", "SHARED"], interpret_config=_INTERPRET
+    _array_embedding_fwd_kernel, _FWD_CONFIGS, key=["B", "D", "n_key", "SHARED"], interpret_config=_INTERPRET
 )
 _bwd = Tuned(
-    _array_embedding_bwd_kernel, _CONFIGS, key=["B", "V", "D", "n_key", "SCALE"], interpret_config=_INTERPRET
+    _array_embedding_bwd_kernel, _BWD_CONFIGS, key=["B", "V", "D", "n_key", "SCALE"], interpret_config=_INTERPRET
 )
 
 
