@@ -4,3 +4,4 @@
 from . import conv  # noqa: F401
 from . import embedding  # noqa: F401
 from . import layer_norm  # noqa: F401
+from . import optim  # noqa: F401

@@ -1,0 +1,377 @@
+"""ArrayOptimizer: what every array optimizer shares.
+
+An array optimizer updates B models at once. Every parameter is ``[B, ...]``
+(model b is index b) and every numeric hyperparameter is per model. The base
+class validates parameters and hyperparameters, keeps per-model state, handles
+skipped models and the state dict; a subclass names its hyperparameters, its
+state and the hfkern op that computes its step.
+
+Hyperparameters of a group live in one ``[H, B]`` tensor on the parameters'
+device (float64 for float64 parameters, float32 otherwise); ``group[name]`` is a
+``[B]`` view of its row (``betas``: a pair of views), so writing new values into
+it in place (``group["lr"].copy_(new_lrs)``) reaches the next step without a
+host sync or any re-validation, and the op reads the whole tensor at once.
+Assigning a new value (float, sequence or tensor) to ``group[name]`` instead is
+validated at the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from .._array import hyper
+from ..ops import optim as ops
+from ..ops.optim import state_dtype
+
+__all__ = ["ArrayOptimizer"]
+
+Hyper = float | Sequence[float] | torch.Tensor
+
+_PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What validating a group established, and the values it was established for."""
+
+    values: tuple[Any, ...]  # the group's hyperparameter and flag objects, compared by identity
+    hypers: torch.Tensor  # [H, B]: the op's rows of the group's hyperparameter tensor
+    nonzero: dict[str, bool]  # per hyperparameter row: whether any model's value is non-zero
+
+
+class _Shielded:
+    """Carries a loaded state tensor past torch's load_state_dict, which would cast it
+    to the parameter's dtype (lossy for float32 state of bfloat16 parameters)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+
+def _shield_state(optimizer: "ArrayOptimizer", state_dict: dict[str, Any]) -> dict[str, Any]:
+    state = {
+        k: {n: _Shielded(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+        if isinstance(s, dict) else s
+        for k, s in state_dict["state"].items()
+    }
+    return {**state_dict, "state": state}
+
+
+def _place_state(optimizer: "ArrayOptimizer") -> None:
+    optimizer._place_loaded_state()
+
+
+class ArrayOptimizer(Optimizer):
+    """Base of the array optimizers: ``torch.optim.Optimizer`` over ``[B, ...]`` parameters.
+
+    Subclasses set ``_hypers`` (per-model numeric hyperparameters in the row order
+    of their op; ``betas`` is a pair and takes two rows), ``_init_hypers``
+    (per-model values used only to initialize state), ``_flags`` (bool options)
+    and implement ``_state_keys`` and ``_update``; ``_check_values`` adds checks
+    beyond "one finite non-negative value per model".
+
+    ``step(closure=None, *, skip=None)``: ``skip`` is an optional ``[B]`` bool
+    tensor on the parameters' device; a model marked True is not updated at all
+    (its parameters, state and step counts stay bit-identical). With
+    ``skip_nonfinite=True`` the optimizer also skips every model with an inf or
+    NaN in any gradient. ``last_skipped`` is then the ``[B]`` bool tensor of the
+    models that were not updated. Neither reads a device value on the host.
+
+    Parameters of bfloat16/float16 keep float32 state; their update is computed in
+    float32 and rounded into the parameter once.
+
+    Editing a stored hyperparameter in place cannot switch on work that every
+    model of the group had off when it was validated (weight decay; momentum
+    of SGD and RMSprop): the step leaves it out. Assign a new value instead.
+    """
+
+    _hypers: tuple[str, ...] = ()
+    _init_hypers: tuple[str, ...] = ()
+    _flags: tuple[str, ...] = ("maximize",)
+    _pairs: tuple[str, ...] = ("betas",)
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        skip_nonfinite: bool = False,
+    ):
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(
+                f"{type(self).__name__}: skip_nonfinite must be a bool, got "
+                f"{type(skip_nonfinite).__name__} {skip_nonfinite!r}"
+            )
+        self.B: int | None = None
+        self.skip_nonfinite = skip_nonfinite
+        self.last_skipped: torch.Tensor | None = None
+        self._device: torch.device | None = None
+        self._checked: dict[int, tuple[dict, _Checked]] = {}
+        super().__init__(params, defaults)
+
+    # ---- subclass interface ----------------------------------------------
+    def _check_values(self, group: dict[str, Any], per_model: dict[str, torch.Tensor]) -> None:
+        """Extra checks on the validated ``[B]`` float64 CPU values (keys: row names)."""
+
+    def _state_keys(self, group: dict[str, Any], checked: _Checked) -> tuple[str, ...]:
+        """The state a parameter of ``group`` needs before the next step."""
+        raise NotImplementedError
+
+    def _init_state(self, key: str, p: torch.Tensor, group: dict[str, Any], state: dict) -> torch.Tensor:
+        """A new state entry: ``step`` is ``[B]`` float32 zeros, anything else zeros like ``p``."""
+        if key == "step":
+            return torch.zeros(p.size(0), dtype=torch.float32, device=p.device)
+        return torch.zeros_like(p, dtype=state_dtype(p.dtype), memory_format=torch.preserve_format)
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        checked: _Checked,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict[str, torch.Tensor]],
+        skip: torch.Tensor | None,
+    ) -> None:
+        """Call the op on the parameters of ``group`` that have gradients."""
+        raise NotImplementedError
+
+    # ---- validation -------------------------------------------------------
+    @classmethod
+    def _rows(cls) -> list[str]:
+        rows = []
+        for k in cls._hypers + cls._init_hypers:
+            rows += [f"{k}[0]", f"{k}[1]"] if k in cls._pairs else [k]
+        return rows
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of ``[B, ...]`` parameters, with optional per-group hyperparameters."""
+        B, device = self.B, self._device
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            self.B, self._device = B, device
+            raise
+
+    def _check_params(self, group: dict[str, Any]) -> None:
+        name = type(self).__name__
+        for i, p in enumerate(group["params"]):
+            if p.dtype not in _PARAM_DTYPES:
+                raise TypeError(
+                    f"{name}: expected floating-point parameters (float32, float64, bfloat16 or "
+                    f"float16), got {p.dtype} at index {i}"
+                )
+            if p.dim() == 0:
+                raise ValueError(
+                    f"{name}: expected array parameters of shape [B, ...], got a 0-d tensor at index {i}"
+                )
+            if self.B is None:
+                self.B, self._device = p.size(0), p.device
+            if p.size(0) != self.B:
+                raise ValueError(
+                    f"{name}: every parameter must have the same leading (array) dim B={self.B}, "
+                    f"got shape {list(p.shape)} at index {i}"
+                )
+            if p.device != self._device:
+                raise ValueError(
+                    f"{name}: every parameter must be on one device, got {self._device} and "
+                    f"{p.device} (index {i})"
+                )
+
+    def _hyper(self, value: Any, name: str) -> torch.Tensor:
+        try:
+            return hyper(value, self.B, name)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{type(self).__name__}: {e}") from None
+
+    def _require_below(
+        self, per_model: dict[str, torch.Tensor], name: str, bound: float, *, inclusive: bool = False
+    ) -> None:
+        t = per_model[name]
+        bad = t > bound if inclusive else t >= bound
+        if bad.any():
+            relation = "<=" if inclusive else "<"
+            raise ValueError(
+                f"{type(self).__name__}: {name} must be {relation} {bound} for every model, "
+                f"got {t.tolist()}"
+            )
+
+    def _check_group(self, group: dict[str, Any]) -> _Checked:
+        """Validate ``group`` (once per set of values) and store its hyperparameters on the device."""
+        keys = self._hypers + self._init_hypers + self._flags
+        values = tuple(group[k] for k in keys)
+        cached = self._checked.get(id(group))
+        if cached is not None and cached[0] is group and all(
+            a is b for a, b in zip(cached[1].values, values)
+        ):
+            return cached[1]
+        name = type(self).__name__
+        if not group["params"]:
+            raise ValueError(f"{name}: a parameter group has no parameters")
+        self._check_params(group)
+        for k in self._flags:
+            if not isinstance(group[k], bool):
+                raise TypeError(f"{name}: {k} must be a bool, got {type(group[k]).__name__} {group[k]!r}")
+        per_model: dict[str, torch.Tensor] = {}
+        for k in self._hypers + self._init_hypers:
+            if k in self._pairs:
+                pair = group[k]
+                is_pair = isinstance(pair, (tuple, list)) or (
+                    isinstance(pair, torch.Tensor) and pair.dim() >= 1
+                )
+                if not is_pair or len(pair) != 2:
+                    raise ValueError(
+                        f"{name}: {k} must be a pair, each entry a float, a length-B sequence or a "
+                        f"[B] tensor, got {pair!r}"
+                    )
+                per_model[f"{k}[0]"] = self._hyper(pair[0], f"{k}[0]")
+                per_model[f"{k}[1]"] = self._hyper(pair[1], f"{k}[1]")
+            else:
+                per_model[k] = self._hyper(group[k], k)
+        self._check_values(group, per_model)
+        dtype = (
+            torch.float64 if all(p.dtype == torch.float64 for p in group["params"]) else torch.float32
+        )
+        pack = torch.stack(list(per_model.values())).to(device=self._device, dtype=dtype)
+        rows = iter(pack.unbind(0))
+        for k in self._hypers + self._init_hypers:
+            group[k] = (next(rows), next(rows)) if k in self._pairs else next(rows)
+        n_op_rows = len(self._rows()) - len(self._init_hypers)
+        checked = _Checked(
+            values=tuple(group[k] for k in keys),
+            hypers=pack[:n_op_rows],
+            nonzero={k: bool((v != 0).any()) for k, v in per_model.items()},
+        )
+        self._checked[id(group)] = (group, checked)
+        return checked
+
+    def _check_skip(self, skip: Any) -> None:
+        name = type(self).__name__
+        if not isinstance(skip, torch.Tensor):
+            raise TypeError(f"{name}: skip must be a [B] bool tensor or None, got {type(skip).__name__}")
+        if skip.dtype != torch.bool:
+            raise TypeError(f"{name}: skip must be a bool tensor, got dtype {skip.dtype}")
+        if skip.shape != (self.B,):
+            raise ValueError(f"{name}: skip must have shape [B]=[{self.B}], got {list(skip.shape)}")
+        if skip.device != self._device:
+            raise ValueError(
+                f"{name}: skip must be on the parameters' device {self._device}, got {skip.device}"
+            )
+
+    # ---- step ---------------------------------------------------------------
+    @torch.no_grad()
+    def step(
+        self,
+        closure: Callable[[], torch.Tensor] | None = None,
+        *,
+        skip: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """One step of every model not skipped; ``closure`` re-evaluates and returns the loss (e.g. ``[B]``).
+
+        ``skip``: optional ``[B]`` bool tensor on the parameters' device, True for
+        the models to leave untouched this step.
+        """
+        if skip is not None:
+            self._check_skip(skip)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Every group is validated before any is updated: a bad value leaves all models as they were.
+        work = []
+        for group in self.param_groups:
+            checked = self._check_group(group)
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: sparse gradients are not supported for array parameters"
+                    )
+            work.append((group, checked, params))
+        mask = skip
+        if self.skip_nonfinite:
+            grads = [p.grad for _, _, params in work for p in params]
+            if grads:
+                bad = ops.nonfinite_models(grads)
+                mask = bad if skip is None else skip | bad
+        for group, checked, params in work:
+            if params:
+                states = [self._state_of(p, group, checked) for p in params]
+                self._update(group, checked, params, [p.grad for p in params], states, mask)
+        if mask is None:
+            self.last_skipped = torch.zeros(self.B, dtype=torch.bool, device=self._device)
+        else:
+            self.last_skipped = mask.clone() if mask is skip else mask
+        return loss
+
+    def _state_of(self, p: torch.Tensor, group: dict[str, Any], checked: _Checked) -> dict:
+        state = self.state[p]
+        for key in self._state_keys(group, checked):
+            if key not in state:
+                state[key] = self._init_state(key, p, group, state)
+        return state
+
+    # ---- state dict ---------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from :meth:`state_dict`.
+
+        State tensors are copied to the parameters' device in the state dtype
+        (float32 for bfloat16/float16 parameters); hyperparameters are validated
+        again and stored on the parameters' device.
+        """
+        # Appended pre-hook: runs after the user's; prepended post-hook: before the user's.
+        pre = self.register_load_state_dict_pre_hook(_shield_state)
+        post = self.register_load_state_dict_post_hook(_place_state, prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            pre.remove()
+            post.remove()
+
+    def _place_loaded_state(self) -> None:
+        name = type(self).__name__
+        for p, state in self.state.items():
+            if not isinstance(state, dict):
+                continue
+            for key, value in state.items():
+                if not isinstance(value, _Shielded):
+                    continue
+                value = value.value
+                if not isinstance(p, torch.Tensor):  # state of no parameter: kept as saved
+                    state[key] = value
+                    continue
+                expected = (p.size(0),) if key == "step" else tuple(p.shape)
+                if value.dim() and tuple(value.shape) != expected:
+                    raise ValueError(
+                        f"{name}: loaded state {key!r} of shape {list(value.shape)} does not fit a "
+                        f"parameter of shape {list(p.shape)} (expected {list(expected)})"
+                    )
+                if key == "step":
+                    dtype = torch.float32
+                elif value.is_floating_point():
+                    dtype = state_dtype(p.dtype)
+                else:
+                    dtype = value.dtype
+                state[key] = value.to(device=p.device, dtype=dtype, copy=True)
+        self._checked = {}
+        for group in self.param_groups:
+            self._check_group(group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(B=self.B, skip_nonfinite=self.skip_nonfinite, _device=self._device)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("B", None)
+        self.__dict__.setdefault("skip_nonfinite", False)
+        self.__dict__.setdefault("_device", None)
+        self.__dict__.setdefault("last_skipped", None)
+        self.__dict__.setdefault("_checked", {})

@@ -1,0 +1,64 @@
+"""Array Adagrad: ``torch.optim.Adagrad`` for each of B models, in one op (``hfkern::adagrad_step_``)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ..ops import optim as ops
+from ..ops.optim import state_dtype
+from ._base import ArrayOptimizer, Hyper
+
+__all__ = ["Adagrad"]
+
+
+class Adagrad(ArrayOptimizer):
+    """Adagrad for B models at once, ``torch.optim.Adagrad`` per model (dense gradients).
+
+    Every parameter is ``[B, ...]`` (model b is index b). ``lr``, ``lr_decay``,
+    ``weight_decay``, ``initial_accumulator_value`` and ``eps`` are each a
+    float, a length-B sequence or a ``[B]`` tensor, stored in ``param_groups`` as
+    ``[B]`` tensors on the parameters' device. State per parameter: ``step``
+    (``[B]`` float32, each model's own count, used for its learning-rate decay)
+    and ``sum`` (``[B, ...]``, starting at each model's
+    ``initial_accumulator_value`` when the parameter first steps).
+    ``skip_nonfinite`` and ``step(skip=...)``: see :class:`~hfkern.optim.ArrayOptimizer`.
+    """
+
+    _hypers = ("lr", "lr_decay", "weight_decay", "eps")
+    _init_hypers = ("initial_accumulator_value",)
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: Hyper = 1e-2,
+        lr_decay: Hyper = 0,
+        weight_decay: Hyper = 0,
+        initial_accumulator_value: Hyper = 0,
+        eps: Hyper = 1e-10,
+        *,
+        maximize: bool = False,
+        skip_nonfinite: bool = False,
+    ):
+        defaults = dict(
+            lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize,
+        )
+        super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
+
+    def _state_keys(self, group, checked):
+        return ("step", "sum")
+
+    def _init_state(self, key, p, group, state):
+        if key == "sum":
+            init = group["initial_accumulator_value"]
+            out = torch.empty_like(p, dtype=state_dtype(p.dtype), memory_format=torch.preserve_format)
+            return out.copy_(init.view(-1, *([1] * (p.dim() - 1))).expand_as(p))
+        return super()._init_state(key, p, group, state)
+
+    def _update(self, group, checked, params, grads, states, skip):
+        ops.adagrad_step_(
+            params, grads, [s["sum"] for s in states], [s["step"] for s in states],
+            checked.hypers, group["maximize"], checked.nonzero["weight_decay"], skip,
+        )

@@ -1,0 +1,69 @@
+"""Array RMSprop: ``torch.optim.RMSprop`` for each of B models, in one op (``hfkern::rmsprop_step_``)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ..ops import optim as ops
+from ._base import ArrayOptimizer, Hyper
+
+__all__ = ["RMSprop"]
+
+
+class RMSprop(ArrayOptimizer):
+    """RMSprop for B models at once, ``torch.optim.RMSprop`` per model.
+
+    Every parameter is ``[B, ...]`` (model b is index b). ``lr``, ``alpha``,
+    ``eps``, ``weight_decay`` and ``momentum`` are each a float, a length-B
+    sequence or a ``[B]`` tensor, stored in ``param_groups`` as ``[B]`` tensors on
+    the parameters' device; ``centered`` and ``maximize`` apply to every model.
+    State per parameter: ``step`` (``[B]`` float32), ``square_avg``, with
+    momentum in any model of the group ``momentum_buffer`` (a model with zero
+    momentum steps as torch does without one) and when centered ``grad_avg``
+    (``[B, ...]``). Editing the stored momentum in place cannot switch momentum
+    on for a group in which every model had zero (assign a new value).
+    ``skip_nonfinite`` and ``step(skip=...)``: see :class:`~hfkern.optim.ArrayOptimizer`.
+    """
+
+    _hypers = ("lr", "alpha", "eps", "weight_decay", "momentum")
+    _flags = ("centered", "maximize")
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: Hyper = 1e-2,
+        alpha: Hyper = 0.99,
+        eps: Hyper = 1e-8,
+        weight_decay: Hyper = 0,
+        momentum: Hyper = 0,
+        centered: bool = False,
+        *,
+        maximize: bool = False,
+        skip_nonfinite: bool = False,
+    ):
+        defaults = dict(
+            lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+            centered=centered, maximize=maximize,
+        )
+        super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
+
+    def _state_keys(self, group, checked):
+        keys = ("step", "square_avg")
+        if checked.nonzero["momentum"]:
+            keys += ("momentum_buffer",)
+        if group["centered"]:
+            keys += ("grad_avg",)
+        return keys
+
+    def _update(self, group, checked, params, grads, states, skip):
+        momentum, centered = checked.nonzero["momentum"], group["centered"]
+        ops.rmsprop_step_(
+            params, grads,
+            [s["square_avg"] for s in states],
+            [s["grad_avg"] for s in states] if centered else [],
+            [s["momentum_buffer"] for s in states] if momentum else [],
+            [s["step"] for s in states],
+            checked.hypers, centered, group["maximize"], checked.nonzero["weight_decay"], skip,
+        )
