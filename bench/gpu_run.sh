@@ -12,18 +12,24 @@
 #   3. ceilings     the device's copy bandwidth and matmul rates (bench/bandwidth.py)
 #   4. benchmark    bench/bench_kernels.py once per op (layer norm, embedding, conv),
 #                   each in its own process with a time budget, so that a kernel
-#                   that breaks the CUDA context loses only its own op's rows
-#   5. report       the parts merged into one CSV + JSON; the summary printed last
+#                   that breaks the CUDA context loses only its own op's rows;
+#                   between embedding and conv, bench/bench_optim.py (optimizer
+#                   steps of B ResNet-18 models) in its own process and budget
+#   5. report       the kernel parts merged into one CSV + JSON and summarized;
+#                   the optimizer summary printed last
 #
 # Results go to $OUT (default bench/results/gpu_run), flat, at most 8 files:
 #   gpu_run.log  everything printed;  gpu_tests.log  the pytest output;
 #   stages.txt   each stage's exit status and seconds;
-#   kernels_<device>_<date>.csv / .json  the benchmark rows (bench/README.md).
+#   kernels_<device>_<date>.csv / .json  the kernel benchmark rows (bench/README.md);
+#   optim_<device>_<date>.csv / .json    the optimizer-step rows.
 #
 # Settings (environment variables):
 #   HFKERN_RUN_SECONDS   wall-clock target for the whole script (default 530)
 #   HFKERN_TEST_SECONDS  cap on the GPU tests (default 180)
 #   BENCH_ARGS           extra options for bench_kernels.py, e.g. "--quick" or "--dtypes bf16"
+#   OPTIM_ARGS           extra options for bench_optim.py, e.g. "--ops adam --B 16"
+#   HFKERN_OPTIM_SECONDS cap on the optimizer benchmark's time budget (default 75)
 #   PYTHON               the interpreter (default python3)
 #
 # hfkern is used in place through PYTHONPATH (no pip install, so no dependency
@@ -37,6 +43,8 @@ OUT=${OUT:-$ROOT/bench/results/gpu_run}
 RUN_SECONDS=${HFKERN_RUN_SECONDS:-530}
 TEST_SECONDS=${HFKERN_TEST_SECONDS:-180}
 BENCH_ARGS=${BENCH_ARGS:-}
+OPTIM_ARGS=${OPTIM_ARGS:-}
+OPTIM_SECONDS=${HFKERN_OPTIM_SECONDS:-75}
 PY=${PYTHON:-python3}
 START=$(date +%s)
 
@@ -133,6 +141,40 @@ bench() {
         --time-budget "$budget" --out "$WORK" --name "part_$op" --no-table ${ceil[@]+"${ceil[@]}"} $BENCH_ARGS
 }
 
+# bench_optim CAP: bench_optim.py with a time budget of at most CAP seconds out of
+# what the run has left (keeping RESERVE); its CSV + JSON are copied to $OUT.
+bench_optim() {
+    local cap=$1 budget ceil=() rc
+    budget=$(max 20 "$(min "$cap" $(($(left) - RESERVE)))")
+    [[ -f $WORK/ceilings.json ]] && ceil=(--ceilings "$WORK/ceilings.json")
+    echo "bench_optim.py: time budget ${budget} s"
+    # shellcheck disable=SC2086  # OPTIM_ARGS is a list of options
+    timeout -s INT -k 15 $((budget + 45)) "$PY" bench/bench_optim.py --time-budget "$budget" \
+        --out "$WORK/optim" ${ceil[@]+"${ceil[@]}"} $OPTIM_ARGS
+    rc=$?
+    # The CSV and JSON only (a killed run can leave a .json.tmp beside them).
+    local files=()
+    shopt -s nullglob
+    files=("$WORK"/optim/*.csv "$WORK"/optim/*.json)
+    shopt -u nullglob
+    if ((${#files[@]})); then
+        cp "${files[@]}" "$OUT"/ || rc=1
+    else
+        echo "no optimizer results"
+        rc=1
+    fi
+    return $rc
+}
+
+report_optim() {
+    local files=("$WORK"/optim/*.json)
+    if [[ ! -e ${files[0]} ]]; then
+        echo "no optimizer results to report"
+        return 1
+    fi
+    "$PY" bench/bench_optim.py --show "${files[@]}" --no-table
+}
+
 report() {
     local parts=("$WORK"/part_*.csv)
     if [[ ! -e ${parts[0]} ]]; then
@@ -155,8 +197,10 @@ main() {
     # Layer norm and embedding suites are small; conv takes whatever is left.
     run_stage bench_layer_norm bench layer_norm $(max 20 $((($(left) - RESERVE) / 6)))
     run_stage bench_embedding bench embedding $(max 20 $((($(left) - RESERVE) / 5)))
+    run_stage bench_optim bench_optim "$(min "$OPTIM_SECONDS" $(max 30 $((($(left) - RESERVE) / 3))))"
     run_stage bench_conv bench conv $(($(left) - RESERVE))
     run_stage report report
+    run_stage report_optim report_optim
     echo
     echo "=== stages (exit status, seconds) ==="
     cat "$STAGES"
