@@ -8,7 +8,7 @@ by :func:`set_backend`.
 """
 
 from . import ops  # noqa: F401  (registers torch.ops.hfkern.*)
-from . import nn, optim  # noqa: F401
+from . import amp, nn, optim, utils  # noqa: F401
 from ._array import broadcast, is_shared
 from ._backend import backend_info, get_backend, set_backend, use_backend
 

@@ -1,0 +1,489 @@
+"""Gradient scaling for B models: ``torch.amp.GradScaler`` with one scale per model.
+
+:class:`GradScaler` keeps a ``[B]`` scale and a ``[B]`` growth tracker. Model b's
+loss is multiplied by its own scale, its gradients are unscaled by it and
+checked for inf/NaN on their own, an overflow skips model b's optimizer step
+only (through the array optimizers' ``step(skip=...)``), and each model's scale
+backs off or grows by its own history: every model sees exactly what a
+``torch.amp.GradScaler`` of its own would do for it alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections import abc, defaultdict
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torch.amp.grad_scaler import OptState
+
+from ._array import check_B, hyper
+from .ops import optim as ops
+from .utils import _host_to_device
+
+__all__ = ["GradScaler"]
+
+
+def _refresh_per_optimizer_state() -> dict[str, Any]:
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+def _check_factor(name: str, value: Any, *, above: float, below: float = math.inf) -> float:
+    """A finite float strictly between ``above`` and ``below``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"GradScaler: {name} must be a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (above < value < below) or not math.isfinite(value):
+        expected = f"> {above}" if below == math.inf else f"in ({above}, {below})"
+        raise ValueError(f"GradScaler: {name} must be finite and {expected}, got {value}")
+    return value
+
+
+def _check_interval(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"GradScaler: growth_interval must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"GradScaler: growth_interval must be >= 1, got {value}")
+    return value
+
+
+def _on_device(values: Tensor, device: torch.device) -> Tensor:
+    """``values`` (a host tensor) on ``device``: a fill when every model has the same value,
+    which needs no copy from the host."""
+    first = values[0].item()
+    if bool((values == first).all()):
+        return torch.full(values.shape, first, dtype=values.dtype, device=device)
+    return _host_to_device(values, device)
+
+
+class GradScaler:
+    """``torch.amp.GradScaler`` for B models at once: one scale and growth tracker per model.
+
+    Args:
+        device: the device type the scaler serves (``"cuda"`` or ``"cpu"``); with
+            ``"cuda"`` and no CUDA available, the scaler warns and disables itself,
+            as torch's does.
+        init_scale: each model's initial scale: a float, a length-B sequence or a
+            ``[B]`` tensor.
+        growth_factor: (> 1) a model's scale is multiplied by it after
+            ``growth_interval`` consecutive steps of that model without inf/NaN.
+        backoff_factor: (in (0, 1)) a model's scale is multiplied by it after a
+            step where that model's gradients held inf/NaN.
+        growth_interval: (int >= 1) see ``growth_factor``.
+        enabled: False makes every method a no-op (``step`` just steps).
+        B: the number of models (keyword-only).
+
+    Use it as torch's, with a ``[B]`` loss (one per model)::
+
+        scaler = hfkern.amp.GradScaler("cuda", B=B)
+        losses = loss_fn(model(x), y)            # [B]
+        scaler.scale(losses).sum().backward()    # model b's gradients scaled by scale[b]
+        scaler.unscale_(optimizer)               # optional, e.g. before hfkern.utils.clip_grad_norm_
+        scaler.step(optimizer)                   # optimizer.step(skip=found_inf): [B] bool
+        scaler.update()
+
+    The optimizer must take ``step(..., skip=mask)`` like the ``hfkern.optim``
+    optimizers. ``scale``, ``unscale_``, ``step`` and ``update`` never read a
+    device value on the host.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float | Sequence[float] | Tensor = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        B: int,
+    ) -> None:
+        self.B = check_B(B)
+        try:
+            self._device = torch.device(device).type
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"GradScaler: device must be a device type such as 'cuda' or 'cpu', got {device!r}"
+            ) from None
+        if not isinstance(enabled, bool):
+            raise TypeError(f"GradScaler: enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+        self._enabled = enabled
+        self._init_scale = self._scale_values(init_scale, "init_scale")
+        self._growth_factor = _check_factor("growth_factor", growth_factor, above=1.0)
+        self._backoff_factor = _check_factor("backoff_factor", backoff_factor, above=0.0, below=1.0)
+        self._growth_interval = _check_interval(growth_interval)
+        self._init_growth_tracker = torch.zeros(self.B, dtype=torch.int32)
+        if self._device == "cuda" and enabled and not torch.cuda.is_available():
+            warnings.warn("GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
+            self._enabled = False
+        # Created at the first scale(), on the device of what it scales (as torch's).
+        self._scale: Tensor | None = None  # [B] float32
+        self._growth_tracker: Tensor | None = None  # [B] int32
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+
+    # ---- validation -----------------------------------------------------------
+    def _scale_values(self, value: Any, name: str) -> Tensor:
+        """``[B]`` float32 CPU values of a per-model scale (rounded as torch fills its float32 scale)."""
+        try:
+            return hyper(value, self.B, name).to(torch.float32)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"GradScaler: {e}") from None
+
+    def _tracker_values(self, value: Any) -> Tensor:
+        if isinstance(value, Tensor):
+            t = value.detach().to("cpu")
+            t = t.expand(self.B) if t.dim() == 0 else t
+        elif isinstance(value, int) and not isinstance(value, bool):
+            t = torch.full((self.B,), value)
+        elif isinstance(value, Sequence) and not isinstance(value, str):
+            t = torch.tensor(list(value))
+        else:
+            raise TypeError(
+                f"GradScaler: _growth_tracker must be an int, a length-B sequence or a [B] tensor, "
+                f"got {type(value).__name__}"
+            )
+        if t.dim() != 1 or t.numel() != self.B:
+            raise ValueError(
+                f"GradScaler: _growth_tracker must have one value per model (length B={self.B}), "
+                f"got shape {list(t.shape)}"
+            )
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or (t < 0).any():
+            raise ValueError(f"GradScaler: _growth_tracker must hold ints >= 0, got {t.tolist()}")
+        return t.to(torch.int32)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
+        if self._scale is None or self._growth_tracker is None:
+            raise RuntimeError(
+                f"GradScaler: attempted {funcname} before any scale(). This may indicate your script "
+                f"did not use scaler.scale(losses or outputs) earlier in the iteration."
+            )
+        return self._scale, self._growth_tracker
+
+    def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
+        self._scale = _on_device(self._init_scale, device)
+        self._growth_tracker = _on_device(self._init_growth_tracker, device)
+
+    # ---- scale ------------------------------------------------------------------
+    def scale(self, outputs: Tensor | Iterable[Tensor]) -> Tensor | Iterable[Tensor]:
+        """Multiply model b's outputs by ``scale[b]``.
+
+        ``outputs``: a tensor whose leading dim is B (typically the ``[B]`` losses)
+        or an iterable (list, tuple, nested) of such tensors; returns the same
+        structure, scaled. Disabled: returns ``outputs`` unchanged.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, Tensor):
+            return self._scale_one(outputs)
+
+        def apply_scale(val):
+            if isinstance(val, Tensor):
+                return self._scale_one(val)
+            if isinstance(val, abc.Iterable) and not isinstance(val, (str, bytes)):
+                scaled = map(apply_scale, val)
+                if isinstance(val, (list, tuple)):
+                    return type(val)(scaled)
+                return scaled
+            raise ValueError(
+                f"GradScaler: outputs must be a Tensor or an iterable of Tensors, got {type(val).__name__}"
+            )
+
+        return apply_scale(outputs)
+
+    def _scale_one(self, t: Tensor) -> Tensor:
+        if t.dim() == 0 or t.size(0) != self.B:
+            raise ValueError(
+                f"GradScaler: expected outputs with leading (array) dim B={self.B} (e.g. [B] losses), "
+                f"got shape {list(t.shape)}"
+            )
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(t.device)
+        scale = self._scale.to(device=t.device, non_blocking=True).view((self.B,) + (1,) * (t.dim() - 1))
+        if t.dtype in (torch.float16, torch.bfloat16):
+            # torch multiplies by its float32 scale in float32 and rounds the product once.
+            return (t.float() * scale).to(t.dtype)
+        if t.is_floating_point() or t.is_complex():
+            return t * scale.to(t.dtype)
+        return t * scale
+
+    # ---- unscale -------------------------------------------------------------------
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor) -> dict[torch.device, Tensor]:
+        per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for i, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.dtype == torch.float16:
+                    raise ValueError("GradScaler: attempting to unscale FP16 gradients.")
+                if grad.is_sparse:
+                    raise RuntimeError("GradScaler: sparse gradients are not supported for array parameters")
+                if grad.dim() == 0 or grad.size(0) != self.B:
+                    raise ValueError(
+                        f"GradScaler: expected gradients of shape [B={self.B}, ...], got "
+                        f"{list(grad.shape)} (parameter {i} of a group)"
+                    )
+                per_device[grad.device].append(grad)
+        found_inf_per_device = {}
+        with torch.no_grad():
+            for device, grads in per_device.items():
+                # Checked before unscaling, as torch does: a finite gradient times a large
+                # inverse scale must not count as an overflow.
+                found_inf_per_device[device] = ops.nonfinite_models(grads)
+                inv = inv_scale.to(device, non_blocking=True)
+                shapes: dict[int, Tensor] = {}
+                for g in grads:
+                    if g.dim() not in shapes:
+                        shapes[g.dim()] = inv.view((self.B,) + (1,) * (g.dim() - 1))
+                    g.mul_(shapes[g.dim()])
+        return found_inf_per_device
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide model b's slice of every gradient of ``optimizer`` by ``scale[b]``, in place.
+
+        Records which models had an inf/NaN gradient (``[B]`` bool per device).
+        Optional, for working on unscaled gradients before :meth:`step` (e.g.
+        :func:`hfkern.utils.clip_grad_norm_`); at most once per optimizer between
+        two :meth:`update` calls, and not after :meth:`step`.
+        """
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        # torch takes the reciprocal in float64: float32 division can be imprecise under some compile options.
+        if self._scale.device.type == "mps":
+            inv_scale = self._scale.reciprocal()
+        else:
+            inv_scale = self._scale.double().reciprocal().float()
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale)
+        optimizer_state["stage"] = OptState.UNSCALED
+
+    # ---- step ------------------------------------------------------------------------
+    def _check_optimizer(self, optimizer: Any) -> None:
+        step = getattr(optimizer, "step", None)
+        if step is None or not hasattr(optimizer, "param_groups"):
+            raise TypeError(f"GradScaler: expected an optimizer, got {type(optimizer).__name__}")
+        try:
+            takes_skip = "skip" in inspect.signature(step).parameters
+        except (TypeError, ValueError):
+            takes_skip = False
+        if not takes_skip:
+            raise TypeError(
+                f"GradScaler: {type(optimizer).__name__}.step must accept skip= (a [B] bool tensor of "
+                f"models to leave untouched), as the hfkern.optim optimizers do"
+            )
+        opt_B = getattr(optimizer, "B", None)
+        if opt_B is not None and opt_B != self.B:
+            raise ValueError(f"GradScaler: the scaler has B={self.B} models but the optimizer has B={opt_B}")
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale ``optimizer``'s gradients (unless :meth:`unscale_` did) and step every model without inf/NaN.
+
+        Calls ``optimizer.step(*args, skip=found_inf, **kwargs)``: a model whose
+        gradients held inf/NaN is not updated, the others are. A ``skip`` passed
+        here is combined with it. Returns what ``optimizer.step`` returns.
+        Closures are not supported (as with torch's scaler).
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_optimizer(optimizer)
+        self._check_scale_growth_tracker("step")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        user_skip = kwargs.pop("skip", None)
+        if optimizer_state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        found = list(optimizer_state["found_inf_per_device"].values())
+        if not found:
+            raise RuntimeError("No inf checks were recorded for this optimizer.")
+        skip = found[0]
+        for f in found[1:]:
+            skip = skip | f.to(skip.device, non_blocking=True)
+        if user_skip is not None:
+            if not isinstance(user_skip, Tensor) or user_skip.dtype != torch.bool or user_skip.shape != (self.B,):
+                got = (f"{list(user_skip.shape)} {user_skip.dtype}" if isinstance(user_skip, Tensor)
+                       else type(user_skip).__name__)
+                raise ValueError(f"GradScaler: skip must be a [B]=[{self.B}] bool tensor, got {got}")
+            skip = skip | user_skip.to(skip.device, non_blocking=True)
+        retval = optimizer.step(*args, skip=skip, **kwargs)
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
+
+    # ---- update ----------------------------------------------------------------------
+    def update(self, new_scale: float | Sequence[float] | Tensor | None = None) -> None:
+        """Update each model's scale for the next iteration.
+
+        A model with inf/NaN gradients in any optimizer this iteration has its
+        scale multiplied by ``backoff_factor`` and its tracker reset; every other
+        model counts one more good step, and at ``growth_interval`` of them its
+        scale is multiplied by ``growth_factor`` (unless that overflows float32)
+        and its tracker reset. ``new_scale`` (a float, a length-B sequence, or a
+        tensor of B or 1 elements on the scaler's device type) sets the scales
+        instead. Call once per iteration, after every :meth:`step`.
+        """
+        if not self._enabled:
+            return
+        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            if isinstance(new_scale, Tensor):
+                if (new_scale.device.type != self._device or new_scale.numel() not in (1, self.B)
+                        or new_scale.dim() > 1 or new_scale.requires_grad):
+                    raise ValueError(
+                        f"GradScaler: new_scale must be a float, a length-B sequence or a [B] (or "
+                        f"1-element) tensor on {self._device} without requires_grad, got a tensor of "
+                        f"shape {list(new_scale.shape)} on {new_scale.device} "
+                        f"(requires_grad={new_scale.requires_grad})"
+                    )
+                scale.copy_(new_scale.reshape(-1))
+            elif isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+                scale.fill_(float(self._scale_values(new_scale, "new_scale")[0]))
+            else:
+                scale.copy_(_host_to_device(self._scale_values(new_scale, "new_scale"), scale.device))
+        else:
+            found_infs = [
+                found_inf.to(device=scale.device, non_blocking=True)
+                for state in self._per_optimizer_states.values()
+                for found_inf in state["found_inf_per_device"].values()
+            ]
+            if not found_infs:
+                raise RuntimeError("No inf checks were recorded prior to update.")
+            found_inf = found_infs[0]
+            for f in found_infs[1:]:
+                found_inf = found_inf | f
+            self._update_scale_(scale, growth_tracker, found_inf)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _update_scale_(self, scale: Tensor, growth_tracker: Tensor, found_inf: Tensor) -> None:
+        """torch's ``_amp_update_scale_`` for each model at once (it takes one model only)."""
+        # float32 scale times a float64 factor, rounded back once, as torch's kernel does.
+        wide = scale.double() if scale.device.type != "mps" else scale
+        backed_off = (wide * self._backoff_factor).float()
+        grown = (wide * self._growth_factor).float()
+        successful = growth_tracker + 1
+        at_interval = successful == self._growth_interval
+        new_scale = torch.where(
+            found_inf, backed_off, torch.where(at_interval & torch.isfinite(grown), grown, scale)
+        )
+        new_tracker = torch.where(found_inf | at_interval, torch.zeros_like(successful), successful)
+        scale.copy_(new_scale)
+        growth_tracker.copy_(new_tracker)
+
+    # ---- queries and settings ------------------------------------------------------
+    def _get_scale_async(self) -> Tensor | None:
+        """The ``[B]`` scale tensor on its device (None before the first :meth:`scale`)."""
+        return self._scale
+
+    def get_scale(self) -> Tensor:
+        """``[B]`` float32 CPU tensor: each model's current scale (ones when disabled).
+
+        Reads the scale on the host (a device sync).
+        """
+        if not self._enabled:
+            return torch.ones(self.B)
+        if self._scale is None:
+            return self._init_scale.clone()
+        return self._scale.detach().to("cpu", copy=True)
+
+    def _get_growth_tracker(self) -> Tensor:
+        """``[B]`` int32 CPU tensor: each model's count of consecutive good steps."""
+        if not self._enabled:
+            return torch.zeros(self.B, dtype=torch.int32)
+        if self._growth_tracker is None:
+            return self._init_growth_tracker.clone()
+        return self._growth_tracker.detach().to("cpu", copy=True)
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = _check_factor("growth_factor", new_factor, above=1.0)
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = _check_factor("backoff_factor", new_factor, above=0.0, below=1.0)
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = _check_interval(new_interval)
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    # ---- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's keys with per-model entries stacked: ``scale`` ``[B]`` float32 and
+        ``_growth_tracker`` ``[B]`` int32 (CPU tensors), ``growth_factor``,
+        ``backoff_factor``, ``growth_interval``. Empty when disabled. Reads the
+        device values (a sync); call it after :meth:`update`.
+        """
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; ``scale`` and ``_growth_tracker`` may also be one
+        value for every model (the format of ``torch.amp.GradScaler.state_dict``).
+        No-op when disabled."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled "
+                "instance of GradScaler."
+            )
+        keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        missing = [k for k in keys if k not in state_dict]
+        if missing:
+            raise ValueError(f"GradScaler: state_dict is missing {missing}; expected keys {list(keys)}")
+        # Everything is validated before anything is changed.
+        scale = self._scale_values(state_dict["scale"], "scale")
+        tracker = self._tracker_values(state_dict["_growth_tracker"])
+        growth_factor = _check_factor("growth_factor", state_dict["growth_factor"], above=1.0)
+        backoff_factor = _check_factor("backoff_factor", state_dict["backoff_factor"], above=0.0, below=1.0)
+        growth_interval = _check_interval(state_dict["growth_interval"])
+        self._init_scale = scale
+        self._init_growth_tracker = tracker
+        self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
+        self._growth_interval = growth_interval
+        if self._scale is not None:
+            self._scale.copy_(_host_to_device(scale, self._scale.device))
+        if self._growth_tracker is not None:
+            self._growth_tracker.copy_(_host_to_device(tracker, self._growth_tracker.device))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise RuntimeError(
+                    "A GradScaler instance may only be pickled at the beginning of an iteration, "
+                    "or at the end after scaler.update()."
+                )
+            # The device tensors are recreated at the next scale(), on that call's device.
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_scale"] = None
+            state["_growth_tracker"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
