@@ -267,7 +267,7 @@ def test_bad_arguments_raise():
 def test_ops_dispatch_through_registry():
     info = hfkern.backend_info()["ops"]
     for op in ("array_layer_norm", "array_layer_norm_backward", "array_rms_norm", "array_rms_norm_backward"):
-        assert info[op]["registered"] == ["torch"]
+        assert "torch" in info[op]["registered"]
         assert info[op]["cpu"].startswith("torch")
     from hfkern import _backend
 

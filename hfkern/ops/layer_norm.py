@@ -231,3 +231,12 @@ _backend.register(_LN_FWD, "torch", layer_norm_torch.array_layer_norm)
 _backend.register(_LN_BWD, "torch", layer_norm_torch.array_layer_norm_backward)
 _backend.register(_RMS_FWD, "torch", layer_norm_torch.array_rms_norm)
 _backend.register(_RMS_BWD, "torch", layer_norm_torch.array_rms_norm_backward)
+
+
+# The Triton implementations are torch.library triton ops defined in
+# hfkern/ops/layer_norm_triton.py, imported on first use (defining a triton op
+# imports triton and parts of inductor, which plain "import hfkern" should not
+# pay for). auto=False: auto picks them only once a GPU benchmark shows them faster.
+for _op in (_LN_FWD, _LN_BWD, _RMS_FWD, _RMS_BWD):
+    _backend.register(_op, "triton", f"hfkern.ops.layer_norm_triton:{_op}_triton",
+                      device_types=("cuda",), auto=False)

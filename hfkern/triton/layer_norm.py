@@ -15,10 +15,11 @@ on B) and an expanded ``grad_y`` (stride 0 everywhere) without a copy. Rarer
 layouts are copied to contiguous memory first (and outputs copied back into
 the contract's layout).
 
-Forward: one program per block of ``ROWS`` rows of one model (so the rows
-share that model's weight row). A row that fits in one ``BLOCK_D`` tile is read
-once; a longer one is swept in ``BLOCK_D`` blocks (mean, variance, write).
-Statistics are float32 for float32/float16/bfloat16 ``x``.
+Forward: one program per block of rows of one model (so the rows share that
+model's weight row); short rows are stacked so a program holds about ``TILE``
+elements (the autotuned parameter). A row of up to 4096 elements is read once;
+a longer one is swept in blocks (mean, centred variance, write). Statistics are
+float32 for float32/float16/bfloat16 ``x``; float64 is not served.
 
 Backward: the M rows of each model are split into ``P`` fixed chunks, one
 program each. A program writes grad_x for its rows and the float32 partial sums
@@ -395,10 +396,12 @@ _sum_partials = Tuned(
     interpret_config=triton.Config({"BLOCK_R": 16}),
 )
 
-# Rows longer than this are swept in blocks. The interpreter uses a small
-# block so that tests with small D exercise the blocked path.
-_MAX_BLOCK_D = 4096
-_INTERPRET_MAX_BLOCK_D = 16
+# Rows up to _ONE_BLOCK_MAX_D elements are held whole; longer ones are swept in
+# _SWEEP_BLOCK_D blocks (a 4096-wide sweep block runs out of registers in the
+# backward). The interpreter uses small blocks so that tests with small D
+# exercise the sweep.
+_ONE_BLOCK_MAX_D, _SWEEP_BLOCK_D = 4096, 1024
+_INTERPRET_ONE_BLOCK_MAX_D, _INTERPRET_SWEEP_BLOCK_D = 16, 8
 # backward programs per SM: enough to hide latency, few enough that the
 # [B, P, D] partial buffers stay small next to x
 _PROGRAMS_PER_SM = 4
@@ -466,9 +469,13 @@ def _param_2d(p: Tensor | None, B: int, D: int, dummy: Tensor) -> tuple[Tensor, 
 
 
 def _block_d(D: int) -> tuple[int, bool]:
-    limit = _INTERPRET_MAX_BLOCK_D if interpreting() else _MAX_BLOCK_D
-    block = min(triton.next_power_of_2(D), limit)
-    return block, D <= block
+    """(BLOCK_D, whether one block holds a whole row)."""
+    if interpreting():
+        one_max, sweep = _INTERPRET_ONE_BLOCK_MAX_D, _INTERPRET_SWEEP_BLOCK_D
+    else:
+        one_max, sweep = _ONE_BLOCK_MAX_D, _SWEEP_BLOCK_D
+    block = triton.next_power_of_2(D)
+    return (block, True) if block <= one_max else (sweep, False)
 
 
 def _max_rows(tuned: Tuned, block_d: int) -> int:
