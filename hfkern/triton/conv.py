@@ -1,12 +1,12 @@
 """Array convolution as implicit GEMMs with the array dimension on the grid.
 
-Three kernels serve conv1d/conv2d and their transposed forms, forward and
+Two kernels serve conv1d/conv2d and their transposed forms, forward and
 backward (1-D runs as 2-D with a height of 1):
 
-``_conv_direct_kernel``
-    ``out[n, o, p] = sum_{i, k} in[n, i, p*s - pad + k*d] * w[o, i, k]``:
-    the forward of a convolution and the input gradient of a transposed one.
-``_conv_scatter_kernel``
+``_conv_gemm_kernel``
+    ``out[n, o, p] = sum_{i, k} in[n, i, p*s - pad + k*d] * w[o, i, k]``: the
+    forward of a convolution and the input gradient of a transposed one; with
+    ``TRANSPOSED``,
     ``out[n, o, p] = sum_{i, k: p + pad - k*d = q*s} in[n, i, q] * w[i, o, k]``:
     the forward of a transposed convolution and the input gradient of a plain one.
 ``_conv_wgrad_kernel``
@@ -15,7 +15,7 @@ backward (1-D runs as 2-D with a height of 1):
     ``in`` its output gradient), split over the reduction for parallelism with
     per-split fp32 partials summed in a fixed order (deterministic, no atomics).
 
-Every kernel is one GEMM per (model, group) on ``program_id(2)``: rows are
+Each is one GEMM per (model, group) on ``program_id(2)``: rows are
 output pixels ``(n, oh, ow)``, columns output channels, the reduction runs over
 ``(input channel, kh, kw)``. Tensors are addressed through their strides, so the
 ``[N, B, C, H, W]`` memory behind the array conv's ``[B, N, C, H, W]`` views is
@@ -60,21 +60,23 @@ _INTERPRET_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16})
 
 
 @triton.jit
-def _conv_direct_kernel(
+def _conv_gemm_kernel(
     x_ptr,  # [B, N, C_in, H, W]   (model stride 0: one input shared by all models)
-    w_ptr,  # [B, C_out, C_in/G, KH, KW] addressed by (model, out ch, in ch, kh, kw) strides
+    w_ptr,  # plain: [B, C_out, C_in/G, KH, KW]; TRANSPOSED: [B, C_in, C_out/G, KH, KW]
     bias_ptr,  # [B, C_out] (unused unless HAS_BIAS)
     y_ptr,  # [B, N, C_out, OH, OW]
     N, H, W, OH, OW, C_IN_G, C_OUT_G, G,
     sxb, sxn, sxc, sxh, sxw,
-    swb, swo, swi, swh, sww,
+    swb, sw1, sw2, swh, sww,  # weight strides: model, dim 1, dim 2, kh, kw
     sbb, sbc,
     syb, syn, syc, syh, syw,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # One (model, group) GEMM: rows are output pixels (n, oh, ow), columns output
+    # channels of the group, the reduction runs over (input channel, kh, kw).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_bg = tl.program_id(2)
@@ -92,9 +94,12 @@ def _conv_direct_kernel(
     n_ok = offs_n < C_OUT_G
 
     x_rows = x_ptr + b * sxb + g * C_IN_G * sxc + n.to(tl.int64)[:, None] * sxn
-    w_cols = w_ptr + b * swb + (g * C_OUT_G + offs_n).to(tl.int64)[None, :] * swo
-    ih0 = oh * STRIDE_H - PAD_H
-    iw0 = ow * STRIDE_W - PAD_W
+    if TRANSPOSED:  # weight dim 1 = input channels (global), dim 2 = output channels of the group
+        w_cols = w_ptr + b * swb + g * C_IN_G * sw1 + offs_n.to(tl.int64)[None, :] * sw2
+        sw_in = sw1
+    else:  # weight dim 1 = output channels (global), dim 2 = input channels of the group
+        w_cols = w_ptr + b * swb + (g * C_OUT_G + offs_n).to(tl.int64)[None, :] * sw1
+        sw_in = sw2
 
     K = C_IN_G * KH * KW
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -105,88 +110,27 @@ def _conv_direct_kernel(
         kr = offs_k % (KH * KW)
         kh = kr // KW
         kw = kr % KW
-        ih = ih0[:, None] + kh[None, :] * DIL_H
-        iw = iw0[:, None] + kw[None, :] * DIL_W
-        a_ok = m_ok[:, None] & k_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        if TRANSPOSED:
+            # Output row oh receives input row q where q*STRIDE - PAD + kh*DIL == oh.
+            th = oh[:, None] + PAD_H - kh[None, :] * DIL_H
+            tw = ow[:, None] + PAD_W - kw[None, :] * DIL_W
+            # th, tw < 0 are masked; clamp first so // and % never see negatives.
+            thc = tl.maximum(th, 0)
+            twc = tl.maximum(tw, 0)
+            ih = thc // STRIDE_H
+            iw = twc // STRIDE_W
+            in_ok = ((th >= 0) & (tw >= 0) & (thc % STRIDE_H == 0) & (twc % STRIDE_W == 0)
+                     & (ih < H) & (iw < W))
+        else:
+            ih = oh[:, None] * STRIDE_H - PAD_H + kh[None, :] * DIL_H
+            iw = ow[:, None] * STRIDE_W - PAD_W + kw[None, :] * DIL_W
+            in_ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         a = tl.load(
             x_rows + ci.to(tl.int64)[None, :] * sxc + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw,
-            mask=a_ok, other=0.0,
+            mask=m_ok[:, None] & k_ok[None, :] & in_ok, other=0.0,
         )
         w = tl.load(
-            w_cols + ci.to(tl.int64)[:, None] * swi + kh[:, None] * swh + kw[:, None] * sww,
-            mask=k_ok[:, None] & n_ok[None, :], other=0.0,
-        )
-        acc += tl.dot(a, w, input_precision=PRECISION)
-
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + b * sbb + (g * C_OUT_G + offs_n) * sbc, mask=n_ok, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    y = (y_ptr + b * syb + n.to(tl.int64)[:, None] * syn
-         + (g * C_OUT_G + offs_n).to(tl.int64)[None, :] * syc
-         + oh.to(tl.int64)[:, None] * syh + ow.to(tl.int64)[:, None] * syw)
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _conv_scatter_kernel(
-    x_ptr,  # [B, N, C_in, H, W]: the transposed conv's input (model stride 0 if shared)
-    w_ptr,  # [B, C_in, C_out/G, KH, KW] addressed by (model, in ch, out ch, kh, kw) strides
-    bias_ptr,  # [B, C_out] (unused unless HAS_BIAS)
-    y_ptr,  # [B, N, C_out, OH, OW]
-    N, H, W, OH, OW, C_IN_G, C_OUT_G, G,
-    sxb, sxn, sxc, sxh, sxw,
-    swb, swi, swo, swh, sww,
-    sbb, sbc,
-    syb, syn, syc, syh, syw,
-    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
-    DIL_H: tl.constexpr, DIL_W: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_bg = tl.program_id(2)
-    b = (pid_bg // G).to(tl.int64)
-    g = (pid_bg % G).to(tl.int64)
-
-    M = N * OH * OW
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = offs_m // (OH * OW)
-    rem = offs_m % (OH * OW)
-    oh = rem // OW
-    ow = rem % OW
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < C_OUT_G
-
-    x_rows = x_ptr + b * sxb + g * C_IN_G * sxc + n.to(tl.int64)[:, None] * sxn
-    w_cols = w_ptr + b * swb + g * C_IN_G * swi + offs_n.to(tl.int64)[None, :] * swo
-
-    K = C_IN_G * KH * KW
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        ci = offs_k // (KH * KW)
-        kr = offs_k % (KH * KW)
-        kh = kr // KW
-        kw = kr % KW
-        # Output row oh receives input row q where q*STRIDE - PAD + kh*DIL == oh.
-        th = oh[:, None] + PAD_H - kh[None, :] * DIL_H
-        tw = ow[:, None] + PAD_W - kw[None, :] * DIL_W
-        # th, tw < 0 are masked; clamp first so // and % never see negatives.
-        thc = tl.maximum(th, 0)
-        twc = tl.maximum(tw, 0)
-        ih = thc // STRIDE_H
-        iw = twc // STRIDE_W
-        a_ok = (m_ok[:, None] & k_ok[None, :] & (th >= 0) & (tw >= 0)
-                & (thc % STRIDE_H == 0) & (twc % STRIDE_W == 0) & (ih < H) & (iw < W))
-        a = tl.load(
-            x_rows + ci.to(tl.int64)[None, :] * sxc + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw,
-            mask=a_ok, other=0.0,
-        )
-        w = tl.load(
-            w_cols + ci.to(tl.int64)[:, None] * swi + kh[:, None] * swh + kw[:, None] * sww,
+            w_cols + ci.to(tl.int64)[:, None] * sw_in + kh[:, None] * swh + kw[:, None] * sww,
             mask=k_ok[:, None] & n_ok[None, :], other=0.0,
         )
         acc += tl.dot(a, w, input_precision=PRECISION)
@@ -266,10 +210,9 @@ def _conv_wgrad_kernel(
     tl.store(out, acc, mask=a_ok[:, None] & c_ok[None, :])
 
 
-_direct = Tuned(_conv_direct_kernel, _GEMM_CONFIGS, ["N", "OH", "OW", "C_IN_G", "C_OUT_G"],
-                interpret_config=_INTERPRET_CONFIG)
-_scatter = Tuned(_conv_scatter_kernel, _GEMM_CONFIGS, ["N", "OH", "OW", "C_IN_G", "C_OUT_G"],
-                 interpret_config=_INTERPRET_CONFIG)
+_gemm = Tuned(_conv_gemm_kernel, _GEMM_CONFIGS,
+              ["N", "OH", "OW", "C_IN_G", "C_OUT_G", "KH", "KW", "TRANSPOSED"],
+              interpret_config=_INTERPRET_CONFIG)
 _wgrad = Tuned(_conv_wgrad_kernel, _GEMM_CONFIGS, ["A_G", "C_G", "CHUNK", "OH", "OW"],
                interpret_config=_INTERPRET_CONFIG)
 
@@ -312,7 +255,8 @@ def _kernel_hw(w: torch.Tensor) -> tuple[int, int]:
     return (1, w.shape[-1]) if w.dim() == 4 else (w.shape[-2], w.shape[-1])
 
 
-def _launch_gemm(kernel, x, x_strides, w, w_strides, bias, y, y_strides, sizes, geom, n_models, groups, dtype):
+def _launch_gemm(transposed, x, x_strides, w, w_strides, bias, y, y_strides, sizes, geom, n_models,
+                 groups, dtype):
     N, H, W, OH, OW, c_in_g, c_out_g = sizes
     (sh, sw), (ph, pw), (dh, dw) = geom
     kh, kw = _kernel_hw(w)
@@ -324,11 +268,11 @@ def _launch_gemm(kernel, x, x_strides, w, w_strides, bias, y, y_strides, sizes, 
         return (triton.cdiv(N * OH * OW, meta["BLOCK_M"]), triton.cdiv(c_out_g, meta["BLOCK_N"]),
                 n_models * groups)
 
-    kernel[grid](
+    _gemm[grid](
         x, w, bias_arg, y,
         N, H, W, OH, OW, c_in_g, c_out_g, groups,
         *x_strides, *w_strides, *b_strides, *y_strides,
-        sh, sw, ph, pw, dh, dw, kh, kw, has_bias, _precision(dtype),
+        sh, sw, ph, pw, dh, dw, kh, kw, transposed, has_bias, _precision(dtype),
     )
 
 
@@ -373,14 +317,13 @@ def array_conv(
         # One dense GEMM for all B models: their weights are B*C_out columns.
         ws = _weight_strides(weight)
         _launch_gemm(
-            _direct, x2, _strides5(x2, True), weight, (0, ws[1], ws[2], ws[3], ws[4]),
+            False, x2, _strides5(x2, True), weight, (0, ws[1], ws[2], ws[3], ws[4]),
             None if bias is None else bias.reshape(1, B * C_out),
             y2, (0, y_strides[1], y_strides[2], y_strides[3], y_strides[4]),
             (N, H, W, OH, OW, C_in, B * C_out), geom, 1, 1, x.dtype,
         )
         return y
-    kernel = _scatter if transposed else _direct
-    _launch_gemm(kernel, x2, _strides5(x2, shared), weight, _weight_strides(weight), bias,
+    _launch_gemm(transposed, x2, _strides5(x2, shared), weight, _weight_strides(weight), bias,
                  y2, y_strides, sizes, geom, B, groups, x.dtype)
     return y
 
@@ -420,11 +363,13 @@ def array_conv_input_grad(
     c_in_g, c_out_g = C_in // groups, C_out // groups
     # The input gradient of a conv is a transposed conv of grad_out (and vice
     # versa): the same kernels with the weight's two channel dims swapped.
-    # Here the kernels' "in" channels are grad_out's and their "out" channels the
-    # input's. The direct kernel reads its weight as (model, out, in/G) and the
-    # scatter kernel as (model, in, out/G): a transposed conv's [B, C_in, C_out/G]
-    # and a conv's [B, C_out, C_in/G] weight are exactly that, strides unchanged.
-    kernel = _direct if transposed else _scatter
+    # The input gradient of a conv is a transposed conv of grad_out and vice
+    # versa: here the kernel's "in" channels are grad_out's and its "out"
+    # channels the input's. A plain GEMM reads its weight as (model, out, in/G)
+    # and a transposed one as (model, in, out/G): a transposed conv's
+    # [B, C_in, C_out/G] and a conv's [B, C_out, C_in/G] weight are exactly
+    # that, strides unchanged.
+    adjoint = not transposed
     w_strides = _weight_strides(weight)
     sizes = (N, OH, OW, H, W, c_out_g, c_in_g)
     if shared:
@@ -433,17 +378,17 @@ def array_conv_input_grad(
         if groups == 1 and not transposed and gy_merged and w_merged:
             # One reduction over all B*C_out channels sums the models' gradients.
             gs = gy2.stride()
-            _launch_gemm(kernel, gy2, (0, gs[1], gs[2], gs[3], gs[4]), weight,
+            _launch_gemm(adjoint, gy2, (0, gs[1], gs[2], gs[3], gs[4]), weight,
                          (0, w_strides[1], w_strides[2], w_strides[3], w_strides[4]), None,
                          gx2, (0, *gx2.stride()), (N, OH, OW, H, W, B * C_out, C_in),
                          geom, 1, 1, grad_out.dtype)
             return gx
         per_model = grad_out.new_empty((N, B, *input_size[1:])).transpose(0, 1)
         pm2 = _as_2d(per_model, nd)
-        _launch_gemm(kernel, gy2, tuple(gy2.stride()), weight, w_strides, None,
+        _launch_gemm(adjoint, gy2, tuple(gy2.stride()), weight, w_strides, None,
                      pm2, tuple(pm2.stride()), sizes, geom, B, groups, grad_out.dtype)
         return per_model.sum(0)  # fixed-order reduction over the models
-    _launch_gemm(kernel, gy2, tuple(gy2.stride()), weight, w_strides, None,
+    _launch_gemm(adjoint, gy2, tuple(gy2.stride()), weight, w_strides, None,
                  gx2, tuple(gx2.stride()), sizes, geom, B, groups, grad_out.dtype)
     return gx
 
