@@ -72,25 +72,48 @@ def _conv_gemm_kernel(
     syb, syn, syc, syh, syw,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    TRANSPOSED: tl.constexpr, PHASED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # One (model, group) GEMM: rows are output pixels (n, oh, ow), columns output
     # channels of the group, the reduction runs over (input channel, kh, kw).
+    #
+    # PHASED (transposed, dilation 1, stride > 1): only the taps kh = kh0 (mod
+    # STRIDE) reach an output row of phase oh % STRIDE, so each program takes the
+    # pixels of one phase and reduces over just those taps instead of masking
+    # the other (STRIDE_H*STRIDE_W - 1)/(STRIDE_H*STRIDE_W) of the reduction.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_bg = tl.program_id(2)
     b = (pid_bg // G).to(tl.int64)
     g = (pid_bg % G).to(tl.int64)
 
-    M = N * OH * OW
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = offs_m // (OH * OW)
-    rem = offs_m % (OH * OW)
-    oh = rem // OW
-    ow = rem % OW
+    if PHASED:
+        tiles = tl.cdiv(N * tl.cdiv(OH, STRIDE_H) * tl.cdiv(OW, STRIDE_W), BLOCK_M)
+        phase = pid_m // tiles
+        rh = phase // STRIDE_W
+        rw = phase % STRIDE_W
+        OHP = tl.cdiv(OH - rh, STRIDE_H)
+        OWP = tl.cdiv(OW - rw, STRIDE_W)
+        offs_m = (pid_m % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < N * OHP * OWP
+        n = offs_m // tl.maximum(OHP * OWP, 1)
+        rem = offs_m % tl.maximum(OHP * OWP, 1)
+        oh = rh + (rem // tl.maximum(OWP, 1)) * STRIDE_H
+        ow = rw + (rem % tl.maximum(OWP, 1)) * STRIDE_W
+        kh0 = (rh + PAD_H) % STRIDE_H
+        kw0 = (rw + PAD_W) % STRIDE_W
+        KHP = tl.cdiv(KH - kh0, STRIDE_H)
+        KWP = tl.cdiv(KW - kw0, STRIDE_W)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < N * OH * OW
+        n = offs_m // (OH * OW)
+        rem = offs_m % (OH * OW)
+        oh = rem // OW
+        ow = rem % OW
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
     n_ok = offs_n < C_OUT_G
 
     x_rows = x_ptr + b * sxb + g * C_IN_G * sxc + n.to(tl.int64)[:, None] * sxn
@@ -101,16 +124,31 @@ def _conv_gemm_kernel(
         w_cols = w_ptr + b * swb + (g * C_OUT_G + offs_n).to(tl.int64)[None, :] * sw1
         sw_in = sw2
 
-    K = C_IN_G * KH * KW
+    if PHASED:
+        K = C_IN_G * KHP * KWP
+    else:
+        K = C_IN_G * KH * KW
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        ci = offs_k // (KH * KW)
-        kr = offs_k % (KH * KW)
-        kh = kr // KW
-        kw = kr % KW
-        if TRANSPOSED:
+        if PHASED:
+            ci = offs_k // tl.maximum(KHP * KWP, 1)
+            kr = offs_k % tl.maximum(KHP * KWP, 1)
+            kh = kh0 + (kr // tl.maximum(KWP, 1)) * STRIDE_H
+            kw = kw0 + (kr % tl.maximum(KWP, 1)) * STRIDE_W
+        else:
+            ci = offs_k // (KH * KW)
+            kr = offs_k % (KH * KW)
+            kh = kr // KW
+            kw = kr % KW
+        if PHASED:
+            # oh + PAD - kh is an exact multiple of the stride for these taps.
+            ih = (oh[:, None] + PAD_H - kh[None, :]) // STRIDE_H
+            iw = (ow[:, None] + PAD_W - kw[None, :]) // STRIDE_W
+            in_ok = (oh[:, None] + PAD_H - kh[None, :] >= 0) & (ow[:, None] + PAD_W - kw[None, :] >= 0)
+            in_ok = in_ok & (ih < H) & (iw < W)
+        elif TRANSPOSED:
             # Output row oh receives input row q where q*STRIDE - PAD + kh*DIL == oh.
             th = oh[:, None] + PAD_H - kh[None, :] * DIL_H
             tw = ow[:, None] + PAD_W - kw[None, :] * DIL_W
@@ -211,7 +249,7 @@ def _conv_wgrad_kernel(
 
 
 _gemm = Tuned(_conv_gemm_kernel, _GEMM_CONFIGS,
-              ["N", "OH", "OW", "C_IN_G", "C_OUT_G", "KH", "KW", "TRANSPOSED"],
+              ["N", "OH", "OW", "C_IN_G", "C_OUT_G", "KH", "KW", "TRANSPOSED", "PHASED"],
               interpret_config=_INTERPRET_CONFIG)
 _wgrad = Tuned(_conv_wgrad_kernel, _GEMM_CONFIGS, ["A_G", "C_G", "CHUNK", "OH", "OW"],
                interpret_config=_INTERPRET_CONFIG)
@@ -264,15 +302,21 @@ def _launch_gemm(transposed, x, x_strides, w, w_strides, bias, y, y_strides, siz
     bias_arg = bias if has_bias else y
     b_strides = bias.stride() if has_bias else (0, 0)
 
+    phased = transposed and (sh, sw) != (1, 1) and (dh, dw) == (1, 1)
+
     def grid(meta):
-        return (triton.cdiv(N * OH * OW, meta["BLOCK_M"]), triton.cdiv(c_out_g, meta["BLOCK_N"]),
-                n_models * groups)
+        if phased:
+            per_phase = N * triton.cdiv(OH, sh) * triton.cdiv(OW, sw)
+            rows = sh * sw * triton.cdiv(per_phase, meta["BLOCK_M"])
+        else:
+            rows = triton.cdiv(N * OH * OW, meta["BLOCK_M"])
+        return (rows, triton.cdiv(c_out_g, meta["BLOCK_N"]), n_models * groups)
 
     _gemm[grid](
         x, w, bias_arg, y,
         N, H, W, OH, OW, c_in_g, c_out_g, groups,
         *x_strides, *w_strides, *b_strides, *y_strides,
-        sh, sw, ph, pw, dh, dw, kh, kw, transposed, has_bias, _precision(dtype),
+        sh, sw, ph, pw, dh, dw, kh, kw, transposed, phased, has_bias, _precision(dtype),
     )
 
 

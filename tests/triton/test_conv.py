@@ -206,3 +206,19 @@ def test_interpreter_opcheck_schema_and_fake(transposed, shared):
     gy = torch.randn_like(y)
     torch.library.opcheck(ct.array_conv_input_grad_triton, (gy, w, list(x.shape), *conv), test_utils=utils)
     torch.library.opcheck(ct.array_conv_weight_grad_triton, (gy, x, w, *conv), test_utils=utils)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("geometry", [
+    dict(stride=(2, 2), padding=(1, 1), k=(4, 4), sp=(5, 4)),          # DCGAN-like
+    dict(stride=(3, 2), padding=(0, 1), k=(2, 3), sp=(4, 5)),          # kernel smaller than stride
+    dict(stride=(2, 3), padding=(2, 0), k=(5, 1), sp=(3, 4)),          # a phase with no tap
+])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_interpreter_strided_phases(geometry, transposed, ieee_fp32):
+    # A strided conv's input gradient and a strided transposed conv run the
+    # phase-split GEMM (dilation 1); every phase, including tap-less ones, is covered.
+    opts = dict(geometry, dilation=(1, 1))
+    if transposed:
+        opts["output_padding"] = (1, 1)
+    _check_all(*_case(2, transposed, 1, False, "batch_major", **opts), dict(atol=1e-4, rtol=1e-4))
