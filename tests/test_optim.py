@@ -890,3 +890,28 @@ def test_ops_check_their_arguments():
     sgd[3] = _op_args("SGD")[3]  # step counts without momentum buffers
     with pytest.raises(ValueError, match="steps to hold 0 tensors"):
         ops.sgd_step_(*sgd)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: hoptim.Adam(ps, lr=[0.1, 0.2, 0.3], amsgrad=True),
+    lambda ps: hoptim.AdamW(ps, lr=[0.1, 0.2, 0.3]),
+    lambda ps: hoptim.RMSprop(ps, lr=[0.1, 0.2, 0.3], centered=True, momentum=0.5),
+])
+def test_group_mixing_float64_and_float32_params(make):
+    # Each parameter's trajectory does not depend on the others in its group.
+    torch.manual_seed(3)
+    init = [torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 5)]
+    grads = [[torch.randn_like(t) for t in init] for _ in range(4)]
+    mixed = [torch.nn.Parameter(t.clone()) for t in init]
+    alone = [torch.nn.Parameter(t.clone()) for t in init]
+    opt_mixed = make(mixed)
+    opts_alone = [make([p]) for p in alone]
+    for step_grads in grads:
+        for p, q, g in zip(mixed, alone, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_mixed.step()
+        for o in opts_alone:
+            o.step()
+    # a mixed group keeps float32 hyperparameters, a float64-only one float64
+    for p, q in zip(mixed, alone):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)

@@ -447,3 +447,12 @@ _backend.register(_ADAGRAD, "torch", optim_torch.adagrad_step_)
 _backend.register(_ADADELTA, "torch", optim_torch.adadelta_step_)
 _backend.register(_RMSPROP, "torch", optim_torch.rmsprop_step_)
 _backend.register(_NONFINITE, "torch", optim_torch.nonfinite_models)
+
+
+# The Triton implementations are torch.library triton ops defined in
+# hfkern/ops/optim_triton.py, imported on first use (defining a triton op imports
+# triton and parts of inductor, which plain "import hfkern" should not pay for).
+# auto=False: auto picks them only once a GPU benchmark shows them faster.
+for _op in (_SGD, _ADAM, _ADAGRAD, _ADADELTA, _RMSPROP, _NONFINITE):
+    _backend.register(_op, "triton", f"hfkern.ops.optim_triton:{_op.rstrip('_')}_triton",
+                      device_types=("cuda",), auto=False)

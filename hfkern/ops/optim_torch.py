@@ -33,6 +33,12 @@ def _cols(h: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
     return [_col(h, t) for t in tensors]
 
 
+def _lerp_weights(h: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``_cols`` in each tensor's dtype: foreach lerp wants its weight in the tensor's
+    dtype, and one group may mix float64 state with float32 hyperparameters."""
+    return [_col(h.to(t.dtype), t) for t in tensors]
+
+
 def _per_tensor(x: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
     """Row i of the ``[n, B]`` tensor ``x`` as a column broadcasting against ``tensors[i]``."""
     return [_col(row, t) for row, t in zip(x.unbind(0), tensors)]
@@ -167,7 +173,7 @@ def adam_step_(
     if has_weight_decay and decoupled_weight_decay:
         torch._foreach_mul_(p, _cols(1 - lr * weight_decay, p))
     m, v = targets(exp_avgs), targets(exp_avg_sqs)
-    torch._foreach_lerp_(m, d, _cols(1 - beta1, m))
+    torch._foreach_lerp_(m, d, _lerp_weights(1 - beta1, m))
     _ema_sq_(v, d, beta2)
     if amsgrad:
         v_max = targets(max_exp_avg_sqs)
@@ -264,7 +270,7 @@ def rmsprop_step_(
     _ema_sq_(sq, d, alpha)
     if centered:
         g_avg = targets(grad_avgs)
-        torch._foreach_lerp_(g_avg, d, _cols(1 - alpha, g_avg))
+        torch._foreach_lerp_(g_avg, d, _lerp_weights(1 - alpha, g_avg))
         avg = torch._foreach_addcmul(sq, g_avg, g_avg, value=-1)
         torch._foreach_sqrt_(avg)
     else:

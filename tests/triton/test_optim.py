@@ -1,0 +1,466 @@
+"""Triton multi-tensor optimizer steps against the torch implementation.
+
+Interpreter tests call the launchers on CPU tensors (TRITON_INTERPRET=1) next to
+hfkern/ops/optim_torch.py, several steps in a row, with tensors of odd sizes
+that span several tiles. GPU tests run every array optimizer under the triton
+backend against the torch backend.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+
+import hfkern
+import hfkern.optim as hoptim
+from hfkern.ops import optim as ops
+from hfkern.ops import optim_torch as ref
+
+triton = pytest.importorskip("triton")
+from hfkern.ops import optim_triton as tops  # noqa: E402  (needs triton)
+from hfkern.triton import optim as tk  # noqa: E402
+
+# Per-model shapes: a [B] bias, a small odd matrix, a 16-multiple (aligned tiles) over
+# several tiles, and an odd one over several tiles (interpreter tiles are 64 elements).
+SHAPES = [(), (5, 3), (16, 9), (37, 11)]
+NAMES = ["sgd", "adam", "adagrad", "adadelta", "rmsprop"]
+
+
+def spread(lo, hi, B):
+    return [lo + (hi - lo) * b / max(B - 1, 1) for b in range(B)]
+
+
+class Case:
+    """The arguments of one op for a fresh optimizer state, and their order."""
+
+    def __init__(self, name, opts, B, shapes=SHAPES, dtype=torch.float32, params=None, device="cpu"):
+        self.name, self.opts, self.B = name, opts, B
+        self.params = params if params is not None else [
+            torch.randn(B, *s, dtype=dtype, device=device) for s in shapes
+        ]
+        ps = self.params
+        dev = ps[0].device
+
+        def zeros():  # as the optimizers allocate state: the parameter's strides
+            return [torch.zeros_like(p, dtype=ops.state_dtype(p.dtype)) for p in ps]
+
+        hdt = torch.float64 if all(p.dtype == torch.float64 for p in ps) else torch.float32
+        s = lambda lo, hi: torch.tensor(spread(lo, hi, B), dtype=hdt, device=dev)  # noqa: E731
+        wd = s(0.01, 0.05) if opts.get("wd") else torch.zeros(B, dtype=hdt, device=dev)
+        # Counts differ per (tensor, model), and a model's first update (count 0) meets later ones.
+        steps = [torch.tensor([float((i + b) % 3) for b in range(B)], device=dev) for i in range(len(ps))]
+        if name == "sgd":
+            momentum = s(0.5, 0.9)
+            momentum[0] = 0.0  # dampening is ignored for a model without momentum
+            self.hypers = torch.stack([s(0.05, 0.1), momentum, s(0.1, 0.3), wd])
+            self.states = [zeros()] if opts["momentum"] else [[]]
+            self.steps = steps if opts["momentum"] else []
+        elif name == "adam":
+            beta1 = s(0.8, 0.9)
+            if opts.get("zero_beta1"):
+                beta1[0] = 0.0
+            self.hypers = torch.stack([s(0.01, 0.03), beta1, s(0.95, 0.999), s(1e-8, 1e-6), wd])
+            self.states = [zeros(), zeros(), zeros() if opts["amsgrad"] else []]
+            self.steps = steps
+        elif name == "adagrad":
+            self.hypers = torch.stack([s(0.05, 0.1), s(0.0, 0.1), wd, s(1e-10, 1e-6)])
+            self.states = [[z + 0.1 * b for b, z in enumerate(zeros())]]  # initial_accumulator_value
+            self.steps = steps
+        elif name == "adadelta":
+            self.hypers = torch.stack([s(0.5, 1.0), s(0.8, 0.95), s(1e-6, 1e-4), wd])
+            self.states = [zeros(), zeros()]
+            self.steps = steps
+        elif name == "rmsprop":
+            momentum = s(0.0, 0.9) if opts["momentum"] else torch.zeros(B, dtype=hdt, device=dev)
+            self.hypers = torch.stack([s(0.001, 0.01), s(0.9, 0.99), s(1e-8, 1e-6), wd, momentum])
+            self.states = [zeros(), zeros() if opts["centered"] else [],
+                           zeros() if opts["momentum"] else []]
+            self.steps = steps
+        else:
+            raise AssertionError(name)
+
+    def clone(self):
+        other = Case.__new__(Case)
+        other.name, other.opts, other.B, other.hypers = self.name, self.opts, self.B, self.hypers
+        other.params = [p.clone() for p in self.params]
+        other.states = [[t.clone() for t in lst] for lst in self.states]
+        other.steps = [t.clone() for t in self.steps]
+        return other
+
+    def mutated(self):
+        """Every tensor the op writes."""
+        return self.params + [t for lst in self.states for t in lst] + self.steps
+
+    def args(self, grads, skip):
+        o, p, st = self.opts, self.params, self.states
+        wd = bool(o.get("wd"))
+        if self.name == "sgd":
+            return (p, grads, st[0], self.steps, self.hypers, o.get("nesterov", False),
+                    o.get("maximize", False), wd, skip)
+        if self.name == "adam":
+            return (p, grads, st[0], st[1], st[2], self.steps, self.hypers, o["amsgrad"],
+                    o.get("maximize", False), o.get("decoupled", False), wd, skip)
+        if self.name == "adagrad":
+            return (p, grads, st[0], self.steps, self.hypers, o.get("maximize", False), wd, skip)
+        if self.name == "adadelta":
+            return (p, grads, st[0], st[1], self.steps, self.hypers, o.get("maximize", False), wd, skip)
+        return (p, grads, st[0], st[1], st[2], self.steps, self.hypers, o["centered"],
+                o.get("maximize", False), wd, skip)
+
+    def run(self, impl, grads, skip=None):
+        getattr(impl, f"{self.name}_step_")(*self.args(grads, skip))
+
+    def run_by_dtype(self, impl, grads, skip=None):
+        """One call per parameter dtype (the tensors and models of a call are independent)."""
+        for dtype in {p.dtype for p in self.params}:
+            keep = [i for i, p in enumerate(self.params) if p.dtype == dtype]
+            part = Case.__new__(Case)
+            part.name, part.opts, part.B, part.hypers = self.name, self.opts, self.B, self.hypers
+            if dtype == torch.float64:
+                # The torch path's foreach lerp needs float64 weights for float64 state.
+                part.hypers = self.hypers.double()
+            part.params = [self.params[i] for i in keep]
+            part.states = [[lst[i] for i in keep] if lst else [] for lst in self.states]
+            part.steps = [self.steps[i] for i in keep] if self.steps else []
+            part.run(impl, [grads[i] for i in keep], skip)
+
+
+def assert_same_state(got: Case, want: Case, **tol):
+    for a, b in zip(got.mutated(), want.mutated()):
+        torch.testing.assert_close(a, b, **tol)
+
+
+CASES = [
+    ("sgd", dict(momentum=False)),
+    ("sgd", dict(momentum=True, maximize=True, wd=True)),
+    ("sgd", dict(momentum=True, nesterov=True, wd=True)),
+    ("adam", dict(amsgrad=False)),
+    ("adam", dict(amsgrad=True, wd=True)),
+    ("adam", dict(amsgrad=True, maximize=True, decoupled=True, wd=True)),
+    ("adam", dict(amsgrad=False, decoupled=True, wd=True, zero_beta1=True)),
+    ("adagrad", dict()),
+    ("adagrad", dict(maximize=True, wd=True)),
+    ("adadelta", dict()),
+    ("adadelta", dict(maximize=True, wd=True)),
+    ("rmsprop", dict(centered=False, momentum=False)),
+    ("rmsprop", dict(centered=True, momentum=False, wd=True)),
+    ("rmsprop", dict(centered=False, momentum=True, maximize=True)),
+    ("rmsprop", dict(centered=True, momentum=True, maximize=True, wd=True)),
+]
+
+
+def _id(case):
+    name, opts = case
+    return "-".join([name] + [k for k, v in opts.items() if v])
+
+
+# ---- interpreter: launchers against the torch implementation --------------------
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # log(beta1 = 0)
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # its unselected branch
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_steps_match_torch(case, B):
+    """Three steps: unmasked, then a mask whose skipped model has poisoned gradients, then
+    another mask; the skipped model stays bit-identical, the others follow torch."""
+    name, opts = case
+    want = Case(name, opts, B)
+    got = want.clone()
+    masks = [None, torch.tensor([True] + [False] * (B - 1)), torch.tensor([False] * (B - 1) + [True])]
+    if B == 3:
+        masks[1] = torch.tensor([False, True, False])
+    start = [p.clone() for p in got.params]
+    for step, skip in enumerate(masks):
+        grads = [torch.randn_like(p) for p in want.params]
+        if skip is not None:
+            bad = int(skip.nonzero()[0])
+            for g in grads:
+                g[bad] = math.nan
+            grads[3][bad, 0, 1] = -math.inf
+        before = [t.clone() for t in got.mutated()]
+        want.run(ref, grads, skip)
+        got.run(tk, grads, skip)
+        assert_same_state(got, want, rtol=1e-5, atol=1e-6)
+        if skip is not None:
+            for t, b in zip(got.mutated(), before):
+                assert torch.equal(t[bad], b[bad]), (step, bad)
+        assert all(torch.equal(t, u) for t, u in zip(got.steps, want.steps))
+    assert all(not torch.equal(p, p0) for p, p0 in zip(got.params, start))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", ["sgd", "adam", "rmsprop"])
+def test_float64_and_mixed_dtypes(name):
+    """float64 parameters compute in float64; a call with float32 and float64 parameters runs
+    one launch per dtype (float32 hyperparameters, as the optimizers store for mixed groups)."""
+    opts = {"sgd": dict(momentum=True, nesterov=True, wd=True), "adam": dict(amsgrad=True, wd=True),
+            "rmsprop": dict(centered=True, momentum=True, wd=True)}[name]
+    B = 3
+    for dtypes in ([torch.float64] * 3, [torch.float32, torch.float64, torch.float32]):
+        params = [torch.randn(B, *s, dtype=dt) for s, dt in zip([(5, 3), (37, 11), (16,)], dtypes)]
+        want = Case(name, opts, B, params=params)
+        got = want.clone()
+        for skip in (None, torch.tensor([False, True, False])):
+            grads = [torch.randn_like(p) for p in params]
+            want.run_by_dtype(ref, grads, skip)
+            got.run(tk, grads, skip)
+        assert {p.dtype for p in got.params} == set(dtypes)
+        only64 = set(dtypes) == {torch.float64}
+        tol = dict(rtol=1e-12, atol=1e-12) if only64 else dict(rtol=1e-5, atol=1e-6)
+        assert_same_state(got, want, **tol)
+
+
+@pytest.mark.interpreter
+def test_layouts():
+    """Model-major parameters with permuted inner dims work (state shares their strides); a
+    gradient laid out unlike its parameter is read through a copy; a parameter whose models
+    interleave in memory is refused."""
+    B = 3
+    p0 = torch.randn(B, 11, 5).transpose(1, 2)  # [B, 5, 11], model-major, inner dims permuted
+    p1 = torch.randn(B, 40)
+    want = Case("adam", dict(amsgrad=True, wd=True), B, params=[p0, p1])
+    for lst in want.states:
+        assert all(t.stride() == p.stride() for t, p in zip(lst, want.params))
+    got = want.clone()
+    for step in range(2):
+        g0 = torch.randn(B, 5, 11)  # contiguous: unlike p0's layout
+        g1 = torch.randn(B, 80)[:, ::2]  # not dense
+        want.run(ref, [g0, g1], None)
+        got.run(tk, [g0, g1], None)
+    assert_same_state(got, want, rtol=1e-5, atol=1e-6)
+
+    interleaved = torch.randn(7, B).t()  # [B, 7] with the models interleaved
+    bad = Case("sgd", dict(momentum=True), B, params=[interleaved])
+    with pytest.raises(ValueError, match=r"params\[0\].*strides \[1, 3\]"):
+        bad.run(tk, [torch.randn(B, 7)], None)
+    odd = Case("sgd", dict(momentum=True), B, params=[p1.clone()])
+    odd.states[0][0] = torch.zeros(40, B).t()
+    with pytest.raises(ValueError, match=r"momentum_buffers\[0\] laid out like params\[0\]"):
+        odd.run(tk, [torch.randn(B, 40)], None)
+
+
+@pytest.mark.interpreter
+def test_plan_is_cached_per_tensor_set_and_holds_no_tensors():
+    tk._plans.clear()
+    case = Case("adam", dict(amsgrad=False), 3)
+    want = case.clone()
+    grads = [torch.randn_like(p) for p in case.params]
+    for _ in range(3):
+        case.run(tk, grads)
+        want.run(ref, grads)
+    assert len(tk._plans) == 1
+    fresh = [g.clone() for g in grads]  # new gradient tensors (as after zero_grad(set_to_none=True))
+    case.run(tk, fresh)
+    want.run(ref, fresh)
+    assert_same_state(case, want, rtol=1e-5, atol=1e-6)
+    assert len(tk._plans) == 2
+    refs = [weakref.ref(t) for t in case.mutated() + fresh]
+    del case, want, fresh, grads
+    gc.collect()
+    assert all(r() is None for r in refs)
+    for _ in range(tk._MAX_CACHED + 3):
+        c = Case("sgd", dict(momentum=False), 1, shapes=[(3,)])
+        c.run(tk, [torch.randn(1, 3)])
+    assert len(tk._plans) == tk._MAX_CACHED
+
+
+@pytest.mark.interpreter
+def test_nonfinite_models():
+    B = 4
+    grads = [
+        torch.randn(B, 37, 11),  # several tiles per model
+        torch.randn(B, dtype=torch.float64),
+        torch.randn(B, 16, 8).half(),
+        torch.randn(B, 0),
+        torch.randn(B, 30, 2).transpose(1, 2),  # read in place: model-major
+        torch.randn(B, 9, 2)[:, :, 0],  # not dense: checked through a copy
+    ]
+    assert tk.nonfinite_models(grads).tolist() == [False] * B
+    grads[0][1, 36, 10] = math.inf  # the last element of model 1's last tile
+    grads[2][3, 0, 0] = -math.inf
+    grads[1][0] = math.nan
+    grads[5][3, 4] = math.nan
+    assert tk.nonfinite_models(grads).tolist() == ref.nonfinite_models(grads).tolist() == [
+        True, True, False, True]
+    grads[4][2, 1, 29] = math.nan
+    assert tk.nonfinite_models(grads).tolist() == [True, True, True, True]
+    big = torch.full((2, 8), 6e4, dtype=torch.float16)  # finite, though its sum is not
+    assert tk.nonfinite_models([big]).tolist() == [False, False]
+
+
+@pytest.mark.interpreter
+def test_configs_are_timed_on_scratch_tensors(monkeypatch):
+    """The timing path, with a live call's arguments (shrunk for the interpreter): it runs
+    the kernel on scratch tensors only, and every live tensor stays as it was."""
+    monkeypatch.setattr(tk, "_SCRATCH_ELEMS", 96)
+    case = Case("rmsprop", dict(centered=False, momentum=True, wd=True), 3)
+    grads = [torch.randn_like(p) for p in case.params]
+    names = ["square_avgs", "grad_avgs", "momentum_buffers"]
+    plan, _ = tk._plan(case.params, grads, case.states, names, case.steps)
+    before = [t.clone() for t in case.mutated()]
+    bases = [case.params[0], grads[0], case.states[0][0], case.params[0], case.states[2][0]]
+    skip = torch.tensor([False, True, False])
+    args = (plan.groups[0].tiles, *bases, case.hypers, case.hypers.stride(0), case.hypers.stride(1), skip)
+    meta = dict(HAS_SKIP=True, CENTERED=False, MOMENTUM=True, MAXIMIZE=False, HAS_WD=True, F64=False,
+                H64=False, VEC_P=4, VEC_S=4)
+    config = tk._tune_on_scratch("rmsprop", args, [True, False, True], False, case.hypers, meta)
+    assert config.kwargs["BLOCK"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(case.mutated(), before))
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # a skipped model's 1 - beta**0
+@pytest.mark.parametrize("name", NAMES)
+def test_opcheck_schema_and_fake(name):
+    # The kernels reach tensors through a device table, which a traced graph cannot
+    # follow: AOT tracing raises (below), so opcheck runs the schema and fake checks.
+    opts = {"sgd": dict(momentum=True, wd=True), "adam": dict(amsgrad=True, wd=True),
+            "adagrad": dict(wd=True), "adadelta": dict(wd=True),
+            "rmsprop": dict(centered=True, momentum=True, wd=True)}[name]
+    case = Case(name, opts, 3, shapes=[(4, 3), (5,)])
+    for skip in (None, torch.tensor([False, True, False])):
+        args = case.args([torch.randn_like(p) for p in case.params], skip)
+        torch.library.opcheck(getattr(tops, f"{name}_step_triton"), args,
+                              test_utils=("test_schema", "test_faketensor"))
+    grads = [torch.randn(3, 4, 2), torch.randn(3)]
+    torch.library.opcheck(tops.nonfinite_models_triton, (grads,),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.interpreter
+def test_aot_tracing_raises():
+    case = Case("adam", dict(amsgrad=False), 3, shapes=[(4,)])
+    args = case.args([torch.randn(3, 4)], None)
+    with pytest.raises(Exception, match="device table"):
+        torch.library.opcheck(tops.adam_step_triton, args, test_utils=("test_aot_dispatch_dynamic",))
+
+
+# ---- GPU: the optimizers under the triton backend against the torch backend ----
+
+DEV = "cuda"
+
+OPTIMIZERS = {
+    "SGD": dict(lr=[0.02, 0.05, 0.1], momentum=[0.0, 0.5, 0.9], dampening=0.1, weight_decay=0.01,
+                nesterov=False),
+    "SGD-nesterov": dict(lr=[0.02, 0.05, 0.1], momentum=[0.3, 0.5, 0.9], weight_decay=[0.0, 0.01, 0.02],
+                         nesterov=True, maximize=True),
+    "Adam": dict(lr=[0.001, 0.01, 0.03], betas=([0.0, 0.8, 0.9], [0.95, 0.99, 0.999]), weight_decay=0.01,
+                 amsgrad=True),
+    "AdamW": dict(lr=[0.001, 0.01, 0.03], betas=(0.9, [0.95, 0.99, 0.999]), maximize=True),
+    "Adagrad": dict(lr=[0.05, 0.1, 0.2], lr_decay=[0.0, 0.05, 0.1], initial_accumulator_value=0.1,
+                    weight_decay=0.01),
+    "Adadelta": dict(lr=[0.5, 1.0, 1.0], rho=[0.8, 0.9, 0.95], weight_decay=0.01, maximize=True),
+    "RMSprop": dict(lr=[0.001, 0.005, 0.01], alpha=[0.9, 0.95, 0.99], momentum=[0.0, 0.5, 0.9],
+                    centered=True, weight_decay=0.01),
+    "RMSprop-plain": dict(lr=[0.001, 0.005, 0.01]),
+}
+# [B] bias, odd, a conv weight, and one spanning several tiles at every chunk size.
+GPU_SHAPES = [(), (7, 3), (64, 3, 3, 3), (300, 257)]
+# Many tiles at the GPU chunk sizes, one tensor 16-byte aligned (4096 * 64) and one not.
+BIG_SHAPES = [(), (7, 3), (1000, 257), (4096, 64)]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def _train(cls_name, dtype, backend, steps=20, B=3, device=None):
+    device = device or DEV
+    cfg = OPTIMIZERS[cls_name]
+    cls = getattr(hoptim, cls_name.split("-")[0])
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(B, *s, generator=gen).to(device, dtype)) for s in GPU_SHAPES]
+    opt = cls(params, **cfg, skip_nonfinite=True)
+    skipped = []
+    with hfkern.use_backend(backend):
+        for step in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(device, dtype)
+            if step == 5:
+                params[-1].grad[2].view(-1)[-1] = math.nan  # model 2 skips this step
+            skip = torch.tensor([False, True, False], device=device) if step == 9 else None
+            opt.step(skip=skip)
+            skipped.append(opt.last_skipped.tolist())
+    return params, opt, skipped
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cls_name", list(OPTIMIZERS))
+def test_gpu_optimizers_match_torch_backend(cls_name, dtype):
+    p_t, opt_t, skipped_t = _train(cls_name, dtype, "torch")
+    p_k, opt_k, skipped_k = _train(cls_name, dtype, "triton")
+    assert skipped_k == skipped_t
+    assert skipped_k[5] == [False, False, True] and skipped_k[9] == [False, True, False]
+    for a, b in zip(p_k, p_t):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+        assert a.dtype == dtype
+    for a, b in zip(p_k, p_t):
+        sa, sb = opt_k.state[a], opt_t.state[b]
+        assert set(sa) == set(sb)
+        for key in sa:
+            if key == "step":
+                assert torch.equal(sa[key], sb[key])
+            else:
+                assert sa[key].dtype == sb[key].dtype == torch.float32
+                torch.testing.assert_close(sa[key], sb[key], **TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_steady_state_step_hits_the_cache_without_syncing():
+    params = [torch.nn.Parameter(torch.randn(4, *s, device=DEV)) for s in GPU_SHAPES]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = hoptim.Adam(params, lr=[0.01, 0.02, 0.03, 0.04], amsgrad=True, skip_nonfinite=True)
+    with hfkern.use_backend("triton"):
+        opt.step()  # builds the tables and times the kernel variant
+        cached = (len(tk._plans), len(tk._checks))
+        start = [p.detach().clone() for p in params]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                for p in params:
+                    p.grad.normal_()  # the same gradient tensors, as a training loop's
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert (len(tk._plans), len(tk._checks)) == cached
+    assert all(not torch.equal(p, p0) for p, p0 in zip(params, start))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_opcheck_triton_ops(name, dtype):
+    opts = {"sgd": dict(momentum=True, nesterov=True, wd=True), "adam": dict(amsgrad=True, wd=True),
+            "adagrad": dict(wd=True), "adadelta": dict(wd=True),
+            "rmsprop": dict(centered=True, momentum=True, wd=True)}[name]
+    case = Case(name, opts, 3, shapes=[(40, 33), (5,)], dtype=dtype, device=DEV)
+    utils = ("test_schema", "test_faketensor", "test_autograd_registration")
+    for skip in (None, torch.tensor([False, True, False], device=DEV)):
+        args = case.args([torch.randn_like(p) for p in case.params], skip)
+        torch.library.opcheck(getattr(tops, f"{name}_step_triton"), args, test_utils=utils)
+        with hfkern.use_backend("triton"):
+            # The hfkern op is opaque to tracing, so the AOT check runs through it.
+            torch.library.opcheck(getattr(ops, f"{name}_step_"), args)
+    grads = [torch.randn(3, 40, 33, device=DEV, dtype=dtype), torch.randn(3, device=DEV)]
+    torch.library.opcheck(tops.nonfinite_models_triton, (grads,), test_utils=utils)
+    with hfkern.use_backend("triton"):
+        torch.library.opcheck(ops.nonfinite_models, (grads,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_gpu_launchers_match_torch_many_tiles(case):
+    """Large tensors (many tiles at the GPU chunk sizes), 16-byte aligned and not."""
+    name, opts = case
+    want = Case(name, opts, 3, shapes=BIG_SHAPES, device=DEV)
+    got = want.clone()
+    for skip in (None, torch.tensor([False, True, False], device=DEV), None):
+        grads = [torch.randn_like(p) for p in want.params]
+        want.run(ref, grads, skip)
+        got.run(tk, grads, skip)
+    assert_same_state(got, want, rtol=1e-5, atol=1e-6)
