@@ -90,8 +90,7 @@ class Case:
         return f"{self.op} {s.model}.{s.layer} B={self.B} {self.dtype} {self.direction}"
 
 
-class ContextLost(RuntimeError):
-    """The CUDA context is unusable (a sticky error): nothing after it can be measured."""
+ContextLost = report.ContextLost  # the runners raise it when the CUDA context is unusable
 
 
 def _leaf(t):
@@ -877,38 +876,7 @@ def main(argv=None) -> int:
     print(f"{len(cases)} cases; writing {writer.csv_path}", flush=True)
 
     runner = Runner(args, device, timer, ceilings, env)
-    done = 0
-    try:
-        for i, case in enumerate(cases):
-            if args.time_budget is not None and time.monotonic() - t_start > args.time_budget:
-                meta["skipped_cases"] = len(cases) - i
-                meta["stopped"] = f"time budget of {args.time_budget:.0f} s reached"
-                print(f"time budget of {args.time_budget:.0f} s reached: {len(cases) - i} cases not run")
-                break
-            try:
-                rows = runner.run_case(case, args.impls)
-            except ContextLost as e:
-                meta["aborted"] = str(e)[:500]
-                meta["skipped_cases"] = len(cases) - i
-                print(f"aborted: {e}")
-                break
-            for r in rows:
-                writer.add(r)
-            done += 1
-            print(f"[{i + 1}/{len(cases)}] {case.label()}: " + ", ".join(
-                f"{r['impl']} {r['ms']:.4f}" if r["status"] == "ok" else f"{r['impl']} err" for r in rows
-            ), flush=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        meta["finished"] = "aborted" not in meta
-    except KeyboardInterrupt:
-        meta["aborted"] = "interrupted"
-        meta["skipped_cases"] = len(cases) - done
-        print("interrupted: writing the results so far")
-    finally:
-        meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
-        writer.write_json(complete=True)
-        writer.close()
+    report.run_cases(cases, lambda case: runner.run_case(case, args.impls), writer, meta, args.time_budget, t_start, device)
     if not args.no_table:
         report.print_table(writer.rows)
     meta["summary"] = report.print_summary(writer.rows, meta)

@@ -781,38 +781,7 @@ def main(argv=None) -> int:
 
     runner = Runner(device, timer, ceilings, env, width=args.width, verbose=args.verbose)
     impls = make_impls(args.impls)
-    done = 0
-    try:
-        for i, case in enumerate(cases):
-            if args.time_budget is not None and time.monotonic() - t_start > args.time_budget:
-                meta["skipped_cases"] = len(cases) - i
-                meta["stopped"] = f"time budget of {args.time_budget:.0f} s reached"
-                print(f"time budget of {args.time_budget:.0f} s reached: {len(cases) - i} cases not run")
-                break
-            try:
-                rows = runner.run_case(case, impls)
-            except bench_kernels.ContextLost as e:
-                meta["aborted"] = str(e)[:500]
-                meta["skipped_cases"] = len(cases) - i
-                print(f"aborted: {e}")
-                break
-            for r in rows:
-                writer.add(r)
-            done += 1
-            print(f"[{i + 1}/{len(cases)}] {case.label()}: " + ", ".join(
-                f"{r['impl']} {r['ms']:.3f}" if r["status"] == "ok" else f"{r['impl']} err" for r in rows
-            ), flush=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        meta["finished"] = "aborted" not in meta
-    except KeyboardInterrupt:
-        meta["aborted"] = "interrupted"
-        meta["skipped_cases"] = len(cases) - done
-        print("interrupted: writing the results so far")
-    finally:
-        meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
-        writer.write_json(complete=True)
-        writer.close()
+    report.run_cases(cases, lambda case: runner.run_case(case, impls), writer, meta, args.time_budget, t_start, device, '{:.3f}')
     if not args.no_table:
         print_table(writer.rows)
     meta["summary"] = print_summary(writer.rows, meta)

@@ -45,6 +45,57 @@ IMPL_ORDER = ["torch", "triton", "grouped_nchw", "grouped_nhwc", "grouped_best",
 
 # ---- files -----------------------------------------------------------------
 
+class ContextLost(RuntimeError):
+    """The CUDA context is unusable (e.g. after an illegal memory access): stop the run."""
+
+
+def run_cases(cases, run_case, writer: "RowWriter", meta: dict, time_budget: float | None,
+              t_start: float, device, ms_format: str = "{:.4f}") -> None:
+    """Run ``run_case(case) -> rows`` for each case in order, appending rows to ``writer``.
+
+    Stops at the time budget, or when a case raises ContextLost; Ctrl-C stops
+    too. ``meta`` records why it stopped (``stopped``/``aborted``), how many cases
+    were not run and the elapsed time; the JSON is written whatever happens.
+    """
+    import time
+
+    import torch
+
+    done = 0
+    try:
+        for i, case in enumerate(cases):
+            if time_budget is not None and time.monotonic() - t_start > time_budget:
+                meta["skipped_cases"] = len(cases) - i
+                meta["stopped"] = f"time budget of {time_budget:.0f} s reached"
+                print(f"time budget of {time_budget:.0f} s reached: {len(cases) - i} cases not run")
+                break
+            try:
+                rows = run_case(case)
+            except ContextLost as e:
+                meta["aborted"] = str(e)[:500]
+                meta["skipped_cases"] = len(cases) - i
+                print(f"aborted: {e}")
+                break
+            for r in rows:
+                writer.add(r)
+            done += 1
+            print(f"[{i + 1}/{len(cases)}] {case.label()}: " + ", ".join(
+                f"{r['impl']} {ms_format.format(r['ms'])}" if r["status"] == "ok" else f"{r['impl']} err"
+                for r in rows
+            ), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        meta["finished"] = "aborted" not in meta
+    except KeyboardInterrupt:
+        meta["aborted"] = "interrupted"
+        meta["skipped_cases"] = len(cases) - done
+        print("interrupted: writing the results so far")
+    finally:
+        meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
+        writer.write_json(complete=True)
+        writer.close()
+
+
 class RowWriter:
     """Appends rows to ``<dir>/<stem>.csv`` as they come and writes ``<stem>.json``.
 
