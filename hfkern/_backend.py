@@ -8,7 +8,8 @@ never touches ``hfkern.nn`` or ``hfkern.optim``.
 Selection:
 
 * ``"torch"``, ``"triton"``, ``"cuda"``: that backend serves every op, or the call
-  raises. There is no silent fallback.
+  raises. There is no silent fallback. The one fixed rule: CPU tensors always
+  take the torch path (``triton`` and ``cuda`` are backends for CUDA tensors).
 * ``"auto"`` (the default): per op and device, the first backend in
   :data:`AUTO_PREFERENCE` that registered the op as *auto-eligible* and is
   available. A backend registers as auto-eligible only if it computes what the
@@ -36,6 +37,7 @@ __all__ = ["BACKENDS", "set_backend", "get_backend", "use_backend", "backend_inf
 logger = logging.getLogger("hfkern")
 
 BACKENDS = ("torch", "triton", "cuda")
+_GPU_BACKENDS = ("triton", "cuda")
 AUTO_PREFERENCE = ("cuda", "triton", "torch")
 _CHOICES = ("auto",) + BACKENDS
 
@@ -174,6 +176,8 @@ def _choose(op: str, device_type: str) -> tuple[str, str]:
     if not impls:
         raise RuntimeError(f"hfkern op {op!r} has no registered implementation")
     requested = get_backend()
+    if requested in _GPU_BACKENDS and device_type == "cpu" and "torch" in impls:
+        return "torch", f"CPU tensors always take the torch path ({requested!r} is for CUDA tensors)"
     if requested != "auto":
         impl = impls.get(requested)
         if impl is None:

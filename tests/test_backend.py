@@ -71,9 +71,10 @@ def test_auto_skips_backends_not_marked_auto(monkeypatch):
     try:
         _backend._selected = "auto"
         _backend.resolve("test_only_op", torch.device("cpu"))()
+        _backend.resolve("test_only_op", torch.device("cuda"))()  # auto: cuda is not auto-eligible
         _backend._selected = "cuda"
-        _backend.resolve("test_only_op", torch.device("cpu"))()
-        assert calls == ["torch", "cuda"]
+        _backend.resolve("test_only_op", torch.device("cuda"))()
+        assert calls == ["torch", "torch", "cuda"]
     finally:
         del _backend._registry["test_only_op"]
 
@@ -120,5 +121,19 @@ def test_lazy_registration_imports_on_first_use():
     try:
         _backend._selected = "torch"
         assert _backend.resolve("test_only_op", torch.device("cpu"))(16.0) == 4.0
+    finally:
+        del _backend._registry["test_only_op"]
+
+
+def test_cpu_tensors_take_the_torch_path_under_gpu_backends(monkeypatch):
+    calls = []
+    _backend.register("test_only_op", "torch", lambda: calls.append("torch"))
+    _backend.register("test_only_op", "triton", lambda: calls.append("triton"), device_types=("cuda",))
+    monkeypatch.setitem(_backend._availability, "triton", lambda: (True, "pretend"))
+    try:
+        _backend._selected = "triton"
+        _backend.resolve("test_only_op", torch.device("cpu"))()
+        _backend.resolve("test_only_op", torch.device("cuda"))()
+        assert calls == ["torch", "triton"]
     finally:
         del _backend._registry["test_only_op"]
