@@ -123,9 +123,14 @@ def layer_norm_data(s: shapes.LayerNormShape, B: int, dtype: torch.dtype, device
 
 
 def embedding_data(s: shapes.EmbeddingShape, B: int, dtype: torch.dtype, device, grad: bool) -> dict:
-    """w: [B, V, D]; idx: [B, batch, seq] int64, uniform over the table; gy: [B, batch, seq, D]."""
+    """w: [B, V, D]; idx: [B, batch, seq] int64, uniform over the table or Zipf
+    distributed (``s.zipf``); gy: [B, batch, seq, D]."""
     w = torch.randn(B, s.V, s.D, device=device, dtype=dtype)
-    idx = torch.randint(0, s.V, (B, s.batch, s.seq), device=device)
+    if s.zipf:
+        p = torch.arange(1, s.V + 1, dtype=torch.float64, device=device) ** -s.zipf
+        idx = torch.multinomial(p.float(), B * s.tokens, replacement=True).view(B, s.batch, s.seq)
+    else:
+        idx = torch.randint(0, s.V, (B, s.batch, s.seq), device=device)
     gy = torch.randn(B, s.batch, s.seq, s.D, device=device, dtype=dtype) if grad else None
     return {"B": B, "w": w, "idx": idx, "gy": gy}
 

@@ -108,7 +108,12 @@ class LayerNormShape:
 
 @dataclass(frozen=True)
 class EmbeddingShape:
-    """One model's lookup of ``[batch, seq]`` indices in a ``[V, D]`` table."""
+    """One model's lookup of ``[batch, seq]`` indices in a ``[V, D]`` table.
+
+    ``zipf``: 0 draws the indices uniformly over the table; s > 0 draws index r
+    with probability proportional to ``1 / (r + 1) ** s``, as token frequencies
+    of natural text roughly follow (s about 1), so a few rows are hit very often.
+    """
 
     model: str
     layer: str
@@ -117,13 +122,15 @@ class EmbeddingShape:
     batch: int
     seq: int
     quick: bool = False
+    zipf: float = 0.0
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
 
     def describe(self) -> str:
-        return f"table {self.V}x{self.D}, idx [{self.batch}, {self.seq}] ({self.tokens} tokens)"
+        dist = f", Zipf s={self.zipf:g}" if self.zipf else ""
+        return f"table {self.V}x{self.D}, idx [{self.batch}, {self.seq}] ({self.tokens} tokens{dist})"
 
 
 def _resnet18_cifar(N: int = 32) -> list[ConvShape]:
@@ -208,6 +215,8 @@ EMBEDDING_SHAPES: list[EmbeddingShape] = [
     EmbeddingShape("bert-base", "word", 30522, 768, 32, 128, quick=True),
     EmbeddingShape("bert-base", "position", 512, 768, 32, 128),
     EmbeddingShape("lm-small", "token", 8192, 512, 16, 256, quick=True),
+    # Text-like token frequencies: the most frequent row takes about 10% of the hits.
+    EmbeddingShape("lm-small", "token-zipf", 8192, 512, 16, 256, quick=True, zipf=1.0),
 ]
 
 # Tiny shapes for --smoke: one of each code path (dense, strided 1x1,

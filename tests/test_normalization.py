@@ -4,6 +4,7 @@ from torch import nn
 
 import hfkern
 import hfkern.nn.normalization as hnn
+from hfkern.nn._base import torch_module
 from _util import array_input, assert_state_equal, compare_modules
 
 LAYOUTS = ["contiguous", "batch_major", "strided", "shared"]
@@ -112,7 +113,7 @@ GN_CASES = [
 @pytest.mark.parametrize("kw,shape", GN_CASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_group_norm_matches_torch(B, kw, shape, layout):
-    modules = randomized([nn.GroupNorm(**kw) for _ in range(B)])
+    modules = randomized([torch_module(nn.GroupNorm, **kw) for _ in range(B)])
     _, x, y = run_case(hnn.GroupNorm, modules, shape, B, layout)
     assert_memory_order_kept(x, y)
     if layout == "shared" and B > 1 and kw.get("affine", True):
@@ -148,7 +149,7 @@ BN_SHAPES = [(nn.BatchNorm1d, hnn.BatchNorm1d, (6, 5)),
 def bn_trajectory(torch_cls, cls, shape, B, layout, kw, steps=3):
     """Several training steps (forward, backward, buffers) against B torch
     modules, then eval; returns the array module."""
-    modules = randomized([torch_cls(shape[1], **kw) for _ in range(B)])
+    modules = randomized([torch_module(torch_cls, shape[1], **kw) for _ in range(B)])
     array = cls.from_modules(modules)
     for _ in range(steps):
         shared = layout == "shared"
@@ -323,3 +324,19 @@ def test_from_modules_rejects_mixed_configs():
         hnn.BatchNorm1d.from_modules([nn.BatchNorm1d(3), nn.BatchNorm1d(3, momentum=None)])
     with pytest.raises(ValueError, match="bias"):
         hnn.LayerNorm.from_modules([nn.LayerNorm(3), nn.LayerNorm(3, bias=False)])
+
+
+def test_torch_module_without_bias_argument():
+    # torch releases whose GroupNorm / BatchNorm take no `bias` (2.11): bias=False
+    # becomes a bias registered as None, as torch writes it where the argument exists.
+    class OldNorm(nn.Module):
+        def __init__(self, num_features, affine=True):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(num_features)) if affine else None
+            self.bias = nn.Parameter(torch.zeros(num_features)) if affine else None
+
+    assert torch_module(OldNorm, 3, bias=False).bias is None
+    assert torch_module(OldNorm, 3, bias=True).bias.shape == (3,)
+    assert torch_module(OldNorm, 3, affine=False, bias=True).bias is None
+    m = torch_module(nn.GroupNorm, 1, 3, bias=False)
+    assert m.bias is None and m.weight.shape == (3,)

@@ -8,6 +8,7 @@ new leading dim, which is what makes :meth:`ArrayModule.from_modules` and
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
@@ -23,6 +24,22 @@ def _read_field(module: nn.Module, field: str) -> Any:
     if field == "bias" and not isinstance(value, bool):
         return value is not None  # torch says bias=False by registering bias as None
     return tuple(value) if isinstance(value, list) else value
+
+
+def torch_module(cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
+    """``cls(*args, **kwargs)``, also where the installed torch lacks a ``bias`` argument.
+
+    GroupNorm and BatchNorm take ``bias`` only in recent torch releases (torch 2.11
+    has none). There the module is built without it and ``bias=False`` is expressed
+    as torch itself expresses it, a ``bias`` parameter registered as None.
+    """
+    if "bias" in kwargs and "bias" not in inspect.signature(cls.__init__).parameters:
+        bias = kwargs.pop("bias")
+        module = cls(*args, **kwargs)
+        if not bias:
+            module.register_parameter("bias", None)
+        return module
+    return cls(*args, **kwargs)
 
 
 class ArrayModule(nn.Module):
@@ -130,7 +147,7 @@ class ArrayModule(nn.Module):
         state = self.state_dict()
         out = []
         for b in range(self.B):
-            m = self._torch_cls(**config, **self._factory_kwargs())
+            m = torch_module(self._torch_cls, **config, **self._factory_kwargs())
             with torch.no_grad():
                 m.load_state_dict({k: v[b].clone() for k, v in state.items()})
             out.append(m.train(self.training))

@@ -19,7 +19,7 @@ from torch.nn import init
 
 from .._array import check_channels, check_input, is_shared, per_model_memory_first
 from ..ops.layer_norm import array_layer_norm, array_rms_norm
-from ._base import ArrayModule
+from ._base import ArrayModule, torch_module
 
 __all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d"]
 
@@ -150,7 +150,7 @@ class GroupNorm(ArrayModule):
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
                  *, bias: bool = True, B: int | None = None, device=None, dtype=None):
         super().__init__()
-        nn.GroupNorm(num_groups, num_channels, eps, affine, bias=bias, device="meta")
+        torch_module(nn.GroupNorm, num_groups, num_channels, eps, affine, bias=bias, device="meta")
         self._set_B(B, required=affine)
         self.num_groups, self.num_channels = num_groups, num_channels
         self.eps, self.affine = eps, affine
@@ -228,8 +228,8 @@ class _BatchNorm(ArrayModule):
                  affine: bool = True, track_running_stats: bool = True, *, bias: bool = True,
                  B: int | None = None, device=None, dtype=None):
         super().__init__()
-        self._torch_cls(num_features, eps, momentum, affine, track_running_stats,
-                        bias=bias, device="meta")
+        torch_module(self._torch_cls, num_features, eps, momentum, affine, track_running_stats,
+                     bias=bias, device="meta")
         self._set_B(B, required=affine or track_running_stats)
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats

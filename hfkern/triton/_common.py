@@ -46,12 +46,13 @@ class Tuned:
 
     def __getitem__(self, grid: Callable | tuple) -> Callable:
         if interpreting():
-            launch = wrap_triton(self.kernel)[grid]
+            # The interpreted kernel itself: wrap_triton cannot trace it (torch 2.11
+            # rejects it, later releases hand it back unwrapped).
+            launch = self.kernel[grid]
             meta = dict(self.interpret_config.kwargs)
 
             def run(*args, **kwargs):
-                # Under the interpreter wrap_triton hands back the raw kernel, which
-                # would run on FakeTensors (opcheck, torch.compile tracing); a
+                # Tracing (opcheck, torch.compile) would run it on FakeTensors; a
                 # traced launch has no effect on the shapes, so skip it there.
                 if any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
                     return None

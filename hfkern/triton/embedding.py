@@ -19,11 +19,21 @@ The backward is deterministic without atomics: each model's indices are
 sorted once (stably, by torch), ``searchsorted`` turns the sorted keys into one
 segment ``[start, end)`` per table row, and each program owns a block of rows of
 one group of models and sums every row's segment in sorted order, one grad row
-after another. Every element of a row is therefore the same sequential sum
-whatever the tile shape, unroll or warp count the autotuner picks, so results
-are bitwise reproducible across runs and processes. Every row of the gradient is
-written exactly once (zero where no index hits it and on the padding row), so
-the output needs no zero fill.
+after another. Every row of the gradient is written exactly once (zero where no
+index hits it and on the padding row), so the output needs no zero fill.
+
+A row hit more than ``_CHUNK`` times (a frequent token: text is Zipf-like, and
+its most frequent token can take a tenth of a batch) would make its program
+add thousands of rows one after another while the rest of the grid idles. Such
+a row's segment is cut into chunks of ``_CHUNK`` hits; a first kernel sums each
+chunk (one program per chunk, a fixed-shape reduction) into an fp32 partial, and
+the row's program then adds its chunks' partials in order. Chunk tables are
+built on the device (no host sync) for an upper bound of chunks; programs past
+the last chunk return at once.
+
+Either way the order of every addition is fixed by the sorted indices and
+``_CHUNK`` alone, never by the tile shape, unroll or warp count the autotuner
+picks, so results are bitwise reproducible across runs and processes.
 """
 
 from __future__ import annotations
@@ -47,6 +57,11 @@ _MAX_BLOCK_D = 256
 # Results do not depend on it (masked loads add +0.0, which leaves any fp32 sum
 # unchanged since the running sum starts at +0.0 and can never become -0.0).
 _UNROLL = 4
+# Rows hit more often than this are summed in chunks of this many hits by
+# _array_embedding_chunk_kernel first (a power of two: one [_CHUNK, BLOCK_D] tile
+# per program).
+_CHUNK = 64
+_CHUNK_WARPS = 8
 
 
 # ---- kernels ------------------------------------------------------------------
@@ -114,8 +129,14 @@ def _array_embedding_bwd_kernel(
     s_gl,
     s_gd,
     s_bb,  # bounds stride per model: V, or 0 when the indices are shared
+    chunk_off_ptr,  # like bounds (without the last entry): a long row's first chunk
+    part_ptr,  # [chunks, PB, D] fp32 chunk sums of long rows
+    PB,  # models per chunk in part: B when the indices are shared, else 1
+    s_pm,  # 1 when the indices are shared (part holds every model's sum), else 0
     n_key,  # autotune key only: next power of two of n
     SCALE: tl.constexpr,
+    LONG: tl.constexpr,  # some row may have more than CHUNK hits
+    CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UNROLL: tl.constexpr,
     TILE: tl.constexpr,
@@ -138,12 +159,17 @@ def _array_embedding_bwd_kernel(
         end = tl.load(seg + 1, mask=mask_vb, other=0)
         # The padding row gets no gradient: an empty segment.
         cnt = tl.where(v == padding_idx, 0, end - start)
+        if LONG:
+            # Rows of more than CHUNK hits add their chunk sums instead.
+            n_hits = tl.where(cnt > CHUNK, 0, cnt)
+        else:
+            n_hits = cnt
         g_base = grad_ptr + b64 * s_gb + (d * s_gd)[None, :]
         acc = tl.zeros([BLOCK_V, BLOCK_D], dtype=tl.float32)
-        longest = tl.max(cnt, axis=0)
+        longest = tl.max(n_hits, axis=0)
         for k in range(0, longest, UNROLL):
             for u in tl.static_range(UNROLL):
-                hit = (k + u) < cnt
+                hit = (k + u) < n_hits
                 pos = tl.load(perm_ptr + start + k + u, mask=hit, other=0)
                 g = tl.load(
                     g_base + ((pos // L) * s_gm + (pos % L) * s_gl)[:, None],
@@ -151,6 +177,14 @@ def _array_embedding_bwd_kernel(
                     other=0.0,
                 )
                 acc += g.to(tl.float32)
+        if LONG:
+            n_chunks = tl.where(cnt > CHUNK, (cnt + CHUNK - 1) // CHUNK, 0)
+            first = tl.load(chunk_off_ptr + b64 * s_bb + v, mask=mask_vb & (n_chunks > 0), other=0)
+            p_base = part_ptr + b64 * s_pm * D + d[None, :]
+            for k in range(0, tl.max(n_chunks, axis=0)):
+                ok = k < n_chunks
+                acc += tl.load(p_base + ((first + k).to(tl.int64) * PB * D)[:, None],
+                               mask=ok[:, None] & mask_d[None, :], other=0.0)
         if SCALE:
             acc = acc / tl.maximum(cnt, 1).to(tl.float32)[:, None]
         mask = mask_vb[:, None] & mask_d[None, :]
@@ -159,6 +193,55 @@ def _array_embedding_bwd_kernel(
             acc.to(out_ptr.dtype.element_ty),
             mask=mask,
         )
+
+
+@triton.jit
+def _array_embedding_chunk_kernel(
+    grad_ptr,  # [B, M, L, D] grad_out, * dims collapsed to (M, L)
+    perm_ptr,  # as in _array_embedding_bwd_kernel
+    bounds_ptr,
+    chunk_row_ptr,  # [chunks] the sorted-key row each chunk belongs to (n_rows past the last chunk)
+    chunk_off_ptr,  # [n_rows] a row's first chunk
+    part_ptr,  # [chunks, PB, D] fp32 out
+    n_rows,  # rows of the sorted keys: B * V, or V when the indices are shared
+    V,
+    L,
+    D,
+    PB,
+    s_gb,
+    s_gm,
+    s_gl,
+    s_gd,
+    SHARED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One chunk of CHUNK consecutive hits of one long row, one D slice, one model
+    # (grid dim 2 runs over the models when the indices are shared).
+    c = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    row = tl.load(chunk_row_ptr + c).to(tl.int64)
+    if row < n_rows:
+        if SHARED:
+            b = tl.program_id(2).to(tl.int64)
+        else:
+            b = row // V
+        j = c - tl.load(chunk_off_ptr + row)
+        start = tl.load(bounds_ptr + row) + j * CHUNK
+        end = tl.load(bounds_ptr + row + 1)
+        k = start + tl.arange(0, CHUNK)
+        hit = k < end
+        pos = tl.load(perm_ptr + k, mask=hit, other=0)
+        d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = d < D
+        g = tl.load(
+            grad_ptr + b * s_gb + ((pos // L) * s_gm + (pos % L) * s_gl)[:, None] + (d * s_gd)[None, :],
+            mask=hit[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        # A fixed launch configuration, so this reduction's order never changes.
+        total = tl.sum(g.to(tl.float32), axis=0)
+        tl.store(part_ptr + (c * PB + tl.program_id(2)) * D + d, total, mask=mask_d)
 
 
 # Aimed at H100/H200 (also valid on Ampere): TILE is elements per model per
@@ -187,6 +270,9 @@ _fwd = Tuned(
 _bwd = Tuned(
     _array_embedding_bwd_kernel, _BWD_CONFIGS, key=["B", "V", "D", "n_key", "SCALE"], interpret_config=_INTERPRET
 )
+# One fixed config: the chunk sum's reduction order must not depend on tuning.
+_CHUNK_CONFIG = triton.Config({}, num_warps=_CHUNK_WARPS)
+_chunk_sums = Tuned(_array_embedding_chunk_kernel, [_CHUNK_CONFIG], key=[], interpret_config=_CHUNK_CONFIG)
 
 
 # ---- launchers ----------------------------------------------------------------
@@ -306,19 +392,64 @@ def array_embedding_backward(
     bounds = torch.searchsorted(sorted_keys.reshape(-1), rows)
 
     block_d = min(triton.next_power_of_2(D), _MAX_BLOCK_D)
+    perm = perm.reshape(-1)
+    g_strides = (grad.stride(0), s_gm, s_gl, grad.stride(-1))
+    chunk_off, part, pb = _long_row_chunks(grad, perm, bounds, shared, B, V, L, D, padding_idx,
+                                           g_strides, block_d)
 
     def grid(meta):
         block_v = triton.cdiv(meta["TILE"], block_d)
         return (triton.cdiv(V, block_v), triton.cdiv(D, block_d), triton.cdiv(B, meta["MODELS"]))
 
     _bwd[grid](
-        grad, perm.reshape(-1), bounds, grad_w,
+        grad, perm, bounds, grad_w,
         B, V, L, D, padding_idx,
-        grad.stride(0), s_gm, s_gl, grad.stride(-1),
+        *g_strides,
         0 if shared else V,
+        chunk_off, bounds if part is None else part, pb, 1 if shared else 0,
         triton.next_power_of_2(n),
         SCALE=bool(scale_grad_by_freq),
+        LONG=part is not None,
+        CHUNK=_CHUNK,
         BLOCK_D=block_d,
         UNROLL=_UNROLL,
     )
     return grad_w
+
+
+def _long_row_chunks(grad, perm, bounds, shared, B, V, L, D, padding_idx, g_strides, block_d):
+    """Chunk sums of the rows hit more than ``_CHUNK`` times.
+
+    Returns (chunk offsets per sorted-key row, partial sums ``[chunks, PB, D]``
+    float32, PB) or (bounds, None, 1) when no row can have that many hits.
+    Nothing here waits for the device: the number of chunks is bounded by
+    ``2 * hits / _CHUNK`` (each long row has over ``_CHUNK`` hits, so at most
+    ``hits / _CHUNK`` rows are long, each with at most one partial chunk).
+    """
+    models = 1 if shared else B
+    n = perm.numel() // models  # hits per model
+    if n <= _CHUNK:
+        return bounds, None, 1
+    n_rows = models * V
+    cnt = bounds[1:] - bounds[:-1]
+    if padding_idx >= 0:
+        cnt = cnt.view(models, V).clone()
+        cnt[:, padding_idx] = 0  # never summed: no chunks
+        cnt = cnt.view(-1)
+    n_chunks = torch.where(cnt > _CHUNK, (cnt + _CHUNK - 1) // _CHUNK, 0)
+    ends = torch.cumsum(n_chunks, 0)
+    chunk_off = ends - n_chunks
+    cap = 2 * models * n // _CHUNK + 1
+    chunk_row = torch.searchsorted(ends, torch.arange(cap, device=bounds.device, dtype=ends.dtype),
+                                   right=True)
+    pb = B if shared else 1
+    part = torch.empty((cap, pb, D), dtype=torch.float32, device=grad.device)
+    _chunk_sums[(cap, triton.cdiv(D, block_d), pb)](
+        grad, perm, bounds, chunk_row, chunk_off, part,
+        n_rows, V, L, D, pb,
+        *g_strides,
+        SHARED=shared,
+        CHUNK=_CHUNK,
+        BLOCK_D=block_d,
+    )
+    return chunk_off, part, pb

@@ -174,12 +174,59 @@ def test_backward_hot_row(scale):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("B,layout", [(1, "contiguous"), (3, "batch_major"), (3, "shared"),
+                                      (3, "strided"), (2, "scrambled")])
+@pytest.mark.parametrize("padding_idx,scale", BWD_OPTIONS, ids=lambda o: str(o))
+def test_backward_long_rows_in_chunks(monkeypatch, B, layout, padding_idx, scale):
+    # A chunk of 4 hits: with 7 rows and 24 positions most rows are long, some
+    # with a ragged last chunk, and the padding row (first index) may be the longest.
+    monkeypatch.setattr(tk, "_CHUNK", 4)
+    shape = shape_for(layout)
+    idx = make_indices(B, layout, shape=shape, padding_idx=padding_idx)
+    g = make_grad(B, shape, 11, "batch_major" if layout == "shared" else layout)
+    grad_w = tk.array_embedding_backward(g, idx, V, padding_idx, scale)
+    torch.testing.assert_close(grad_w, ref.array_embedding_backward(g, idx, V, padding_idx, scale))
+    if padding_idx >= 0:
+        assert torch.all(grad_w[:, padding_idx] == 0)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shared", [False, True])
+def test_backward_long_row_chunks_are_bounded(monkeypatch, shared):
+    # The most chunks a grid can need: every row hit CHUNK + 1 times (two chunks
+    # each, the second of one hit), next to rows of exactly CHUNK hits (none).
+    monkeypatch.setattr(tk, "_CHUNK", 2)
+    B, D = 2, 5
+    row = torch.tensor([0] * 3 + [1] * 3 + [2] * 2 + [3] * 3 + [4] * 3)
+    idx = hfkern.broadcast(row, B) if shared else torch.stack([row, row.flip(0)])
+    g = torch.randn(B, row.numel(), D)
+    grad_w = tk.array_embedding_backward(g, idx, 5, -1, False)
+    torch.testing.assert_close(grad_w, ref.array_embedding_backward(g, idx, 5, -1, False))
+
+
+@pytest.mark.interpreter
+def test_backward_hot_row_default_chunk():
+    # One row taking most of 300 hits (several chunks of the default size and a
+    # ragged one) beside rows hit a few times, in one program's block.
+    B, n, D = 2, 300, 7
+    idx = torch.randint(0, V, (B, n))
+    idx[:, ::5] = 3
+    idx[1, 100:] = 5
+    g = torch.randn(B, n, D)
+    assert (idx == 5).sum() > 2 * tk._CHUNK
+    grad_w = tk.array_embedding_backward(g, idx, V, 0, False)
+    torch.testing.assert_close(grad_w, ref.array_embedding_backward(g, idx, V, 0, False))
+    torch.testing.assert_close(grad_w[1, 5], g[1][idx[1] == 5].sum(0))
+
+
+@pytest.mark.interpreter
 def test_backward_is_independent_of_tiling(monkeypatch):
     """The claim behind cross-process determinism: any tile, model group and
     unroll the autotuner might pick gives the same bits."""
     B, D = 3, 70
     idx = torch.randint(0, V, (B, 40))
     g = torch.randn(B, 40, D)
+    monkeypatch.setattr(tk, "_CHUNK", 4)  # long rows too: their chunk sums
     results = []
     for tile, models, unroll in [(64, 2, 4), (1024, 1, 1), (256, 4, 3)]:
         cfg = triton.Config({"TILE": tile, "MODELS": models}, num_warps=1)
