@@ -293,6 +293,12 @@ def summarize(rows: list[dict]) -> dict:
         "embedding_fwd_frac_copy_bw": {
             impl: bandwidth_fractions(rows, "embedding", "fwd", impl) for impl in ("triton", "torch", "loop")
         },
+        # What auto's choice for CUDA tensors rests on: triton against the torch backend.
+        "triton_vs_torch": {
+            f"{op} {direction}": speedups(rows, op, direction, "triton", "torch")
+            for op, direction in (("conv", "fwd"), ("conv", "fwd+bwd"), ("layer_norm", "fwd"),
+                                  ("layer_norm", "bwd"), ("embedding", "fwd"), ("embedding", "bwd"))
+        },
         "max_rel_err": max_rel_err(rows),
         "rows": len(rows),
         "ok": len(_ok(rows)),
@@ -341,6 +347,11 @@ def summary_lines(summary: dict, meta: dict | None = None) -> list[str]:
     frac_block("layer norm fwd: bandwidth as % of copy bandwidth", summary["layer_norm_fwd_frac_copy_bw"])
     frac_block("layer norm bwd: bandwidth as % of copy bandwidth", summary["layer_norm_bwd_frac_copy_bw"])
     frac_block("embedding fwd: bandwidth as % of copy bandwidth", summary["embedding_fwd_frac_copy_bw"])
+    lines.append("triton speedup over the torch backend (what auto's choice for CUDA tensors rests on):")
+    for key, stats in (summary.get("triton_vs_torch") or {}).items():
+        for dtype, st in stats.items():
+            lines.append(f"  {key} {dtype}: {st['geomean']:.2f}x geomean over {st['n']} cases "
+                         f"(min {st['min']:.2f}x, max {st['max']:.2f}x)")
     errs = summary.get("max_rel_err") or {}
     if errs:
         lines.append("largest relative error against the torch backend (||out - ref|| / ||ref||):")

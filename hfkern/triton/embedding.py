@@ -58,9 +58,9 @@ _MAX_BLOCK_D = 256
 # unchanged since the running sum starts at +0.0 and can never become -0.0).
 _UNROLL = 4
 # Rows hit more often than this are summed in chunks of this many hits by
-# _array_embedding_chunk_kernel first (a power of two: one [_CHUNK, BLOCK_D] tile
-# per program).
+# _array_embedding_chunk_kernel first (a power of two), one chunk per program.
 _CHUNK = 64
+_CHUNK_SUB = 16  # hits per step of a chunk sum: [16, 256] fp32 over 8 warps, no spills
 _CHUNK_WARPS = 8
 
 
@@ -214,6 +214,7 @@ def _array_embedding_chunk_kernel(
     s_gd,
     SHARED: tl.constexpr,
     CHUNK: tl.constexpr,
+    SUB: tl.constexpr,  # hits loaded per step, a power of two dividing CHUNK
     BLOCK_D: tl.constexpr,
 ):
     # One chunk of CHUNK consecutive hits of one long row, one D slice, one model
@@ -229,36 +230,43 @@ def _array_embedding_chunk_kernel(
         j = c - tl.load(chunk_off_ptr + row)
         start = tl.load(bounds_ptr + row) + j * CHUNK
         end = tl.load(bounds_ptr + row + 1)
-        k = start + tl.arange(0, CHUNK)
-        hit = k < end
-        pos = tl.load(perm_ptr + k, mask=hit, other=0)
         d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = d < D
-        g = tl.load(
-            grad_ptr + b * s_gb + ((pos // L) * s_gm + (pos % L) * s_gl)[:, None] + (d * s_gd)[None, :],
-            mask=hit[:, None] & mask_d[None, :],
-            other=0.0,
-        )
+        g_base = grad_ptr + b * s_gb + (d * s_gd)[None, :]
+        # SUB hits at a time (a whole [CHUNK, BLOCK_D] tile of gather addresses
+        # would spill), into SUB running sums folded at the end.
+        acc = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
+        for k0 in range(0, CHUNK, SUB):
+            k = start + k0 + tl.arange(0, SUB)
+            hit = k < end
+            pos = tl.load(perm_ptr + k, mask=hit, other=0)
+            g = tl.load(
+                g_base + ((pos // L) * s_gm + (pos % L) * s_gl)[:, None],
+                mask=hit[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            acc += g.to(tl.float32)
         # A fixed launch configuration, so this reduction's order never changes.
-        total = tl.sum(g.to(tl.float32), axis=0)
+        total = tl.sum(acc, axis=0)
         tl.store(part_ptr + (c * PB + tl.program_id(2)) * D + d, total, mask=mask_d)
 
 
 # Aimed at H100/H200 (also valid on Ampere): TILE is elements per model per
 # program; MODELS > 1 lets one program reuse a shared index block across tables.
-# The backward keeps an fp32 accumulator plus UNROLL loaded tiles in registers,
-# hence its smaller tiles.
+# Every element of a gathered tile carries a 64-bit address, so a thread holds
+# at most 16 elements per tile: larger tiles (8192 forward, 4096 backward, or
+# 4 warps at 4096 / 2048) spill registers to local memory on sm_90 and sm_80
+# (ptxas via tests/triton/offline_compile.py --resources). The backward keeps an
+# fp32 accumulator plus UNROLL loaded tiles, hence its smaller tiles.
 _FWD_CONFIGS = [
     triton.Config({"TILE": tile, "MODELS": models}, num_warps=warps)
-    for tile in (2048, 8192)
+    for tile, warps in ((2048, 4), (2048, 8), (4096, 8))
     for models in (1, 4)
-    for warps in (4, 8)
 ]
 _BWD_CONFIGS = [
     triton.Config({"TILE": tile, "MODELS": models}, num_warps=warps)
-    for tile in (1024, 4096)
+    for tile, warps in ((1024, 4), (1024, 8), (2048, 8))
     for models in (1, 4)
-    for warps in (4, 8)
 ]
 # Small tiles so interpreter tests cover several programs per dim, and a model
 # group of 2 so B = 3 has a partly filled group.
@@ -450,6 +458,7 @@ def _long_row_chunks(grad, perm, bounds, shared, B, V, L, D, padding_idx, g_stri
         *g_strides,
         SHARED=shared,
         CHUNK=_CHUNK,
+        SUB=min(_CHUNK_SUB, _CHUNK),
         BLOCK_D=block_d,
     )
     return chunk_off, part, pb

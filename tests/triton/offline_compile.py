@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,7 +72,8 @@ class Result:
     seconds: float
     shared: int = 0
     error: str = ""
-    resources: str = ""
+    regs: int = -1  # registers per thread and stack bytes (spills), with --resources
+    stack: int = -1
 
 
 @dataclass
@@ -341,20 +343,37 @@ def _config_label(config) -> str:
     return f"{kw}, warps={config.num_warps}, stages={config.num_stages}"
 
 
-def _resources(cubin: bytes) -> str:
-    """Registers, spills and shared memory of a cubin as cuobjdump reports them."""
+def _resources(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, stack bytes per thread) of a kernel's cubin, as
+    cuobjdump (shipped with Triton) reports them; a stack means spills."""
     from triton.backends.nvidia import compiler as nv
 
     tool = Path(nv.__file__).parent / "bin" / "cuobjdump"
-    if not tool.exists():
-        return ""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([str(tool), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True).stdout
-    lines = [ln.strip() for ln in out.splitlines() if "REG:" in ln]
-    return lines[0] if lines else ""
+                             capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    if not m:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {out[-500:]}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _print_resources(results: list[Result]) -> None:
+    """Most registers and stack of each kernel config over its launches, per arch."""
+    rows: dict[tuple, list[int]] = {}
+    for r in results:
+        if r.ok and r.regs >= 0:
+            row = rows.setdefault((r.arch, r.kernel, r.config), [0, 0, 0, 0])
+            row[0] = max(row[0], r.regs)
+            row[1] = max(row[1], r.stack)
+            row[2] = max(row[2], r.shared)
+            row[3] += 1
+    print(f"{'arch':6s} {'kernel':34s} {'config':52s} {'regs':>4s} {'stack':>6s} {'smem':>7s} launches")
+    for (arch, kernel, config), (regs, stack, shared, n) in sorted(rows.items()):
+        flag = "  spills" if stack else ""
+        print(f"sm_{arch:<3d} {kernel:34s} {config:52s} {regs:4d} {stack:6d} {shared:7d} {n:4d}{flag}")
 
 
 def compile_all(launches: list[Launch], archs: list[int], *, first_config: bool, resources: bool,
@@ -388,10 +407,11 @@ def compile_all(launches: list[Launch], archs: list[int], *, first_config: bool,
                                                      time.perf_counter() - t0, error=msg[-2000:]))
                         log(f"FAILED sm_{arch} {name} [{label}] ({launch.where}): {msg[-600:]}")
                         continue
-                    res = _resources(compiled.asm["cubin"]) if resources else ""
+                    regs, stack = _resources(compiled.asm["cubin"]) if resources else (-1, -1)
                     report.results.append(Result(name, arch, label, launch.where, True,
                                                  time.perf_counter() - t0,
-                                                 shared=int(compiled.metadata.shared), resources=res))
+                                                 shared=int(compiled.metadata.shared), regs=regs,
+                                                 stack=stack))
     return report
 
 
@@ -425,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-config", action="store_true",
                         help="compile only the first config of each autotuner (faster)")
     parser.add_argument("--resources", action="store_true",
-                        help="print registers, spills and shared memory of each compiled config")
+                        help="print the registers, stack (spills) and shared memory of each kernel "
+                             "config, the most over its launches")
     parser.add_argument("--keep-cache", action="store_true",
                         help="use TRITON_CACHE_DIR as set (default: a fresh temporary cache, so "
                              "everything is compiled)")
@@ -455,12 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"triton {triton.__version__}: {len(compiled)} of {len(report.results)} compiles succeeded "
           f"for sm_{', sm_'.join(map(str, archs))} in {time.perf_counter() - t0:.0f} s")
     if args.resources:
-        seen = set()
-        for r in compiled:
-            key = (r.arch, r.kernel, r.config, r.resources)
-            if key not in seen:
-                seen.add(key)
-                print(f"  sm_{r.arch} {r.kernel:34s} {r.config:48s} {r.resources}")
+        _print_resources(compiled)
     unfit = report.unfit()
     for kernel, arch in unfit:
         print(f"NO CONFIG FITS: {kernel} needs more than sm_{arch}'s {SMEM_LIMIT.get(arch)} bytes "
