@@ -8,7 +8,8 @@
 #   1. environment  Python, torch, CUDA, cuDNN and Triton versions, the device,
 #                   nvidia-smi, and which hfkern backend serves each op
 #   2. gpu tests    python -m pytest -m gpu tests (Triton compiles for the device;
-#                   TRITON_INTERPRET is unset), capped in time
+#                   TRITON_INTERPRET is unset; HFKERN_TRITON_AUTOTUNE=0, so each
+#                   kernel compiles its first config only), capped in time
 #   3. ceilings     the device's copy bandwidth and matmul rates (bench/bandwidth.py)
 #   4. benchmark    bench/bench_kernels.py once per op (layer norm, embedding, conv),
 #                   each in its own process with a time budget, so that a kernel
@@ -27,6 +28,8 @@
 # Settings (environment variables):
 #   HFKERN_RUN_SECONDS   wall-clock target for the whole script (default 530)
 #   HFKERN_TEST_SECONDS  cap on the GPU tests (default 180)
+#   HFKERN_TEST_WORKERS  pytest-xdist processes for the GPU tests, where xdist is
+#                        installed (default 8)
 #   BENCH_ARGS           extra options for bench_kernels.py, e.g. "--quick" or "--dtypes bf16"
 #   OPTIM_ARGS           extra options for bench_optim.py, e.g. "--ops adam --B 16"
 #   HFKERN_OPTIM_SECONDS cap on the optimizer benchmark's time budget (default 75)
@@ -45,6 +48,7 @@ TEST_SECONDS=${HFKERN_TEST_SECONDS:-180}
 BENCH_ARGS=${BENCH_ARGS:-}
 OPTIM_ARGS=${OPTIM_ARGS:-}
 OPTIM_SECONDS=${HFKERN_OPTIM_SECONDS:-75}
+XDIST_WORKERS=${HFKERN_TEST_WORKERS:-8}
 PY=${PYTHON:-python3}
 START=$(date +%s)
 
@@ -114,8 +118,18 @@ gpu_tests() {
     echo "python -m pytest -m gpu tests (at most ${budget} s; full log in gpu_tests.log)"
     # importlib import mode: tests/ and tests/triton/ hold test files of the same
     # basename (test_conv.py), which the default mode cannot collect together.
-    timeout -k 10 "$budget" "$PY" -m pytest -m gpu tests --import-mode=importlib -v -rfE \
-        --tb=short --durations=15 -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
+    # Tests check numerics, not speed: one config per kernel (HFKERN_TRITON_AUTOTUNE=0)
+    # instead of compiling and timing every config for every test shape;
+    # tests/triton/test_common.py turns autotuning back on for its own check.
+    # Compiling dominates and runs on one core per process: with pytest-xdist,
+    # XDIST_WORKERS processes share the GPU and Triton's on-disk cache.
+    local par=()
+    if "$PY" -c "import xdist" 2>/dev/null; then
+        par=(-n "$XDIST_WORKERS")
+    fi
+    echo "test processes: ${par[1]:-1}"
+    HFKERN_TRITON_AUTOTUNE=0 timeout -k 10 "$budget" "$PY" -m pytest -m gpu tests --import-mode=importlib -v -rfE \
+        --tb=short --durations=15 -p no:cacheprovider ${par[@]+"${par[@]}"} >"$OUT/gpu_tests.log" 2>&1
     local rc=$?
     tail -n 60 "$OUT/gpu_tests.log"
     ((rc == 124 || rc == 137)) && echo "GPU tests stopped at their time cap (${budget} s)"

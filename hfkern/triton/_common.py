@@ -16,6 +16,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def autotuning() -> bool:
+    """False when ``HFKERN_TRITON_AUTOTUNE=0``: every kernel then launches with its
+    first (default) config, untimed, which skips the autotuner's compile-and-time
+    pass over every config for each new problem key (quick start-up, test runs)."""
+    value = os.environ.get("HFKERN_TRITON_AUTOTUNE", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"HFKERN_TRITON_AUTOTUNE must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def tl_dtype_ok(t: torch.Tensor) -> bool:
     return t.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
@@ -25,7 +35,7 @@ class Tuned:
     config in the interpreter (which cannot time configs).
 
     ``Tuned(kernel, configs, key)[grid](*args, **kwargs)`` launches like an
-    autotuned kernel. Launches go through ``torch.library.wrap_triton`` so a
+    autotuned kernel (with ``configs[0]`` alone when ``HFKERN_TRITON_AUTOTUNE=0``). Launches go through ``torch.library.wrap_triton`` so a
     launcher called inside a ``torch.library.triton_op`` stays traceable by
     ``torch.compile``.
     """
@@ -42,6 +52,8 @@ class Tuned:
         self.kernel = kernel
         self.configs = list(configs)
         self.tuned = triton.autotune(configs=self.configs, key=list(key), **autotune_kwargs)(kernel)
+        # An autotuner of one config never times it: HFKERN_TRITON_AUTOTUNE=0.
+        self.fixed = triton.autotune(configs=self.configs[:1], key=[], **autotune_kwargs)(kernel)
         self.interpret_config = interpret_config or self.configs[0]
 
     def __getitem__(self, grid: Callable | tuple) -> Callable:
@@ -59,4 +71,4 @@ class Tuned:
                 return launch(*args, **kwargs, **meta)
 
             return run
-        return wrap_triton(self.tuned)[grid]
+        return wrap_triton(self.tuned if autotuning() else self.fixed)[grid]

@@ -73,7 +73,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from ._common import Tuned, interpreting
+from ._common import Tuned, autotuning, interpreting
 
 __all__ = [
     "sgd_step_", "adam_step_", "adagrad_step_", "adadelta_step_", "rmsprop_step_",
@@ -965,7 +965,10 @@ def _run(
 
 def _tune_on_scratch(name, args, present, uses_steps, hypers, meta) -> triton.Config:
     """Time the block sizes of a kernel variant on scratch tensors with the live call's
-    dtypes and return the fastest config (the first one under the interpreter)."""
+    dtypes and return the fastest config (the first one under the interpreter or with
+    HFKERN_TRITON_AUTOTUNE=0)."""
+    if not interpreting() and not autotuning():
+        return _KERNELS[name].configs[0]
     p, g = args[1], args[2]
     B = hypers.size(1)
     n = max(_LEN_ALIGN, _SCRATCH_ELEMS // B // _LEN_ALIGN * _LEN_ALIGN)
