@@ -116,34 +116,13 @@ def _conv_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < C_OUT_G
 
-    x_base = x_ptr + b * sxb + g * C_IN_G * sxc
+    x_rows = x_ptr + b * sxb + g * C_IN_G * sxc + n.to(tl.int64)[:, None] * sxn
     if TRANSPOSED:  # weight dim 1 = input channels (global), dim 2 = output channels of the group
         w_cols = w_ptr + b * swb + g * C_IN_G * sw1 + offs_n.to(tl.int64)[None, :] * sw2
         sw_in = sw1
     else:  # weight dim 1 = output channels (global), dim 2 = input channels of the group
         w_cols = w_ptr + b * swb + (g * C_OUT_G + offs_n).to(tl.int64)[None, :] * sw1
         sw_in = sw2
-
-    # The input row of output row oh and tap kh splits as ih = ih_m[oh] + ih_k[kh]
-    # (so the [BLOCK_M, BLOCK_K] address is a row offset plus a column offset, with
-    # no 64-bit multiply per element) except for a transposed
-    # conv with stride > 1 and dilation > 1, whose taps must also divide evenly.
-    SPLIT: tl.constexpr = (not TRANSPOSED) or PHASED or (STRIDE_H == 1 and STRIDE_W == 1)
-    if SPLIT:
-        if PHASED:
-            # oh + PAD - kh is a multiple of the stride for this phase's taps
-            # kh = kh0 + j * STRIDE: ih = (oh + PAD - kh0) / STRIDE - j.
-            ih_m = (oh + PAD_H - kh0) // STRIDE_H
-            iw_m = (ow + PAD_W - kw0) // STRIDE_W
-        elif TRANSPOSED:  # stride 1: ih = oh + PAD - kh * DIL
-            ih_m = oh + PAD_H
-            iw_m = ow + PAD_W
-        else:
-            ih_m = oh * STRIDE_H - PAD_H
-            iw_m = ow * STRIDE_W - PAD_W
-        x_rows = (x_base + n.to(tl.int64) * sxn + ih_m.to(tl.int64) * sxh + iw_m.to(tl.int64) * sxw)[:, None]
-    else:
-        x_rows = x_base + n.to(tl.int64)[:, None] * sxn
 
     if PHASED:
         K = C_IN_G * KHP * KWP
@@ -156,30 +135,20 @@ def _conv_gemm_kernel(
         if PHASED:
             ci = offs_k // tl.maximum(KHP * KWP, 1)
             kr = offs_k % tl.maximum(KHP * KWP, 1)
-            jh = kr // tl.maximum(KWP, 1)
-            jw = kr % tl.maximum(KWP, 1)
-            kh = kh0 + jh * STRIDE_H
-            kw = kw0 + jw * STRIDE_W
+            kh = kh0 + (kr // tl.maximum(KWP, 1)) * STRIDE_H
+            kw = kw0 + (kr % tl.maximum(KWP, 1)) * STRIDE_W
         else:
             ci = offs_k // (KH * KW)
             kr = offs_k % (KH * KW)
             kh = kr // KW
             kw = kr % KW
-        if SPLIT:
-            if PHASED:
-                ih_k = -jh
-                iw_k = -jw
-            elif TRANSPOSED:
-                ih_k = -kh * DIL_H
-                iw_k = -kw * DIL_W
-            else:
-                ih_k = kh * DIL_H
-                iw_k = kw * DIL_W
-            ih = ih_m[:, None] + ih_k[None, :]
-            iw = iw_m[:, None] + iw_k[None, :]
-            in_ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            x_off = (ci.to(tl.int64) * sxc + ih_k.to(tl.int64) * sxh + iw_k.to(tl.int64) * sxw)[None, :]
-        else:
+        if PHASED:
+            # oh + PAD - kh is an exact multiple of the stride for these taps.
+            ih = (oh[:, None] + PAD_H - kh[None, :]) // STRIDE_H
+            iw = (ow[:, None] + PAD_W - kw[None, :]) // STRIDE_W
+            in_ok = (oh[:, None] + PAD_H - kh[None, :] >= 0) & (ow[:, None] + PAD_W - kw[None, :] >= 0)
+            in_ok = in_ok & (ih < H) & (iw < W)
+        elif TRANSPOSED:
             # Output row oh receives input row q where q*STRIDE - PAD + kh*DIL == oh.
             th = oh[:, None] + PAD_H - kh[None, :] * DIL_H
             tw = ow[:, None] + PAD_W - kw[None, :] * DIL_W
@@ -190,8 +159,14 @@ def _conv_gemm_kernel(
             iw = twc // STRIDE_W
             in_ok = ((th >= 0) & (tw >= 0) & (thc % STRIDE_H == 0) & (twc % STRIDE_W == 0)
                      & (ih < H) & (iw < W))
-            x_off = ci.to(tl.int64)[None, :] * sxc + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw
-        a = tl.load(x_rows + x_off, mask=m_ok[:, None] & k_ok[None, :] & in_ok, other=0.0)
+        else:
+            ih = oh[:, None] * STRIDE_H - PAD_H + kh[None, :] * DIL_H
+            iw = ow[:, None] * STRIDE_W - PAD_W + kw[None, :] * DIL_W
+            in_ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        a = tl.load(
+            x_rows + ci.to(tl.int64)[None, :] * sxc + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw,
+            mask=m_ok[:, None] & k_ok[None, :] & in_ok, other=0.0,
+        )
         w = tl.load(
             w_cols + ci.to(tl.int64)[:, None] * sw_in + kh[:, None] * swh + kw[:, None] * sww,
             mask=k_ok[:, None] & n_ok[None, :], other=0.0,
