@@ -31,9 +31,10 @@ the row's program then adds its chunks' partials in order. Chunk tables are
 built on the device (no host sync) for an upper bound of chunks; programs past
 the last chunk return at once.
 
-Either way the order of every addition is fixed by the sorted indices and
-``_CHUNK`` alone, never by the tile shape, unroll or warp count the autotuner
-picks, so results are bitwise reproducible across runs and processes.
+Either way the order of every addition is fixed by the sorted indices and the
+chunk kernel's untuned shape (``_CHUNK``, ``_CHUNK_SUB``, ``_CHUNK_WARPS``),
+never by the tile shape, unroll or warp count the autotuner picks, so results
+are bitwise reproducible across runs and processes.
 """
 
 from __future__ import annotations
