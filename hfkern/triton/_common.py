@@ -35,9 +35,9 @@ class Tuned:
     config in the interpreter (which cannot time configs).
 
     ``Tuned(kernel, configs, key)[grid](*args, **kwargs)`` launches like an
-    autotuned kernel (with ``configs[0]`` alone when ``HFKERN_TRITON_AUTOTUNE=0``). Launches go through ``torch.library.wrap_triton`` so a
-    launcher called inside a ``torch.library.triton_op`` stays traceable by
-    ``torch.compile``.
+    autotuned kernel (with ``configs[0]`` alone when ``HFKERN_TRITON_AUTOTUNE=0``).
+    Launches go through ``torch.library.wrap_triton`` so a launcher called inside
+    a ``torch.library.triton_op`` stays traceable by ``torch.compile``.
     """
 
     def __init__(
