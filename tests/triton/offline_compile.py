@@ -61,6 +61,19 @@ class Launch:
     tuned: Any  # hfkern.triton._common.Tuned, or None for a kernel launched bare
     where: str  # what the driver was doing when it launched
 
+    @property
+    def dtype(self) -> str:
+        """The dtype of the first floating-point tensor argument (the data), with
+        the dot precision of float32 where the kernel takes one (ieee or tf32)."""
+        for a in self.args:
+            if hasattr(a, "is_floating_point") and a.is_floating_point():
+                name = str(a.dtype).removeprefix("torch.")
+                bound = dict(zip(self.kernel.arg_names, self.args), **self.kwargs)
+                if name == "float32" and "PRECISION" in bound:
+                    name += "/" + bound["PRECISION"]
+                return name
+        return "-"
+
 
 @dataclass
 class Result:
@@ -68,6 +81,7 @@ class Result:
     arch: int
     config: str
     where: str
+    dtype: str
     ok: bool
     seconds: float
     shared: int = 0
@@ -340,8 +354,8 @@ DRIVERS = {"conv": _conv_calls, "layer_norm": _layer_norm_calls, "embedding": _e
 
 
 def _config_label(config) -> str:
-    kw = ", ".join(f"{k}={v}" for k, v in config.kwargs.items())
-    return f"{kw}, warps={config.num_warps}, stages={config.num_stages}"
+    parts = [f"{k}={v}" for k, v in config.kwargs.items()]
+    return ", ".join(parts + [f"warps={config.num_warps}", f"stages={config.num_stages}"])
 
 
 def _resources(cubin: bytes) -> tuple[int, int]:
@@ -362,19 +376,22 @@ def _resources(cubin: bytes) -> tuple[int, int]:
 
 
 def _print_resources(results: list[Result]) -> None:
-    """Most registers and stack of each kernel config over its launches, per arch."""
+    """Most registers and stack of each kernel config and data dtype over its
+    launches, per arch."""
     rows: dict[tuple, list[int]] = {}
     for r in results:
         if r.ok and r.regs >= 0:
-            row = rows.setdefault((r.arch, r.kernel, r.config), [0, 0, 0, 0])
+            row = rows.setdefault((r.arch, r.kernel, r.dtype, r.config), [0, 0, 0, 0])
             row[0] = max(row[0], r.regs)
             row[1] = max(row[1], r.stack)
             row[2] = max(row[2], r.shared)
             row[3] += 1
-    print(f"{'arch':6s} {'kernel':34s} {'config':52s} {'regs':>4s} {'stack':>6s} {'smem':>7s} launches")
-    for (arch, kernel, config), (regs, stack, shared, n) in sorted(rows.items()):
+    print(f"{'arch':6s} {'kernel':30s} {'dtype':12s} {'config':52s} {'regs':>4s} {'stack':>6s} "
+          f"{'smem':>7s} launches")
+    for (arch, kernel, dtype, config), (regs, stack, shared, n) in sorted(rows.items()):
         flag = "  spills" if stack else ""
-        print(f"sm_{arch:<3d} {kernel:34s} {config:52s} {regs:4d} {stack:6d} {shared:7d} {n:4d}{flag}")
+        print(f"sm_{arch:<3d} {kernel:30s} {dtype:12s} {config:52s} {regs:4d} {stack:6d} {shared:7d} "
+              f"{n:4d}{flag}")
 
 
 def compile_all(launches: list[Launch], archs: list[int], *, first_config: bool, resources: bool,
@@ -404,12 +421,12 @@ def compile_all(launches: list[Launch], archs: list[int], *, first_config: bool,
                         compiled = launch.kernel.warmup(grid=(1,), **kwargs)
                     except Exception as e:  # noqa: BLE001  (the report lists every failure)
                         msg = "".join(traceback.format_exception_only(type(e), e)).strip()
-                        report.results.append(Result(name, arch, label, launch.where, False,
+                        report.results.append(Result(name, arch, label, launch.where, launch.dtype, False,
                                                      time.perf_counter() - t0, error=msg[-2000:]))
                         log(f"FAILED sm_{arch} {name} [{label}] ({launch.where}): {msg[-600:]}")
                         continue
                     regs, stack = _resources(compiled.asm["cubin"]) if resources else (-1, -1)
-                    report.results.append(Result(name, arch, label, launch.where, True,
+                    report.results.append(Result(name, arch, label, launch.where, launch.dtype, True,
                                                  time.perf_counter() - t0,
                                                  shared=int(compiled.metadata.shared), regs=regs,
                                                  stack=stack))
