@@ -642,8 +642,12 @@ class Runner:
             self.sync()
             check(result)
             del result
-            cycle = itertools.cycle(fns)
-            ms = self.timer(lambda: next(cycle)())
+            if isinstance(self.timer, bandwidth.GraphTimer):
+                # One capture holds a call on every input set, in turn.
+                ms = self.timer(lambda: [f() for f in fns]) / len(fns)
+            else:
+                cycle = itertools.cycle(fns)
+                ms = self.timer(lambda: next(cycle)())
             self.sync()
         return ms
 
@@ -788,8 +792,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="file stem of the results (default kernels_<device>_<date>)")
     p.add_argument("--ceilings", default=None, metavar="JSON",
                    help="ceilings written by bench/bandwidth.py --out (default: measure them now)")
-    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up per timing (ms)")
-    p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time per timing (ms)")
+    p.add_argument("--timer", choices=bandwidth.TIMERS, default="do_bench",
+                   help="CUDA timer: do_bench (eager calls, launch overhead included) or "
+                        "cuda_graph (replays of one captured call: the kernels' own time)")
+    p.add_argument("--warmup-ms", type=float, default=10.0, help="warm-up per timing (ms)")
+    p.add_argument("--rep-ms", type=float, default=40.0, help="repetition time per timing (ms)")
     p.add_argument("--no-table", action="store_true", help="print only the summary")
     p.add_argument("--list", action="store_true", help="print the planned cases and exit")
     p.add_argument("--verbose", action="store_true", help="print the traceback of every error row")
@@ -819,12 +826,13 @@ def main(argv=None) -> int:
         # cuDNN picks the fastest algorithm per shape, for the torch backend
         # and the baselines alike.
         torch.backends.cudnn.benchmark = True
-        timer = bandwidth.CudaTimer(args.warmup_ms, args.rep_ms)
+        timer = bandwidth.make_cuda_timer(args.timer, args.warmup_ms, args.rep_ms)
     else:
         # The first call of every implementation (the checked one) is the warm-up.
         timer = bandwidth.CpuTimer(reps=3, max_seconds=0.5, warmup=0) if args.smoke else bandwidth.CpuTimer()
         if not args.smoke:
-            print("warning: no CUDA device; timing on the CPU with perf_counter")
+            print("warning: no CUDA device; timing on the CPU with perf_counter"
+                  + (f" (--timer {args.timer} is for CUDA)" if args.timer != "do_bench" else ""))
     torch.manual_seed(0)
     env = environment(device)
     env["timer"] = timer.name

@@ -666,8 +666,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="file stem of the results (default optim_<device>_<date>)")
     p.add_argument("--ceilings", default=None, metavar="JSON",
                    help="ceilings written by bench/bandwidth.py --out (default: measure the copy bandwidth now)")
-    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up per timing (ms)")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per timing (ms)")
+    p.add_argument("--timer", choices=bandwidth.TIMERS, default="do_bench",
+                   help="CUDA timer: do_bench (eager calls, launch overhead included) or "
+                        "cuda_graph (replays of one captured call: the kernels' own time)")
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per timing (ms)")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="repetition time per timing (ms)")
     p.add_argument("--no-table", action="store_true", help="print only the summary")
     p.add_argument("--list", action="store_true", help="print the planned cases and exit")
     p.add_argument("--verbose", action="store_true", help="print the traceback of every error row")
@@ -733,7 +736,7 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cuda":
-        timer = bandwidth.CudaTimer(args.warmup_ms, args.rep_ms)
+        timer = bandwidth.make_cuda_timer(args.timer, args.warmup_ms, args.rep_ms)
     else:
         # The first (checked) step is the warm-up.
         timer = bandwidth.CpuTimer(reps=3, max_seconds=0.5, warmup=0) if args.smoke else bandwidth.CpuTimer()

@@ -15,15 +15,20 @@
 #                   each in its own process with a time budget, so that a kernel
 #                   that breaks the CUDA context loses only its own op's rows;
 #                   between embedding and conv, bench/bench_optim.py (optimizer
-#                   steps of B ResNet-18 models) in its own process and budget
-#   5. report       the kernel parts merged into one CSV + JSON and summarized;
-#                   the optimizer summary printed last
+#                   steps of B ResNet-18 models) in its own process and budget.
+#                   These time eager calls (do_bench): launch overhead included.
+#   5. graph        bench/bench_kernels.py --quick --timer cuda_graph: the quick
+#                   subset of every op timed as CUDA-graph replays, the kernels'
+#                   own time without launch overhead
+#   6. report       the kernel parts merged into one CSV + JSON and summarized;
+#                   the graph-timed and optimizer summaries printed last
 #
 # Results go to $OUT (default bench/results/gpu_run), flat, at most 8 files:
-#   gpu_run.log  everything printed;  gpu_tests.log  the pytest output;
-#   stages.txt   each stage's exit status and seconds;
-#   kernels_<device>_<date>.csv / .json  the kernel benchmark rows (bench/README.md);
-#   optim_<device>_<date>.csv / .json    the optimizer-step rows.
+#   gpu_run.log  everything printed, ending with each stage's exit status and seconds;
+#   gpu_tests.log  the pytest output;
+#   kernels_<device>_<date>.csv / .json        the eager kernel benchmark rows (bench/README.md);
+#   graph_kernels_<device>_<date>.csv / .json  the graph-timed rows;
+#   optim_<device>_<date>.csv / .json          the optimizer-step rows.
 #
 # Settings (environment variables):
 #   HFKERN_RUN_SECONDS   wall-clock target for the whole script (default 530)
@@ -33,6 +38,7 @@
 #   BENCH_ARGS           extra options for bench_kernels.py, e.g. "--quick" or "--dtypes bf16"
 #   OPTIM_ARGS           extra options for bench_optim.py, e.g. "--ops adam --B 16"
 #   HFKERN_OPTIM_SECONDS cap on the optimizer benchmark's time budget (default 75)
+#   HFKERN_GRAPH_SECONDS cap on the graph-timed benchmark's time budget (default 90)
 #   PYTHON               the interpreter (default python3)
 #
 # hfkern is used in place through PYTHONPATH (no pip install, so no dependency
@@ -48,6 +54,7 @@ TEST_SECONDS=${HFKERN_TEST_SECONDS:-180}
 BENCH_ARGS=${BENCH_ARGS:-}
 OPTIM_ARGS=${OPTIM_ARGS:-}
 OPTIM_SECONDS=${HFKERN_OPTIM_SECONDS:-75}
+GRAPH_SECONDS=${HFKERN_GRAPH_SECONDS:-90}
 XDIST_WORKERS=${HFKERN_TEST_WORKERS:-8}
 PY=${PYTHON:-python3}
 START=$(date +%s)
@@ -58,7 +65,7 @@ unset TRITON_INTERPRET
 
 mkdir -p "$OUT" || exit 1
 WORK=$(mktemp -d) || exit 1
-STAGES=$OUT/stages.txt
+STAGES=$WORK/stages.txt
 FAILED=0
 
 left() { echo $((START + RUN_SECONDS - $(date +%s))); }
@@ -180,6 +187,36 @@ bench_optim() {
     return $rc
 }
 
+# bench_graph CAP: the quick subset of every op under the cuda_graph timer, with a
+# time budget of at most CAP seconds; its CSV + JSON are copied to $OUT as graph_*.
+bench_graph() {
+    local cap=$1 budget ceil=() rc f
+    budget=$(max 20 "$(min "$cap" $(($(left) - RESERVE)))")
+    [[ -f $WORK/ceilings.json ]] && ceil=(--ceilings "$WORK/ceilings.json")
+    echo "bench_kernels.py --quick --timer cuda_graph: time budget ${budget} s"
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+    timeout -s INT -k 15 $((budget + 45)) "$PY" bench/bench_kernels.py --quick --timer cuda_graph \
+        --time-budget "$budget" --out "$WORK/graph" --no-table ${ceil[@]+"${ceil[@]}"} $BENCH_ARGS
+    rc=$?
+    shopt -s nullglob
+    local files=("$WORK"/graph/*.csv "$WORK"/graph/*.json)
+    shopt -u nullglob
+    ((${#files[@]})) || { echo "no graph-timed results"; return 1; }
+    for f in "${files[@]}"; do
+        cp "$f" "$OUT/graph_$(basename "$f")" || rc=1
+    done
+    return $rc
+}
+
+report_graph() {
+    local files=("$OUT"/graph_*.json)
+    if [[ ! -e ${files[0]} ]]; then
+        echo "no graph-timed results to report"
+        return 1
+    fi
+    "$PY" bench/report.py show "${files[@]}"
+}
+
 report_optim() {
     local files=("$WORK"/optim/*.json)
     if [[ ! -e ${files[0]} ]]; then
@@ -212,8 +249,13 @@ main() {
     run_stage bench_layer_norm bench layer_norm $(max 20 $((($(left) - RESERVE) / 6)))
     run_stage bench_embedding bench embedding $(max 20 $((($(left) - RESERVE) / 5)))
     run_stage bench_optim bench_optim "$(min "$OPTIM_SECONDS" $(max 30 $((($(left) - RESERVE) / 3))))"
-    run_stage bench_conv bench conv $(($(left) - RESERVE))
+    local graph_cap
+    graph_cap=$(min "$GRAPH_SECONDS" $(max 30 $((($(left) - RESERVE) / 3))))
+    # A conv case can run past its budget by its own length; 45 s is kept for that.
+    run_stage bench_conv bench conv $(max 20 $(($(left) - RESERVE - graph_cap - 45)))
+    run_stage bench_graph bench_graph "$graph_cap"
     run_stage report report
+    run_stage report_graph report_graph
     run_stage report_optim report_optim
     echo
     echo "=== stages (exit status, seconds) ==="

@@ -47,6 +47,7 @@ class _Impl:
     fn: Callable | str  # the implementation, or "module:attr" imported on first use
     device_types: tuple[str, ...]
     auto: bool
+    dtypes: tuple[torch.dtype, ...] = ()  # data dtypes served; empty: every dtype
 
     def load(self) -> Callable:
         # Kernel modules (triton, the compiled extension) are imported only when an
@@ -64,9 +65,9 @@ _availability: dict[str, Callable[[], tuple[bool, str]]] = {}
 # Process-wide, not thread-local: autograd runs CUDA backward passes on its own
 # threads, which must see the same selection as the forward.
 _selected: str | None = None
-_logged_auto: set[tuple[str, str]] = set()
-# (op, device type, requested backend) -> implementation; cleared by register()
-_resolved: dict[tuple[str, str, str], Callable] = {}
+_logged_auto: set[tuple[str, str, torch.dtype | None]] = set()
+# (op, device type, dtype, requested backend) -> implementation; cleared by register()
+_resolved: dict[tuple[str, str, torch.dtype | None, str], Callable] = {}
 
 
 def _torch_available() -> tuple[bool, str]:
@@ -107,17 +108,20 @@ def register(
     *,
     device_types: tuple[str, ...] | None = None,
     auto: bool = True,
+    dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> None:
     """Register ``fn`` as ``backend``'s implementation of ``op``.
 
     ``fn`` may be a ``"package.module:function"`` string, imported on first use.
     ``device_types`` lists the device types the implementation serves (None: all).
     ``auto=False`` keeps ``auto`` from ever choosing it (for example a backend
-    whose numerics differ from the torch path).
+    whose numerics differ from the torch path). ``dtypes`` lists the data dtypes
+    it serves (None: all); ``auto`` passes over it for any other dtype, while an
+    explicit request for it lets the implementation raise its own TypeError.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    _registry.setdefault(op, {})[backend] = _Impl(fn, tuple(device_types or ()), auto)
+    _registry.setdefault(op, {})[backend] = _Impl(fn, tuple(device_types or ()), auto, tuple(dtypes or ()))
     _resolved.clear()
 
 
@@ -170,8 +174,9 @@ def _serves(impl: _Impl, device_type: str) -> bool:
     return not impl.device_types or device_type in impl.device_types
 
 
-def _choose(op: str, device_type: str) -> tuple[str, str]:
-    """Return (backend, reason) for ``op`` on ``device_type`` under the current selection."""
+def _choose(op: str, device_type: str, dtype: torch.dtype | None = None) -> tuple[str, str]:
+    """Return (backend, reason) for ``op`` on ``device_type`` (and data ``dtype``,
+    where given) under the current selection."""
     impls = _registry.get(op)
     if not impls:
         raise RuntimeError(f"hfkern op {op!r} has no registered implementation")
@@ -198,24 +203,28 @@ def _choose(op: str, device_type: str) -> tuple[str, str]:
         impl = impls.get(name)
         if impl is None or not impl.auto or not _serves(impl, device_type):
             continue
+        if dtype is not None and impl.dtypes and dtype not in impl.dtypes:
+            continue
         if _availability[name]()[0]:
-            return name, f"auto: first available of {list(AUTO_PREFERENCE)} serving {device_type}"
+            served = device_type if dtype is None else f"{device_type} {dtype}"
+            return name, f"auto: first available of {list(AUTO_PREFERENCE)} serving {served}"
     raise RuntimeError(f"no available hfkern backend serves hfkern::{op} on {device_type}")
 
 
-def resolve(op: str, device: torch.device) -> Callable:
-    """The implementation of ``op`` that serves tensors on ``device`` now.
+def resolve(op: str, device: torch.device, dtype: torch.dtype | None = None) -> Callable:
+    """The implementation of ``op`` that serves tensors on ``device`` (of data
+    ``dtype``, where the op passes it) now.
 
-    Decided once per (op, device type, requested backend) and cached: the
-    per-call cost is one dict lookup.
+    Decided once per (op, device type, dtype, requested backend) and cached:
+    the per-call cost is one dict lookup.
     """
     requested = get_backend()
-    key = (op, device.type, requested)
+    key = (op, device.type, dtype, requested)
     fn = _resolved.get(key)
     if fn is None:
-        backend, reason = _choose(op, device.type)
-        if requested == "auto" and (op, device.type) not in _logged_auto:
-            _logged_auto.add((op, device.type))
+        backend, reason = _choose(op, device.type, dtype)
+        if requested == "auto" and (op, device.type, dtype) not in _logged_auto:
+            _logged_auto.add((op, device.type, dtype))
             logger.debug("hfkern::%s on %s -> %s backend (%s)", op, device.type, backend, reason)
         fn = _resolved[key] = _registry[op][backend].load()
     return fn
@@ -248,6 +257,10 @@ def backend_info() -> dict:
         for device_type in ("cpu", "cuda"):
             try:
                 backend, why = _choose(op, device_type)
+                served = _registry[op][backend].dtypes
+                if served and get_backend() == "auto":
+                    names = ", ".join(str(d).replace("torch.", "") for d in served)
+                    why += f"; for {names}, other dtypes go to the next eligible backend"
                 row[device_type] = f"{backend} ({why})"
             except RuntimeError as e:
                 row[device_type] = f"error: {e}"

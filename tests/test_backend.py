@@ -79,6 +79,29 @@ def test_auto_skips_backends_not_marked_auto(monkeypatch):
         del _backend._registry["test_only_op"]
 
 
+def test_auto_passes_over_a_backend_for_dtypes_it_does_not_serve(monkeypatch):
+    calls = []
+    _backend.register("test_only_op", "torch", lambda: calls.append("torch"))
+    _backend.register("test_only_op", "cuda", lambda: calls.append("cuda"),
+                      dtypes=(torch.float32, torch.bfloat16))
+    monkeypatch.setitem(_backend._availability, "cuda", lambda: (True, "pretend"))
+    cuda = torch.device("cuda")
+    try:
+        _backend._selected = "auto"
+        _backend.resolve("test_only_op", cuda, torch.float32)()
+        _backend.resolve("test_only_op", cuda, torch.float64)()  # not served: the next eligible
+        _backend.resolve("test_only_op", cuda, torch.bfloat16)()
+        _backend.resolve("test_only_op", cuda)()  # no dtype given: any
+        assert calls == ["cuda", "torch", "cuda", "cuda"]
+        assert "other dtypes go to the next eligible backend" in hfkern.backend_info()["ops"]["test_only_op"]["cuda"]
+        # An explicit request is never redirected: the implementation sees the call.
+        _backend._selected = "cuda"
+        _backend.resolve("test_only_op", cuda, torch.float64)()
+        assert calls[-1] == "cuda"
+    finally:
+        del _backend._registry["test_only_op"]
+
+
 def test_auto_logs_choice_once(caplog):
     _backend._logged_auto.clear()
     _backend._resolved.clear()

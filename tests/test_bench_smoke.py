@@ -228,3 +228,29 @@ def test_plan_orders_quick_subset_first_and_time_budget_stops(bench, tmp_path):
     with open(tmp_path / "cut.json") as f:
         data = json.load(f)
     assert data["rows"] == [] and data["meta"]["skipped_cases"] == data["meta"]["planned_cases"] > 0
+
+
+def test_profile_case_smoke_lists_each_implementations_work():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, os.path.join("bench", "profile_case.py"), "--smoke", "--ops", "conv",
+         "--dtypes", "fp32", "--directions", "fwd+bwd", "--impls", "torch,grouped_nchw",
+         "--calls", "2", "--top", "3"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "conv smoke." in out and "  torch: wall" in out and "  grouped_nchw: wall" in out
+    assert "failed" not in out
+    # each implementation lists the ops it ran: the torch path and the bare grouped conv both convolve
+    assert out.count("convolution") >= 2, out
+
+
+def test_cuda_timer_names(bench):
+    bandwidth = importlib.import_module("bandwidth")
+    assert set(bandwidth.TIMERS) == {"do_bench", "cuda_graph"}
+    assert isinstance(bandwidth.make_cuda_timer("cuda_graph"), bandwidth.GraphTimer)
+    assert isinstance(bandwidth.make_cuda_timer("do_bench"), bandwidth.CudaTimer)
+    with pytest.raises(ValueError, match="timer must be one of .*got 'events'"):
+        bandwidth.make_cuda_timer("events")

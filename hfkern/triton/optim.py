@@ -826,6 +826,15 @@ def _conform_grads(params: Sequence[Tensor], grads: Sequence[Tensor]) -> list[Te
     return out
 
 
+def _to_device(table: Tensor, device: torch.device) -> Tensor:
+    """A host-built table on ``device`` without synchronizing: a pageable host
+    tensor's copy to the GPU waits for the stream, a pinned one's is queued (the
+    caching host allocator keeps the pinned buffer until the copy is done)."""
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
 def _plan(
     params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Sequence[Tensor]],
     names: Sequence[str], steps: Sequence[Tensor],
@@ -866,13 +875,14 @@ def _plan(
             lists, ("params", "grads", *(n if s else "params" for n, s in zip(names, states))),
             [steps[i] for i in index] if steps else None, B, chunk, _COLS,
         )
-        groups.append(_Group(index, tiles.to(device), tiles.size(0), dtype))
+        groups.append(_Group(index, _to_device(tiles, device), tiles.size(0), dtype))
     step_offs = None
     if steps:
         base = _offsets(steps, steps[0], "steps")
         step_offs = torch.tensor(
             [o + b * s.stride(0) for o, s in zip(base, steps) for b in range(B)], dtype=torch.int64
-        ).to(device)
+        )
+        step_offs = _to_device(step_offs, device)
     plan = _Plan(groups, step_offs, len(steps) * B)
     if all(c is g for c, g in zip(conformed, grads)):
         _remember(_plans, key, plan)
@@ -1119,7 +1129,7 @@ def nonfinite_models(grads: list[Tensor]) -> Tensor:
             tiles = _build_tiles([[dense[i] for i in index]], ["grads"], None, B, chunk, _NF_COLS,
                                  part=(tm, col))
             col += sum(sizes[i] for i in index)
-            groups.append((index, tiles.to(g0.device), tiles.size(0)))
+            groups.append((index, _to_device(tiles, g0.device), tiles.size(0)))
         others = [g for g in dense if g.dtype not in _FLOAT_PARAMS and g.numel()]
         if others:
             raise TypeError(f"expected floating-point gradients, got {others[0].dtype}")
