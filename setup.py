@@ -1,8 +1,9 @@
 """hfkern build script.
 
-Pure Python for now; the CUDA extension ``hfkern._C`` (pybind11, raw pointers,
-no torch ABI) is added by the CUDA backend and built with CMake when
-``HFKERN_BUILD_CUDA=1``.
+Pure Python in this build: the CUDA backend's extension ``hfkern._C`` (pybind11,
+raw pointers, no torch ABI, built with CMake) does not exist yet, so there is
+nothing to compile. The version ranges are the ones the test suite runs on
+(README.md, "Versions and compile checks").
 """
 
 from setuptools import find_packages, setup
@@ -13,10 +14,10 @@ setup(
     description="Horizontally fused training: B models as one array model, with array kernels",
     packages=find_packages(include=["hfkern", "hfkern.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=["torch>=2.11,<2.14", "numpy"],
     extras_require={
-        "triton": ["triton>=3.0"],
+        "triton": ["triton>=3.6,<3.10"],
         "demo": ["scikit-learn", "tqdm", "rich"],
-        "test": ["pytest", "scikit-learn", "tqdm", "rich", "triton>=3.0"],
+        "test": ["pytest", "scikit-learn", "tqdm", "rich", "triton>=3.6,<3.10"],
     },
 )
