@@ -178,7 +178,17 @@ def _attn_mask(kind, dtype, B, H, batched):
         return m, [m] * B
     if kind == "NH":
         m = _bool_or_float((n * H, L, S), dtype)
-        return m, [m] * B
+        # with B == n*H the 3-D form is ambiguous: the explicit shared 4-D form
+        return (m.unsqueeze(0) if B == n * H and B > 1 else m), [m] * B
+    if kind == "BLS":  # one [L, S] mask per model, stacked
+        m = _bool_or_float((B, L, S), dtype)
+        return m, list(m)
+    if kind == "1NH":
+        m = _bool_or_float((1, n * H, L, S), dtype)
+        return m, [m[0]] * B
+    if kind == "11":
+        m = _bool_or_float((1, 1, L, S), dtype)
+        return m, [m[0, 0]] * B
     if kind == "B1":
         m = _bool_or_float((B, 1, L, S), dtype)
         return m, [m[b, 0] for b in range(B)]
@@ -245,16 +255,44 @@ def test_mha_mixed_mask_dtypes_warn_like_torch():
                [dict(attn_mask=am, key_padding_mask=kp[b]) for b in range(B)])
 
 
-def test_mha_3d_mask_is_shared_even_when_B_equals_N_times_heads():
-    H, B = 2, N * 2
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("B", [1, 2, 4])
+def test_mha_masks_with_array_dim(B, dtype, batched):
+    # One [L, S] mask per model stacked to [B, L, S] (the array-dim-first form),
+    # and the explicit 4-D shared forms, against B torch modules with each
+    # model's own mask; H = 3 keeps B != N*H (and != H unbatched).
+    H = 3
+    modules = _modules(B, H=H)
+    array = MultiheadAttention.from_modules(modules)
+    qkv, qkv_m, leaves, shared = _qkv(B, array, "distinct", batched=batched)
+    kp, kps = _kpm("model", dtype, B, batched)
+    for kind, nw in [(kind, nw) for kind in ("BLS", "1NH", "11") for nw in (True, False)]:
+        am, ams = _attn_mask(kind, dtype, B, H, batched)
+        akw = dict(attn_mask=am, key_padding_mask=kp, need_weights=nw, average_attn_weights=False)
+        mkws = [dict(akw, attn_mask=ams[b], key_padding_mask=kps[b]) for b in range(B)]
+        _check(array, modules, qkv, qkv_m, leaves, shared, akw, mkws)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_mha_3d_mask_ambiguous_when_B_equals_N_times_heads(batched):
+    H = 2
+    n = N if batched else 1
+    B = n * H
     modules = _modules(B, E=8, H=H)
     array = MultiheadAttention.from_modules(modules)
-    qkv, qkv_m, leaves, shared = _qkv(B, array, "distinct")
-    m = torch.randn(N * H, L, S)
-    assert m.size(0) == B
+    qkv, qkv_m, leaves, shared = _qkv(B, array, "distinct", batched=batched)
+    m = torch.randn(B, L, S)
+    with pytest.raises(ValueError, match=rf"attn_mask of shape \[{B}, 5, 7\] is ambiguous.*"
+                                         rf"\[1, {B}, 5, 7\].*\[{B}, 1, 5, 7\]"):
+        array(*qkv, attn_mask=m)
     for nw in (True, False):
-        _check(array, modules, qkv, qkv_m, leaves, shared, dict(attn_mask=m, need_weights=nw),
+        # the explicit spellings: torch's shared per-(sample, head) mask ...
+        _check(array, modules, qkv, qkv_m, leaves, shared, dict(attn_mask=m.unsqueeze(0), need_weights=nw),
                [dict(attn_mask=m, need_weights=nw)] * B)
+        # ... and one [L, S] mask per model
+        _check(array, modules, qkv, qkv_m, leaves, shared, dict(attn_mask=m.unsqueeze(1), need_weights=nw),
+               [dict(attn_mask=m[b], need_weights=nw) for b in range(B)])
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
@@ -459,8 +497,10 @@ def test_mha_bad_masks():
     x = torch.randn(B, L, N, 8)
     with pytest.raises(ValueError, match=r"key_padding_mask of shape \[3, 5\].*\[2, 3, 5\].*got \[4, 5\]"):
         a(x, x, x, key_padding_mask=torch.zeros(4, L, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"attn_mask of shape \[5, 5\] or \[6, 5, 5\].*\[2, 1, 5, 5\].*got \[2, 5, 5\]"):
-        a(x, x, x, attn_mask=torch.zeros(B, L, L, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"attn_mask of shape \[5, 5\] or \[6, 5, 5\].*\[2, 5, 5\].*got \[4, 5, 5\]"):
+        a(x, x, x, attn_mask=torch.zeros(4, L, L, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"got \[2, 6, 5, 4\]"):
+        a(x, x, x, attn_mask=torch.zeros(B, N * 2, L, L - 1))
     with pytest.raises(ValueError, match=r"got \[3, 1, 5, 5\]"):
         a(x, x, x, attn_mask=torch.zeros(3, 1, L, L))
     with pytest.raises(TypeError, match="torch.bool or torch.float32, got torch.int64"):
@@ -472,5 +512,97 @@ def test_mha_bad_masks():
     u = torch.randn(B, L, 8)
     with pytest.raises(ValueError, match=r"key_padding_mask of shape \[5\].*\[2, 5\]"):
         a(u, u, u, key_padding_mask=torch.zeros(N, L, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"\[2, 5, 5\] \(shared\)"):
+    with pytest.raises(ValueError, match=r"\[5, 5\] or \[2, 5, 5\] \(shared\).*got \[3, 5, 5\]"):
         a(u, u, u, attn_mask=torch.zeros(N, L, L))
+
+
+# ---- per-model dropout --------------------------------------------------------------
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("how", ["self", "shared_self", "distinct"])
+def test_mha_per_model_dropout_p0_p1_match_torch(how, need_weights):
+    # Models with dropout 0 or 1 are deterministic in training: each must match
+    # its own torch module (from to_modules), forward and backward, whatever
+    # the model with dropout 0.5 beside them draws.
+    p = [0.0, 1.0, 0.5, 1.0]
+    B = len(p)
+    modules = [nn.MultiheadAttention(12, 3, dropout=pb) for pb in p]
+    array = MultiheadAttention.from_modules(modules)
+    assert array.training and array.dropout == tuple(p)
+    assert [m.dropout for m in array.to_modules()] == p
+    qkv, qkv_m, leaves, shared = _qkv(B, array, how)
+    out, w = array(*qkv, need_weights=need_weights, average_attn_weights=False)
+    g = torch.randn_like(out)
+    params = [q for _, q in array.named_parameters()]
+    got = torch.autograd.grad(out, params, g)
+    got = dict(zip([n for n, _ in array.named_parameters()], got))
+    for b in (0, 1, 3):
+        ref, ref_w = modules[b](*qkv_m[b], need_weights=need_weights, average_attn_weights=False)
+        torch.testing.assert_close(out[b], ref)
+        if need_weights:
+            torch.testing.assert_close(w[b], ref_w)
+            if p[b] == 1.0:
+                assert (w[b] == 0).all()
+        names = [n for n, _ in modules[b].named_parameters()]
+        ref_g = torch.autograd.grad(ref, [q for _, q in modules[b].named_parameters()], g[b],
+                                    allow_unused=True)
+        for n, rg in zip(names, ref_g):
+            if rg is None:
+                assert torch.all(got[n][b] == 0), n
+            else:
+                torch.testing.assert_close(got[n][b], rg, **GRAD_TOL, msg=lambda s: f"{n}: {s}")
+
+
+def test_mha_per_model_dropout_weights_semantics():
+    # Model b zeroes its attention weights with its own probability and scales
+    # the kept ones by 1/(1-p_b); models with equal p draw independently.
+    p = [0.2, 0.6, 0.6]
+    B = len(p)
+    one = nn.MultiheadAttention(8, 2)
+    array = MultiheadAttention(8, 2, dropout=torch.tensor(p, dtype=torch.float64), B=B)
+    array.load_state_dict({k: torch.stack([v] * B) for k, v in one.state_dict().items()})
+    x = hfkern.broadcast(torch.randn(L, 64, 8), B)
+    w_train = array(x, x, x, average_attn_weights=False)[1]
+    w_eval = array.eval()(x, x, x, average_attn_weights=False)[1]
+    for b, pb in enumerate(p):
+        zero = w_train[b] == 0
+        assert abs(zero.float().mean().item() - pb) < 0.03, b
+        torch.testing.assert_close(w_train[b][~zero], w_eval[b][~zero] / (1 - pb))
+    assert not torch.equal(w_train[1] == 0, w_train[2] == 0)
+
+
+def test_mha_per_model_dropout_without_weights_is_unbiased():
+    # need_weights=False with per-model probabilities: random, independent per
+    # model, and each model's mean over many samples is its eval output.
+    p, reps = [0.3, 0.7], 4000
+    B = len(p)
+    one = nn.MultiheadAttention(4, 1)
+    array = MultiheadAttention(4, 1, dropout=p, B=B)
+    array.load_state_dict({k: torch.stack([v] * B) for k, v in one.state_dict().items()})
+    x = hfkern.broadcast(torch.randn(3, 1, 4).expand(3, reps, 4), B)
+    out = array(x, x, x, need_weights=False)[0]  # [B, L, reps, E]
+    ref = array.eval()(x, x, x, need_weights=False)[0]
+    for b in range(B):
+        assert not torch.allclose(out[b], ref[b], atol=1e-3)
+    assert not torch.allclose(out[0], out[1], atol=1e-3)
+    se = out.std(dim=2) / math.sqrt(reps)
+    assert ((out.mean(dim=2) - ref[:, :, 0]).abs() < 5 * se + 1e-6).all()
+    # model 1 drops more: its samples spread more
+    assert (out[1].std(dim=1) > out[0].std(dim=1)).float().mean() > 0.9
+
+
+def test_mha_per_model_dropout_is_causal_and_bad_values():
+    # is_causal with per-model dropout takes the explicit path with the given causal mask
+    B = 2
+    modules = [nn.MultiheadAttention(12, 3, dropout=pb) for pb in (0.0, 1.0)]
+    array = MultiheadAttention.from_modules(modules)
+    qkv, qkv_m, _, _ = _qkv(B, array, "self")
+    causal = nn.Transformer.generate_square_subsequent_mask(L)
+    out, _ = array(*qkv, attn_mask=causal, is_causal=True, need_weights=False)
+    for b in range(B):
+        ref, _ = modules[b](*qkv_m[b], attn_mask=causal, is_causal=True, need_weights=False)
+        torch.testing.assert_close(out[b], ref)
+    with pytest.raises(ValueError, match=r"one value per model \(length B=2\), got 3"):
+        MultiheadAttention(8, 2, dropout=[0.1, 0.2, 0.3], B=2)
+    with pytest.raises(ValueError, match=r"dropout\[1\] is 2.0"):
+        MultiheadAttention(8, 2, dropout=[0.1, 2.0], B=2)

@@ -201,8 +201,8 @@ def test_from_modules_to_modules():
     back = array.eval().to_modules()
     assert [type(m) for m in back] == [nn.Dropout2d] * 3
     assert all(m.p == 0.3 and m.inplace and not m.training for m in back)
-    with pytest.raises(ValueError, match="'p' differs"):
-        Dropout.from_modules([nn.Dropout(0.1), nn.Dropout(0.2)])
+    with pytest.raises(ValueError, match="'inplace' differs"):
+        Dropout.from_modules([nn.Dropout(0.1), nn.Dropout(0.1, inplace=True)])
     with pytest.raises(ValueError, match="'training' differs"):
         Dropout.from_modules([nn.Dropout(0.1), nn.Dropout(0.1).eval()])
     with pytest.raises(TypeError, match="torch.nn.Dropout1d"):
@@ -253,3 +253,176 @@ def test_compile_fullgraph(cls, shape, k):
     m.eval()
     x = torch.randn(3, *shape)
     assert torch.equal(torch.compile(m, fullgraph=True, backend="aot_eager")(x), x)
+
+
+# ---- per-model probabilities ------------------------------------------------------
+
+P_MODELS = [0.1, 0.5, 0.8, 0.5]
+
+
+@pytest.mark.parametrize("form", ["list", "tuple", "numpy", "tensor", "tensor64"])
+@pytest.mark.parametrize("cls", [Dropout, Dropout1d, Dropout2d])
+def test_per_model_p_forms(cls, form):
+    np = pytest.importorskip("numpy")
+    p = {"list": list(P_MODELS), "tuple": tuple(P_MODELS), "numpy": np.array(P_MODELS),
+         "tensor": torch.tensor(P_MODELS), "tensor64": torch.tensor(P_MODELS, dtype=torch.float64)}[form]
+    m = cls(p, B=4)
+    tol = 1e-7 if form == "tensor" else 0  # a float32 tensor holds float32 values
+    assert isinstance(m.p, tuple) and len(m.p) == 4
+    assert all(abs(a - b) <= tol for a, b in zip(m.p, P_MODELS))
+    assert repr(m).startswith(f"{cls.__name__}(B=4, p=(")
+    mods = m.to_modules()
+    assert [type(t) for t in mods] == [cls._torch_cls] * 4
+    assert [t.p for t in mods] == list(m.p)
+    # scalars in every spelling stay one probability for all models
+    for scalar in (0.3, np.float32(0.25), np.array(0.25), torch.tensor(0.25)):
+        assert isinstance(cls(scalar, B=4).p, float)
+
+
+@pytest.mark.parametrize("cls", [Dropout, Dropout1d, Dropout2d])
+def test_per_model_p_bad_values(cls):
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match=r"one value per model \(length B=4\), got 3 values"):
+        cls([0.1, 0.2, 0.3], B=4)
+    with pytest.raises(ValueError, match=r"between 0 and 1 for every model, but p\[2\] is 1.5"):
+        cls([0.1, 0.2, 1.5, 0.0], B=4)
+    with pytest.raises(ValueError, match=r"p\[0\] is -0.1"):
+        cls(torch.tensor([-0.1, 0.2]), B=2)
+    with pytest.raises(ValueError, match=r"p\[1\] is nan"):
+        cls([0.1, float("nan")], B=2)
+    with pytest.raises(ValueError, match=r"1-D array.*got shape \[2, 1\]"):
+        cls(np.zeros((2, 1)), B=2)
+    with pytest.raises(TypeError, match="B .*is required"):
+        cls([0.1, 0.2])
+    with pytest.raises(TypeError, match="one number per model, got str"):
+        cls([0.1, "0.2"], B=2)
+    with pytest.raises(TypeError, match="got str"):
+        cls("0.5", B=2)
+    with pytest.raises(TypeError, match="got bool"):
+        cls(True, B=2)
+    # assigning p validates it the same way
+    m = cls(0.2, B=2)
+    m.p = np.array([0.1, 0.3])
+    assert m.p == (0.1, 0.3)
+    with pytest.raises(ValueError, match=r"length B=2\), got 1 values"):
+        m.p = [0.1]
+    assert m.p == (0.1, 0.3)
+
+
+def _per_model_units(y, x, p, k):
+    """Like ``_units`` with model b's scale 1/(1 - p[b]); returns the [B, units] kept mask."""
+    x = x.detach().expand_as(y)
+    kept = y != 0
+    for b, pb in enumerate(p):
+        if pb < 1:
+            torch.testing.assert_close(y[b][kept[b]], x[b][kept[b]] / (1 - pb))
+    assert (x != 0).all()
+    rows = kept.reshape(math.prod(y.shape[:k]), -1)
+    assert (rows.all(1) | ~rows.any(1)).all(), "a mask unit is partly dropped"
+    return rows[:, 0].reshape(y.shape[0], -1)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "batch_major", "strided", "inner_B", "shared"])
+@pytest.mark.parametrize("cls,k,shape", [(Dropout, 4, (48, 32, 16)), (Dropout1d, 3, (96, 96, 5)),
+                                         (Dropout1d, 2, (4096, 5)), (Dropout2d, 3, (96, 96, 2, 3))])
+def test_per_model_p_rates_scales_and_gradients(cls, k, shape, mode):
+    B = len(P_MODELS)
+    x, leaf = _make(shape, B, mode)
+    m = cls(P_MODELS, B=B)
+    y = m(x)
+    assert y.shape == x.shape and not is_shared(y)
+    if mode == "batch_major":
+        assert y.transpose(0, 1).is_contiguous()  # the input's memory order is kept
+    kept = _per_model_units(y, x, P_MODELS, k)
+    n = kept.shape[1]
+    for b, pb in enumerate(P_MODELS):
+        rate = 1 - kept[b].float().mean().item()
+        assert abs(rate - pb) < 6 * math.sqrt(pb * (1 - pb) / n) + 1e-3, (b, rate, pb)
+    # models 1 and 3 share p = 0.5: independent draws agree on about half the units
+    agree = (kept[1] == kept[3]).float().mean().item()
+    assert abs(agree - 0.5) < 6 * math.sqrt(0.25 / n)
+    g = torch.randn_like(y)
+    y.backward(g)
+    scale = torch.tensor([1 / (1 - pb) for pb in P_MODELS]).view(B, *([1] * len(shape)))
+    expected = g * (y != 0) * scale
+    torch.testing.assert_close(leaf.grad, expected.sum(0) if mode == "shared" else expected)
+
+
+@pytest.mark.parametrize("B", [1, 4])
+@pytest.mark.parametrize("mode", ["contiguous", "batch_major", "shared"])
+@pytest.mark.parametrize("cls,shape,k", CASES, ids=IDS)
+def test_per_model_p0_and_p1_match_torch(cls, shape, k, mode, B):
+    # A model with p = 0 is left alone and one with p = 1 is zeroed, exactly as
+    # its own torch module does, forward and backward, whatever the others draw.
+    if B == 1 and mode == "shared":
+        pytest.skip("a shared input needs B > 1")
+    p = [0.0, 1.0, 0.5, 1.0][:B] if B > 1 else [1.0]
+    x, leaf = _make(shape, B, mode)
+    array = cls(p if B > 1 else torch.tensor(p), B=B)
+    assert isinstance(array.p, tuple)
+    modules = array.to_modules()
+    assert [t.p for t in modules] == p and all(t.training for t in modules)
+    y, warned = _record(lambda: array(x))
+    _, torch_warned = _record(lambda: modules[0](torch.randn(shape)))
+    assert warned == torch_warned  # torch's warnings for this per-model rank
+    xs = [x[b].detach().clone().requires_grad_() for b in range(B)]
+    g = torch.randn_like(y)
+    y.backward(g)
+    for b, pb in enumerate(p):
+        if pb not in (0.0, 1.0):
+            continue
+        ref = modules[b](xs[b])
+        assert torch.equal(y[b], ref), b
+        ref.backward(g[b])
+        if mode != "shared":
+            assert torch.equal(leaf.grad[b], xs[b].grad), b
+
+
+@pytest.mark.parametrize("cls,shape,k", [CASES[0], CASES[3], CASES[6]], ids=["Dropout", "Dropout1d", "Dropout2d"])
+def test_per_model_p_eval_inplace_and_all_zero(cls, shape, k):
+    x = torch.randn(3, *shape)
+    m = cls([0.2, 0.6, 0.9], B=3)
+    assert m.eval()(x) is x  # the identity in eval, as torch
+    assert cls([0.0, 0.0, 0.0], B=3)(x) is x  # nothing to drop
+    m.train()
+    with pytest.raises(ValueError, match="inplace=True.*shared"):
+        cls([0.2, 0.6, 0.9], inplace=True, B=3)(hfkern.broadcast(torch.randn(shape), 3))
+    with pytest.raises(ValueError, match=r"B=3.*got shape \[2"):
+        m(torch.randn(2, *shape))
+    # in place: the input itself, through autograd as torch's in-place dropout on a non-leaf
+    leaf = torch.randn(3, *shape, requires_grad=True)
+    h = leaf * 1.0
+    before = h.detach().clone()
+    y = cls([0.2, 0.6, 0.9], inplace=True, B=3)(h)
+    assert y is h
+    _per_model_units(y, before, [0.2, 0.6, 0.9], k)
+    g = torch.randn_like(y)
+    y.backward(g)
+    scale = torch.tensor([1 / 0.8, 1 / 0.4, 1 / 0.1]).view(3, *([1] * len(shape)))
+    torch.testing.assert_close(leaf.grad, g * (y.detach() != 0) * scale)
+
+
+def test_per_model_p_from_modules_and_round_trip():
+    mods = [nn.Dropout1d(0.1), nn.Dropout1d(0.3), nn.Dropout1d(0.1)]
+    array = Dropout1d.from_modules(mods)
+    assert array.p == (0.1, 0.3, 0.1) and array.B == 3
+    assert repr(array) == "Dropout1d(B=3, p=(0.1, 0.3, 0.1), inplace=False)"
+    assert [m.p for m in array.to_modules()] == [0.1, 0.3, 0.1]
+    same = Dropout1d.from_modules([nn.Dropout1d(0.2)] * 3)
+    assert same.p == 0.2  # one probability stays one float
+
+
+@pytest.mark.parametrize("cls,shape,k", [CASES[0], CASES[3], CASES[5]], ids=["Dropout", "Dropout1d", "Dropout2d"])
+def test_per_model_p_compile_fullgraph(cls, shape, k):
+    torch._dynamo.reset()
+    p = [0.0, 0.5, 1.0]
+    m = cls(p, B=3)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    for mode in ("batch_major", "shared"):
+        x, leaf = _make(shape, 3, mode)
+        y = compiled(x)
+        _per_model_units(y, x, p, k)
+        assert torch.equal(y[0], x[0].detach()) and (y[2] == 0).all()
+        y.backward(torch.ones_like(y))
+        expected = (y != 0) * torch.tensor([1.0, 2.0, 0.0]).view(3, *([1] * len(shape)))
+        torch.testing.assert_close(leaf.grad, expected.sum(0) if mode == "shared" else expected)

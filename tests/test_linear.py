@@ -60,3 +60,31 @@ def test_linear_device_dtype_factory_kwargs():
     assert mods[0].weight.dtype == torch.float64
     x = torch.randn(2, 4, 5, dtype=torch.float64)
     torch.testing.assert_close(lin(x)[1], mods[1](x[1]))
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("shape,layout", [((7, 0), "contiguous"), ((0,), "contiguous"), ((2, 3, 0), "contiguous"),
+                                          ((7, 0), "shared")])
+def test_linear_zero_in_features(B, shape, layout):
+    # torch returns the bias (expanded) for in_features == 0; its gradient is
+    # the output gradient summed over the rows. torch's init zeroes that bias.
+    array = hnn.Linear(0, 4, B=B)
+    assert torch.equal(array.bias, torch.zeros(B, 4))
+    with torch.no_grad():
+        array.bias.normal_()  # a bias that shows in the output
+    modules = array.to_modules()
+    shared = layout == "shared"
+    x, xs, leaf = array_input(shape, B, shared=shared)
+    y = compare_modules(array, modules, x, xs, leaf, shared=shared)
+    assert y.shape == (B, *shape[:-1], 4)
+    assert_state_equal(array, modules)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_linear_zero_out_features_and_zero_rows():
+    for inp, out, shape in ((5, 0, (3, 5)), (5, 3, (0, 5)), (0, 3, (0, 0))):
+        modules = [nn.Linear(inp, out) for _ in range(2)]
+        array = hnn.Linear.from_modules(modules)
+        x, xs, leaf = array_input(shape, 2)
+        assert compare_modules(array, modules, x, xs, leaf).shape == (2, *shape[:-1], out)

@@ -340,3 +340,52 @@ def test_torch_module_without_bias_argument():
     assert torch_module(OldNorm, 3, affine=False, bias=True).bias is None
     m = torch_module(nn.GroupNorm, 1, 3, bias=False)
     assert m.bias is None and m.weight.shape == (3,)
+
+
+def _stats_dict(sd, drop=("num_batches_tracked",)):
+    out = type(sd)((k, v) for k, v in sd.items() if k not in drop)
+    if hasattr(sd, "_metadata"):
+        out._metadata = sd._metadata
+    return out
+
+
+@pytest.mark.parametrize("torch_cls,cls,shape", [(nn.BatchNorm1d, hnn.BatchNorm1d, (6, 4)),
+                                                 (nn.BatchNorm2d, hnn.BatchNorm2d, (3, 4, 5, 5))])
+@pytest.mark.parametrize("strict", [True, False])
+def test_batch_norm_loads_checkpoint_without_num_batches_tracked(torch_cls, cls, shape, strict):
+    # A checkpoint from before num_batches_tracked (no version metadata, or
+    # version 1): torch loads it and keeps its own counts; so does the array,
+    # per model, exactly as B torch modules.
+    B = 3
+    modules = randomized([torch_cls(4) for _ in range(B)])
+    for b, m in enumerate(modules):
+        for _ in range(b):
+            m(torch.randn(shape))  # different counts per model
+    array = cls.from_modules(modules)
+    donors = randomized([torch_cls(4) for _ in range(B)])
+    old = {k: torch.stack([d.state_dict()[k] for d in donors]) for k in ("weight", "bias", "running_mean",
+                                                                          "running_var")}
+    for b, m in enumerate(modules):
+        m.load_state_dict({k: v[b] for k, v in old.items()}, strict=strict)
+    array.load_state_dict(old, strict=strict)
+    assert_state_equal(array, modules)
+    assert array.num_batches_tracked.tolist() == [0, 1, 2]
+    # the same with version-1 metadata, as an older torch saved it
+    v1 = _stats_dict(array.state_dict())
+    v1._metadata[""]["version"] = 1
+    assert cls(4, B=B).load_state_dict(v1, strict=strict).missing_keys == []
+    # inside a container: the prefix is honoured
+    seq = nn.Sequential(nn.Identity(), cls(4, B=B))
+    seq.load_state_dict({f"1.{k}": v for k, v in old.items()}, strict=strict)
+    torch.testing.assert_close(seq[1].running_mean, old["running_mean"])
+    # a current (version 2) state dict without the key is incomplete, as in torch
+    current = _stats_dict(array.state_dict())
+    torch_current = _stats_dict(modules[0].state_dict())
+    if strict:
+        with pytest.raises(RuntimeError, match='Missing key.*"num_batches_tracked"'):
+            modules[0].load_state_dict(torch_current)
+        with pytest.raises(RuntimeError, match='Missing key.*"num_batches_tracked"'):
+            array.load_state_dict(current)
+    else:
+        assert modules[0].load_state_dict(torch_current, strict=False).missing_keys == ["num_batches_tracked"]
+        assert array.load_state_dict(current, strict=False).missing_keys == ["num_batches_tracked"]

@@ -254,9 +254,87 @@ def test_encoder_layer_bad_inputs():
         array(torch.randn(B, E))
     with pytest.raises(TypeError, match="float64"):
         array(x.double())
-    with pytest.raises(ValueError, match=r"attn_mask of shape \[5, 5\].*got \[2, 5, 5\]"):
-        array(x, src_mask=torch.zeros(B, S, S))
-    with pytest.raises(ValueError, match=r"key_padding_mask of shape \[3, 5\].*got \[2, 5\]"):
+    with pytest.raises(ValueError, match=r"src_mask of shape \[5, 5\].*got \[4, 5, 5\]"):
+        array(x, src_mask=torch.zeros(4, S, S))
+    with pytest.raises(ValueError, match=r"src_key_padding_mask of shape \[3, 5\].*got \[2, 5\]"):
         array(x, src_key_padding_mask=torch.zeros(B, S, dtype=torch.bool))
     with pytest.raises(TypeError, match="src_mask of dtype torch.bool or torch.float32, got torch.int32"):
         array(x, src_mask=torch.zeros(S, S, dtype=torch.int32))
+
+
+# ---- masks with the array dim ------------------------------------------------------------
+
+@pytest.mark.parametrize("B", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("kw,batched", [(dict(), True), (dict(batch_first=True, norm_first=True), True),
+                                        (dict(), False)])
+def test_encoder_layer_per_model_3d_src_mask(B, dtype, kw, batched):
+    # One [S, S] mask per model stacked to [B, S, S] (nhead=3, so B != N*nhead),
+    # against B torch layers each with its own mask; with per-model padding masks.
+    modules = _layers(B, nhead=3, **kw)
+    array = TransformerEncoderLayer.from_modules(modules)
+    x, xs, leaf = array_input(_src_shape(kw.get("batch_first", False), batched), B)
+    sm = _mask((B, S, S), dtype)
+    km = _mask((B, N, S) if batched else (B, S), dtype)
+    _check(array, modules, x, xs, leaf, dict(src_mask=sm, src_key_padding_mask=km),
+           [dict(src_mask=sm[b], src_key_padding_mask=km[b]) for b in range(B)])
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_encoder_layer_3d_src_mask_ambiguous_when_B_equals_N_times_heads(batched):
+    H = 2
+    B = (N if batched else 1) * H
+    modules = _layers(B, nhead=H)
+    array = TransformerEncoderLayer.from_modules(modules)
+    x, xs, leaf = array_input(_src_shape(False, batched), B)
+    sm = _mask((B, S, S), torch.float32)
+    with pytest.raises(ValueError, match=rf"src_mask of shape \[{B}, 5, 5\] is ambiguous.*"
+                                         rf"\[1, {B}, 5, 5\].*\[{B}, 1, 5, 5\]"):
+        array(x, src_mask=sm)
+    # the two explicit spellings: torch's shared per-(sample, head) mask, one mask per model
+    _check(array, modules, x, xs, leaf, dict(src_mask=sm.unsqueeze(0)), [dict(src_mask=sm)] * B)
+    _check(array, modules, x, xs, leaf, dict(src_mask=sm.unsqueeze(1)), [dict(src_mask=sm[b]) for b in range(B)])
+
+
+# ---- per-model dropout -------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_layer_per_model_dropout(norm_first):
+    # Models with dropout 0 and 1 are deterministic in training and must match
+    # their own torch layers, forward and backward; every dropout of the layer
+    # takes the model's probability.
+    p = [0.0, 1.0, 0.3]
+    B = len(p)
+    modules = [nn.TransformerEncoderLayer(E, 2, 13, dropout=pb, norm_first=norm_first) for pb in p]
+    array = TransformerEncoderLayer.from_modules(modules)
+    assert array.self_attn.dropout == tuple(p)
+    assert array.dropout.p == array.dropout1.p == array.dropout2.p == tuple(p)
+    back = array.to_modules()
+    assert [(m.dropout.p, m.dropout1.p, m.dropout2.p, m.self_attn.dropout) for m in back] == [(pb,) * 4 for pb in p]
+    assert TransformerEncoderLayer._config_of(array)["dropout"] == tuple(p)
+    x, xs, leaf = array_input(_src_shape(False), B)
+    y = array(x)
+    g = torch.randn_like(y)
+    names, params = zip(*array.named_parameters())
+    got = dict(zip(("x",) + names, torch.autograd.grad(y, [leaf, *params], g)))
+    for b in (0, 1):
+        ref = modules[b](xs[b])
+        torch.testing.assert_close(y[b], ref)
+        m_names, m_params = zip(*modules[b].named_parameters())
+        ref_g = torch.autograd.grad(ref, [xs[b], *m_params], g[b])
+        torch.testing.assert_close(got["x"][b], ref_g[0], **GRAD_TOL)
+        for n, rg in zip(m_names, ref_g[1:]):
+            torch.testing.assert_close(got[n][b], rg, **GRAD_TOL, msg=lambda s: f"{n}: {s}")
+    # model 2 is random in training and its own torch layer in eval
+    assert not torch.allclose(y[2], array(x)[2], atol=1e-4)
+    torch.testing.assert_close(array.eval()(x)[2], modules[2].eval()(xs[2]))
+
+
+def test_encoder_layer_per_model_dropout_forms_and_errors():
+    np = pytest.importorskip("numpy")
+    layer = TransformerEncoderLayer(E, 2, 8, dropout=np.array([0.1, 0.2]), B=2)
+    assert layer.self_attn.dropout == (0.1, 0.2) and layer.dropout2.p == (0.1, 0.2)
+    with pytest.raises(ValueError, match=r"TransformerEncoderLayer: .*length B=2\), got 3"):
+        TransformerEncoderLayer(E, 2, 8, dropout=[0.1, 0.2, 0.3], B=2)
+    with pytest.raises(ValueError, match=r"dropout\[0\] is -0.5"):
+        TransformerEncoderLayer(E, 2, 8, dropout=[-0.5, 0.2], B=2)

@@ -5,7 +5,7 @@ plain ``torch.nn`` modules on array tensors.
 """
 
 from . import functional
-from ._base import ArrayModule
+from ._base import ArrayModule, StateDictError
 from .activation import PReLU
 from .attention import MultiheadAttention
 from .conv import Conv1d, Conv2d, ConvTranspose1d, ConvTranspose2d
@@ -26,6 +26,7 @@ from .pooling import (
 
 __all__ = [
     "ArrayModule",
+    "StateDictError",
     "functional",
     "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d",
     "Linear",

@@ -18,6 +18,7 @@ from torch.nn import init
 
 from .._array import check_input
 from ._base import ArrayModule, stack_init
+from .dropout import dropout_probability, per_model_dropout, uniform_p
 from .linear import Linear, array_linear
 
 __all__ = ["MultiheadAttention"]
@@ -42,6 +43,64 @@ def _float_mask(module: str, mask: torch.Tensor | None, name: str, query: torch.
     return mask
 
 
+def key_padding_mask_5d(
+    module: str, name: str, kpm: torch.Tensor | None, B: int, N: int, S: int, batched: bool
+) -> torch.Tensor | None:
+    """A key padding mask as a ``[1 or B, N, 1, 1, S]`` view.
+
+    Shared: torch's ``[N, S]`` (unbatched ``[S]``); per model: ``[B, N, S]``
+    (unbatched ``[B, S]``). The ranks differ, so the shape always decides.
+    """
+    if kpm is None:
+        return None
+    shared = [N, S] if batched else [S]
+    if list(kpm.shape) == shared:
+        kpm = kpm.unsqueeze(0)
+    elif list(kpm.shape) != [B] + shared:
+        raise ValueError(
+            f"{module}: expected {name} of shape {shared} (shared) or {[B] + shared} (per model), "
+            f"got {list(kpm.shape)}"
+        )
+    return kpm.reshape(kpm.size(0), N, 1, 1, S)
+
+
+def attn_mask_5d(
+    module: str, name: str, mask: torch.Tensor | None, B: int, H: int, N: int, L: int, S: int
+) -> torch.Tensor | None:
+    """An attention mask as a ``[1 or B, 1 or N, 1 or H, L, S]`` view (N = 1 for unbatched inputs).
+
+    Accepted: torch's shared ``[L, S]`` and ``[N*H, L, S]``; one ``[L, S]`` mask
+    per model stacked as ``[B, L, S]``; and the explicit 4-D forms
+    ``[b, h, L, S]`` with b in {1, B} (shared or per model) and h in {1, N*H}
+    (one mask, or one per (sample, head)). A 3-D mask whose first dim is both B
+    and N*H (and B > 1) could mean either, so it is refused with the two
+    explicit 4-D spellings.
+    """
+    if mask is None:
+        return None
+    shape = list(mask.shape)
+    NH = N * H
+    forms = (f"{[L, S]} or {[NH, L, S]} (shared), {[B, L, S]} (one mask per model), or 4-D "
+             f"[b, h, {L}, {S}] with b in (1, B={B}) and h in (1, N*num_heads={NH})")
+    if shape == [L, S]:
+        return mask.view(1, 1, 1, L, S)
+    if len(shape) == 3 and shape[1:] == [L, S] and shape[0] in (B, NH):
+        if B == NH and B > 1:
+            raise ValueError(
+                f"{module}: {name} of shape {shape} is ambiguous: its first dim {B} is both the "
+                f"array size B and N*num_heads ({N}*{H}), so it could be torch's shared per-(sample, "
+                f"head) mask or one [L, S] mask per model; pass it as {[1, NH, L, S]} for the shared "
+                f"per-(sample, head) mask, or as {[B, 1, L, S]} for one mask per model"
+            )
+        if shape[0] == NH:
+            return mask.view(1, N, H, L, S)
+        return mask.view(B, 1, 1, L, S)
+    if len(shape) == 4 and shape[2:] == [L, S] and shape[0] in (1, B) and shape[1] in (1, NH):
+        b, h = shape[:2]
+        return mask.view(b, 1, 1, L, S) if h == 1 else mask.view(b, N, H, L, S)
+    raise ValueError(f"{module}: expected {name} of shape {forms}, got {shape}")
+
+
 class MultiheadAttention(ArrayModule):
     """B ``torch.nn.MultiheadAttention`` models.
 
@@ -61,10 +120,18 @@ class MultiheadAttention(ArrayModule):
     - ``key_padding_mask``: shared as torch's ``[N, S]`` (unbatched ``[S]``) or
       per model ``[B, N, S]`` (unbatched ``[B, S]``).
     - ``attn_mask``: shared as torch's ``[L, S]`` or ``[N*num_heads, L, S]``
-      (unbatched ``[num_heads, L, S]``), or per model as the 4-D
-      ``[B, 1, L, S]`` or ``[B, N*num_heads, L, S]`` (unbatched N = 1). The rank
-      decides: a 3-D mask is always torch's shared form, even when
-      ``B == N*num_heads``.
+      (unbatched ``[num_heads, L, S]``), per model as ``[B, L, S]`` (one
+      ``[L, S]`` mask per model, stacked), or 4-D ``[b, h, L, S]`` with ``b``
+      1 (shared) or B (per model) and ``h`` 1 or ``N*num_heads`` (unbatched:
+      ``num_heads``). A 3-D mask with ``B == N*num_heads > 1`` could be either
+      3-D form and raises ValueError: spell it ``[1, N*num_heads, L, S]`` or
+      ``[B, 1, L, S]``.
+
+    ``dropout`` is one probability for all models or one per model (a length-B
+    sequence, 1-D numpy array or ``[B]`` tensor): model b drops its attention
+    weights with ``dropout[b]`` in training. With per-model probabilities the
+    attention is computed with an explicit softmax (scaled_dot_product_attention
+    takes one probability), also when the weights are not returned.
 
     Outputs: ``attn_output`` with the query's shape, and ``attn_weights``
     ``[B, N, L, S]`` averaged over heads or ``[B, N, num_heads, L, S]``
@@ -72,6 +139,7 @@ class MultiheadAttention(ArrayModule):
     """
 
     _torch_cls = nn.MultiheadAttention
+    _per_model_fields = ("dropout",)
 
     def __init__(
         self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
@@ -79,13 +147,15 @@ class MultiheadAttention(ArrayModule):
         device=None, dtype=None,
     ):
         super().__init__()
+        self._set_B(B, required=True)
+        self._dropout_factors: dict = {}
+        self.dropout = dropout
         template = nn.MultiheadAttention(  # torch's argument checks
-            embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
+            embed_dim, num_heads, 0.0, bias, add_bias_kv, add_zero_attn, kdim, vdim,
             batch_first, device="meta",
         )
-        self._set_B(B, required=True)
         for field in ("embed_dim", "kdim", "vdim", "_qkv_same_embed_dim", "num_heads",
-                      "dropout", "batch_first", "head_dim", "add_zero_attn"):
+                      "batch_first", "head_dim", "add_zero_attn"):
             setattr(self, field, getattr(template, field))
         E = embed_dim
         factory = {"device": device, "dtype": dtype}
@@ -125,6 +195,15 @@ class MultiheadAttention(ArrayModule):
         if self.bias_k is not None:
             stack_init([self.bias_k, self.bias_v],
                        lambda k, v: [init.xavier_normal_(t) for t in (k, v)])
+
+    @property
+    def dropout(self) -> float | tuple[float, ...]:
+        """The attention-weight dropout probability: one float, or a tuple of B floats."""
+        return self._dropout
+
+    @dropout.setter
+    def dropout(self, value) -> None:
+        self._dropout = dropout_probability(value, self.B, "MultiheadAttention", "dropout")
 
     @classmethod
     def _config_of(cls, module: nn.Module) -> dict:
@@ -171,36 +250,6 @@ class MultiheadAttention(ArrayModule):
                 )
         return batched
 
-    def _check_masks(self, kpm, attn_mask, N, L, S, batched):
-        name = "MultiheadAttention"
-        B, H = self.B, self.num_heads
-        if kpm is not None:
-            shared = [N, S] if batched else [S]
-            if list(kpm.shape) == shared:
-                kpm = kpm.unsqueeze(0)
-            elif list(kpm.shape) != [B] + shared:
-                raise ValueError(
-                    f"{name}: expected key_padding_mask of shape {shared} (shared) or "
-                    f"{[B] + shared} (per model), got {list(kpm.shape)}"
-                )
-            kpm = kpm.reshape(kpm.size(0), N, 1, 1, S)  # [1 or B, N, 1, 1, S]
-        if attn_mask is not None:
-            shape = list(attn_mask.shape)
-            if shape == [L, S]:
-                attn_mask = attn_mask.view(1, 1, 1, L, S)
-            elif shape == [N * H, L, S]:
-                attn_mask = attn_mask.view(1, N, H, L, S)
-            elif shape == [B, 1, L, S]:
-                attn_mask = attn_mask.view(B, 1, 1, L, S)
-            elif shape == [B, N * H, L, S]:
-                attn_mask = attn_mask.view(B, N, H, L, S)
-            else:
-                raise ValueError(
-                    f"{name}: expected attn_mask of shape {[L, S]} or {[N * H, L, S]} (shared), "
-                    f"or {[B, 1, L, S]} or {[B, N * H, L, S]} (per model), got {shape}"
-                )
-        return kpm, attn_mask
-
     # ---- forward --------------------------------------------------------
     def forward(
         self,
@@ -239,13 +288,18 @@ class MultiheadAttention(ArrayModule):
             )
         kpm = _float_mask(name, key_padding_mask, "key_padding_mask", query)
         mask = _float_mask(name, attn_mask, "attn_mask", query)
-        kpm, mask = self._check_masks(kpm, mask, N, L, S, batched)
+        kpm = key_padding_mask_5d(name, "key_padding_mask", kpm, B, N, S, batched)
+        mask = attn_mask_5d(name, "attn_mask", mask, B, H, N, L, S)
         if is_causal and mask is None:
             raise RuntimeError(
                 "MultiheadAttention: need attn_mask if specifying the is_causal hint "
                 "(torch.nn.Transformer.generate_square_subsequent_mask makes one)"
             )
-        if is_causal and kpm is None and not need_weights:
+        p = uniform_p(self.dropout)
+        # Per-model dropout probabilities need the weights explicitly: SDPA takes one.
+        per_model_drop = self.training and p is None
+        explicit = need_weights or per_model_drop
+        if is_causal and kpm is None and not explicit:
             mask = None  # scaled_dot_product_attention applies the causal mask itself
         elif kpm is not None:
             is_causal = False  # the merged mask is no longer causal
@@ -271,14 +325,19 @@ class MultiheadAttention(ArrayModule):
         merge_nh = N == 1 or H == 1 or q.stride(1) == H * q.stride(2)
         q4, k4, v4 = (self._merge(t, merge_nh) for t in (q, k, v))
         mask4 = None if mask is None else self._merge_mask(mask, merge_nh, N)
-        dropout_p = self.dropout if self.training else 0.0
+        dropout_p = p if self.training and p is not None else 0.0
 
-        if need_weights:
+        if explicit:
             scores = torch.matmul(q4 * math.sqrt(1.0 / D), k4.transpose(-2, -1))
             if mask4 is not None:
                 scores = scores + mask4
             weights = torch.softmax(scores, dim=-1)
-            if dropout_p > 0.0:
+            if per_model_drop:
+                # the merged batch dim starts with the array dim in both merges
+                cache = None if torch.compiler.is_compiling() else self._dropout_factors
+                dropped = per_model_dropout(weights.view(B, -1), self.dropout, 2, cache=cache)
+                weights = dropped.view(weights.shape)
+            elif dropout_p > 0.0:
                 weights = F.dropout(weights, p=dropout_p)
             out = torch.matmul(weights, v4)
         else:

@@ -147,10 +147,20 @@ class _ArrayConvTranspose(_ArrayConvNd):
         self._build(template, B, {"device": device, "dtype": dtype})
 
     def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        """Input ``[B, N, C_in, *s]`` or ``[B, C_in, *s]`` -> ``[B, N, C_out, *s']`` or ``[B, C_out, *s']``.
+
+        ``output_size`` picks ``s'`` among the sizes the stride allows, as in
+        torch: the spatial sizes ``s'``, one model's output shape
+        (``[N, C_out, *s']``, or ``[C_out, *s']`` for unbatched models), or the
+        whole array output shape (``[B, N, C_out, *s']`` or ``[B, C_out, *s']``),
+        whose first entry must be B.
+        """
         name = type(self).__name__
         if self.padding_mode != "zeros":
             raise ValueError(f"Only `zeros` padding mode is supported for {name}")
         x, unbatched = self._check(input)
+        if output_size is not None:
+            output_size = self._model_output_size(output_size, x.shape[0], unbatched)
         # torch's own output_size -> output_padding logic, on one model's shape
         per_model = x[0].squeeze(0) if unbatched else x[0]
         output_padding = nn.modules.conv._ConvTransposeNd._output_padding(
@@ -159,6 +169,35 @@ class _ArrayConvTranspose(_ArrayConvNd):
         )
         y = self._conv(x, self.padding, output_padding)
         return y.squeeze(1) if unbatched else y
+
+    def _model_output_size(self, output_size, B: int, unbatched: bool):
+        """``output_size`` without its array entry, if it has one (checked against B)."""
+        name = type(self).__name__
+        if not isinstance(output_size, (list, tuple)):  # torch.Size is a tuple
+            raise TypeError(
+                f"{name}: expected output_size to be a list or tuple of ints, got "
+                f"{type(output_size).__name__}"
+            )
+        n = self._n
+        array_len = n + (2 if unbatched else 3)
+        if len(output_size) not in (n, array_len - 1, array_len):
+            forms = (f"[*spatial] ({n}), [C_out, *spatial] ({n + 1}) or [B, C_out, *spatial] ({n + 2})"
+                     if unbatched else
+                     f"[*spatial] ({n}), [N, C_out, *spatial] ({n + 2}) or [B, N, C_out, *spatial] ({n + 3})")
+            in_shape = "[B, C_in, *spatial]" if unbatched else "[B, N, C_in, *spatial]"
+            raise ValueError(
+                f"{name}: for input of shape {in_shape}, expected output_size of the form {forms} "
+                f"entries, got {len(output_size)} entries {list(output_size)}"
+            )
+        if len(output_size) != array_len:
+            return output_size  # spatial or per-model: torch's own logic reads it
+        if output_size[0] != B:
+            shape = "[B, C_out, *spatial]" if unbatched else "[B, N, C_out, *spatial]"
+            raise ValueError(
+                f"{name}: an output_size of {array_len} entries is the array output shape {shape}, "
+                f"whose first entry must be B={B}; got {list(output_size)}"
+            )
+        return list(output_size[1:])
 
 
 class ConvTranspose1d(_ArrayConvTranspose):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 from torch import nn
 from torch.nn import init
@@ -17,17 +15,65 @@ __all__ = ["Embedding"]
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
+def _raise_if_out_of_range(module: str, values: torch.Tensor, num_embeddings: int, shared: bool) -> None:
+    """IndexError naming the first bad value and its model, if ``values`` leaves ``[0, num_embeddings)``.
+
+    ``values`` is the ``[B, *]`` index tensor, or the ``[*]`` tensor a shared
+    input broadcasts. Reads one min/max pair back to the host.
+    """
+    if values.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(values))
+    if lo >= 0 and hi < num_embeddings:
+        return
+    bad = lo if lo < 0 else hi
+    if shared:
+        where = "the shared input"
+    else:
+        model = int((values == bad).reshape(values.size(0), -1).any(dim=1).nonzero()[0, 0])
+        where = f"model {model}'s input"
+    raise IndexError(
+        f"{module}: index {bad} in {where} is out of range: expected indices in "
+        f"[0, {num_embeddings}) (num_embeddings={num_embeddings})"
+    )
+
+
+# The range check as an op the compiler cannot see into, so that a compiled
+# model raises the eager IndexError (with the same message) at run time instead
+# of tracing a device-side assertion, which raises RuntimeError on CPU and
+# poisons the CUDA context on GPU. It returns a copy of the indices (an op may
+# not return its input) that the lookup then reads, which keeps the check in
+# the graph and ordered before the lookup. It synchronizes with the device, as
+# the eager check does, so it is marked unsafe for CUDA-graph capture.
+_CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("hfkern::embedding_checked_indices", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+def embedding_checked_indices(
+    values: torch.Tensor, num_embeddings: int, shared: bool, module: str
+) -> torch.Tensor:
+    """``values`` (a copy) if every index is in ``[0, num_embeddings)``; IndexError otherwise."""
+    _raise_if_out_of_range(module, values, num_embeddings, shared)
+    return values.clone()
+
+
+@embedding_checked_indices.register_fake
+def _(values, num_embeddings, shared, module):
+    return torch.empty_like(values)
+
+
 def check_indices(
     module: str, x: object, B: int, num_embeddings: int, weight: torch.Tensor
 ) -> torch.Tensor:
-    """Check an array index tensor ``[B, *]`` before any lookup.
+    """Check an array index tensor ``[B, *]`` before any lookup; return the indices to look up.
 
     Raises TypeError for a non-tensor or non-integer dtype, ValueError for a
     0-D tensor, a leading dim other than B or a device other than the
-    weight's, and IndexError (as torch does) for an index outside
-    ``[0, num_embeddings)``, naming the value and the model it came from.
-    The range check reads one min/max pair from the device (under
-    ``torch.compile``, a device-side assertion instead).
+    weight's, and IndexError (what ``torch.nn.functional.embedding`` raises in
+    eager mode on CPU) for an index outside ``[0, num_embeddings)``, naming the
+    value and the model it came from. The range check reads one min/max pair
+    back to the host, in eager mode and (inside an op opaque to the compiler)
+    under ``torch.compile`` alike, so both raise the same IndexError.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{module}: expected input to be a torch.Tensor of indices, got {type(x).__name__}")
@@ -48,26 +94,9 @@ def check_indices(
     shared = is_shared(x)
     values = x[0] if shared else x
     if torch.compiler.is_compiling():
-        # Reading the min/max back to the host would break the graph; a
-        # compiled model asserts on the device instead (a RuntimeError).
-        torch._assert_async(
-            ((values >= 0) & (values < num_embeddings)).all(),
-            f"{module}: input indices out of range: expected indices in "
-            f"[0, {num_embeddings}) (num_embeddings={num_embeddings})",
-        )
-    elif values.numel() > 0:
-        lo, hi = (int(v) for v in torch.aminmax(values))
-        if lo < 0 or hi >= num_embeddings:
-            bad = lo if lo < 0 else hi
-            if shared:
-                where = "the shared input"
-            else:
-                model = int((x == bad).reshape(B, -1).any(dim=1).nonzero()[0, 0])
-                where = f"model {model}'s input"
-            raise IndexError(
-                f"{module}: index {bad} in {where} is out of range: expected indices in "
-                f"[0, {num_embeddings}) (num_embeddings={num_embeddings})"
-            )
+        checked = embedding_checked_indices(values, num_embeddings, shared, module)
+        return checked.expand(x.shape) if shared else checked
+    _raise_if_out_of_range(module, values, num_embeddings, shared)
     return x
 
 
@@ -85,6 +114,16 @@ class Embedding(ArrayModule):
     ``scale_grad_by_freq`` scales by each model's own index counts;
     ``sparse=True`` gives a sparse COO gradient ``[B, V, D]`` whose slice
     ``[b]`` is model b's torch gradient (``torch.optim.SparseAdam`` accepts it).
+    ``requires_grad`` (``_freeze``, ``from_pretrained(freeze=...)``) carries
+    through :meth:`from_modules` and :meth:`to_modules`.
+
+    An index outside ``[0, num_embeddings)`` raises IndexError, the error
+    ``torch.nn.functional.embedding`` raises in eager mode on CPU, before any
+    lookup: in eager mode and under ``torch.compile`` alike, on every device,
+    naming the index and the model it came from. The check reads the indices'
+    minimum and maximum back to the host (one synchronization per call; under
+    ``torch.compile`` it is an opaque op, ``hfkern::embedding_checked_indices``,
+    marked unsafe for CUDA-graph capture).
     """
 
     _torch_cls = nn.Embedding
@@ -185,26 +224,3 @@ class Embedding(ArrayModule):
             norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
             _weight=embeddings, _freeze=freeze, B=B,
         )
-
-    # requires_grad (torch's freeze) is not in the state_dict, so it is carried here.
-    @classmethod
-    def from_modules(cls, modules: Sequence[nn.Module]) -> "Embedding":
-        """As :meth:`ArrayModule.from_modules`; the weights must also agree on ``requires_grad``."""
-        modules = list(modules)
-        array = super().from_modules(modules)
-        frozen = [not m.weight.requires_grad for m in modules]
-        if any(f != frozen[0] for f in frozen):
-            i = frozen.index(not frozen[0])
-            raise ValueError(
-                f"Embedding.from_modules: field 'weight.requires_grad' differs: module 0 has "
-                f"{not frozen[0]}, module {i} has {not frozen[i]}"
-            )
-        array.weight.requires_grad_(not frozen[0])
-        return array
-
-    def to_modules(self) -> list[nn.Module]:
-        """As :meth:`ArrayModule.to_modules`; each weight keeps this array's ``requires_grad``."""
-        out = super().to_modules()
-        for m in out:
-            m.weight.requires_grad_(self.weight.requires_grad)
-        return out

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn import init
 
 from .._array import MAX_NDIM, check_input, is_shared
-from ._base import ArrayModule
-from .conv import reset_kaiming_uniform
+from ._base import ArrayModule, stack_init
 
 __all__ = ["Linear", "array_linear"]
 
@@ -25,7 +27,8 @@ def array_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         dense_bias = None if bias is None else bias.reshape(B * out)
         y = F.linear(x[0], weight.reshape(B * out, inp), dense_bias)
         return y.unflatten(-1, (B, out)).movedim(-2, 0)
-    x3 = x.reshape(B, -1, inp)
+    # The rows are counted, not inferred: with in_features == 0 reshape cannot infer -1.
+    x3 = x.reshape(B, math.prod(x.shape[1:-1]), inp)
     wt = weight.transpose(1, 2)
     y = torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
     return y.view(*x.shape[:-1], out)
@@ -58,7 +61,17 @@ class Linear(ArrayModule):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        reset_kaiming_uniform(self.weight, self.bias)
+        """torch.nn.Linear's init, drawn independently for each model."""
+
+        def reset(w, b):
+            init.kaiming_uniform_(w, a=math.sqrt(5))
+            if b is not None:
+                # unlike the convolutions, torch zeroes the bias when in_features == 0
+                fan_in, _ = init._calculate_fan_in_and_fan_out(w)
+                bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+                init.uniform_(b, -bound, bound)
+
+        stack_init([self.weight, self.bias], reset)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = check_input("Linear", input, self.B, range(1, MAX_NDIM), self.weight)

@@ -223,6 +223,8 @@ class GroupNorm(ArrayModule):
 class _BatchNorm(ArrayModule):
     _model_ndims: tuple[int, ...]
     _config_fields = ("num_features", "eps", "momentum", "affine", "track_running_stats", "bias")
+    # torch's BatchNorm state dict version: 2 added num_batches_tracked.
+    _version = 2
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, *, bias: bool = True,
@@ -255,6 +257,16 @@ class _BatchNorm(ArrayModule):
             self.register_buffer("running_var", None)
             self.register_buffer("num_batches_tracked", None)
         self.reset_parameters()
+
+    def _fill_legacy_entries(self, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        # As torch's _NormBase: a checkpoint older than version 2 (or one without
+        # version metadata, such as a hand-built dict) has no num_batches_tracked;
+        # the module keeps its own counts.
+        version = local_metadata.get("version", None)
+        key = prefix + "num_batches_tracked"
+        nbt = self.num_batches_tracked
+        if (version is None or version < 2) and nbt is not None and key not in state_dict:
+            state_dict[key] = torch.zeros(nbt.shape, dtype=nbt.dtype) if nbt.is_meta else nbt
 
     def reset_running_stats(self) -> None:
         if self.track_running_stats:

@@ -11,8 +11,8 @@ from torch import nn
 
 from .._array import check_input
 from ._base import ArrayModule
-from .attention import MultiheadAttention, _float_mask
-from .dropout import Dropout
+from .attention import MultiheadAttention, _float_mask, attn_mask_5d, key_padding_mask_5d
+from .dropout import Dropout, dropout_probability
 from .linear import Linear
 from .normalization import LayerNorm
 
@@ -30,13 +30,22 @@ class TransformerEncoderLayer(ArrayModule):
     or unbatched ``[B, S, d_model]``, shared (:func:`hfkern.broadcast`) or per
     model; the output has the same shape. ``src_mask`` and
     ``src_key_padding_mask`` follow :class:`hfkern.nn.MultiheadAttention`'s
-    ``attn_mask`` and ``key_padding_mask`` rules (torch's shared shapes, or
-    per model with a leading B; a 3-D ``src_mask`` is always torch's shared
-    ``[N*nhead, S, S]``). ``activation`` ("relu", "gelu" or a callable) must be
-    element-wise: it is applied to the array tensor ``[B, ..., dim_feedforward]``.
+    ``attn_mask`` and ``key_padding_mask`` rules: torch's shared shapes
+    (``[S, S]``, ``[N*nhead, S, S]``; ``[N, S]``), one mask per model with a
+    leading B (``[B, S, S]``; ``[B, N, S]``), or the 4-D ``[b, h, S, S]`` with
+    ``b`` in (1, B) and ``h`` in (1, N*nhead). A 3-D ``src_mask`` with
+    ``B == N*nhead > 1`` is ambiguous and raises ValueError naming the 4-D forms
+    ``[1, N*nhead, S, S]`` (shared) and ``[B, 1, S, S]`` (per model).
+    ``activation`` ("relu", "gelu" or a callable) must be element-wise: it is
+    applied to the array tensor ``[B, ..., dim_feedforward]``.
+
+    ``dropout`` is one probability for all models or one per model (a length-B
+    sequence, 1-D numpy array or ``[B]`` tensor), used by every dropout of the
+    layer (attention weights, ``dropout``, ``dropout1``, ``dropout2``) as in torch.
     """
 
     _torch_cls = nn.TransformerEncoderLayer
+    _per_model_fields = ("dropout",)
 
     def __init__(
         self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
@@ -45,11 +54,12 @@ class TransformerEncoderLayer(ArrayModule):
         bias: bool = True, *, B: int, device=None, dtype=None,
     ):
         super().__init__()
+        self._set_B(B, required=True)
+        dropout = dropout_probability(dropout, self.B, "TransformerEncoderLayer", "dropout")
         template = nn.TransformerEncoderLayer(  # torch's argument checks and activation lookup
-            d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
+            d_model, nhead, dim_feedforward, 0.0, activation, layer_norm_eps, batch_first,
             norm_first, bias, device="meta",
         )
-        self._set_B(B, required=True)
         if (isinstance(activation, nn.Module) and not isinstance(activation, ArrayModule)
                 and any(True for _ in activation.state_dict())):
             raise TypeError(
@@ -113,6 +123,16 @@ class TransformerEncoderLayer(ArrayModule):
         # As torch does, both masks become float here so attention sees one kind.
         src_key_padding_mask = _float_mask(name, src_key_padding_mask, "src_key_padding_mask", x)
         src_mask = _float_mask(name, src_mask, "src_mask", x)
+        # The masks are checked here, under their names, and the attention mask
+        # is handed on in an explicit 4-D form that self_attn cannot misread.
+        batched = x.dim() == 4
+        S = x.size(2 if self.self_attn.batch_first and batched else 1)
+        N = (x.size(1) if self.self_attn.batch_first else x.size(2)) if batched else 1
+        H = self.self_attn.num_heads
+        key_padding_mask_5d(name, "src_key_padding_mask", src_key_padding_mask, self.B, N, S, batched)
+        mask5 = attn_mask_5d(name, "src_mask", src_mask, self.B, H, N, S, S)
+        if mask5 is not None:
+            src_mask = mask5.reshape(mask5.size(0), mask5.size(1) * mask5.size(2), S, S)
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
             x = x + self._ff_block(self.norm2(x))

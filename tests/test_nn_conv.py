@@ -1,0 +1,71 @@
+"""ConvTranspose output_size in every form: spatial, one model's output shape, the array output shape."""
+
+import pytest
+import torch
+
+import hfkern
+import hfkern.nn as hnn
+from _util import array_input, compare_modules
+
+# (class, config, one model's input shape); batched and unbatched, odd sizes
+CASES = [
+    (hnn.ConvTranspose1d, dict(in_channels=3, out_channels=2, kernel_size=3, stride=2, padding=1), (4, 3, 5)),
+    (hnn.ConvTranspose1d, dict(in_channels=2, out_channels=4, kernel_size=4, stride=3, groups=2), (2, 7)),
+    (hnn.ConvTranspose2d, dict(in_channels=3, out_channels=2, kernel_size=3, stride=2, padding=1), (3, 3, 5, 4)),
+    (hnn.ConvTranspose2d, dict(in_channels=2, out_channels=3, kernel_size=(2, 3), stride=(3, 2),
+                               dilation=(1, 2), bias=False), (2, 5, 3)),
+]
+IDS = ["1d-batched", "1d-unbatched", "2d-batched", "2d-unbatched"]
+
+
+def _largest_sizes(m, shape):
+    """The largest spatial output sizes the stride allows for one model's input ``shape`` (not the default)."""
+    n = len(m.kernel_size)
+    return [(shape[-n + d] - 1) * m.stride[d] - 2 * m.padding[d] + m.dilation[d] * (m.kernel_size[d] - 1)
+            + 1 + m.stride[d] - 1 for d in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "batch_major", "shared"])
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("cls,kw,shape", CASES, ids=IDS)
+def test_output_size_forms_match_torch(cls, kw, shape, B, mode):
+    n = cls._n
+    batched = len(shape) == n + 2
+    if mode == "batch_major" and not batched:
+        pytest.skip("unbatched input has no batch dim to put first")
+    modules = [cls._torch_cls(**kw) for _ in range(B)]
+    array = cls.from_modules(modules)
+    spatial = _largest_sizes(modules[0], shape)
+    model_shape = ([shape[0]] if batched else []) + [kw["out_channels"]] + spatial
+    forms = [spatial, model_shape,  # torch's own forms, per model
+             [B] + model_shape, tuple([B] + model_shape), torch.Size([B] + model_shape)]  # the array's
+    for size in forms:
+        x, xs, leaf = array_input(shape, B, shared=mode == "shared",
+                                  layout="contiguous" if mode == "shared" else mode)
+        # torch is given a per-model form; the array form is the array's addition
+        torch_size = model_shape if len(size) == len(model_shape) + 1 else size
+        call = lambda m, inp: m(inp, output_size=size if isinstance(m, cls) else torch_size)  # noqa: E731
+        y = compare_modules(array, modules, x, xs, leaf, call=call, shared=mode == "shared")
+        assert list(y.shape) == [B] + model_shape
+
+
+@pytest.mark.parametrize("cls,kw,shape", CASES, ids=IDS)
+def test_output_size_errors(cls, kw, shape):
+    n = cls._n
+    batched = len(shape) == n + 2
+    array = cls(**kw, B=2)
+    x = torch.randn(2, *shape)
+    spatial = _largest_sizes(array, shape)
+    model_shape = ([shape[0]] if batched else []) + [kw["out_channels"]] + spatial
+    with pytest.raises(ValueError, match=rf"array output shape .*first entry must be B=2; got \[3, "):
+        array(x, output_size=[3] + model_shape)
+    with pytest.raises(ValueError, match=rf"expected output_size of the form \[\*spatial\] \({n}\).*"
+                                         rf"got {n + 4} entries"):
+        array(x, output_size=[1] * (n + 4))
+    with pytest.raises(ValueError, match="output size"):  # torch's check of the spatial sizes
+        array(x, output_size=[2] + model_shape[:-1] + [model_shape[-1] + 5])
+    with pytest.raises(TypeError, match="output_size to be a list or tuple of ints, got int"):
+        array(x, output_size=7)
+    # a shared input takes the same forms
+    shared = hfkern.broadcast(torch.randn(shape), 2)
+    assert list(array(shared, output_size=[2] + model_shape).shape) == [2] + model_shape
