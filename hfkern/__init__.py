@@ -4,13 +4,20 @@
 leading array dim), ``hfkern.nn.functional`` array losses, ``hfkern.optim``
 array optimizers; every array tensor has the array dim B first. Kernels are
 ``torch.ops.hfkern.*`` ops whose implementation (torch / triton / cuda) is chosen
-by :func:`set_backend`.
+by :func:`set_backend` (process-wide, or ``HFKERN_BACKEND``) and
+:func:`use_backend` (per thread / context).
 """
 
+from . import _backend
 from . import ops  # noqa: F401  (registers torch.ops.hfkern.*)
-from . import amp, nn, optim, utils  # noqa: F401
-from ._array import broadcast, is_shared
-from ._backend import backend_info, get_backend, set_backend, use_backend
+
+# After the ops registered: whether a backend is available depends on what
+# registered with it. A bad HFKERN_BACKEND fails here, not at the first op.
+_backend._select_from_environment()
+
+from . import amp, nn, optim, utils  # noqa: E402, F401
+from ._array import broadcast, is_shared  # noqa: E402
+from ._backend import backend_info, get_backend, set_backend, use_backend  # noqa: E402
 
 __version__ = "0.1.0"
 

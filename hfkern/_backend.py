@@ -17,13 +17,27 @@ Selection:
   same TF32 flags), so ``auto`` never silently changes numerics. The choice is
   logged once per (op, device type) at DEBUG level on the ``hfkern`` logger.
 
-The initial selection comes from the environment variable ``HFKERN_BACKEND``
-(default ``auto``); :func:`set_backend` overrides it for the process.
+Where the selection lives:
+
+* The process default: ``HFKERN_BACKEND`` (read and validated once, when
+  ``hfkern`` is imported, by exactly the rules of :func:`set_backend`; unset or
+  empty means ``auto``), replaced by :func:`set_backend`.
+* :func:`use_backend` overlays it in the current context only (a
+  :class:`contextvars.ContextVar`): a thread or an asyncio task that enters
+  ``use_backend`` changes nothing that another one sees.
+* A backward pass runs the backend its forward ran, whichever thread autograd
+  runs it on and whatever the selection is by then: each op's ``setup_context``
+  records the backend that served the forward (:func:`current`) and the
+  autograd formula runs the backward ops under :func:`pinned` to it.
+  Under ``torch.compile`` the pin is traced away: the ops of a compiled graph
+  resolve when the graph runs, so a compiled backward resolves under the
+  selection in effect when it runs, not necessarily its forward's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import logging
 import os
@@ -33,6 +47,8 @@ from typing import Callable, Iterator
 import torch
 
 __all__ = ["BACKENDS", "set_backend", "get_backend", "use_backend", "backend_info"]
+
+_ENV = "HFKERN_BACKEND"
 
 logger = logging.getLogger("hfkern")
 
@@ -62,12 +78,18 @@ class _Impl:
 _registry: dict[str, dict[str, _Impl]] = {}
 # backend -> callable returning (available, reason)
 _availability: dict[str, Callable[[], tuple[bool, str]]] = {}
-# Process-wide, not thread-local: autograd runs CUDA backward passes on its own
-# threads, which must see the same selection as the forward.
-_selected: str | None = None
+# The process default (set_backend, HFKERN_BACKEND) and where it came from.
+_default: str = "auto"
+_default_source: str = "default"
+# use_backend's overlay, and the pin of a backward pass. A ContextVar rather than
+# a global so that threads (and tasks) never see each other's use_backend. The
+# threads autograd runs CUDA backward passes on do not see the forward's
+# context either, which is why backward passes pin the forward's backend
+# explicitly instead of reading this.
+_context: contextvars.ContextVar[str | None] = contextvars.ContextVar("hfkern_backend", default=None)
 _logged_auto: set[tuple[str, str, torch.dtype | None]] = set()
-# (op, device type, dtype, requested backend) -> implementation; cleared by register()
-_resolved: dict[tuple[str, str, torch.dtype | None, str], Callable] = {}
+# (op, device type, dtype, requested backend) -> (backend, implementation); cleared by register()
+_resolved: dict[tuple[str, str, torch.dtype | None, str], tuple[str, Callable]] = {}
 
 
 def _torch_available() -> tuple[bool, str]:
@@ -125,49 +147,76 @@ def register(
     _resolved.clear()
 
 
-def _env_choice() -> str:
-    value = os.environ.get("HFKERN_BACKEND", "auto").strip().lower() or "auto"
-    if value not in _CHOICES:
-        raise ValueError(f"HFKERN_BACKEND must be one of {_CHOICES}, got {value!r}")
-    return value
-
-
 def get_backend() -> str:
-    """The backend requested now: ``set_backend``'s value, else ``HFKERN_BACKEND``, else ``auto``."""
-    return _selected if _selected is not None else _env_choice()
+    """The backend requested now: ``use_backend``'s in this context, else the process
+    default (``set_backend``'s, else ``HFKERN_BACKEND``'s, else ``auto``)."""
+    return _context.get() or _default
 
 
-def _check_requestable(name: str) -> None:
-    if not isinstance(name, str) or name.lower() not in _CHOICES:
-        raise ValueError(f"backend must be one of {_CHOICES}, got {name!r}")
+def _check_requestable(name: str, what: str = "backend") -> str:
+    """``name`` lower-cased, or the error ``set_backend`` raises for it; ``what``
+    names where the value came from."""
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a str, one of {_CHOICES}, got {type(name).__name__} {name!r}")
+    if name.lower() not in _CHOICES:
+        raise ValueError(f"{what} must be one of {_CHOICES}, got {name!r}")
     name = name.lower()
     if name != "auto":
         ok, reason = _availability[name]()
         if not ok:
-            raise RuntimeError(f"hfkern backend {name!r} is not available: {reason}")
+            origin = "" if what == "backend" else f"{what}={name!r}: "
+            raise RuntimeError(f"{origin}hfkern backend {name!r} is not available: {reason}")
+    return name
 
 
 def set_backend(name: str) -> None:
-    """Select the backend for every hfkern op in this process.
+    """Select the default backend of every hfkern op in this process.
 
-    One of ``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"``. Asking for a backend
-    that is not available raises ``RuntimeError`` with the reason.
+    One of ``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"`` (any case). Asking
+    for a backend that is not available raises ``RuntimeError`` with the
+    reason; a name not in that list raises ``ValueError``. Inside a
+    :func:`use_backend` block the block's choice still wins in that context.
     """
-    global _selected
-    _check_requestable(name)
-    _selected = name.lower()
+    global _default, _default_source
+    _default, _default_source = _check_requestable(name), "set_backend"
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Context manager form of :func:`set_backend`; restores the previous choice on exit."""
-    global _selected
-    _check_requestable(name)
-    previous, _selected = _selected, name.lower()
+    """Select ``name`` in the current context (thread, asyncio task) for the block.
+
+    Validated as :func:`set_backend` validates; other threads keep their own
+    selection, and the previous one is back on exit. Backward passes of
+    forwards run inside the block use the block's backends even when run
+    after it.
+    """
+    token = _context.set(_check_requestable(name))
     try:
         yield
     finally:
-        _selected = previous
+        _context.reset(token)
+
+
+@contextlib.contextmanager
+def pinned(backend: str) -> Iterator[None]:
+    """Run the block with ``backend`` (a name :func:`current` returned) selected in
+    this context, unvalidated: autograd formulas use it to run a backward on
+    the backend its forward ran."""
+    token = _context.set(backend)
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def _select_from_environment() -> None:
+    """Apply ``HFKERN_BACKEND`` as the process default, validated as ``set_backend``
+    validates (called once, by ``import hfkern``, after every op registered)."""
+    global _default, _default_source
+    value = os.environ.get(_ENV, "")
+    if value == "":  # unset, or set to nothing: the default
+        return
+    _default, _default_source = _check_requestable(value, _ENV), _ENV
 
 
 def _serves(impl: _Impl, device_type: str) -> bool:
@@ -211,6 +260,19 @@ def _choose(op: str, device_type: str, dtype: torch.dtype | None = None) -> tupl
     raise RuntimeError(f"no available hfkern backend serves hfkern::{op} on {device_type}")
 
 
+def _lookup(op: str, device: torch.device, dtype: torch.dtype | None) -> tuple[str, Callable]:
+    requested = _context.get() or _default
+    key = (op, device.type, dtype, requested)
+    hit = _resolved.get(key)
+    if hit is None:
+        backend, reason = _choose(op, device.type, dtype)
+        if requested == "auto" and (op, device.type, dtype) not in _logged_auto:
+            _logged_auto.add((op, device.type, dtype))
+            logger.debug("hfkern::%s on %s -> %s backend (%s)", op, device.type, backend, reason)
+        hit = _resolved[key] = (backend, _registry[op][backend].load())
+    return hit
+
+
 def resolve(op: str, device: torch.device, dtype: torch.dtype | None = None) -> Callable:
     """The implementation of ``op`` that serves tensors on ``device`` (of data
     ``dtype``, where the op passes it) now.
@@ -218,16 +280,13 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype | None = None) -> 
     Decided once per (op, device type, dtype, requested backend) and cached:
     the per-call cost is one dict lookup.
     """
-    requested = get_backend()
-    key = (op, device.type, dtype, requested)
-    fn = _resolved.get(key)
-    if fn is None:
-        backend, reason = _choose(op, device.type, dtype)
-        if requested == "auto" and (op, device.type, dtype) not in _logged_auto:
-            _logged_auto.add((op, device.type, dtype))
-            logger.debug("hfkern::%s on %s -> %s backend (%s)", op, device.type, backend, reason)
-        fn = _resolved[key] = _registry[op][backend].load()
-    return fn
+    return _lookup(op, device, dtype)[1]
+
+
+def current(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The name of the backend :func:`resolve` picks now for the same arguments
+    (what an op's ``setup_context`` records for its backward to :func:`pinned`)."""
+    return _lookup(op, device, dtype)[0]
 
 
 def backend_info() -> dict:
@@ -235,18 +294,14 @@ def backend_info() -> dict:
 
     Returns a dict::
 
-        {"requested": "auto", "source": "default" | "HFKERN_BACKEND" | "set_backend",
+        {"requested": "auto",
+         "source": "default" | "HFKERN_BACKEND" | "set_backend" | "use_backend",
          "backends": {name: {"available": bool, "reason": str}},
          "ops": {op: {"registered": [backends], "cpu": choice, "cuda": choice}}}
 
     where a choice is ``"<backend> (<why>)"`` or ``"error: <why>"``.
     """
-    if _selected is not None:
-        source = "set_backend"
-    elif "HFKERN_BACKEND" in os.environ:
-        source = "HFKERN_BACKEND"
-    else:
-        source = "default"
+    source = "use_backend" if _context.get() is not None else _default_source
     backends = {}
     for name in BACKENDS:
         ok, reason = _availability[name]()

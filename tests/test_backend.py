@@ -1,6 +1,7 @@
 import logging
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -11,10 +12,10 @@ from hfkern import _backend
 
 @pytest.fixture(autouse=True)
 def _restore_backend():
-    previous = _backend._selected
+    previous = _backend._default, _backend._default_source
     _backend._resolved.clear()
     yield
-    _backend._selected = previous
+    _backend._default, _backend._default_source = previous
     _backend._resolved.clear()
 
 
@@ -53,10 +54,10 @@ def test_set_backend_and_use_backend():
 def test_explicit_backend_without_implementation_raises():
     _backend.register("test_only_op", "triton", lambda: None, device_types=("cuda",))
     try:
-        _backend._selected = "torch"
+        _backend._default = "torch"
         with pytest.raises(RuntimeError, match="'torch' was requested but has no implementation of hfkern::test_only_op"):
             _backend.resolve("test_only_op", torch.device("cpu"))
-        _backend._selected = "auto"
+        _backend._default = "auto"
         with pytest.raises(RuntimeError, match="no available hfkern backend serves hfkern::test_only_op on cpu"):
             _backend.resolve("test_only_op", torch.device("cpu"))
     finally:
@@ -69,10 +70,10 @@ def test_auto_skips_backends_not_marked_auto(monkeypatch):
     _backend.register("test_only_op", "cuda", lambda: calls.append("cuda"), auto=False)
     monkeypatch.setitem(_backend._availability, "cuda", lambda: (True, "pretend"))
     try:
-        _backend._selected = "auto"
+        _backend._default = "auto"
         _backend.resolve("test_only_op", torch.device("cpu"))()
         _backend.resolve("test_only_op", torch.device("cuda"))()  # auto: cuda is not auto-eligible
-        _backend._selected = "cuda"
+        _backend._default = "cuda"
         _backend.resolve("test_only_op", torch.device("cuda"))()
         assert calls == ["torch", "torch", "cuda"]
     finally:
@@ -87,7 +88,7 @@ def test_auto_passes_over_a_backend_for_dtypes_it_does_not_serve(monkeypatch):
     monkeypatch.setitem(_backend._availability, "cuda", lambda: (True, "pretend"))
     cuda = torch.device("cuda")
     try:
-        _backend._selected = "auto"
+        _backend._default = "auto"
         _backend.resolve("test_only_op", cuda, torch.float32)()
         _backend.resolve("test_only_op", cuda, torch.float64)()  # not served: the next eligible
         _backend.resolve("test_only_op", cuda, torch.bfloat16)()
@@ -95,7 +96,7 @@ def test_auto_passes_over_a_backend_for_dtypes_it_does_not_serve(monkeypatch):
         assert calls == ["cuda", "torch", "cuda", "cuda"]
         assert "other dtypes go to the next eligible backend" in hfkern.backend_info()["ops"]["test_only_op"]["cuda"]
         # An explicit request is never redirected: the implementation sees the call.
-        _backend._selected = "cuda"
+        _backend._default = "cuda"
         _backend.resolve("test_only_op", cuda, torch.float64)()
         assert calls[-1] == "cuda"
     finally:
@@ -105,7 +106,7 @@ def test_auto_passes_over_a_backend_for_dtypes_it_does_not_serve(monkeypatch):
 def test_auto_logs_choice_once(caplog):
     _backend._logged_auto.clear()
     _backend._resolved.clear()
-    _backend._selected = "auto"
+    _backend._default = "auto"
     with caplog.at_level(logging.DEBUG, logger="hfkern"):
         for _ in range(3):
             _backend.resolve("array_conv", torch.device("cpu"))
@@ -113,19 +114,53 @@ def test_auto_logs_choice_once(caplog):
     assert len(msgs) == 1 and "torch backend" in msgs[0]
 
 
-def test_environment_variable_selects_and_validates():
-    code = "import hfkern; print(hfkern.get_backend(), hfkern.backend_info()['source'])"
-    out = subprocess.run([sys.executable, "-c", code], env={**_env(), "HFKERN_BACKEND": "torch"},
-                         capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["torch", "HFKERN_BACKEND"]
-    bad = subprocess.run([sys.executable, "-c", code], env={**_env(), "HFKERN_BACKEND": "nope"},
-                         capture_output=True, text=True)
-    assert bad.returncode != 0 and "HFKERN_BACKEND must be one of" in bad.stderr
-
-
-def _env():
+def _import_hfkern(value, code="import hfkern"):
     import os
-    return {k: v for k, v in os.environ.items() if k != "HFKERN_BACKEND"}
+    env = {k: v for k, v in os.environ.items() if k != "HFKERN_BACKEND"}
+    if value is not None:
+        env["HFKERN_BACKEND"] = value
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+_SHOW = "import hfkern; print(hfkern.get_backend(), hfkern.backend_info()['source'])"
+
+
+def test_environment_variable_selects():
+    done = _import_hfkern("torch", _SHOW)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["torch", "HFKERN_BACKEND"]
+    done = _import_hfkern("", _SHOW)  # set to nothing: as unset
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["auto", "default"]
+
+
+def test_environment_variable_is_validated_at_import_like_set_backend():
+    # What set_backend says, with the variable named, raised by the import itself.
+    with pytest.raises(ValueError) as bad_name:
+        hfkern.set_backend("foo")
+    done = _import_hfkern("foo")
+    expected = str(bad_name.value).replace("backend must", "HFKERN_BACKEND must", 1)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == f"ValueError: {expected}"
+    for name in ("cuda", "triton"):
+        ok, _ = _backend._availability[name]()
+        if ok:
+            continue
+        with pytest.raises(RuntimeError) as unavailable:
+            hfkern.set_backend(name)
+        done = _import_hfkern(name)
+        assert done.returncode != 0
+        assert done.stderr.strip().splitlines()[-1] == (
+            f"RuntimeError: HFKERN_BACKEND={name!r}: {unavailable.value}"
+        )
+
+
+def test_set_backend_rejects_non_strings():
+    with pytest.raises(TypeError, match="backend must be a str.*got int 1"):
+        hfkern.set_backend(1)
+    with pytest.raises(TypeError, match="backend must be a str.*got NoneType None"):
+        with hfkern.use_backend(None):
+            pass
 
 
 def test_broadcast_is_zero_copy_view():
@@ -142,7 +177,7 @@ def test_broadcast_is_zero_copy_view():
 def test_lazy_registration_imports_on_first_use():
     _backend.register("test_only_op", "torch", "math:sqrt")
     try:
-        _backend._selected = "torch"
+        _backend._default = "torch"
         assert _backend.resolve("test_only_op", torch.device("cpu"))(16.0) == 4.0
     finally:
         del _backend._registry["test_only_op"]
@@ -154,9 +189,162 @@ def test_cpu_tensors_take_the_torch_path_under_gpu_backends(monkeypatch):
     _backend.register("test_only_op", "triton", lambda: calls.append("triton"), device_types=("cuda",))
     monkeypatch.setitem(_backend._availability, "triton", lambda: (True, "pretend"))
     try:
-        _backend._selected = "triton"
+        _backend._default = "triton"
         _backend.resolve("test_only_op", torch.device("cpu"))()
         _backend.resolve("test_only_op", torch.device("cuda"))()
         assert calls == ["torch", "triton"]
     finally:
         del _backend._registry["test_only_op"]
+
+
+# ---- per-context selection ---------------------------------------------------
+
+@pytest.fixture
+def torch_and_pretend_cuda(monkeypatch):
+    """A test-only op served by torch and by a pretend-available cuda backend."""
+    _backend.register("test_only_op", "torch", lambda: "torch")
+    _backend.register("test_only_op", "cuda", lambda: "cuda", auto=False)
+    monkeypatch.setitem(_backend._availability, "cuda", lambda: (True, "pretend"))
+    yield torch.device("cuda")
+    del _backend._registry["test_only_op"]
+
+
+def test_use_backend_is_per_thread(torch_and_pretend_cuda):
+    device = torch_and_pretend_cuda
+    _backend._default = "auto"
+    both_inside = threading.Barrier(2, timeout=10)
+    torch_left = threading.Event()
+    seen, errors = {}, []
+
+    def worker(name):
+        try:
+            with hfkern.use_backend(name):
+                both_inside.wait()
+                seen[name] = (hfkern.get_backend(), _backend.resolve("test_only_op", device)())
+                both_inside.wait()
+                if name == "cuda":  # leave in the order that would restore the wrong one
+                    torch_left.wait(10)
+            if name == "torch":
+                torch_left.set()
+            seen[name + " after"] = hfkern.get_backend()
+        except Exception as e:  # noqa: BLE001  (re-raised in the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(name,)) for name in ("torch", "cuda")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
+    assert seen == {"torch": ("torch", "torch"), "cuda": ("cuda", "cuda"),
+                    "torch after": "auto", "cuda after": "auto"}
+    assert hfkern.get_backend() == "auto"
+
+
+def test_threads_see_the_process_default_not_another_threads_block(torch_and_pretend_cuda):
+    device = torch_and_pretend_cuda
+    hfkern.set_backend("torch")
+    seen = []
+    with hfkern.use_backend("cuda"):
+        assert _backend.resolve("test_only_op", device)() == "cuda"
+        t = threading.Thread(target=lambda: seen.append(
+            (hfkern.get_backend(), _backend.resolve("test_only_op", device)())))
+        t.start()
+        t.join(10)
+        hfkern.set_backend("auto")  # the process default changes; the block still wins here
+        assert hfkern.get_backend() == "cuda"
+    assert seen == [("torch", "torch")]
+    assert hfkern.get_backend() == "auto" and hfkern.backend_info()["source"] == "set_backend"
+    with hfkern.use_backend("torch"):
+        assert hfkern.backend_info()["source"] == "use_backend"
+
+
+# The ops whose backend a backward must follow, and a pretend "cuda" backend
+# serving them on CPU tensors with spies of their torch implementations.
+_FORWARD_OPS = ("array_conv", "array_layer_norm", "array_rms_norm", "array_embedding")
+_BACKWARD_OPS = ("array_conv_input_grad", "array_conv_weight_grad", "array_layer_norm_backward",
+                 "array_rms_norm_backward", "array_embedding_backward")
+
+
+@pytest.fixture
+def pretend_cuda_on_cpu(monkeypatch):
+    ran = []
+    monkeypatch.setitem(_backend._availability, "cuda", lambda: (True, "pretend"))
+    # CPU tensors otherwise always take the torch path under a GPU backend.
+    monkeypatch.setattr(_backend, "_GPU_BACKENDS", ("triton",))
+    for op in _FORWARD_OPS + _BACKWARD_OPS:
+        impl = _backend._registry[op]["torch"].load()
+
+        def spy(*args, _op=op, _impl=impl):
+            ran.append(_op)
+            return _impl(*args)
+
+        _backend.register(op, "cuda", spy, device_types=("cpu",), auto=False)
+    yield ran
+    for op in _FORWARD_OPS + _BACKWARD_OPS:
+        del _backend._registry[op]["cuda"]
+    _backend._resolved.clear()
+
+
+def _forward_every_family():
+    from hfkern.ops.conv import array_conv
+    from hfkern.ops.embedding import array_embedding
+    from hfkern.ops.layer_norm import array_layer_norm, array_rms_norm
+
+    x = torch.randn(2, 3, 2, 5, 5, requires_grad=True)
+    w = torch.randn(2, 4, 2, 3, 3, requires_grad=True)
+    table = torch.randn(2, 7, 3, requires_grad=True)
+    y = array_conv(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)  # [2, 3, 4, 3, 3]
+    y = array_layer_norm(y, None, None, 2, 1e-5)[0]
+    y = array_rms_norm(y, None, 1, 1e-5)[0]
+    e = array_embedding(table, torch.randint(0, 7, (2, 3, 4, 3)))
+    return (y * e).sum(), [x, w, table]
+
+
+@pytest.mark.parametrize("where", ["after_the_block", "on_another_thread"])
+def test_backward_runs_on_the_backend_of_its_forward(pretend_cuda_on_cpu, where):
+    ran = pretend_cuda_on_cpu
+    with hfkern.use_backend("cuda"):
+        loss, leaves = _forward_every_family()
+    assert ran == list(_FORWARD_OPS)
+    ran.clear()
+    if where == "after_the_block":
+        torch.autograd.grad(loss, leaves)
+    else:  # a thread with a selection of its own
+        errors = []
+
+        def backward():
+            try:
+                with hfkern.use_backend("torch"):
+                    torch.autograd.grad(loss, leaves)
+            except Exception as e:  # noqa: BLE001  (re-raised in the main thread)
+                errors.append(e)
+
+        t = threading.Thread(target=backward)
+        t.start()
+        t.join(60)
+        assert not errors, errors
+    assert sorted(ran) == sorted(_BACKWARD_OPS)
+
+    # and the other way round: a torch forward keeps its torch backward
+    ran.clear()
+    loss, leaves = _forward_every_family()
+    with hfkern.use_backend("cuda"):
+        torch.autograd.grad(loss, leaves)
+    assert ran == []
+
+
+def test_double_backward_runs_on_the_backend_of_its_forward(pretend_cuda_on_cpu):
+    from hfkern.ops.conv import array_conv
+
+    ran = pretend_cuda_on_cpu
+    x = torch.randn(2, 3, 2, 5, 5, requires_grad=True)
+    w = torch.randn(2, 4, 2, 3, 3, requires_grad=True)
+    with hfkern.use_backend("cuda"):
+        y = array_conv(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    ran.clear()
+    gx.square().sum().backward()
+    # input_grad's adjoints: a conv (for grad_out) and a weight gradient (for w)
+    assert "array_conv" in ran and "array_conv_weight_grad" in ran
+    assert w.grad is not None

@@ -161,3 +161,122 @@ def test_conv_dtypes(dtype, tol):
     x = torch.randn(3, 2, 3, 6, 5, dtype=dtype)
     expected = torch.stack([m(x[b]) for b, m in enumerate(modules)])
     torch.testing.assert_close(array(x), expected, **tol)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_opcheck_array_conv_grads_with_inputs_that_require_grad(transposed, shared):
+    # With inputs that require grad the gradient ops' own autograd formulas
+    # (double backward) are registered, traced and checked too.
+    from hfkern.ops.conv import array_conv, array_conv_input_grad, array_conv_weight_grad
+    x, w, b, *conv = _conv_op_args(transposed, shared, 2)
+    gy = torch.randn_like(array_conv(x, w, b, *conv)).requires_grad_()
+    torch.library.opcheck(array_conv_input_grad, (gy, w, list(x.shape), *conv))
+    torch.library.opcheck(array_conv_weight_grad, (gy, x, w, *conv))
+
+
+# ---- 3-D convolution and malformed geometry ---------------------------------
+
+def _conv3d_args(shared=False):
+    x = torch.randn(2, 3, 4, 4, 4) if shared else torch.randn(2, 2, 3, 4, 4, 4)
+    w = torch.randn(2, 5, 3, 2, 2, 2)
+    return x, w, [1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]
+
+
+def _conv3d_calls(shared=False):
+    from hfkern.ops.conv import array_conv, array_conv_input_grad, array_conv_weight_grad
+    x, w, stride, padding, dilation, output_padding = _conv3d_args(shared)
+    gy = torch.randn(2, 2, 5, 3, 3, 3)
+    geom = (stride, padding, dilation, False, output_padding, 1)
+    return [
+        ("array_conv", lambda: array_conv(x, w, None, *geom)),
+        ("array_conv_input_grad", lambda: array_conv_input_grad(gy, w, list(x.shape), *geom)),
+        ("array_conv_weight_grad", lambda: array_conv_weight_grad(gy, x, w, *geom)),
+    ]
+
+
+@pytest.fixture
+def spy_backends(monkeypatch):
+    """Every backend pretend-available for the conv ops, each a spy that records a call."""
+    from hfkern import _backend
+    called = []
+    ops = ("array_conv", "array_conv_input_grad", "array_conv_weight_grad")
+    saved = {op: dict(_backend._registry[op]) for op in ops}
+    for name in ("triton", "cuda"):
+        monkeypatch.setitem(_backend._availability, name, lambda: (True, "pretend"))
+    for op in ops:
+        for name in _backend.BACKENDS:
+            _backend.register(op, name, lambda *a, _n=name: called.append(_n))
+    yield called
+    for op in ops:
+        _backend._registry[op] = saved[op]
+    _backend._resolved.clear()
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton", "cuda"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_3d_conv_raises_before_any_backend_runs(spy_backends, backend, shared):
+    with hfkern.use_backend(backend):
+        for op, call in _conv3d_calls(shared):
+            with pytest.raises(NotImplementedError,
+                               match=rf"hfkern::{op}: supports 1-D and 2-D convolutions only .*"
+                                     r"got a 3-D convolution: stride \[1, 1, 1\] and weight of shape "
+                                     r"\[2, 5, 3, 2, 2, 2\]"):
+                call()
+    assert spy_backends == []
+
+
+def test_3d_conv_raises_under_fake_tensors_and_torch_compile():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for op, call in _conv3d_calls():
+            with pytest.raises(NotImplementedError, match=rf"hfkern::{op}: .*3-D convolution"):
+                call()
+    from hfkern.ops.conv import array_conv
+    torch._dynamo.reset()
+    x, w, *geom = _conv3d_args()
+    compiled = torch.compile(lambda x, w: array_conv(x, w, None, *geom[:3], False, geom[3], 1),
+                             fullgraph=True, backend="aot_eager")
+    # dynamo reports the fake's NotImplementedError as Unsupported (both RuntimeErrors)
+    with pytest.raises(RuntimeError, match=r"hfkern::array_conv: .*3-D convolution"):
+        compiled(x, w)
+
+
+def test_triton_conv_ops_reject_3d_conv():
+    pytest.importorskip("triton")
+    from hfkern.ops import conv_triton
+    x, w, stride, padding, dilation, output_padding = _conv3d_args()
+    with pytest.raises(NotImplementedError, match=r"hfkern::array_conv_triton: .*3-D convolution"):
+        conv_triton.array_conv_triton(x, w, None, stride, padding, dilation, False, output_padding, 1)
+    gy = torch.randn(2, 2, 5, 3, 3, 3)
+    with pytest.raises(NotImplementedError, match=r"hfkern::array_conv_input_grad_triton: .*3-D"):
+        conv_triton.array_conv_input_grad_triton(gy, w, list(x.shape), stride, padding, dilation,
+                                                 False, output_padding, 1)
+    with pytest.raises(NotImplementedError, match=r"hfkern::array_conv_weight_grad_triton: .*3-D"):
+        conv_triton.array_conv_weight_grad_triton(gy, x, w, stride, padding, dilation, False,
+                                                  output_padding, 1)
+
+
+def test_malformed_conv_geometry_raises_value_error():
+    from hfkern.ops.conv import array_conv, array_conv_input_grad
+    x, w = torch.randn(2, 2, 3, 6, 6), torch.randn(2, 4, 3, 3, 3)
+    geom = dict(stride=[1, 1], padding=[0, 0], dilation=[1, 1], output_padding=[0, 0])
+
+    def conv(x=x, w=w, **kw):
+        g = {**geom, **kw}
+        return array_conv(x, w, None, g["stride"], g["padding"], g["dilation"], False, g["output_padding"], 1)
+
+    with pytest.raises(ValueError, match=r"expected padding of length 2 .* got \[0\]"):
+        conv(padding=[0])
+    with pytest.raises(ValueError, match=r"expected dilation of length 2 .* got \[1, 1, 1\]"):
+        conv(dilation=[1, 1, 1])
+    with pytest.raises(ValueError, match=r"expected weight of 5 dims .* got \[2, 4, 3, 3\]"):
+        conv(w=torch.randn(2, 4, 3, 3))
+    with pytest.raises(ValueError, match=r"expected an input of 5 dims .* got 6 dims"):
+        conv(x=torch.randn(2, 2, 3, 6, 6, 1))
+    with pytest.raises(ValueError, match=r"supports 1-D and 2-D convolutions only .* got stride \[\]"):
+        conv(stride=[], padding=[], dilation=[], output_padding=[])
+    with pytest.raises(ValueError, match=r"expected grad_out of 5 dims .* got shape \[2, 2, 4, 4\]"):
+        array_conv_input_grad(torch.randn(2, 2, 4, 4), w, list(x.shape), [1, 1], [0, 0], [1, 1],
+                              False, [0, 0], 1)
+

@@ -60,8 +60,9 @@ AFFINE = [(True, True), (True, False), (False, True), (False, False)]
 
 # (B, layout): B = 1 and 3, every layout the ops must read
 OPCHECK_CASES = [(1, "contiguous"), (3, "batch_major"), (3, "strided"), (3, "transposed")]
-# the backward ops are traced (fake kernels, dynamic shapes) by the forward ops'
-# test_aot_dispatch_dynamic; on their own they need the schema and fake checks
+# with inputs that do not require grad, the backward ops' own checks are the
+# schema and fake ones (the forward ops' test_aot_dispatch_dynamic traces them);
+# test_opcheck_backward_ops_with_inputs_that_require_grad runs every check
 BACKWARD_UTILS = ("test_schema", "test_faketensor")
 
 
@@ -105,6 +106,24 @@ def test_opcheck_backward_ops(B, mask):
     torch.library.opcheck(
         array_rms_norm_backward, (gy, x, w, rstd, 2, mask[:2]), test_utils=BACKWARD_UTILS
     )
+
+
+@pytest.mark.parametrize("layout,mask", [
+    ("batch_major", [True, True, True]), ("shared", [True, False, False]),
+    ("batch_major", [False, True, True]), ("shared", [False, False, True]),
+])
+def test_opcheck_backward_ops_with_inputs_that_require_grad(layout, mask):
+    # Their autograd formulas (double backward) are registered, traced and checked.
+    B = 3
+    x = make_x(B, (4, 3, 5), layout, requires_grad=True)
+    w, _ = params(B, (3, 5), True, False, requires_grad=True)
+    gy = torch.randn(B, 4, 3, 5, requires_grad=True)
+    _, mean, rstd = array_layer_norm(x, w, None, 2, 1e-5)
+    torch.library.opcheck(array_layer_norm_backward, (gy, x, w, mean, rstd, 2, mask))
+    _, rstd = array_rms_norm(x, w, 2, 1e-5)
+    torch.library.opcheck(array_rms_norm_backward, (gy, x, w, rstd, 2, mask[:2]))
+    _, mean, rstd = array_layer_norm(x, None, None, 2, 1e-5)
+    torch.library.opcheck(array_layer_norm_backward, (gy, x, None, mean, rstd, 2, [mask[0], False, mask[2]]))
 
 
 def test_opcheck_backward_without_weight():

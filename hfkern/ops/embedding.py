@@ -22,6 +22,12 @@ Ops (all registered with torch.library, implementations chosen by the registry):
     whose ``norm_type``-norm exceeds ``max_norm`` is rescaled to ``max_norm``
     (``torch.embedding_renorm_`` per model). Call under ``torch.no_grad()``.
 
+The two backward ops are differentiable (double backward: gradient penalties,
+MAML): both are linear in ``grad_out``, and their adjoint is the lookup of the
+incoming weight gradient at ``indices`` (``array_embedding``, on the backend
+the backward ran), zero at ``padding_idx`` and divided by the row's hit
+count under ``scale_grad_by_freq``. ``indices`` are not differentiable.
+
 Indices must lie in ``[0, V)``. The ops do not check this (that would cost a
 device synchronization per call); an out-of-range index can read another
 model's rows, so callers check at the Python boundary, as
@@ -113,9 +119,16 @@ def _setup_context(ctx, inputs, output):
     ctx.padding_idx = padding_idx
     ctx.scale_grad_by_freq = scale_grad_by_freq
     ctx.sparse = sparse
+    # The backward runs pinned to the forward's backend, whatever thread runs it.
+    ctx.backend = _backend.current(_FWD, weight.device)
 
 
 def _backward(ctx, grad_out):
+    with _backend.pinned(ctx.backend):
+        return _weight_grad(ctx, grad_out)
+
+
+def _weight_grad(ctx, grad_out):
     (indices,) = ctx.saved_tensors
     grad_w = None
     if ctx.needs_input_grad[0]:
@@ -135,6 +148,63 @@ def _backward(ctx, grad_out):
 
 
 array_embedding.register_autograd(_backward, setup_context=_setup_context)
+
+
+# The backward ops' gradients are written out: both are linear in grad_out,
+# grad_w[b, v] = sum over positions p with indices[b, p] == v of s[b, p] * grad_out[b, p]
+# with s = 0 at padding_idx, 1 / (hits of row v in model b) under
+# scale_grad_by_freq, else 1. The adjoint is a lookup and a scale,
+# d grad_out[b, p] = s[b, p] * dgrad_w[b, indices[b, p]]: one forward op
+# (differentiable again, so every order is exact) and elementwise torch ops.
+
+def _row_scale(indices: Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool,
+               dtype: torch.dtype) -> Tensor | None:
+    """s above as [B, *, 1] in ``dtype``, or None where it is 1 everywhere."""
+    if padding_idx < 0 and not scale_grad_by_freq:
+        return None
+    scale = torch.ones(indices.shape, dtype=dtype, device=indices.device)
+    if scale_grad_by_freq:
+        rows = embedding_torch.offset_indices(indices, num_weights)
+        hits = torch.bincount(rows, minlength=indices.shape[0] * num_weights)
+        scale = scale / hits.index_select(0, rows).view(indices.shape).to(dtype)
+    if padding_idx >= 0:
+        scale = scale.masked_fill(indices == padding_idx, 0)
+    return scale.unsqueeze(-1)
+
+
+def _backward_op_setup_context(op: str):
+    def setup_context(ctx, inputs, output):
+        grad_out, indices, num_weights, padding_idx, *scale_grad_by_freq = inputs
+        ctx.save_for_backward(indices)
+        ctx.num_weights = num_weights
+        ctx.padding_idx = padding_idx
+        ctx.scale_grad_by_freq = bool(scale_grad_by_freq and scale_grad_by_freq[0])
+        ctx.backend = _backend.current(op, grad_out.device)
+    return setup_context
+
+
+def _backward_op_backward(ctx, grad_grad_w):
+    (indices,) = ctx.saved_tensors
+    n_args = len(ctx.needs_input_grad)
+    if not ctx.needs_input_grad[0]:
+        return (None,) * n_args
+    if grad_grad_w.layout != torch.strided:  # the sparse backward's gradient may be sparse
+        grad_grad_w = grad_grad_w.to_dense()
+    with _backend.pinned(ctx.backend):
+        d_grad_out = array_embedding(grad_grad_w, indices)
+    scale = _row_scale(indices, ctx.num_weights, ctx.padding_idx, ctx.scale_grad_by_freq,
+                       d_grad_out.dtype)
+    if scale is not None:
+        d_grad_out = d_grad_out * scale
+    return (d_grad_out,) + (None,) * (n_args - 1)
+
+
+array_embedding_backward.register_autograd(
+    _backward_op_backward, setup_context=_backward_op_setup_context(_BWD)
+)
+array_embedding_sparse_backward.register_autograd(
+    _backward_op_backward, setup_context=_backward_op_setup_context(_SPARSE_BWD)
+)
 
 _backend.register(_FWD, "torch", embedding_torch.array_embedding)
 _backend.register(_BWD, "torch", embedding_torch.array_embedding_backward)

@@ -4,6 +4,8 @@
 take exactly the arguments of the ops in :mod:`hfkern.ops.embedding` and call
 the launchers in :mod:`hfkern.triton.embedding`. The backend registry imports
 this module the first time the ``triton`` backend serves an embedding op.
+The kernels need no derivatives of their own: the backward ops' derivative
+is a lookup, which the ``triton`` backend serves with its forward kernel.
 """
 
 from __future__ import annotations

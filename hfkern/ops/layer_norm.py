@@ -32,7 +32,16 @@ outputs: ``grad_x`` has x's dtype and the layout of ``torch.empty_like(x)``;
 ``grad_x`` of a shared input (stride 0 on B) is per model, ``[B, ...]``;
 autograd's expand backward sums it.
 
-The backward ops have no autograd formula (no double backward).
+Double backward: the backward ops are differentiable too (gradient penalties,
+MAML). Their formula differentiates the reference math
+(:func:`layer_norm_torch.norm_backward_math`) with autograd, on every backend:
+a Triton backward's own gradients run as torch ops. As for
+``aten::native_layer_norm_backward``, ``mean`` and ``rstd`` must be the
+statistics the forward returned for ``x``; the formula differentiates them as
+functions of ``x`` (so the gradient with respect to ``x`` is the total one)
+and gives them no gradient of their own. The first backward is never slowed:
+the formula only runs when a backward is itself differentiated
+(``create_graph=True``).
 """
 
 from __future__ import annotations
@@ -144,6 +153,8 @@ def _ln_setup_context(ctx, inputs, output):
     ctx.norm_ndim = norm_ndim
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.mark_non_differentiable(mean, rstd)
+    # The backward runs pinned to the forward's backend, whatever thread runs it.
+    ctx.backend = _backend.current(_LN_FWD, x.device, x.dtype)
 
 
 def _ln_backward(ctx, grad_y, grad_mean, grad_rstd):
@@ -152,7 +163,8 @@ def _ln_backward(ctx, grad_y, grad_mean, grad_rstd):
     mask = [needs[0], weight is not None and needs[1], ctx.bias_dtype is not None and needs[2]]
     if not any(mask):
         return None, None, None, None, None
-    gx, gw, gb = array_layer_norm_backward(grad_y, x, weight, mean, rstd, ctx.norm_ndim, mask)
+    with _backend.pinned(ctx.backend):
+        gx, gw, gb = array_layer_norm_backward(grad_y, x, weight, mean, rstd, ctx.norm_ndim, mask)
     return (
         gx if mask[0] else None,
         gw if mask[1] else None,
@@ -163,6 +175,62 @@ def _ln_backward(ctx, grad_y, grad_mean, grad_rstd):
 
 
 array_layer_norm.register_autograd(_ln_backward, setup_context=_ln_setup_context)
+
+
+# ---- double backward --------------------------------------------------------
+#
+# The backward ops' gradients are derived, not written out: each formula takes
+# the vector-Jacobian product of the reference math of the backward
+# (layer_norm_torch.norm_backward_math, differentiable aten ops). Written out,
+# the layer-norm double backward is long and easy to get subtly wrong (see
+# aten's layer_norm_double_backward); derived, it is exact by construction for
+# every output mask, with and without weight. torch.func.vjp
+# rather than torch.autograd.grad: grad_y and weight may themselves depend on
+# x in the caller's graph (a gradient penalty's grad_y does), and autograd.grad
+# with respect to such tensors would add those paths (and walk the already
+# freed forward graph). vjp treats the op's inputs as independent, and its
+# result stays differentiable with respect to them, so third and higher
+# derivatives are exact too. None of this runs unless a backward is itself
+# differentiated.
+
+def _norm_backward_setup_context(ctx, inputs, output):
+    grad_y, x, weight, *stats, norm_ndim, output_mask = inputs
+    ctx.save_for_backward(grad_y, x, weight, *stats)
+    ctx.norm_ndim = norm_ndim
+    ctx.output_mask = list(output_mask)
+
+
+def _norm_backward_backward(ctx, *grad_outputs):
+    grad_y, x, weight, *stats = ctx.saved_tensors
+    mean, rstd = stats if len(stats) == 2 else (None, stats[0])
+    needs = ctx.needs_input_grad
+    wanted = [i for i, t in enumerate((grad_y, x, weight)) if needs[i] and t is not None]
+    mask = ctx.output_mask
+    primals = [(grad_y, x, weight)[i] for i in wanted]
+
+    def math(*differentiated):
+        args = [grad_y, x, weight]
+        for i, t in zip(wanted, differentiated):
+            args[i] = t
+        outs = layer_norm_torch.norm_backward_math(*args, mean, rstd, ctx.norm_ndim, mask)
+        return tuple(o for o in outs if o is not None)
+
+    result: list[Tensor | None] = [None] * len(needs)
+    if not wanted:
+        return tuple(result)
+    if any(mask):
+        _, vjp = torch.func.vjp(math, *primals)
+        grads = vjp(tuple(g for g, m in zip(grad_outputs, mask) if m))
+    else:  # nothing was computed: zero gradients (what AOTAutograd derives, too)
+        grads = [torch.zeros_like(t) for t in primals]
+    for i, g in zip(wanted, grads):
+        result[i] = g
+    return tuple(result)
+
+
+array_layer_norm_backward.register_autograd(
+    _norm_backward_backward, setup_context=_norm_backward_setup_context
+)
 
 
 # ---- RMS norm -------------------------------------------------------------
@@ -213,6 +281,7 @@ def _rms_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, rstd)
     ctx.norm_ndim = norm_ndim
     ctx.mark_non_differentiable(rstd)
+    ctx.backend = _backend.current(_RMS_FWD, x.device, x.dtype)
 
 
 def _rms_backward(ctx, grad_y, grad_rstd):
@@ -221,11 +290,15 @@ def _rms_backward(ctx, grad_y, grad_rstd):
     mask = [needs[0], weight is not None and needs[1]]
     if not any(mask):
         return None, None, None, None
-    gx, gw = array_rms_norm_backward(grad_y, x, weight, rstd, ctx.norm_ndim, mask)
+    with _backend.pinned(ctx.backend):
+        gx, gw = array_rms_norm_backward(grad_y, x, weight, rstd, ctx.norm_ndim, mask)
     return gx if mask[0] else None, gw if mask[1] else None, None, None
 
 
 array_rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup_context)
+array_rms_norm_backward.register_autograd(
+    _norm_backward_backward, setup_context=_norm_backward_setup_context
+)
 
 _backend.register(_LN_FWD, "torch", layer_norm_torch.array_layer_norm)
 _backend.register(_LN_BWD, "torch", layer_norm_torch.array_layer_norm_backward)

@@ -166,3 +166,76 @@ def array_rms_norm_backward(
     if output_mask[1]:
         grad_w = _sum_rows(gy * xhat, norm_ndim, weight.dtype)
     return grad_x, grad_w
+
+
+# ---- differentiable backward math (double backward) --------------------------
+#
+# The backward ops take mean and rstd as inputs, but they are functions of x,
+# and a double backward must differentiate through them (as aten's
+# native_layer_norm_backward does, whose mean and rstd get no gradient either).
+# eps is not an input of the backward ops, so the statistics cannot simply be
+# recomputed; instead they are re-attached to x: a value equal to the saved
+# statistic with the derivative of the statistic as a function of x. With
+# v(x) the variance (or mean square) and v0, r0 its value and the saved rstd
+# at this point, r(x) = r0 * rsqrt(1 + r0^2 * (v(x) - v0)) equals
+# (v(x) + 1/r0^2 - v0)^(-1/2) = (v(x) + eps)^(-1/2) exactly as a function of x,
+# so every order of derivative is rstd's, while its value is r0 itself.
+
+
+def _attached_stats(
+    x: Tensor, mean: Tensor | None, rstd: Tensor, norm_ndim: int
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(x in the accumulation dtype, mean(x), rstd(x)) with the saved values and
+    the derivatives of the statistics of x; ``mean`` None: RMS norm."""
+    acc = rstd.dtype
+    dims = _norm_dims(x, norm_ndim)
+    xf = x.to(acc)
+    rstd_v = _stat_view(rstd, x, norm_ndim)
+    mean_v = None
+    if mean is not None:
+        mu = xf.mean(dim=dims, keepdim=True)
+        mean_v = _stat_view(mean, x, norm_ndim) + (mu - mu.detach())
+        v = (xf - mu).square().mean(dim=dims, keepdim=True)
+    else:
+        v = xf.square().mean(dim=dims, keepdim=True)
+    r = rstd_v * torch.rsqrt(1 + rstd_v.square() * (v - v.detach()))
+    return xf, mean_v, r
+
+
+def _differentiable_sum_rows(t: Tensor, norm_ndim: int, dtype: torch.dtype) -> Tensor:
+    batch_dims = list(range(1, t.dim() - norm_ndim))
+    return (t.sum(dim=batch_dims) if batch_dims else t).to(dtype)
+
+
+def norm_backward_math(
+    grad_y: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    norm_ndim: int,
+    output_mask: Sequence[bool],
+) -> list[Tensor | None]:
+    """The math of :func:`array_layer_norm_backward` (``mean`` given) or
+    :func:`array_rms_norm_backward` (``mean`` None) in differentiable ops, with
+    mean and rstd as functions of x: (grad_x, grad_weight[, grad_bias]), None
+    where the mask entry is False. What the double-backward formulas
+    differentiate; slower than the backward functions above, which it matches.
+    """
+    xf, mean_v, rstd_v = _attached_stats(x, mean, rstd, norm_ndim)
+    dims = _norm_dims(x, norm_ndim)
+    xhat = (xf if mean_v is None else xf - mean_v) * rstd_v
+    gy = grad_y.to(rstd.dtype)
+    param_dtype = x.dtype if weight is None else weight.dtype
+    outs: list[Tensor | None] = [None] * len(output_mask)
+    if output_mask[0]:
+        g = gy if weight is None else gy * _param_view(weight, x, norm_ndim).to(rstd.dtype)
+        inner = g - xhat * (g * xhat).mean(dim=dims, keepdim=True)
+        if mean_v is not None:
+            inner = inner - g.mean(dim=dims, keepdim=True)
+        outs[0] = (inner * rstd_v).to(x.dtype)
+    if output_mask[1]:
+        outs[1] = _differentiable_sum_rows(gy * xhat, norm_ndim, param_dtype)
+    if len(output_mask) > 2 and output_mask[2]:
+        outs[2] = _differentiable_sum_rows(gy, norm_ndim, param_dtype)
+    return outs

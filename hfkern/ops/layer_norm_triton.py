@@ -4,7 +4,10 @@
 ``array_rms_norm_triton`` and ``array_rms_norm_backward_triton`` take exactly
 the arguments of the ops in :mod:`hfkern.ops.layer_norm` and call the launchers
 in :mod:`hfkern.triton.layer_norm`. The backend registry imports this module
-the first time the ``triton`` backend serves a norm op.
+the first time the ``triton`` backend serves a norm op. The kernels are
+differentiable once: a first backward through the ``triton`` backend runs
+them, and its own derivative (double backward) runs the torch reference math
+(see :mod:`hfkern.ops.layer_norm`).
 """
 
 from __future__ import annotations
