@@ -135,23 +135,50 @@ def fold(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.
 def hyper(value, B: int, name: str, *, like: torch.Tensor | None = None) -> torch.Tensor:
     """A per-model hyperparameter as a ``[B]`` float64 tensor.
 
-    Accepts a float, a length-B sequence, or a 1-D tensor of length B; rejects
-    other lengths, NaN and negative values with a ValueError naming ``name``.
+    Accepts a real number (Python or numpy scalar), a length-B sequence of
+    them, or a 1-D tensor or numpy array of length B (a 0-d one counts as one
+    value for every model). Rejects bool and complex values and anything else
+    with a TypeError, other lengths, NaN and negative values with a ValueError;
+    every message names ``name``.
     """
+    import numbers
+    import sys
+
+    # A numpy value can only exist once numpy has been imported; looking it up
+    # keeps numpy an optional dependency that hfkern never imports itself.
+    np = sys.modules.get("numpy")
+
+    def real_scalar(v: object) -> bool:  # numpy's integer and floating scalars are numbers.Real
+        return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+    if np is not None and isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iuf":
+            kind = {"b": "bool", "c": "complex"}.get(value.dtype.kind, str(value.dtype))
+            raise TypeError(f"{name} must hold real numbers (one per model), got a {kind} numpy array")
+        value = torch.from_numpy(value.astype(np.float64))
     if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must hold real numbers (one per model), got a {value.dtype} tensor")
         t = value.detach().to(dtype=torch.float64, device="cpu")
         if t.dim() == 0:
             t = t.expand(B)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+    elif real_scalar(value):
         t = torch.full((B,), float(value), dtype=torch.float64)
-    elif isinstance(value, Sequence) and not isinstance(value, str):
-        try:
-            t = torch.tensor([float(v) for v in value], dtype=torch.float64)
-        except (TypeError, ValueError):
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        def one_number(v: object) -> bool:
+            if isinstance(v, torch.Tensor):
+                return v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool
+            if np is not None and isinstance(v, np.ndarray):
+                return v.size == 1 and v.dtype.kind in "iuf"
+            return real_scalar(v)
+
+        if not all(one_number(v) for v in value):
             raise TypeError(f"{name} must be a float or a length-{B} sequence of floats, got {value!r}")
+        t = torch.tensor([float(v) for v in value], dtype=torch.float64)
     else:
         raise TypeError(
-            f"{name} must be a float, a length-{B} sequence or a 1-D tensor, got {type(value).__name__}"
+            f"{name} must be a float, a length-{B} sequence, a 1-D tensor or a 1-D numpy array, "
+            f"got {type(value).__name__}"
         )
     if t.dim() != 1 or t.numel() != B:
         raise ValueError(f"{name} must have one value per model (length B={B}), got shape {list(t.shape)}")

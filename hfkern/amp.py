@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
+import sys
 import warnings
 from collections import abc, defaultdict
 from typing import Any, Iterable, Sequence
@@ -32,8 +34,8 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
 
 
 def _check_factor(name: str, value: Any, *, above: float, below: float = math.inf) -> float:
-    """A finite float strictly between ``above`` and ``below``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A finite float strictly between ``above`` and ``below`` (a Python or numpy number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"GradScaler: {name} must be a float, got {type(value).__name__} {value!r}")
     value = float(value)
     if not (above < value < below) or not math.isfinite(value):
@@ -42,12 +44,17 @@ def _check_factor(name: str, value: Any, *, above: float, below: float = math.in
     return value
 
 
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
 def _check_interval(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"GradScaler: growth_interval must be an int >= 1, got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"GradScaler: growth_interval must be >= 1, got {value}")
-    return value
+    if value > _INT32_MAX:
+        raise ValueError(f"GradScaler: growth_interval must fit int32 (<= {_INT32_MAX}), got {value}")
+    return int(value)
 
 
 def _on_device(values: Tensor, device: torch.device) -> Tensor:
@@ -66,13 +73,15 @@ class GradScaler:
         device: the device type the scaler serves (``"cuda"`` or ``"cpu"``); with
             ``"cuda"`` and no CUDA available, the scaler warns and disables itself,
             as torch's does.
-        init_scale: each model's initial scale: a float, a length-B sequence or a
-            ``[B]`` tensor.
+        init_scale: each model's initial scale (finite, > 0): a float, a length-B
+            sequence, or a ``[B]`` tensor or numpy array.
         growth_factor: (> 1) a model's scale is multiplied by it after
             ``growth_interval`` consecutive steps of that model without inf/NaN.
         backoff_factor: (in (0, 1)) a model's scale is multiplied by it after a
             step where that model's gradients held inf/NaN.
         growth_interval: (int >= 1) see ``growth_factor``.
+
+        The factors and the interval may also be numpy scalars.
         enabled: False makes every method a no-op (``step`` just steps).
         B: the number of models (keyword-only).
 
@@ -126,20 +135,38 @@ class GradScaler:
 
     # ---- validation -----------------------------------------------------------
     def _scale_values(self, value: Any, name: str) -> Tensor:
-        """``[B]`` float32 CPU values of a per-model scale (rounded as torch fills its float32 scale)."""
+        """``[B]`` float32 CPU values of a per-model scale (rounded as torch fills its float32 scale).
+
+        A scale of 0 or inf is rejected too: unscaling by it turns every gradient
+        into NaN or 0, and backing off or growing never leaves it.
+        """
         try:
-            return hyper(value, self.B, name).to(torch.float32)
+            t = hyper(value, self.B, name).to(torch.float32)
         except (TypeError, ValueError) as e:
             raise type(e)(f"GradScaler: {e}") from None
+        bad = (t == 0) | ~torch.isfinite(t)
+        if bad.any():
+            raise ValueError(
+                f"GradScaler: {name} must be finite and > 0 for every model (in float32); models "
+                f"{bad.nonzero().flatten().tolist()} have {t[bad].tolist()}"
+            )
+        return t
 
     def _tracker_values(self, value: Any) -> Tensor:
+        np = sys.modules.get("numpy")  # a numpy value exists only once numpy is imported
+        if np is not None and isinstance(value, np.ndarray):
+            if value.dtype.kind not in "iu":
+                raise ValueError(f"GradScaler: _growth_tracker must hold ints >= 0, got a {value.dtype} array")
+            value = torch.from_numpy(value.astype(np.int64))
         if isinstance(value, Tensor):
             t = value.detach().to("cpu")
             t = t.expand(self.B) if t.dim() == 0 else t
-        elif isinstance(value, int) and not isinstance(value, bool):
-            t = torch.full((self.B,), value)
+        elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            t = torch.full((self.B,), int(value))
         elif isinstance(value, Sequence) and not isinstance(value, str):
-            t = torch.tensor(list(value))
+            if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
+                raise ValueError(f"GradScaler: _growth_tracker must hold ints >= 0, got {value!r}")
+            t = torch.tensor([int(v) for v in value], dtype=torch.int64)
         else:
             raise TypeError(
                 f"GradScaler: _growth_tracker must be an int, a length-B sequence or a [B] tensor, "
@@ -150,8 +177,9 @@ class GradScaler:
                 f"GradScaler: _growth_tracker must have one value per model (length B={self.B}), "
                 f"got shape {list(t.shape)}"
             )
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or (t < 0).any():
-            raise ValueError(f"GradScaler: _growth_tracker must hold ints >= 0, got {t.tolist()}")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or (t < 0).any() \
+                or (t > _INT32_MAX).any():
+            raise ValueError(f"GradScaler: _growth_tracker must hold ints >= 0 that fit int32, got {t.tolist()}")
         return t.to(torch.int32)
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
@@ -327,9 +355,9 @@ class GradScaler:
         scale multiplied by ``backoff_factor`` and its tracker reset; every other
         model counts one more good step, and at ``growth_interval`` of them its
         scale is multiplied by ``growth_factor`` (unless that overflows float32)
-        and its tracker reset. ``new_scale`` (a float, a length-B sequence, or a
-        tensor of B or 1 elements on the scaler's device type) sets the scales
-        instead. Call once per iteration, after every :meth:`step`.
+        and its tracker reset. ``new_scale`` (a float, a length-B sequence or
+        numpy array, finite and > 0; or a tensor of B or 1 elements on the
+        scaler's device type, used as given) sets the scales instead. Call once per iteration, after every :meth:`step`.
         """
         if not self._enabled:
             return
@@ -345,7 +373,7 @@ class GradScaler:
                         f"(requires_grad={new_scale.requires_grad})"
                     )
                 scale.copy_(new_scale.reshape(-1))
-            elif isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+            elif isinstance(new_scale, numbers.Real) and not isinstance(new_scale, bool):
                 scale.fill_(float(self._scale_values(new_scale, "new_scale")[0]))
             else:
                 scale.copy_(_host_to_device(self._scale_values(new_scale, "new_scale"), scale.device))
@@ -443,9 +471,15 @@ class GradScaler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`; ``scale`` and ``_growth_tracker`` may also be one
         value for every model (the format of ``torch.amp.GradScaler.state_dict``).
-        No-op when disabled."""
+
+        Every entry is validated before anything changes (a bad one raises a
+        ValueError or TypeError and leaves the scaler as it was): ``scale`` finite
+        and > 0, ``_growth_tracker`` ints in [0, 2**31), the factors and the
+        interval as in the constructor. No-op when disabled."""
         if not self._enabled:
             return
+        if not isinstance(state_dict, abc.Mapping):
+            raise TypeError(f"GradScaler: expected a state dict (a dict), got {type(state_dict).__name__}")
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled "

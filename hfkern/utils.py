@@ -8,15 +8,16 @@ taken over its own slices only, and its clip coefficient is torch's
 whose gradients hold inf or NaN gets an inf/NaN norm and leaves the others
 exactly as they would be without it.
 
-Per-model values (``max_norm``, ``clip_value``) are a float, a length-B sequence
-or a ``[B]`` tensor. Nothing here reads a device value on the host, except
-``error_if_nonfinite=True`` (as torch's) and the first use of a device tensor of
-per-model values, which is validated once and again only after it is modified
-in place.
+Per-model values (``max_norm``, ``clip_value``) are a float (or numpy scalar),
+a length-B sequence, or a ``[B]`` tensor or numpy array. Nothing here reads a
+device value on the host, except ``error_if_nonfinite=True`` (as torch's) and
+the first use of a device tensor of per-model values, which is validated once
+and again only after it is modified in place.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Iterable, Sequence
 
 import torch
@@ -62,7 +63,7 @@ def _per_model(fn: str, value: PerModel, B: int, name: str, device: torch.device
         checked = hyper(value, B, name)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{fn}: {e}") from None
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real):  # Python and numpy scalars: torch's own scalar arithmetic
         return float(value)
     return _host_to_device(checked.to(dtype), device)
 
@@ -198,7 +199,7 @@ def clip_grads_with_norm_(
 
     ``torch.nn.utils.clip_grads_with_norm_`` per model. ``parameters``: ``[B, ...]``
     tensors (one common B) whose ``.grad`` is scaled; ``max_norm``: a float, a
-    length-B sequence or a ``[B]`` tensor (each >= 0); ``total_norm``: ``[B]``,
+    length-B sequence or a ``[B]`` tensor or numpy array (each >= 0); ``total_norm``: ``[B]``,
     e.g. from :func:`get_total_norm`.
     """
     fn = "clip_grads_with_norm_"
@@ -244,8 +245,8 @@ def clip_grad_norm_(
     Args:
         parameters: a ``[B, ...]`` tensor or an iterable of them, one common B;
             their ``.grad`` (same shape) are modified in place.
-        max_norm: each model's max norm: a float, a length-B sequence or a ``[B]``
-            tensor (>= 0, not NaN).
+        max_norm: each model's max norm: a float, a length-B sequence, or a ``[B]``
+            tensor or numpy array (>= 0, not NaN).
         norm_type: the p of the p-norm (``inf`` for the max norm).
         error_if_nonfinite: raise a RuntimeError naming the models whose total
             norm is inf or NaN (this reads the norms on the host).
@@ -281,7 +282,7 @@ def clip_grad_value_(
 
     ``torch.nn.utils.clip_grad_value_`` per model. ``parameters``: a ``[B, ...]``
     tensor or an iterable of them (one common B); ``clip_value``: a float, a
-    length-B sequence or a ``[B]`` tensor (>= 0, not NaN). NaN gradients stay NaN.
+    length-B sequence or a ``[B]`` tensor or numpy array (>= 0, not NaN). NaN gradients stay NaN.
     """
     fn = "clip_grad_value_"
     params = _tensor_list(fn, parameters, "parameter")

@@ -1,9 +1,9 @@
 """Array optimizers: one step updates B models, each with its own hyperparameters.
 
 Parameters are ``[B, ...]`` (array dim first); every numeric hyperparameter is a
-float, a length-B sequence or a ``[B]`` tensor. Model b's trajectory is that of
-the torch.optim namesake run on model b alone. The update math is in the
-``hfkern::*_step_`` ops (:mod:`hfkern.ops.optim`).
+float, a length-B sequence, or a ``[B]`` tensor or numpy array. Model b's
+trajectory is that of the torch.optim namesake run on model b alone. The update
+math is in the ``hfkern::*_step_`` ops (:mod:`hfkern.ops.optim`).
 """
 
 from . import lr_scheduler

@@ -11,12 +11,19 @@ device (float64 for float64 parameters, float32 otherwise); ``group[name]`` is a
 ``[B]`` view of its row (``betas``: a pair of views), so writing new values into
 it in place (``group["lr"].copy_(new_lrs)``) reaches the next step without a
 host sync or any re-validation, and the op reads the whole tensor at once.
-Assigning a new value (float, sequence or tensor) to ``group[name]`` instead is
-validated at the next step.
+Assigning a new value (float, sequence, tensor or numpy array) to
+``group[name]`` instead is validated at the next step.
+
+``load_state_dict`` validates the whole state (parameter groups, their
+hyperparameters and flags, every state tensor's shape and dtype) before it
+changes anything: a state that does not fit raises and leaves the optimizer as
+it was.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -53,17 +60,24 @@ class _Shielded:
         self.value = value
 
 
-def _shield_state(optimizer: "ArrayOptimizer", state_dict: dict[str, Any]) -> dict[str, Any]:
-    state = {
-        k: {n: _Shielded(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
-        if isinstance(s, dict) else s
-        for k, s in state_dict["state"].items()
-    }
-    return {**state_dict, "state": state}
+def _validate_loaded(optimizer: "ArrayOptimizer", state_dict: Any) -> dict[str, Any]:
+    # A pre-hook, so that it sees the state dict the user's own pre-hooks produced.
+    return optimizer._validated_state_dict(state_dict)
 
 
 def _place_state(optimizer: "ArrayOptimizer") -> None:
     optimizer._place_loaded_state()
+
+
+# torch's implementation options. hfkern has one implementation (see ArrayOptimizer),
+# so these only say which values describe it; the optimizers take the ones their
+# torch namesakes take.
+_FOREACH_FUSED = ("foreach", "fused")
+_NOT_IMPLEMENTED = {
+    "capturable": "a step that CUDA graphs can capture with torch's capturable contract",
+    "differentiable": "autograd through the optimizer step",
+}
+_COMPAT_DEFAULTS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
 
 
 class ArrayOptimizer(Optimizer):
@@ -85,6 +99,24 @@ class ArrayOptimizer(Optimizer):
     Parameters of bfloat16/float16 keep float32 state; their update is computed in
     float32 and rounded into the parameter once.
 
+    torch's implementation keywords are accepted where the torch namesake takes
+    them, so that training scripts port unchanged; they select nothing, because
+    hfkern has one implementation: every step of a param group is one
+    ``hfkern::<name>_step_`` op over all its parameters and all B models, the
+    kernel behind it chosen by the backend registry (:func:`hfkern.set_backend`).
+
+    * ``foreach``: None (default) or True. The op takes every parameter's
+      tensors at once, as torch's multi-tensor (foreach) implementation does.
+      False (torch's per-parameter loop) raises a ValueError.
+    * ``fused``: None (default) or True. One op updates every parameter, as
+      torch's fused implementation does (on CUDA the Triton backend runs the
+      whole update in fused kernels; the torch backend composes it of
+      multi-tensor ops). False raises a ValueError.
+    * ``capturable``, ``differentiable``: False (default); True raises a
+      NotImplementedError.
+
+    They are stored in ``defaults`` and every param group, as torch stores them.
+
     Editing a stored hyperparameter in place cannot switch on work that every
     model of the group had off when it was validated (weight decay; momentum
     of SGD and RMSprop): the step leaves it out. Assign a new value instead.
@@ -94,6 +126,8 @@ class ArrayOptimizer(Optimizer):
     _init_hypers: tuple[str, ...] = ()
     _flags: tuple[str, ...] = ("maximize",)
     _pairs: tuple[str, ...] = ("betas",)
+    _compat: tuple[str, ...] = ()  # the implementation keywords the torch namesake takes
+    _state_names: tuple[str, ...] = ()  # every per-parameter state entry the optimizer may keep
 
     def __init__(
         self,
@@ -107,6 +141,8 @@ class ArrayOptimizer(Optimizer):
                 f"{type(self).__name__}: skip_nonfinite must be a bool, got "
                 f"{type(skip_nonfinite).__name__} {skip_nonfinite!r}"
             )
+        for k in self._compat:
+            defaults.setdefault(k, _COMPAT_DEFAULTS[k])
         self.B: int | None = None
         self.skip_nonfinite = skip_nonfinite
         self.last_skipped: torch.Tensor | None = None
@@ -202,15 +238,29 @@ class ArrayOptimizer(Optimizer):
                 f"got {t.tolist()}"
             )
 
-    def _check_group(self, group: dict[str, Any]) -> _Checked:
-        """Validate ``group`` (once per set of values) and store its hyperparameters on the device."""
-        keys = self._hypers + self._init_hypers + self._flags
-        values = tuple(group[k] for k in keys)
-        cached = self._checked.get(id(group))
-        if cached is not None and cached[0] is group and all(
-            a is b for a, b in zip(cached[1].values, values)
-        ):
-            return cached[1]
+    def _check_compat(self, group: dict[str, Any]) -> None:
+        name = type(self).__name__
+        for k in self._compat:
+            value = group[k]
+            if k in _FOREACH_FUSED:
+                if value is None or value is True:
+                    continue
+                if value is False:
+                    raise ValueError(
+                        f"{name}: {k}=False asks for an implementation hfkern does not have: every step is "
+                        f"one hfkern op over all parameters and models; pass {k}=None or {k}=True"
+                    )
+                raise TypeError(f"{name}: {k} must be None or a bool, got {type(value).__name__} {value!r}")
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: {k} must be a bool, got {type(value).__name__} {value!r}")
+            if value:
+                raise NotImplementedError(
+                    f"{name}: {k}=True ({_NOT_IMPLEMENTED[k]}) is not implemented for array optimizers; "
+                    f"pass {k}=False"
+                )
+
+    def _validate_group(self, group: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Check ``group`` without changing it; returns its ``[B]`` float64 CPU values by row name."""
         name = type(self).__name__
         if not group["params"]:
             raise ValueError(f"{name}: a parameter group has no parameters")
@@ -218,23 +268,37 @@ class ArrayOptimizer(Optimizer):
         for k in self._flags:
             if not isinstance(group[k], bool):
                 raise TypeError(f"{name}: {k} must be a bool, got {type(group[k]).__name__} {group[k]!r}")
+        self._check_compat(group)
+        np = sys.modules.get("numpy")  # a numpy pair exists only once numpy is imported
         per_model: dict[str, torch.Tensor] = {}
         for k in self._hypers + self._init_hypers:
             if k in self._pairs:
                 pair = group[k]
                 is_pair = isinstance(pair, (tuple, list)) or (
                     isinstance(pair, torch.Tensor) and pair.dim() >= 1
-                )
+                ) or (np is not None and isinstance(pair, np.ndarray) and pair.ndim >= 1)
                 if not is_pair or len(pair) != 2:
                     raise ValueError(
                         f"{name}: {k} must be a pair, each entry a float, a length-B sequence or a "
-                        f"[B] tensor, got {pair!r}"
+                        f"[B] tensor or array, got {pair!r}"
                     )
                 per_model[f"{k}[0]"] = self._hyper(pair[0], f"{k}[0]")
                 per_model[f"{k}[1]"] = self._hyper(pair[1], f"{k}[1]")
             else:
                 per_model[k] = self._hyper(group[k], k)
         self._check_values(group, per_model)
+        return per_model
+
+    def _check_group(self, group: dict[str, Any]) -> _Checked:
+        """Validate ``group`` (once per set of values) and store its hyperparameters on the device."""
+        keys = self._hypers + self._init_hypers + self._flags + self._compat
+        values = tuple(group[k] for k in keys)
+        cached = self._checked.get(id(group))
+        if cached is not None and cached[0] is group and all(
+            a is b for a, b in zip(cached[1].values, values)
+        ):
+            return cached[1]
+        per_model = self._validate_group(group)
         dtype = (
             torch.float64 if all(p.dtype == torch.float64 for p in group["params"]) else torch.float32
         )
@@ -319,46 +383,125 @@ class ArrayOptimizer(Optimizer):
 
     # ---- state dict ---------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict`.
+        """Load a state from :meth:`state_dict`, or change nothing.
 
-        State tensors are copied to the parameters' device in the state dtype
-        (float32 for bfloat16/float16 parameters); hyperparameters are validated
-        again and stored on the parameters' device.
+        Everything is validated before anything changes: the number of param
+        groups and of their parameters, every group's hyperparameters and flags
+        (as at construction), and every state entry (a known name, a tensor of
+        the parameter's shape, ``[B]`` for ``step``, of a real dtype). A state
+        that does not fit raises a ValueError or TypeError naming what was
+        expected and what came, and the optimizer stays as it was. State
+        tensors are copied to the parameters' device in the state dtype
+        (float32 for bfloat16/float16 parameters); hyperparameters are stored
+        on the parameters' device. torch's implementation keywords missing
+        from an older state take their defaults.
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"{type(self).__name__}.load_state_dict: expected a dict with 'state' and 'param_groups', "
+                f"got {type(state_dict).__name__}"
+            )
+        kept = {k: self.__dict__[k] for k in ("state", "param_groups", "_checked", "B", "_device")}
         # Appended pre-hook: runs after the user's; prepended post-hook: before the user's.
-        pre = self.register_load_state_dict_pre_hook(_shield_state)
+        pre = self.register_load_state_dict_pre_hook(_validate_loaded)
         post = self.register_load_state_dict_post_hook(_place_state, prepend=True)
         try:
             super().load_state_dict(state_dict)
+        except BaseException:
+            # Only a user's hook can fail once the state is validated; it must not
+            # leave half a state behind either.
+            self.__dict__.update(kept)
+            raise
         finally:
             pre.remove()
             post.remove()
 
-    def _place_loaded_state(self) -> None:
-        name = type(self).__name__
-        for p, state in self.state.items():
-            if not isinstance(state, dict):
+    def _validated_state_dict(self, state_dict: Any) -> dict[str, Any]:
+        """``state_dict``, checked against this optimizer, with its parameter state converted and shielded.
+
+        Raises before the optimizer changes; what it returns loads without error.
+        """
+        name = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{name}: expected a dict with 'state' and 'param_groups', got {type(state_dict).__name__}")
+        missing = [k for k in ("state", "param_groups") if k not in state_dict]
+        if missing:
+            raise ValueError(f"{name}: the state dict has no {missing} entry; expected 'state' and 'param_groups'")
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if not isinstance(saved_groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in saved_groups):
+            raise TypeError(f"{name}: expected 'param_groups' to be a list of dicts, got {saved_groups!r}")
+        if not isinstance(saved_state, Mapping):
+            raise TypeError(f"{name}: expected 'state' to be a dict, got {type(saved_state).__name__}")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{name}: the state has {len(saved_groups)} param groups, this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        required = self._hypers + self._init_hypers + self._flags
+        groups, id_map = [], {}
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            ids = saved.get("params")
+            if not isinstance(ids, (list, tuple)) or len(ids) != len(group["params"]):
+                got = len(ids) if isinstance(ids, (list, tuple)) else repr(ids)
+                raise ValueError(
+                    f"{name}: param_groups[{i}] of the state has {got} parameters, this optimizer's has "
+                    f"{len(group['params'])}"
+                )
+            absent = [k for k in required if k not in saved]
+            if absent:
+                raise ValueError(
+                    f"{name}: param_groups[{i}] of the state has no {absent} (expected the entries "
+                    f"{list(required)} of {type(self).__name__}; is it another optimizer's state?)"
+                )
+            groups.append({**{k: _COMPAT_DEFAULTS[k] for k in self._compat}, **saved})
+            id_map.update(zip(ids, group["params"]))
+        state = {}
+        for key, entries in saved_state.items():
+            p = id_map.get(key)
+            if p is None:  # state of no parameter: kept as saved, as torch keeps it
+                state[key] = entries
                 continue
-            for key, value in state.items():
-                if not isinstance(value, _Shielded):
-                    continue
-                value = value.value
-                if not isinstance(p, torch.Tensor):  # state of no parameter: kept as saved
-                    state[key] = value
-                    continue
-                expected = (p.size(0),) if key == "step" else tuple(p.shape)
-                if value.dim() and tuple(value.shape) != expected:
-                    raise ValueError(
-                        f"{name}: loaded state {key!r} of shape {list(value.shape)} does not fit a "
-                        f"parameter of shape {list(p.shape)} (expected {list(expected)})"
-                    )
-                if key == "step":
-                    dtype = torch.float32
-                elif value.is_floating_point():
-                    dtype = state_dtype(p.dtype)
-                else:
-                    dtype = value.dtype
-                state[key] = value.to(device=p.device, dtype=dtype, copy=True)
+            if not isinstance(entries, Mapping):
+                raise TypeError(
+                    f"{name}: the state of parameter {key!r} must be a dict of tensors, got {type(entries).__name__}"
+                )
+            state[key] = {k: _Shielded(self._loaded_state_tensor(p, k, v, key)) for k, v in entries.items()}
+        for group, loaded in zip(self.param_groups, groups):
+            self._validate_group({**loaded, "params": group["params"]})
+        return {**state_dict, "param_groups": groups, "state": state}
+
+    def _loaded_state_tensor(self, p: torch.Tensor, key: str, value: Any, param_id: Any) -> torch.Tensor:
+        """A saved state entry checked against its parameter, as a new tensor on its device and in its dtype."""
+        name = f"{type(self).__name__}.load_state_dict"
+        if key not in self._state_names:
+            raise ValueError(
+                f"{name}: unknown state entry {key!r} for parameter {param_id!r}; "
+                f"{type(self).__name__} keeps {list(self._state_names)}"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{name}: state entry {key!r} of parameter {param_id!r} must be a tensor, got {type(value).__name__}"
+            )
+        if value.dtype == torch.bool or value.is_complex() or (not value.is_floating_point() and key != "step"):
+            raise TypeError(
+                f"{name}: state entry {key!r} of parameter {param_id!r} must be a floating-point tensor, "
+                f"got {value.dtype}"
+            )
+        expected = (p.size(0),) if key == "step" else tuple(p.shape)
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"{type(self).__name__}: loaded state {key!r} of shape {list(value.shape)} does not fit a "
+                f"parameter of shape {list(p.shape)} (expected {list(expected)})"
+            )
+        dtype = torch.float32 if key == "step" else state_dtype(p.dtype)
+        return value.to(device=p.device, dtype=dtype, copy=True)
+
+    def _place_loaded_state(self) -> None:
+        for state in self.state.values():
+            if isinstance(state, dict):
+                for key, value in state.items():
+                    if isinstance(value, _Shielded):
+                        state[key] = value.value
         self._checked = {}
         for group in self.param_groups:
             self._check_group(group)
@@ -375,3 +518,6 @@ class ArrayOptimizer(Optimizer):
         self.__dict__.setdefault("_device", None)
         self.__dict__.setdefault("last_skipped", None)
         self.__dict__.setdefault("_checked", {})
+        for group in self.param_groups:  # pickled before the implementation keywords existed
+            for k in self._compat:
+                group.setdefault(k, _COMPAT_DEFAULTS[k])

@@ -16,14 +16,17 @@ class Adadelta(ArrayOptimizer):
     """Adadelta for B models at once, ``torch.optim.Adadelta`` per model.
 
     Every parameter is ``[B, ...]`` (model b is index b). ``lr``, ``rho`` (in
-    [0, 1]), ``eps`` and ``weight_decay`` are each a float, a length-B sequence or
-    a ``[B]`` tensor, stored in ``param_groups`` as ``[B]`` tensors on the
+    [0, 1]), ``eps`` and ``weight_decay`` are each a float, a length-B sequence,
+    or a ``[B]`` tensor or numpy array, stored in ``param_groups`` as ``[B]`` tensors on the
     parameters' device. State per parameter: ``step`` (``[B]`` float32),
     ``square_avg`` and ``acc_delta`` (``[B, ...]``). ``skip_nonfinite`` and
-    ``step(skip=...)``: see :class:`~hfkern.optim.ArrayOptimizer`.
+    ``step(skip=...)``, and torch's implementation keywords ``foreach``,
+    ``capturable`` and ``differentiable``: see :class:`~hfkern.optim.ArrayOptimizer`.
     """
 
     _hypers = ("lr", "rho", "eps", "weight_decay")
+    _compat = ("foreach", "capturable", "differentiable")
+    _state_names = ("step", "square_avg", "acc_delta")
 
     def __init__(
         self,
@@ -32,11 +35,17 @@ class Adadelta(ArrayOptimizer):
         rho: Hyper = 0.9,
         eps: Hyper = 1e-6,
         weight_decay: Hyper = 0,
+        foreach: bool | None = None,
         *,
+        capturable: bool = False,
         maximize: bool = False,
+        differentiable: bool = False,
         skip_nonfinite: bool = False,
     ):
-        defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        defaults = dict(
+            lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=foreach,
+            capturable=capturable, differentiable=differentiable,
+        )
         super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
 
     def _check_values(self, group, per_model):

@@ -18,16 +18,19 @@ class Adagrad(ArrayOptimizer):
 
     Every parameter is ``[B, ...]`` (model b is index b). ``lr``, ``lr_decay``,
     ``weight_decay``, ``initial_accumulator_value`` and ``eps`` are each a
-    float, a length-B sequence or a ``[B]`` tensor, stored in ``param_groups`` as
-    ``[B]`` tensors on the parameters' device. State per parameter: ``step``
+    float, a length-B sequence, or a ``[B]`` tensor or numpy array, stored in
+    ``param_groups`` as ``[B]`` tensors on the parameters' device. State per parameter: ``step``
     (``[B]`` float32, each model's own count, used for its learning-rate decay)
     and ``sum`` (``[B, ...]``, starting at each model's
     ``initial_accumulator_value`` when the parameter first steps).
-    ``skip_nonfinite`` and ``step(skip=...)``: see :class:`~hfkern.optim.ArrayOptimizer`.
+    ``skip_nonfinite`` and ``step(skip=...)``, and torch's implementation keywords
+    ``foreach``, ``differentiable`` and ``fused``: see :class:`~hfkern.optim.ArrayOptimizer`.
     """
 
     _hypers = ("lr", "lr_decay", "weight_decay", "eps")
     _init_hypers = ("initial_accumulator_value",)
+    _compat = ("foreach", "differentiable", "fused")
+    _state_names = ("step", "sum")
 
     def __init__(
         self,
@@ -37,13 +40,17 @@ class Adagrad(ArrayOptimizer):
         weight_decay: Hyper = 0,
         initial_accumulator_value: Hyper = 0,
         eps: Hyper = 1e-10,
+        foreach: bool | None = None,
         *,
         maximize: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         skip_nonfinite: bool = False,
     ):
         defaults = dict(
             lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
             initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize,
+            foreach=foreach, differentiable=differentiable, fused=fused,
         )
         super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
 

@@ -17,8 +17,8 @@ class Adam(ArrayOptimizer):
     """Adam for B models at once, ``torch.optim.Adam`` per model.
 
     Every parameter is ``[B, ...]`` (model b is index b). ``lr``, ``eps`` and
-    ``weight_decay`` are each a float, a length-B sequence or a ``[B]`` tensor;
-    ``betas`` is a pair whose entries are each one of those (each in [0, 1)).
+    ``weight_decay`` are each a float, a length-B sequence, or a ``[B]`` tensor
+    or numpy array; ``betas`` is a pair whose entries are each one of those (each in [0, 1)).
     They are stored in ``param_groups`` as ``[B]`` tensors on the parameters'
     device (``betas`` as a pair of them). ``amsgrad``, ``maximize`` and
     ``decoupled_weight_decay`` (AdamW's weight decay) apply to every model.
@@ -26,11 +26,15 @@ class Adam(ArrayOptimizer):
     State per parameter: ``step`` (``[B]`` float32, each model's own count, used
     for its bias correction), ``exp_avg``, ``exp_avg_sq`` and with amsgrad
     ``max_exp_avg_sq`` (``[B, ...]``, float32 for bfloat16/float16 parameters).
-    ``skip_nonfinite`` and ``step(skip=...)``: see :class:`~hfkern.optim.ArrayOptimizer`.
+    ``skip_nonfinite`` and ``step(skip=...)``, and torch's implementation keywords
+    ``foreach``, ``capturable``, ``differentiable`` and ``fused``: see
+    :class:`~hfkern.optim.ArrayOptimizer`.
     """
 
     _hypers = ("lr", "betas", "eps", "weight_decay")
     _flags = ("amsgrad", "maximize", "decoupled_weight_decay")
+    _compat = ("foreach", "capturable", "differentiable", "fused")
+    _state_names = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(
         self,
@@ -41,13 +45,18 @@ class Adam(ArrayOptimizer):
         weight_decay: Hyper = 0,
         amsgrad: bool = False,
         *,
+        foreach: bool | None = None,
         maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         decoupled_weight_decay: bool = False,
         skip_nonfinite: bool = False,
     ):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
+            maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, foreach=foreach,
+            capturable=capturable, differentiable=differentiable, fused=fused,
         )
         super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
 
@@ -89,9 +98,14 @@ class AdamW(Adam):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         skip_nonfinite: bool = False,
     ):
         super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+            capturable=capturable, differentiable=differentiable, fused=fused,
             decoupled_weight_decay=True, skip_nonfinite=skip_nonfinite,
         )

@@ -6,7 +6,9 @@ Each scheduler drives the ``[B]`` learning-rate tensors in an array optimizer's
 alone: the initial step in the constructor, ``initial_lr`` / ``base_lrs``, the
 chained update of :meth:`LRScheduler.step` and the closed form of
 ``step(epoch)``. Every numeric argument may be per model: a number (all models
-alike), a length-B sequence or a 1-D tensor of length B.
+alike), a length-B sequence, or a 1-D tensor or numpy array of length B;
+callables (``LambdaLR``, ``MultiplicativeLR``, ``CyclicLR``'s ``scale_fn``)
+are one per model or shared.
 
 The schedule is computed on the host in float64, the arithmetic torch does with
 Python floats, and written into the optimizer's tensors in place with one small
@@ -17,43 +19,69 @@ schedulers chain as in torch; a learning rate changed outside the schedulers
 (assigned anew, or edited in place) is noticed through the tensor's identity and
 version counter and read back once.
 
+Every write also records the float64 values in the param group as
+``group["scheduled_lr"]`` (``[B]`` float64 CPU), which the optimizer's
+``state_dict`` saves: after ``optimizer.load_state_dict`` the schedulers go on
+from those exact values, not from their float32 rounding in ``group["lr"]``,
+so a resumed run is bit-identical to an uninterrupted one (torch keeps its
+learning rates as Python floats for the same reason). The record is used only
+while it rounds to the group's learning rate; a learning rate changed outside
+the schedulers wins.
+
 Values a scheduler keeps itself (``base_lrs``, ``get_last_lr()``, and the
 ``initial_lr``, ``max_lr``, ``min_lr``, ``max_momentum``, ``base_momentum``
 entries it adds to ``param_groups``) are ``[B]`` float64 CPU tensors.
+
+A step, a construction or a ``load_state_dict`` that raises changes nothing:
+values are computed and checked before anything is written (a negative or NaN
+``lr_lambda`` factor raises a ValueError naming the models, as the optimizers
+reject such learning rates), and ``load_state_dict`` checks every entry of the
+state (names, array size, shapes, dtypes, values) first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
+import sys
 import types
 import warnings
 import weakref
 from bisect import bisect_right
 from collections import Counter
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as _torch
 
 from .._array import hyper
+from ._base import ArrayOptimizer
 
 __all__ = [
     "LRScheduler",
     "StepLR",
     "MultiStepLR",
-    "ExponentialLR",
-    "CosineAnnealingLR",
+    "ConstantLR",
     "LinearLR",
+    "ExponentialLR",
+    "PolynomialLR",
+    "CosineAnnealingLR",
+    "CosineAnnealingWarmRestarts",
+    "CyclicLR",
     "OneCycleLR",
     "LambdaLR",
+    "MultiplicativeLR",
     "SequentialLR",
+    "ChainedScheduler",
     "ReduceLROnPlateau",
 ]
 
 _F64 = torch.float64
+_RECORD = "scheduled_lr"  # the param-group entry holding the exact learning rates
 _EPOCH_DEPRECATION_WARNING = getattr(
     _torch,
     "EPOCH_DEPRECATION_WARNING",
@@ -62,6 +90,15 @@ _EPOCH_DEPRECATION_WARNING = getattr(
 
 
 # ---- argument parsing ---------------------------------------------------
+def _numpy() -> Any:
+    """numpy, if it has been imported (a numpy value cannot exist before); hfkern never imports it."""
+    return sys.modules.get("numpy")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _array_size(optimizer: object, who: str) -> int:
     """The array size B of ``optimizer``: its ``B`` attribute, else its parameters' leading dim."""
     if not isinstance(optimizer, Optimizer):
@@ -74,6 +111,12 @@ def _array_size(optimizer: object, who: str) -> int:
             if p.dim() >= 1:
                 return p.size(0)
     raise ValueError(f"{who}: the optimizer has no [B, ...] parameter to take the array size B from")
+
+
+def _last_epoch(value: object) -> int:
+    if not _is_int(value) or value < -1:
+        raise ValueError(f"last_epoch must be an int >= -1, got {value!r}")
+    return int(value)
 
 
 def _floats(value: object, B: int, name: str) -> torch.Tensor:
@@ -90,16 +133,22 @@ def _read(value: object, B: int, name: str) -> torch.Tensor:
 
 
 def _ints(value: object, B: int, name: str, *, minimum: int) -> torch.Tensor:
-    """A per-model integer argument (int, length-B sequence of ints, 1-D integer tensor) as ``[B]`` int64."""
+    """A per-model integer argument (int, length-B sequence of ints, 1-D integer tensor or numpy
+    array) as a fresh ``[B]`` int64 CPU tensor."""
+    np = _numpy()
+    if np is not None and isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be an int or integers (one per model), got a {value.dtype} numpy array")
+        value = torch.from_numpy(value.astype(np.int64))
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name} must be an int or integers (one per model), got a {value.dtype} tensor")
         t = value.detach().to(device="cpu", dtype=torch.int64).clone()
         if t.dim() == 0:
             t = t.expand(B).clone()
-    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    elif _is_int(value):
         t = torch.full((B,), int(value), dtype=torch.int64)
-    elif isinstance(value, Sequence) and not isinstance(value, str):
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         items = []
         for v in value:
             if isinstance(v, bool):
@@ -111,7 +160,7 @@ def _ints(value: object, B: int, name: str, *, minimum: int) -> torch.Tensor:
         t = torch.tensor(items, dtype=torch.int64)
     else:
         raise TypeError(
-            f"{name} must be an int, a length-{B} sequence of ints or a 1-D integer tensor, "
+            f"{name} must be an int, a length-{B} sequence of ints or a 1-D integer tensor or array, "
             f"got {type(value).__name__} {value!r}"
         )
     if t.dim() != 1 or t.numel() != B:
@@ -132,13 +181,19 @@ def _check_range(t: torch.Tensor, name: str, lo: float, hi: float, *, lo_open: b
         )
 
 
-def _is_nested(value: object) -> bool:
-    """True for a list/tuple with a sequence or 1-D tensor in it: one per-model value per param group."""
-    return isinstance(value, (list, tuple)) and any(
-        (isinstance(v, torch.Tensor) and v.dim() > 0)
-        or (isinstance(v, Sequence) and not isinstance(v, (str, torch.Tensor)))
-        for v in value
+def _is_per_model(value: object) -> bool:
+    """A sequence, 1-D tensor or 1-D numpy array: one value per model."""
+    np = _numpy()
+    return (
+        (isinstance(value, torch.Tensor) and value.dim() > 0)
+        or (np is not None and isinstance(value, np.ndarray) and value.ndim > 0)
+        or (isinstance(value, Sequence) and not isinstance(value, (str, bytes, torch.Tensor)))
     )
+
+
+def _is_nested(value: object) -> bool:
+    """True for a list/tuple with a per-model value in it: one per-model value per param group."""
+    return isinstance(value, (list, tuple)) and any(_is_per_model(v) for v in value)
 
 
 def _per_group(value: object, n_groups: int, B: int, name: str) -> list[torch.Tensor]:
@@ -159,7 +214,8 @@ def _per_group(value: object, n_groups: int, B: int, name: str) -> list[torch.Te
 
 def _milestones(value: object, B: int, name: str = "milestones") -> list[Counter]:
     """One shared list of epochs, or one list per model, as B Counters."""
-    if isinstance(value, torch.Tensor):
+    np = _numpy()
+    if isinstance(value, torch.Tensor) or (np is not None and isinstance(value, np.ndarray)):
         value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"{name} must be a list of ints, or one list per model, got {type(value).__name__}")
@@ -180,11 +236,46 @@ def _milestones(value: object, B: int, name: str = "milestones") -> list[Counter
     if value and all(nested):
         if len(value) != B:
             raise ValueError(f"{name}: expected one list per model (B={B}), got {len(value)} lists")
-        return [Counter(ints(v, f"{name}[{b}]")) for b, v in enumerate(value)]
+        return [Counter(ints(v.tolist() if hasattr(v, "tolist") else v, f"{name}[{b}]"))
+                for b, v in enumerate(value)]
     if any(nested):
         raise TypeError(f"{name} must be one list of ints or one list per model, not a mix: {value!r}")
     shared = ints(value, name)
     return [Counter(shared) for _ in range(B)]
+
+
+def _factors(out: object, B: int, who: str, *, number: bool = False) -> torch.Tensor:
+    """What a user function returned as ``[B]`` float64: a number (all models alike) or, unless
+    ``number``, one value per model (a sequence, tensor or numpy array)."""
+    expected = "a number" if number else f"a number or B={B} factors (one per model)"
+    np = _numpy()
+    if np is not None and isinstance(out, np.ndarray):
+        out = torch.from_numpy(out.astype(np.float64))
+    if isinstance(out, torch.Tensor):
+        t = out.detach().to(device="cpu", dtype=_F64)
+        t = t.expand(B) if t.dim() == 0 else t
+    elif isinstance(out, numbers.Real) and not isinstance(out, bool):
+        return torch.full((B,), float(out), dtype=_F64)
+    else:
+        try:
+            t = torch.tensor([float(v) for v in out], dtype=_F64)
+        except (TypeError, ValueError):
+            raise TypeError(f"{who}: expected {expected}, got {type(out).__name__} {out!r}") from None
+    if t.shape != (B,) or (number and out is not None and getattr(out, "ndim", 0) > 0):
+        raise ValueError(f"{who}: expected {expected}, got shape {list(t.shape)}")
+    return t
+
+
+def _check_factors(t: torch.Tensor, who: str, epoch: object, group: int) -> torch.Tensor:
+    """Reject negative and NaN factors, as the optimizers reject such learning rates."""
+    bad = torch.isnan(t) | (t < 0)
+    if bad.any():
+        models = bad.nonzero().flatten().tolist()
+        raise ValueError(
+            f"{who}: factors must be >= 0 and not NaN (they scale learning rates); at epoch {epoch} "
+            f"models {models} of param group {group} got {t[bad].tolist()}"
+        )
+    return t
 
 
 # ---- the host copy of the learning rates ----------------------------------
@@ -226,11 +317,20 @@ def _current_lr(optimizer: Optimizer, group: dict, B: int) -> torch.Tensor:
     entry = entries.get(id(group))
     if _valid(entry, group):
         return entry.values
-    values = hyper(group["lr"], B, "lr").clone()
+    lr = group["lr"]
+    values = hyper(lr, B, "lr").clone()
+    record = group.get(_RECORD)
+    if isinstance(record, torch.Tensor) and record.dtype == _F64 and record.shape == (B,) \
+            and record.device.type == "cpu":
+        # The exact values the schedulers last wrote (e.g. restored by the optimizer's
+        # load_state_dict), as long as the learning rate is still their rounding.
+        rounded = record.to(lr.dtype) if isinstance(lr, torch.Tensor) and lr.is_floating_point() else record
+        if torch.equal(rounded.to(_F64), values):
+            values = record.clone()
     live = {id(g) for g in optimizer.param_groups}
     for k in [k for k in entries if k not in live]:
         del entries[k]
-    entries[id(group)] = _HostLR(group, group["lr"], values)
+    entries[id(group)] = _HostLR(group, lr, values)
     return values
 
 
@@ -264,6 +364,7 @@ def _set_lr(optimizer: Optimizer, group: dict, values: torch.Tensor, B: int) -> 
         # optimizer a new value, which it validates and stores at its next step.
         lr = values.clone()
         group["lr"] = lr
+    group[_RECORD] = values
     entries[id(group)] = _HostLR(group, lr, values)
 
 
@@ -283,8 +384,307 @@ def _set_beta1(group: dict, values: torch.Tensor, B: int) -> None:
         group["betas"] = (values.clone(), *betas[1:])
 
 
+def _set_momentum(group: dict, values: torch.Tensor, B: int, use_beta1: bool) -> None:
+    if use_beta1:
+        _set_beta1(group, values, B)
+    else:
+        _set_value(group, "momentum", values, B)
+
+
+@contextlib.contextmanager
+def _kept_on_error(*schedulers: object, optimizer: Optimizer | None = None) -> Iterator[None]:
+    """Undo what the block did to ``schedulers`` (their attributes) and, with ``optimizer``,
+    to its param groups (entries, and the values of tensors written in place) if it raises."""
+    kept = [(s, dict(s.__dict__)) for s in schedulers]
+    groups = []
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            tensors = [group.get(k) for k in ("lr", "momentum")] + list(group.get("betas", ()))[:1]
+            # Device clones: restoring in place needs the old values, and reading them
+            # to the host would wait for the device.
+            clones = [(t, t.detach().clone()) for t in tensors if isinstance(t, torch.Tensor)]
+            groups.append((group, dict(group), clones))
+        # An entry valid now is valid again once its tensor's values are restored.
+        entries = {k: (e, e.version == _version(e.source)) for k, e in _HOST_LRS.get(optimizer, {}).items()}
+    try:
+        yield
+    except BaseException:
+        for s, d in kept:
+            s.__dict__.clear()
+            s.__dict__.update(d)
+        if optimizer is not None:
+            with torch.no_grad():
+                for group, saved, clones in groups:
+                    for t, c in clones:
+                        t.copy_(c)
+                    group.clear()
+                    group.update(saved)
+            for entry, valid in entries.values():
+                if valid:
+                    entry.version = _version(entry.source)
+            _HOST_LRS[optimizer] = {k: e for k, (e, _) in entries.items()}
+        raise
+
+
+def _nested(scheduler: object) -> list[object]:
+    """``scheduler`` and every scheduler it contains."""
+    out = [scheduler]
+    for s in getattr(scheduler, "_schedulers", ()):
+        out += _nested(s)
+    return out
+
+
+# ---- state dict checks --------------------------------------------------------
+# A scheduler's state is its ``__dict__`` (as torch's). Each class names how every
+# entry is checked and converted when loaded: a function (value, scheduler, name)
+# returning the value to store, raising a ValueError or TypeError for a bad one.
+# The constructors use the same functions for the arguments they store as given.
+def _spec_floats(lo: float = 0.0, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False):
+    def check(value: object, sched: Any, name: str) -> torch.Tensor:
+        t = _floats(value, sched.B, name)
+        if lo != 0.0 or lo_open or hi != math.inf or hi_open:
+            _check_range(t, name, lo, hi, lo_open=lo_open, hi_open=hi_open)
+        return t
+    return check
+
+
+def _spec_any_floats(value: object, sched: Any, name: str) -> torch.Tensor:
+    """``[B]`` float64 of any sign (a running best value, a phase boundary)."""
+    if not isinstance(value, torch.Tensor) or value.dtype != _F64 or value.shape != (sched.B,):
+        got = f"{value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
+            else type(value).__name__
+        raise TypeError(f"{name} must be a [B={sched.B}] float64 tensor, got {got}")
+    return value.detach().to("cpu").clone()
+
+
+def _spec_ints(minimum: int):
+    def check(value: object, sched: Any, name: str) -> torch.Tensor:
+        return _ints(value, sched.B, name, minimum=minimum)
+    return check
+
+
+def _spec_group_floats(value: object, sched: Any, name: str) -> list[torch.Tensor]:
+    n = len(sched.optimizer.param_groups)
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        got = f"{len(value)} entries" if isinstance(value, (list, tuple)) else type(value).__name__
+        raise ValueError(f"{name} must hold one [B] tensor per param group ({n}), got {got}")
+    return [_floats(v, sched.B, f"{name}[{i}]") for i, v in enumerate(value)]
+
+
+def _spec_int(minimum: int):
+    def check(value: object, sched: Any, name: str) -> int:
+        if not _is_int(value):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        return int(value)
+    return check
+
+
+def _spec_bool(value: object, sched: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _spec_choice(*options: str):
+    def check(value: object, sched: Any, name: str) -> str:
+        if value not in options:
+            raise ValueError(f"{name} must be one of {list(options)}, got {value!r}")
+        return value
+    return check
+
+
+def _spec_str(value: object, sched: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _spec_same_B(value: object, sched: Any, name: str) -> int:
+    if value != sched.B:
+        raise ValueError(
+            f"the state is of an array of B={value} models, this scheduler's optimizer has B={sched.B}"
+        )
+    return sched.B
+
+
+def _spec_milestones(value: object, sched: Any, name: str) -> list[Counter]:
+    if not isinstance(value, (list, tuple)) or len(value) != sched.B:
+        raise ValueError(f"{name} must hold one Counter of epochs per model (B={sched.B}), got {value!r}")
+    out = []
+    for b, m in enumerate(value):
+        if not isinstance(m, Mapping) or not all(_is_int(k) and _is_int(n) and n >= 1 for k, n in m.items()):
+            raise TypeError(f"{name}[{b}] must be a Counter of int epochs, got {m!r}")
+        out.append(Counter({int(k): int(n) for k, n in m.items()}))
+    return out
+
+
+def _spec_callables(attr: str):
+    """The saved state of the callables in attribute ``attr``: checked against the current ones."""
+    def check(value: object, sched: Any, name: str) -> Any:
+        _check_saved_callables(getattr(sched, attr), value, name)
+        return value
+    return check
+
+
+def _saved_callables(fns: Any) -> Any:
+    """What torch saves of callables: the ``__dict__`` of callable objects, None for functions."""
+    if fns is None:
+        return None
+    if isinstance(fns, list):
+        return [_saved_callables(f) for f in fns]
+    if isinstance(fns, types.FunctionType) or not hasattr(fns, "__dict__"):  # a builtin has no state to keep
+        return None
+    return fns.__dict__.copy()
+
+
+def _check_saved_callables(fns: Any, saved: object, name: str) -> None:
+    if isinstance(fns, list):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(fns):
+            raise ValueError(
+                f"{name}: expected a list of {len(fns)} saved callables to match this scheduler's, got {saved!r}"
+            )
+        for i, (f, s) in enumerate(zip(fns, saved)):
+            _check_saved_callables(f, s, f"{name}[{i}]")
+    elif saved is not None:
+        if not isinstance(saved, Mapping):
+            raise TypeError(f"{name}: expected the saved __dict__ of a callable object (or None), got {saved!r}")
+        if fns is None or not hasattr(fns, "__dict__"):
+            raise ValueError(f"{name}: the state holds a callable object's state, this scheduler has {fns!r}")
+
+
+def _restore_callables(fns: Any, saved: Any) -> None:
+    if isinstance(fns, list):
+        for f, s in zip(fns, saved):
+            _restore_callables(f, s)
+    elif saved is not None:
+        fns.__dict__.update(saved)
+
+
+def _spec_phases(value: object, sched: Any, name: str) -> list[dict[str, Any]]:
+    keys = {"end_step", "start_lr", "end_lr", "start_momentum", "end_momentum"}
+    names = {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"}
+    if not isinstance(value, (list, tuple)) or len(value) not in (2, 3):
+        raise ValueError(f"{name} must be a list of 2 or 3 phases, got {value!r}")
+    out = []
+    for i, phase in enumerate(value):
+        if not isinstance(phase, Mapping) or set(phase) != keys:
+            raise ValueError(f"{name}[{i}] must be a dict with the entries {sorted(keys)}, got {phase!r}")
+        for k in keys - {"end_step"}:
+            if phase[k] not in names:
+                raise ValueError(f"{name}[{i}][{k!r}] must be one of {sorted(names)}, got {phase[k]!r}")
+        out.append({**phase, "end_step": _spec_any_floats(phase["end_step"], sched, f"{name}[{i}]['end_step']")})
+    return out
+
+
+def _spec_children(value: object, sched: Any, name: str) -> list[Callable[[], None]]:
+    """Every child's state, checked by the child: what loads them all."""
+    children = sched._schedulers
+    if not isinstance(value, (list, tuple)) or len(value) != len(children):
+        got = f"{len(value)} states" if isinstance(value, (list, tuple)) else type(value).__name__
+        raise ValueError(f"{name}: expected one state per scheduler ({len(children)}), got {got}")
+    loads = []
+    for i, (child, state) in enumerate(zip(children, value)):
+        try:
+            loads.append(child._prepare_load(state))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}[{i}]: {e}") from None
+    return loads
+
+
+def _spec_milestone_list(value: object, sched: Any, name: str) -> list[int]:
+    if not isinstance(value, (list, tuple)) or len(value) != len(sched._schedulers) - 1 \
+            or not all(_is_int(m) for m in value):
+        raise ValueError(f"{name} must be {len(sched._schedulers) - 1} ints, got {value!r}")
+    return [int(m) for m in value]
+
+
+def _spec_optional_floats(value: object, sched: Any, name: str) -> torch.Tensor | None:
+    return None if value is None else _floats(value, sched.B, name)
+
+
+def _spec_mode_worse(value: object, sched: Any, name: str) -> float:
+    if value not in (math.inf, -math.inf):
+        raise ValueError(f"{name} must be inf or -inf, got {value!r}")
+    return float(value)
+
+
+_BASE_SPEC: dict[str, Callable] = {
+    "B": _spec_same_B,
+    "base_lrs": _spec_group_floats,
+    "last_epoch": _spec_int(-1),
+    "_step_count": _spec_int(0),
+    "_last_lr": _spec_group_floats,
+    "_is_initial": _spec_bool,
+}
+
+
+class _Loadable:
+    """``state_dict`` / ``load_state_dict`` for the schedulers: every entry is checked first."""
+
+    _spec: dict[str, Callable] = {}  # entry name -> check, beyond those of the base classes
+    _spec_replaces = False  # True: _spec lists every entry (the base classes' are not kept)
+    _optional: frozenset[str] = frozenset({"_is_initial"})  # entries a state may lack
+
+    @classmethod
+    def _full_spec(cls) -> dict[str, Callable]:
+        spec: dict[str, Callable] = {}
+        for klass in reversed(cls.__mro__):
+            if klass.__dict__.get("_spec_replaces", False):
+                spec = {}
+            spec.update(klass.__dict__.get("_spec", {}))
+        return spec
+
+    def _arg(self, name: str, value: object) -> Any:
+        """A constructor argument checked and converted as a loaded state entry of that name is."""
+        return self._full_spec()[name](value, self, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's state: every attribute but the optimizer."""
+        return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from :meth:`state_dict` of a scheduler of this class with the same B.
+
+        Every entry is checked (names, B, shapes, dtypes and values, as the
+        constructor checks its arguments) before anything changes; a state that
+        does not fit raises a ValueError or TypeError and leaves the scheduler
+        as it was.
+        """
+        self._prepare_load(state_dict)()
+
+    def _prepare_load(self, state_dict: object) -> Callable[[], None]:
+        """Check ``state_dict`` against this scheduler; returns what loads it (which cannot fail)."""
+        who = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{who}: expected a dict from state_dict(), got {type(state_dict).__name__}")
+        spec = self._full_spec()
+        try:
+            if "B" in state_dict:
+                _spec_same_B(state_dict["B"], self, "B")
+            missing = sorted(set(spec) - self._optional - set(state_dict))
+            unknown = sorted(set(state_dict) - set(spec))
+            if missing or unknown:
+                raise ValueError(
+                    f"the state does not fit a {type(self).__name__}: missing entries {missing}, "
+                    f"unexpected entries {unknown} (is it another scheduler's state?)"
+                )
+            new = {k: spec[k](v, self, k) for k, v in state_dict.items()}
+            self._check_loaded(new)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{who}: {e}") from None
+        return lambda: self._apply_state(new)
+
+    def _check_loaded(self, new: dict[str, Any]) -> None:
+        """Checks across entries, after each entry has been checked on its own."""
+
+    def _apply_state(self, new: dict[str, Any]) -> None:
+        self.__dict__.update(new)
+
+
 # ---- schedulers -----------------------------------------------------------
-class LRScheduler(_torch.LRScheduler):
+class LRScheduler(_Loadable, _torch.LRScheduler):
     """Base class of the array schedulers: torch's ``LRScheduler`` with ``[B]`` learning rates.
 
     Subclasses set their per-model arguments, then call ``super().__init__``,
@@ -294,29 +694,30 @@ class LRScheduler(_torch.LRScheduler):
     """
 
     _is_initial: bool = False
+    _spec = _BASE_SPEC
 
     def __init__(self, optimizer: Optimizer, last_epoch: int = -1) -> None:
         self.B = _array_size(optimizer, type(self).__name__)
         self.optimizer = optimizer
-        if isinstance(last_epoch, bool) or not isinstance(last_epoch, int) or last_epoch < -1:
-            raise ValueError(f"last_epoch must be an int >= -1, got {last_epoch!r}")
-        if last_epoch == -1:
-            for group in optimizer.param_groups:
-                if "initial_lr" not in group:
-                    group["initial_lr"] = _current_lr(optimizer, group, self.B).clone()
-        else:
+        last_epoch = _last_epoch(last_epoch)
+        if last_epoch != -1:
             for i, group in enumerate(optimizer.param_groups):
                 if "initial_lr" not in group:
                     raise KeyError(
                         f"param 'initial_lr' is not specified in param_groups[{i}] when resuming a "
                         "scheduler with last_epoch >= 0"
                     )
-        self.base_lrs: list[torch.Tensor] = [
-            _read(group["initial_lr"], self.B, f"param_groups[{i}]['initial_lr']").clone()
-            for i, group in enumerate(optimizer.param_groups)
-        ]
-        self.last_epoch = last_epoch
-        self._initial_step()
+        with _kept_on_error(optimizer=optimizer):
+            if last_epoch == -1:
+                for group in optimizer.param_groups:
+                    if "initial_lr" not in group:
+                        group["initial_lr"] = _current_lr(optimizer, group, self.B).clone()
+            self.base_lrs: list[torch.Tensor] = [
+                _read(group["initial_lr"], self.B, f"param_groups[{i}]['initial_lr']").clone()
+                for i, group in enumerate(optimizer.param_groups)
+            ]
+            self.last_epoch = last_epoch
+            self._initial_step()
 
     def _initial_step(self) -> None:
         self._step_count = 0
@@ -342,21 +743,27 @@ class LRScheduler(_torch.LRScheduler):
         """Advance every model's schedule by one step (call after ``optimizer.step()``).
 
         ``epoch`` (deprecated, as in torch) jumps to that epoch with the closed
-        form where the scheduler has one.
+        form where the scheduler has one. A step that raises changes nothing.
         """
-        self._step_count += 1
         if epoch is not None:
             warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
-        self._update_lr(epoch)
+        with _kept_on_error(self):
+            self._step_count += 1
+            self._update_lr(epoch)
 
     def _update_lr(self, epoch: int | None = None) -> None:
-        if epoch is None:
-            self.last_epoch += 1
-            values = self.get_lr()
-        else:
-            self.last_epoch = epoch
-            closed_form = getattr(self, "_get_closed_form_lr", None)
-            values = closed_form() if closed_form is not None else self.get_lr()
+        with _kept_on_error(self):
+            if epoch is None:
+                self.last_epoch += 1
+                values = self.get_lr()
+            else:
+                self.last_epoch = epoch
+                closed_form = getattr(self, "_get_closed_form_lr", None)
+                values = closed_form() if closed_form is not None else self.get_lr()
+            self._write(values)
+
+    def _write(self, values: Sequence[torch.Tensor]) -> None:
+        """Set the computed learning rates (the only write of a step, after everything is computed)."""
         groups = self.optimizer.param_groups
         if len(values) != len(groups):
             raise ValueError(
@@ -366,24 +773,6 @@ class LRScheduler(_torch.LRScheduler):
         for group, v in zip(groups, values):
             _set_lr(self.optimizer, group, v, self.B)
         self._last_lr = [v.clone() for v in self._lrs()]
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scheduler's state: every attribute but the optimizer."""
-        return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict` of a scheduler with the same B."""
-        _check_state_B(self, state_dict)
-        self.__dict__.update(state_dict)
-
-
-def _check_state_B(scheduler: Any, state_dict: dict[str, Any]) -> None:
-    B = state_dict.get("B", scheduler.B)
-    if B != scheduler.B:
-        raise ValueError(
-            f"{type(scheduler).__name__}.load_state_dict: the state is of an array of B={B} models, "
-            f"this scheduler's optimizer has B={scheduler.B}"
-        )
 
 
 class StepLR(LRScheduler):
@@ -396,11 +785,13 @@ class StepLR(LRScheduler):
         last_epoch: index of the last epoch; -1 starts the schedule.
     """
 
+    _spec = {"step_size": _spec_ints(1), "gamma": _spec_floats()}
+
     def __init__(self, optimizer: Optimizer, step_size: int | Sequence[int] | torch.Tensor,
                  gamma: float | Sequence[float] | torch.Tensor = 0.1, last_epoch: int = -1) -> None:
-        B = _array_size(optimizer, "StepLR")
-        self.step_size = _ints(step_size, B, "step_size", minimum=1)
-        self.gamma = _floats(gamma, B, "gamma")
+        self.B = _array_size(optimizer, "StepLR")
+        self.step_size = self._arg("step_size", step_size)
+        self.gamma = self._arg("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[torch.Tensor]:
@@ -427,11 +818,13 @@ class MultiStepLR(LRScheduler):
         last_epoch: index of the last epoch; -1 starts the schedule.
     """
 
+    _spec = {"milestones": _spec_milestones, "gamma": _spec_floats()}
+
     def __init__(self, optimizer: Optimizer, milestones: Iterable[int] | Sequence[Iterable[int]],
                  gamma: float | Sequence[float] | torch.Tensor = 0.1, last_epoch: int = -1) -> None:
-        B = _array_size(optimizer, "MultiStepLR")
-        self.milestones = _milestones(milestones, B)
-        self.gamma = _floats(gamma, B, "gamma")
+        self.B = _array_size(optimizer, "MultiStepLR")
+        self.milestones = _milestones(milestones, self.B)
+        self.gamma = self._arg("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[torch.Tensor]:
@@ -446,13 +839,98 @@ class MultiStepLR(LRScheduler):
         return [base * self.gamma ** n for base in self.base_lrs]
 
 
+class ConstantLR(LRScheduler):
+    """Scale each model's learning rate by ``factor`` until its ``total_iters`` is reached.
+
+    Args:
+        optimizer: array optimizer with ``[B]`` learning rates.
+        factor: in [0, 1], per model. Default 1/3. At ``total_iters`` the scale is
+            undone by multiplying with ``1 / factor`` (a factor of 0 then raises
+            ZeroDivisionError, as torch does).
+        total_iters: epochs of the scaled phase, int >= 0, per model. Default 5.
+        last_epoch: index of the last epoch; -1 starts the schedule.
+    """
+
+    _spec = {"factor": _spec_floats(0.0, 1.0), "total_iters": _spec_ints(0)}
+
+    def __init__(self, optimizer: Optimizer, factor: float | Sequence[float] | torch.Tensor = 1.0 / 3,
+                 total_iters: int | Sequence[int] | torch.Tensor = 5, last_epoch: int = -1) -> None:
+        self.B = _array_size(optimizer, "ConstantLR")
+        self.factor = self._arg("factor", factor)
+        self.total_iters = self._arg("total_iters", total_iters)
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[torch.Tensor]:
+        lrs = self._lrs()
+        e = self.last_epoch
+        if e == 0:
+            return [lr * self.factor for lr in lrs]
+        end = self.total_iters == e
+        undo = end & (self.factor == 0)
+        if undo.any():
+            raise ZeroDivisionError(
+                f"ConstantLR: models {undo.nonzero().flatten().tolist()} reach total_iters at epoch {e} "
+                "with factor 0, and undoing the factor divides by it"
+            )
+        # torch multiplies by 1.0 / factor; the division's rounding is part of the schedule.
+        inverse = 1.0 / torch.where(end, self.factor, torch.ones_like(self.factor))
+        return [torch.where(end, lr * inverse, lr) for lr in lrs]
+
+    def _get_closed_form_lr(self) -> list[torch.Tensor]:
+        done = (self.total_iters <= self.last_epoch).to(_F64)
+        return [base * (self.factor + done * (1 - self.factor)) for base in self.base_lrs]
+
+
+class LinearLR(LRScheduler):
+    """Scale each model's learning rate by a factor moving linearly from ``start_factor`` to ``end_factor``.
+
+    Args:
+        optimizer: array optimizer with ``[B]`` learning rates.
+        start_factor: factor at epoch 0, in (0, 1], per model. Default 1/3.
+        end_factor: factor from ``total_iters`` on, in [0, 1], per model. Default 1.
+        total_iters: epochs of the ramp, int >= 1, per model. Default 5.
+        last_epoch: index of the last epoch; -1 starts the schedule.
+    """
+
+    _spec = {"start_factor": _spec_floats(0.0, 1.0, lo_open=True), "end_factor": _spec_floats(0.0, 1.0),
+             "total_iters": _spec_ints(1)}
+
+    def __init__(self, optimizer: Optimizer, start_factor: float | Sequence[float] | torch.Tensor = 1.0 / 3,
+                 end_factor: float | Sequence[float] | torch.Tensor = 1.0,
+                 total_iters: int | Sequence[int] | torch.Tensor = 5, last_epoch: int = -1) -> None:
+        self.B = _array_size(optimizer, "LinearLR")
+        self.start_factor = self._arg("start_factor", start_factor)
+        self.end_factor = self._arg("end_factor", end_factor)
+        self.total_iters = self._arg("total_iters", total_iters)
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[torch.Tensor]:
+        lrs = self._lrs()
+        e = self.last_epoch
+        if e == 0:
+            return [lr * self.start_factor for lr in lrs]
+        if self._is_initial:
+            return lrs
+        s, t = self.start_factor, self.end_factor
+        factor = 1.0 + (t - s) / (self.total_iters.to(_F64) * s + (e - 1) * (t - s))
+        ramping = self.total_iters >= e
+        return [torch.where(ramping, lr * factor, lr) for lr in lrs]
+
+    def _get_closed_form_lr(self) -> list[torch.Tensor]:
+        s, t, n = self.start_factor, self.end_factor, self.total_iters
+        done = torch.clamp(n, max=self.last_epoch).to(_F64)
+        return [base * (s + (t - s) * done / n.to(_F64)) for base in self.base_lrs]
+
+
 class ExponentialLR(LRScheduler):
     """Decay each model's learning rate by ``gamma`` (per model) every epoch."""
 
+    _spec = {"gamma": _spec_floats()}
+
     def __init__(self, optimizer: Optimizer, gamma: float | Sequence[float] | torch.Tensor,
                  last_epoch: int = -1) -> None:
-        B = _array_size(optimizer, "ExponentialLR")
-        self.gamma = _floats(gamma, B, "gamma")
+        self.B = _array_size(optimizer, "ExponentialLR")
+        self.gamma = self._arg("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[torch.Tensor]:
@@ -463,6 +941,43 @@ class ExponentialLR(LRScheduler):
 
     def _get_closed_form_lr(self) -> list[torch.Tensor]:
         return [base * self.gamma ** self.last_epoch for base in self.base_lrs]
+
+
+class PolynomialLR(LRScheduler):
+    """Decay each model's learning rate polynomially to 0 over its ``total_iters`` epochs.
+
+    Model b's learning rate at epoch e is ``base_lr * (1 - min(e, T) / T) ** power``
+    (reached by torch's chained update).
+
+    Args:
+        optimizer: array optimizer with ``[B]`` learning rates.
+        total_iters: T, epochs of the decay, int >= 1, per model. Default 5.
+        power: the polynomial's power, >= 0, per model. Default 1.
+        last_epoch: index of the last epoch; -1 starts the schedule.
+    """
+
+    _spec = {"total_iters": _spec_ints(1), "power": _spec_floats()}
+
+    def __init__(self, optimizer: Optimizer, total_iters: int | Sequence[int] | torch.Tensor = 5,
+                 power: float | Sequence[float] | torch.Tensor = 1.0, last_epoch: int = -1) -> None:
+        self.B = _array_size(optimizer, "PolynomialLR")
+        self.total_iters = self._arg("total_iters", total_iters)
+        self.power = self._arg("power", power)
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[torch.Tensor]:
+        lrs = self._lrs()
+        if self._is_initial:
+            return lrs
+        e, T = self.last_epoch, self.total_iters.to(_F64)
+        decay = ((1.0 - e / T) / (1.0 - (e - 1) / T)) ** self.power
+        decaying = self.total_iters >= e
+        return [torch.where(decaying, lr * decay, lr) for lr in lrs]
+
+    def _get_closed_form_lr(self) -> list[torch.Tensor]:
+        T = self.total_iters.to(_F64)
+        done = torch.clamp(self.total_iters, max=self.last_epoch).to(_F64)
+        return [base * (1.0 - done / T) ** self.power for base in self.base_lrs]
 
 
 class CosineAnnealingLR(LRScheduler):
@@ -478,11 +993,13 @@ class CosineAnnealingLR(LRScheduler):
         last_epoch: index of the last epoch; -1 starts the schedule.
     """
 
+    _spec = {"T_max": _spec_ints(1), "eta_min": _spec_floats()}
+
     def __init__(self, optimizer: Optimizer, T_max: int | Sequence[int] | torch.Tensor,
                  eta_min: float | Sequence[float] | torch.Tensor = 0.0, last_epoch: int = -1) -> None:
-        B = _array_size(optimizer, "CosineAnnealingLR")
-        self.T_max = _ints(T_max, B, "T_max", minimum=1)
-        self.eta_min = _floats(eta_min, B, "eta_min")
+        self.B = _array_size(optimizer, "CosineAnnealingLR")
+        self.T_max = self._arg("T_max", T_max)
+        self.eta_min = self._arg("eta_min", eta_min)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[torch.Tensor]:
@@ -507,44 +1024,78 @@ class CosineAnnealingLR(LRScheduler):
         return [self.eta_min + (base - self.eta_min) * (1 + cos) / 2 for base in self.base_lrs]
 
 
-class LinearLR(LRScheduler):
-    """Scale each model's learning rate by a factor moving linearly from ``start_factor`` to ``end_factor``.
+class CosineAnnealingWarmRestarts(LRScheduler):
+    """Cosine annealing with warm restarts (SGDR), per model.
+
+    Model b's learning rate is ``eta_min + (base_lr - eta_min) * (1 + cos(pi *
+    T_cur / T_i)) / 2``, where ``T_cur`` counts the epochs since its last
+    restart and ``T_i``, the length of its current period, starts at ``T_0``
+    and is multiplied by ``T_mult`` at each restart. ``T_cur`` and ``T_i`` are
+    ``[B]`` tensors (float64 and int64). As torch's, ``step(epoch)`` may be
+    given a (fractional) epoch, computed in closed form, and is not deprecated.
 
     Args:
         optimizer: array optimizer with ``[B]`` learning rates.
-        start_factor: factor at epoch 0, in (0, 1], per model. Default 1/3.
-        end_factor: factor from ``total_iters`` on, in [0, 1], per model. Default 1.
-        total_iters: epochs of the ramp, int >= 1, per model. Default 5.
+        T_0: epochs until the first restart, int >= 1, per model.
+        T_mult: factor by which the period grows at each restart, int >= 1, per model. Default 1.
+        eta_min: minimum learning rate, per model. Default 0.
         last_epoch: index of the last epoch; -1 starts the schedule.
     """
 
-    def __init__(self, optimizer: Optimizer, start_factor: float | Sequence[float] | torch.Tensor = 1.0 / 3,
-                 end_factor: float | Sequence[float] | torch.Tensor = 1.0,
-                 total_iters: int | Sequence[int] | torch.Tensor = 5, last_epoch: int = -1) -> None:
-        B = _array_size(optimizer, "LinearLR")
-        self.start_factor = _floats(start_factor, B, "start_factor")
-        _check_range(self.start_factor, "start_factor", 0.0, 1.0, lo_open=True)
-        self.end_factor = _floats(end_factor, B, "end_factor")
-        _check_range(self.end_factor, "end_factor", 0.0, 1.0)
-        self.total_iters = _ints(total_iters, B, "total_iters", minimum=1)
+    _spec = {"T_0": _spec_ints(1), "T_i": _spec_ints(1), "T_mult": _spec_ints(1), "eta_min": _spec_floats(),
+             "T_cur": _spec_any_floats}
+
+    def __init__(self, optimizer: Optimizer, T_0: int | Sequence[int] | torch.Tensor,
+                 T_mult: int | Sequence[int] | torch.Tensor = 1,
+                 eta_min: float | Sequence[float] | torch.Tensor = 0.0, last_epoch: int = -1) -> None:
+        self.B = _array_size(optimizer, "CosineAnnealingWarmRestarts")
+        self.T_0 = self._arg("T_0", T_0)
+        self.T_i = self.T_0.clone()
+        self.T_mult = self._arg("T_mult", T_mult)
+        self.eta_min = self._arg("eta_min", eta_min)
+        self.T_cur = torch.full((self.B,), float(_last_epoch(last_epoch)), dtype=_F64)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[torch.Tensor]:
-        lrs = self._lrs()
-        e = self.last_epoch
-        if e == 0:
-            return [lr * self.start_factor for lr in lrs]
-        if self._is_initial:
-            return lrs
-        s, t = self.start_factor, self.end_factor
-        factor = 1.0 + (t - s) / (self.total_iters.to(_F64) * s + (e - 1) * (t - s))
-        ramping = self.total_iters >= e
-        return [torch.where(ramping, lr * factor, lr) for lr in lrs]
+        cos = torch.cos(math.pi * self.T_cur / self.T_i.to(_F64))
+        return [self.eta_min + (base - self.eta_min) * (1 + cos) / 2 for base in self.base_lrs]
 
-    def _get_closed_form_lr(self) -> list[torch.Tensor]:
-        s, t, n = self.start_factor, self.end_factor, self.total_iters
-        done = torch.clamp(n, max=self.last_epoch).to(_F64)
-        return [base * (s + (t - s) * done / n.to(_F64)) for base in self.base_lrs]
+    def step(self, epoch: float | None = None) -> None:
+        """Advance every model by one epoch, or (``epoch`` given) jump to that epoch in closed form.
+
+        ``epoch`` may be fractional (e.g. ``epoch + i / iters`` within an epoch),
+        as in torch. A step that raises changes nothing.
+        """
+        with _kept_on_error(self):
+            if epoch is None and self.last_epoch < 0:
+                epoch = 0
+            if epoch is None:
+                epoch = self.last_epoch + 1
+                T_cur = self.T_cur + 1
+                restart = T_cur >= self.T_i
+                self.T_cur = torch.where(restart, torch.remainder(T_cur, self.T_i.to(_F64)), T_cur)
+                self.T_i = torch.where(restart, self.T_i * self.T_mult, self.T_i)
+            else:
+                if not isinstance(epoch, numbers.Real) or isinstance(epoch, bool) or epoch < 0:
+                    raise ValueError(f"Expected non-negative epoch, but got {epoch!r}")
+                T_cur, T_i = [], []
+                for T_0, T_mult in zip(self.T_0.tolist(), self.T_mult.tolist()):
+                    # torch's closed form with Python numbers, for each model's own T_0 and T_mult.
+                    if epoch >= T_0:
+                        if T_mult == 1:
+                            T_cur.append(epoch % T_0)
+                            T_i.append(T_0)
+                        else:
+                            n = int(math.log((epoch / T_0 * (T_mult - 1) + 1), T_mult))
+                            T_cur.append(epoch - T_0 * (T_mult ** n - 1) / (T_mult - 1))
+                            T_i.append(T_0 * T_mult ** n)
+                    else:
+                        T_cur.append(epoch)
+                        T_i.append(T_0)
+                self.T_cur = torch.tensor([float(t) for t in T_cur], dtype=_F64)
+                self.T_i = torch.tensor(T_i, dtype=torch.int64)
+            self.last_epoch = math.floor(epoch)
+            self._write(self.get_lr())
 
 
 class LambdaLR(LRScheduler):
@@ -553,96 +1104,122 @@ class LambdaLR(LRScheduler):
     ``lr_lambda`` is one of:
 
     - a callable shared by all models and groups; it returns a number, or one
-      factor per model (a length-B sequence or ``[B]`` tensor);
+      factor per model (a length-B sequence, ``[B]`` tensor or numpy array);
     - a list of B callables, one per model (every group);
     - one entry per param group, each a callable or a list of B callables
       (recognized by a list inside the list, e.g. ``[[f0, f1, f2], g]``).
 
+    A factor that is negative or NaN raises a ValueError naming the models,
+    before anything changes (the optimizers reject such learning rates).
     As in torch, ``state_dict`` saves the ``__dict__`` of callable objects but
     not plain functions or lambdas.
     """
 
+    _spec = {"lr_lambdas": _spec_callables("lr_lambdas")}
+
     def __init__(self, optimizer: Optimizer, lr_lambda: Callable | Sequence, last_epoch: int = -1) -> None:
-        B = _array_size(optimizer, "LambdaLR")
-        self.lr_lambdas = _lambdas(lr_lambda, len(optimizer.param_groups), B)
+        self.B = _array_size(optimizer, "LambdaLR")
+        self.lr_lambdas = _lambdas(lr_lambda, len(optimizer.param_groups), self.B)
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[torch.Tensor]:
         return [
-            base * _lambda_factors(fns, self.last_epoch, self.B)
-            for fns, base in zip(self.lr_lambdas, self.base_lrs, strict=True)
+            base * _lambda_factors(fns, self.last_epoch, self.B, "LambdaLR", g)
+            for g, (fns, base) in enumerate(zip(self.lr_lambdas, self.base_lrs, strict=True))
         ]
 
     def state_dict(self) -> dict[str, Any]:
+        """Every attribute but the optimizer; of the callables, torch's choice: the ``__dict__``
+        of callable objects, None for plain functions and lambdas."""
         state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
-
-        def saved(fn: Callable) -> dict | None:
-            return None if isinstance(fn, types.FunctionType) else fn.__dict__.copy()
-
-        state["lr_lambdas"] = [
-            [saved(f) for f in fns] if isinstance(fns, list) else saved(fns) for fns in self.lr_lambdas
-        ]
+        state["lr_lambdas"] = _saved_callables(self.lr_lambdas)
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _check_state_B(self, state_dict)
-        lr_lambdas = state_dict.pop("lr_lambdas")
-        try:
-            self.__dict__.update(state_dict)
-        finally:
-            state_dict["lr_lambdas"] = lr_lambdas
-        for fns, saved in zip(self.lr_lambdas, lr_lambdas, strict=True):
-            if isinstance(fns, list):
-                for fn, s in zip(fns, saved, strict=True):
-                    if s is not None:
-                        fn.__dict__.update(s)
-            elif saved is not None:
-                fns.__dict__.update(saved)
+    def _apply_state(self, new: dict[str, Any]) -> None:
+        saved = new.pop("lr_lambdas")
+        self.__dict__.update(new)
+        _restore_callables(self.lr_lambdas, saved)
 
 
-def _lambdas(lr_lambda: object, n_groups: int, B: int) -> list[Callable | list[Callable]]:
-    def per_model(value: object, name: str) -> Callable | list[Callable]:
+def _lambdas(lr_lambda: object, n_groups: int, B: int, name: str = "lr_lambda") -> list[Callable | list[Callable]]:
+    def per_model(value: object, where: str) -> Callable | list[Callable]:
         if callable(value):
             return value
         if isinstance(value, (list, tuple)):
             if len(value) != B:
-                raise ValueError(f"{name}: expected one callable per model (B={B}), got {len(value)}")
+                raise ValueError(f"{where}: expected one callable per model (B={B}), got {len(value)}")
             for f in value:
                 if not callable(f):
-                    raise TypeError(f"{name}: expected callables, got {type(f).__name__}")
+                    raise TypeError(f"{where}: expected callables, got {type(f).__name__}")
             return list(value)
         raise TypeError(
-            f"{name}: expected a callable or a list of B={B} callables, got {type(value).__name__}"
+            f"{where}: expected a callable or a list of B={B} callables, got {type(value).__name__}"
         )
 
     if callable(lr_lambda):
         return [lr_lambda] * n_groups
     if not isinstance(lr_lambda, (list, tuple)):
-        raise TypeError(f"lr_lambda: expected a callable or a list, got {type(lr_lambda).__name__}")
+        raise TypeError(f"{name}: expected a callable or a list, got {type(lr_lambda).__name__}")
     if any(isinstance(f, (list, tuple)) for f in lr_lambda):
         if len(lr_lambda) != n_groups:
             raise ValueError(
-                f"lr_lambda: expected one entry per param group ({n_groups}), got {len(lr_lambda)}"
+                f"{name}: expected one entry per param group ({n_groups}), got {len(lr_lambda)}"
             )
-        return [per_model(f, f"lr_lambda[{i}]") for i, f in enumerate(lr_lambda)]
-    fns = per_model(list(lr_lambda), "lr_lambda")
+        return [per_model(f, f"{name}[{i}]") for i, f in enumerate(lr_lambda)]
+    fns = per_model(list(lr_lambda), name)
     return [fns] * n_groups
 
 
-def _lambda_factors(fns: Callable | list[Callable], epoch: int, B: int) -> torch.Tensor:
+def _lambda_factors(fns: Callable | list[Callable], epoch: int, B: int, who: str, group: int) -> torch.Tensor:
     if isinstance(fns, list):
-        return torch.tensor([float(f(epoch)) for f in fns], dtype=_F64)
-    out = fns(epoch)
-    if isinstance(out, torch.Tensor):
-        t = out.detach().to(device="cpu", dtype=_F64)
-        t = t.expand(B) if t.dim() == 0 else t
-    elif isinstance(out, numbers.Real):
-        return torch.full((B,), float(out), dtype=_F64)
+        t = torch.cat([_factors(f(epoch), 1, f"{who}: lr_lambda of model {b}", number=True)
+                       for b, f in enumerate(fns)])
     else:
-        t = torch.tensor([float(v) for v in out], dtype=_F64)
-    if t.shape != (B,):
-        raise ValueError(f"lr_lambda: expected a number or B={B} factors, got shape {list(t.shape)}")
-    return t
+        t = _factors(fns(epoch), B, f"{who}: lr_lambda")
+    return _check_factors(t, who, epoch, group)
+
+
+class MultiplicativeLR(LRScheduler):
+    """Multiply each model's learning rate by ``lr_lambda(epoch)`` every epoch (after the first).
+
+    ``lr_lambda`` takes the forms :class:`LambdaLR` takes (shared, one per
+    model, or one entry per param group). A negative or NaN factor raises a
+    ValueError naming the models, before anything changes.
+    """
+
+    _spec = {"lr_lambdas": _spec_callables("lr_lambdas")}
+
+    def __init__(self, optimizer: Optimizer, lr_lambda: Callable | Sequence, last_epoch: int = -1) -> None:
+        self.B = _array_size(optimizer, "MultiplicativeLR")
+        self.lr_lambdas = _lambdas(lr_lambda, len(optimizer.param_groups), self.B)
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[torch.Tensor]:
+        lrs = self._lrs()
+        if self._is_initial:
+            return lrs
+        return [
+            lr * _lambda_factors(fns, self.last_epoch, self.B, "MultiplicativeLR", g)
+            for g, (fns, lr) in enumerate(zip(self.lr_lambdas, lrs, strict=True))
+        ]
+
+    state_dict = LambdaLR.state_dict
+    _apply_state = LambdaLR._apply_state
+
+
+def _check_cycled_momentum(optimizer: Optimizer, who: str, use_beta1: bool, max_ms: list[torch.Tensor],
+                           base_ms: list[torch.Tensor]) -> None:
+    """Momentum set to 0 for every model of a group switches an array optimizer's momentum
+    off for that group, and values written in place later cannot switch it back on."""
+    if use_beta1 or not isinstance(optimizer, ArrayOptimizer):
+        return
+    for g, (m, b) in enumerate(zip(max_ms, base_ms)):
+        if not (m != 0).any() and (b != 0).any():
+            raise ValueError(
+                f"{who}: max_momentum is 0 for every model of param group {g} while base_momentum is "
+                f"not ({b.tolist()}); the optimizer starts from max_momentum and would keep momentum off "
+                f"for the group. Give some model a non-zero max_momentum"
+            )
 
 
 class OneCycleLR(LRScheduler):
@@ -657,6 +1234,11 @@ class OneCycleLR(LRScheduler):
     place like the learning rate (a second small copy per group and step); the
     constructor sets it anew, so the optimizer re-validates it at its next step.
     """
+
+    _spec = {"total_steps": _spec_ints(1), "_schedule_phases": _spec_phases,
+             "_anneal_func_type": _spec_choice("cos", "linear"), "cycle_momentum": _spec_bool,
+             "use_beta1": _spec_bool}
+    _optional = _Loadable._optional | {"use_beta1"}
 
     def __init__(
         self,
@@ -675,10 +1257,11 @@ class OneCycleLR(LRScheduler):
         three_phase: bool = False,
         last_epoch: int = -1,
     ) -> None:
-        B = _array_size(optimizer, "OneCycleLR")
+        B = self.B = _array_size(optimizer, "OneCycleLR")
         self.optimizer = optimizer
+        last_epoch = _last_epoch(last_epoch)
         if total_steps is not None:
-            self.total_steps = _ints(total_steps, B, "total_steps", minimum=1)
+            self.total_steps = self._arg("total_steps", total_steps)
         elif epochs is not None and steps_per_epoch is not None:
             epochs = _ints(epochs, B, "epochs", minimum=1)
             self.total_steps = epochs * _ints(steps_per_epoch, B, "steps_per_epoch", minimum=1)
@@ -715,12 +1298,6 @@ class OneCycleLR(LRScheduler):
         _check_range(div, "div_factor", 0.0, math.inf, lo_open=True)
         final_div = _floats(final_div_factor, B, "final_div_factor")
         _check_range(final_div, "final_div_factor", 0.0, math.inf, lo_open=True)
-        if last_epoch == -1:
-            for group, m in zip(groups, max_lrs):
-                group["initial_lr"] = m / div
-                group["max_lr"] = m
-                group["min_lr"] = group["initial_lr"] / final_div
-
         if not isinstance(cycle_momentum, bool):
             raise TypeError(f"cycle_momentum must be a bool, got {type(cycle_momentum).__name__}")
         self.cycle_momentum = cycle_momentum
@@ -732,17 +1309,24 @@ class OneCycleLR(LRScheduler):
             self.use_beta1 = "betas" in optimizer.defaults
             max_ms = _per_group(max_momentum, len(groups), B, "max_momentum")
             base_ms = _per_group(base_momentum, len(groups), B, "base_momentum")
+            _check_cycled_momentum(optimizer, "OneCycleLR", self.use_beta1, max_ms, base_ms)
+        with _kept_on_error(optimizer=optimizer):
             if last_epoch == -1:
-                for group, m, b in zip(groups, max_ms, base_ms):
-                    # A new object (not an in-place write): the optimizer re-validates it,
-                    # which matters when it had every model's momentum at zero.
-                    if self.use_beta1:
-                        group["betas"] = (m.clone(), *group["betas"][1:])
-                    else:
-                        group["momentum"] = m.clone()
-                    group["max_momentum"] = m
-                    group["base_momentum"] = b
-        super().__init__(optimizer, last_epoch)
+                for group, m in zip(groups, max_lrs):
+                    group["initial_lr"] = m / div
+                    group["max_lr"] = m
+                    group["min_lr"] = group["initial_lr"] / final_div
+                if cycle_momentum:
+                    for group, m, b in zip(groups, max_ms, base_ms):
+                        # A new object (not an in-place write): the optimizer re-validates it,
+                        # which matters when it had every model's momentum at zero.
+                        if self.use_beta1:
+                            group["betas"] = (m.clone(), *group["betas"][1:])
+                        else:
+                            group["momentum"] = m.clone()
+                        group["max_momentum"] = m
+                        group["base_momentum"] = b
+            super().__init__(optimizer, last_epoch)
 
     def _anneal(self, start: torch.Tensor, end: torch.Tensor, pct: torch.Tensor) -> torch.Tensor:
         if self._anneal_func_type == "cos":
@@ -778,7 +1362,7 @@ class OneCycleLR(LRScheduler):
             chosen |= sel
             start = end
 
-        lrs = []
+        lrs, momenta = [], []
         for g, group in enumerate(self.optimizer.param_groups):
             def value(key: str) -> torch.Tensor:
                 return _read(group[key], B, f"param_groups[{g}]['{key}']")
@@ -793,12 +1377,206 @@ class OneCycleLR(LRScheduler):
                     m = self._anneal(value(phase["start_momentum"]), value(phase["end_momentum"]), pct)
                     momentum = torch.where(sel, m, momentum)
             lrs.append(lr)
-            if self.cycle_momentum:
-                if self.use_beta1:
-                    _set_beta1(group, momentum, B)
-                else:
-                    _set_value(group, "momentum", momentum, B)
+            momenta.append(momentum)
+        if self.cycle_momentum:
+            for group, momentum in zip(self.optimizer.param_groups, momenta):
+                _set_momentum(group, momentum, B, self.use_beta1)
         return lrs
+
+    def _check_loaded(self, new: dict[str, Any]) -> None:
+        if new["cycle_momentum"] and "use_beta1" not in new:
+            raise ValueError("the state cycles momentum but has no 'use_beta1' entry")
+
+
+class CyclicLR(LRScheduler):
+    """Cyclical learning rates (CLR) per model: each model's learning rate cycles between
+    ``base_lr`` and ``max_lr`` with its own period and amplitude policy.
+
+    Model b follows ``torch.optim.lr_scheduler.CyclicLR`` with its own
+    arguments; ``step()`` is called after every batch.
+
+    Args:
+        optimizer: array optimizer with ``[B]`` learning rates.
+        base_lr: lower boundary, per model, or per param group as a list of
+            per-model values; it replaces the optimizer's learning rate.
+        max_lr: upper boundary, per model or per param group.
+        step_size_up: iterations of the increasing half of a cycle, > 0, per model. Default 2000.
+        step_size_down: iterations of the decreasing half, >= 0, per model; None: ``step_size_up``.
+        mode: ``'triangular'``, ``'triangular2'`` or ``'exp_range'`` (all models); ignored
+            with ``scale_fn``.
+        gamma: ``exp_range``'s base, per model. Default 1.
+        scale_fn: custom amplitude policy: a callable shared by all models (returning a
+            number, or one value per model) or a list of B callables, one per model.
+            It is called with each model's cycle number or iteration (``scale_mode``).
+        scale_mode: ``'cycle'`` or ``'iterations'`` (all models), for ``scale_fn``.
+        cycle_momentum: cycle the optimizer's ``momentum`` (SGD, RMSprop) or ``betas[0]``
+            (Adam, AdamW) inversely to the learning rate, between ``max_momentum`` and
+            ``base_momentum``, written in place each step; an optimizer without either
+            (Adagrad, Adadelta) raises a ValueError, as torch does. Default True.
+        base_momentum: lower momentum boundary, per model or per param group. Default 0.8.
+        max_momentum: upper momentum boundary, per model or per param group. Default 0.9.
+        last_epoch: index of the last batch; -1 starts the schedule.
+    """
+
+    _spec = {"max_lrs": _spec_group_floats, "total_size": _spec_floats(0.0, math.inf, lo_open=True),
+             "step_ratio": _spec_floats(0.0, 1.0, lo_open=True), "mode": _spec_str, "gamma": _spec_floats(),
+             "_scale_fn_custom": _spec_callables("_scale_fn_custom"),
+             "scale_mode": _spec_choice("cycle", "iterations"), "cycle_momentum": _spec_bool,
+             "use_beta1": _spec_bool, "base_momentums": _spec_group_floats, "max_momentums": _spec_group_floats}
+    _optional = _Loadable._optional | {"use_beta1", "base_momentums", "max_momentums"}
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        base_lr: float | Sequence | torch.Tensor,
+        max_lr: float | Sequence | torch.Tensor,
+        step_size_up: float | Sequence[float] | torch.Tensor = 2000,
+        step_size_down: float | Sequence[float] | torch.Tensor | None = None,
+        mode: str = "triangular",
+        gamma: float | Sequence[float] | torch.Tensor = 1.0,
+        scale_fn: Callable | Sequence[Callable] | None = None,
+        scale_mode: str = "cycle",
+        cycle_momentum: bool = True,
+        base_momentum: float | Sequence | torch.Tensor = 0.8,
+        max_momentum: float | Sequence | torch.Tensor = 0.9,
+        last_epoch: int = -1,
+    ) -> None:
+        B = self.B = _array_size(optimizer, "CyclicLR")
+        self.optimizer = optimizer
+        last_epoch = _last_epoch(last_epoch)
+        groups = optimizer.param_groups
+        base_lrs = _per_group(base_lr, len(groups), B, "base_lr")
+        self.max_lrs = _per_group(max_lr, len(groups), B, "max_lr")
+        up = _floats(step_size_up, B, "step_size_up")
+        _check_range(up, "step_size_up", 0.0, math.inf, lo_open=True)
+        down = up.clone() if step_size_down is None else _floats(step_size_down, B, "step_size_down")
+        self.total_size = up + down
+        self.step_ratio = up / self.total_size
+        self._scale_fn_custom = None if scale_fn is None else _lambdas(scale_fn, 1, B, "scale_fn")[0]
+        self.mode = self._arg("mode", mode)
+        self._check_mode(self.mode)
+        self.gamma = self._arg("gamma", gamma)
+        self.scale_mode = self._arg("scale_mode", scale_mode)
+        self._init_scale_fn()
+        self.cycle_momentum = self._arg("cycle_momentum", cycle_momentum)
+        if cycle_momentum:
+            if "momentum" not in optimizer.defaults and "betas" not in optimizer.defaults:
+                raise ValueError(
+                    f"CyclicLR: cycle_momentum needs an optimizer with momentum or betas; "
+                    f"{type(optimizer).__name__} has neither (pass cycle_momentum=False)"
+                )
+            self.use_beta1 = "betas" in optimizer.defaults
+            self.base_momentums = _per_group(base_momentum, len(groups), B, "base_momentum")
+            self.max_momentums = _per_group(max_momentum, len(groups), B, "max_momentum")
+            _check_cycled_momentum(optimizer, "CyclicLR", self.use_beta1, self.max_momentums,
+                                   self.base_momentums)
+        with _kept_on_error(optimizer=optimizer):
+            if last_epoch == -1:
+                for group, lr in zip(groups, base_lrs):
+                    _set_lr(optimizer, group, lr, B)
+                if cycle_momentum:
+                    for group, m, b in zip(groups, self.max_momentums, self.base_momentums):
+                        # A new object: the optimizer re-validates it at its next step.
+                        if self.use_beta1:
+                            group["betas"] = (m.clone(), *group["betas"][1:])
+                        else:
+                            group["momentum"] = m.clone()
+                        group["max_momentum"] = m
+                        group["base_momentum"] = b
+            super().__init__(optimizer, last_epoch)
+        self.base_lrs = base_lrs
+
+    _MODES = ("triangular", "triangular2", "exp_range")
+
+    def _check_mode(self, mode: str) -> None:
+        if self._scale_fn_custom is None and mode not in self._MODES:
+            raise ValueError(f"mode must be one of {list(self._MODES)} (or scale_fn given), got {mode!r}")
+
+    def _check_loaded(self, new: dict[str, Any]) -> None:
+        self._check_mode(new["mode"])
+        missing = [k for k in ("use_beta1", "base_momentums", "max_momentums") if k not in new]
+        if new["cycle_momentum"] and missing:
+            raise ValueError(f"the state cycles momentum but has no {missing} entries")
+
+    def _init_scale_fn(self) -> None:
+        if self._scale_fn_custom is None:
+            self.scale_mode = "iterations" if self.mode == "exp_range" else "cycle"
+
+    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        """The amplitude scale of each model at its cycle number or iteration ``x`` (``[B]`` float64)."""
+        fn = self._scale_fn_custom
+        if fn is None:
+            if self.mode == "triangular":
+                return torch.ones_like(x)
+            if self.mode == "triangular2":
+                return 1 / (2.0 ** (x - 1))
+            return self.gamma ** x
+        if isinstance(fn, list):
+            out = [_factors(f(_number(x[b])), 1, f"CyclicLR: scale_fn of model {b}", number=True)
+                   for b, f in enumerate(fn)]
+            return torch.cat(out)
+        # A shared function, called once per distinct argument (the models' arguments may differ).
+        out = torch.empty_like(x)
+        for v in torch.unique(x).tolist():
+            at = x == v
+            out[at] = _factors(fn(_number(v)), self.B, "CyclicLR: scale_fn")[at]
+        return out
+
+    def get_lr(self) -> list[torch.Tensor]:
+        """The learning rates at ``last_epoch``; also sets the cycled momentum, as torch does."""
+        e = self.last_epoch
+        cycle = torch.floor(1 + e / self.total_size)
+        x = 1.0 + e / self.total_size - cycle
+        scale_factor = torch.where(x <= self.step_ratio, x / self.step_ratio, (x - 1) / (self.step_ratio - 1))
+        scale = self._scale(cycle if self.scale_mode == "cycle" else torch.full_like(cycle, e))
+        lrs = [base + (top - base) * scale_factor * scale for base, top in zip(self.base_lrs, self.max_lrs)]
+        if self.cycle_momentum:
+            momenta = [top - (top - base) * scale_factor * scale
+                       for base, top in zip(self.base_momentums, self.max_momentums)]
+            for group, momentum in zip(self.optimizer.param_groups, momenta):
+                _set_momentum(group, momentum, self.B, self.use_beta1)
+        return lrs
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every attribute but the optimizer; of a custom ``scale_fn``, what LambdaLR saves of its callables."""
+        state = super().state_dict()
+        state["_scale_fn_custom"] = _saved_callables(self._scale_fn_custom)
+        return state
+
+    def _apply_state(self, new: dict[str, Any]) -> None:
+        saved = new.pop("_scale_fn_custom")
+        self.__dict__.update(new)
+        _restore_callables(self._scale_fn_custom, saved)
+        self._init_scale_fn()
+
+
+def _number(v: object) -> int | float:
+    """A host value as the Python number torch's schedulers pass to user functions."""
+    v = float(v)
+    return int(v) if v.is_integer() else v
+
+
+def _check_children(who: str, optimizer: Optimizer, schedulers: object) -> list[LRScheduler]:
+    if not isinstance(schedulers, Iterable):
+        raise TypeError(f"{who} expects a list of hfkern schedulers, got {type(schedulers).__name__}")
+    schedulers = list(schedulers)
+    if len(schedulers) < 1:
+        raise ValueError(f"{who} expects at least one scheduler, got none")
+    for i, s in enumerate(schedulers):
+        if isinstance(s, _torch.ReduceLROnPlateau):
+            raise ValueError(
+                f"{who} does not support ReduceLROnPlateau (its step needs metrics); got one at index {i}"
+            )
+        if not isinstance(s, LRScheduler):
+            raise TypeError(
+                f"{who} expects hfkern.optim.lr_scheduler schedulers, got {type(s).__name__} at index {i}"
+            )
+        if s.optimizer is not optimizer:
+            raise ValueError(
+                f"{who} expects every scheduler to drive its optimizer; the one at index {i} "
+                f"({type(s).__name__}) drives another"
+            )
+    return schedulers
 
 
 class SequentialLR(LRScheduler):
@@ -813,31 +1591,19 @@ class SequentialLR(LRScheduler):
         last_epoch: index of the last epoch; -1 starts the schedule.
     """
 
+    _spec = {"B": _spec_same_B, "_schedulers": _spec_children, "_milestones": _spec_milestone_list,
+             "last_epoch": _spec_int(0), "_last_lr": _spec_group_floats}
+    _spec_replaces = True
+    _optional = frozenset()
+
     def __init__(self, optimizer: Optimizer, schedulers: Sequence[LRScheduler], milestones: Sequence[int],
                  last_epoch: int = -1) -> None:
         self.B = _array_size(optimizer, "SequentialLR")
-        schedulers = list(schedulers)
-        if len(schedulers) < 1:
-            raise ValueError("SequentialLR expects at least one scheduler, got none")
-        for i, s in enumerate(schedulers):
-            if isinstance(s, _torch.ReduceLROnPlateau):
-                raise ValueError(
-                    "SequentialLR does not support ReduceLROnPlateau (its step needs metrics); "
-                    f"got one at index {i}"
-                )
-            if not isinstance(s, LRScheduler):
-                raise TypeError(
-                    "SequentialLR expects hfkern.optim.lr_scheduler schedulers, "
-                    f"got {type(s).__name__} at index {i}"
-                )
-            if s.optimizer is not optimizer:
-                raise ValueError(
-                    f"SequentialLR expects every scheduler to drive its optimizer; the one at index {i} "
-                    f"({type(s).__name__}) drives another"
-                )
+        last_epoch = _last_epoch(last_epoch)
+        schedulers = _check_children("SequentialLR", optimizer, schedulers)
         milestones = list(milestones)
         for m in milestones:
-            if isinstance(m, bool) or not isinstance(m, int):
+            if not _is_int(m):
                 raise TypeError(
                     f"SequentialLR: milestones must be ints (shared by all models), got {milestones!r}"
                 )
@@ -847,18 +1613,20 @@ class SequentialLR(LRScheduler):
                 f"{len(schedulers)} schedulers and {len(milestones)} milestones"
             )
         self._schedulers = schedulers
-        self._milestones = milestones
+        self._milestones = [int(m) for m in milestones]
         self.last_epoch = last_epoch + 1
         self.optimizer = optimizer
 
-        for i, group in enumerate(optimizer.param_groups):
-            initial = _read(group["initial_lr"], self.B, f"param_groups[{i}]['initial_lr']")
-            _set_lr(optimizer, group, initial, self.B)
-        # Each scheduler took its initial step when it was built; only the first to run keeps one.
-        self.recursive_undo()
-        idx = bisect_right(self._milestones, 0)
-        self._schedulers[idx]._initial_step()
-        self._last_lr = self._schedulers[idx].get_last_lr()
+        nested = [s for c in schedulers for s in _nested(c)]
+        with _kept_on_error(*nested, optimizer=optimizer):
+            for i, group in enumerate(optimizer.param_groups):
+                initial = _read(group["initial_lr"], self.B, f"param_groups[{i}]['initial_lr']")
+                _set_lr(optimizer, group, initial, self.B)
+            # Each scheduler took its initial step when it was built; only the first to run keeps one.
+            self.recursive_undo()
+            idx = bisect_right(self._milestones, 0)
+            self._schedulers[idx]._initial_step()
+            self._last_lr = self._schedulers[idx].get_last_lr()
 
     def recursive_undo(self, sched: LRScheduler | None = None) -> None:
         """Undo the initial step the schedulers (and nested ones) took when built."""
@@ -870,38 +1638,81 @@ class SequentialLR(LRScheduler):
             scheds.last_epoch -= 1
 
     def step(self) -> None:  # type: ignore[override]
-        """Step the scheduler in charge at the next epoch; at a milestone, restart the next one."""
-        self.last_epoch += 1
-        idx = bisect_right(self._milestones, self.last_epoch)
-        scheduler = self._schedulers[idx]
-        if idx > 0 and self._milestones[idx - 1] == self.last_epoch:
-            scheduler._update_lr(0)
-        else:
-            scheduler.step()
-        self._last_lr = scheduler.get_last_lr()
+        """Step the scheduler in charge at the next epoch; at a milestone, restart the next one.
+
+        A step that raises changes nothing.
+        """
+        with _kept_on_error(self):
+            self.last_epoch += 1
+            idx = bisect_right(self._milestones, self.last_epoch)
+            scheduler = self._schedulers[idx]
+            if idx > 0 and self._milestones[idx - 1] == self.last_epoch:
+                scheduler._update_lr(0)
+            else:
+                scheduler.step()
+            self._last_lr = scheduler.get_last_lr()
 
     def state_dict(self) -> dict[str, Any]:
+        """Every attribute but the optimizer, with each scheduler's own state under ``_schedulers``."""
         state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_schedulers")}
         state["_schedulers"] = [s.state_dict() for s in self._schedulers]
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _check_state_B(self, state_dict)
-        schedulers = state_dict.pop("_schedulers")
-        try:
-            self.__dict__.update(state_dict)
-        finally:
-            state_dict["_schedulers"] = schedulers
-        for s, saved in zip(self._schedulers, schedulers, strict=True):
-            s.load_state_dict(saved)
+    def _apply_state(self, new: dict[str, Any]) -> None:
+        loads = new.pop("_schedulers")
+        self.__dict__.update(new)
+        for load in loads:
+            load()
 
 
-class ReduceLROnPlateau(_torch.ReduceLROnPlateau):
+class ChainedScheduler(LRScheduler):
+    """Step several hfkern schedulers of one optimizer together: each ``step()`` steps them all, in order.
+
+    Their updates compose as in torch (each chained scheduler scales the
+    learning rate the previous one left). A step that raises in any of them
+    changes nothing: the schedulers and the optimizer's learning rates (and
+    cycled momentum) are restored.
+
+    Args:
+        schedulers: hfkern schedulers (not :class:`ReduceLROnPlateau`), all of one optimizer.
+        optimizer: that optimizer; default: the first scheduler's.
+    """
+
+    _spec = {"B": _spec_same_B, "_schedulers": _spec_children, "_last_lr": _spec_group_floats}
+    _spec_replaces = True
+    _optional = frozenset()
+
+    def __init__(self, schedulers: Sequence[LRScheduler], optimizer: Optimizer | None = None) -> None:
+        if not isinstance(schedulers, Iterable):
+            raise TypeError(f"ChainedScheduler expects a list of hfkern schedulers, got {type(schedulers).__name__}")
+        schedulers = list(schedulers)
+        if not schedulers:
+            raise ValueError("ChainedScheduler expects at least one scheduler, got none")
+        if optimizer is None:
+            optimizer = getattr(schedulers[0], "optimizer", None)
+        self.B = _array_size(optimizer, "ChainedScheduler")
+        self._schedulers = _check_children("ChainedScheduler", optimizer, schedulers)
+        self.optimizer = optimizer
+        self._last_lr = [v.clone() for v in self._lrs()]
+
+    def step(self) -> None:  # type: ignore[override]
+        """Step every chained scheduler once, in order."""
+        nested = [s for c in self._schedulers for s in _nested(c)]
+        with _kept_on_error(self, *nested, optimizer=self.optimizer):
+            for scheduler in self._schedulers:
+                scheduler.step()
+            self._last_lr = [v.clone() for v in self._lrs()]
+
+    state_dict = SequentialLR.state_dict
+    _apply_state = SequentialLR._apply_state
+
+
+class ReduceLROnPlateau(_Loadable, _torch.ReduceLROnPlateau):
     """Reduce each model's learning rate when its own metric stops improving.
 
-    ``step(metrics)`` takes one metric per model (a length-B sequence or a
-    ``[B]`` tensor, read to the host). Every model keeps its own best value,
-    bad-epoch count and cooldown, with torch's rules.
+    ``step(metrics)`` takes one metric per model (a length-B sequence, a
+    ``[B]`` tensor or a numpy array, read to the host). Every model keeps its
+    own best value, bad-epoch count and cooldown, with torch's rules.
 
     Args:
         optimizer: array optimizer with ``[B]`` learning rates.
@@ -916,6 +1727,15 @@ class ReduceLROnPlateau(_torch.ReduceLROnPlateau):
         eps: reductions smaller than this are skipped, per model. Default 1e-8.
     """
 
+    _spec = {"B": _spec_same_B, "factor": _spec_floats(0.0, 1.0, hi_open=True), "min_lrs": _spec_group_floats,
+             "default_min_lr": _spec_optional_floats, "patience": _spec_ints(0), "cooldown": _spec_ints(0),
+             "eps": _spec_floats(), "last_epoch": _spec_int(0), "_last_lr": _spec_group_floats,
+             "mode_worse": _spec_mode_worse, "mode": _spec_choice("min", "max"), "threshold": _spec_floats(),
+             "threshold_mode": _spec_choice("rel", "abs"), "best": _spec_any_floats,
+             "cooldown_counter": _spec_ints(0), "num_bad_epochs": _spec_ints(0)}
+    _spec_replaces = True
+    _optional = frozenset()
+
     def __init__(
         self,
         optimizer: Optimizer,
@@ -929,15 +1749,14 @@ class ReduceLROnPlateau(_torch.ReduceLROnPlateau):
         eps: float | Sequence[float] | torch.Tensor = 1e-8,
     ) -> None:
         B = self.B = _array_size(optimizer, "ReduceLROnPlateau")
-        self.factor = _floats(factor, B, "factor")
-        _check_range(self.factor, "factor", 0.0, 1.0, hi_open=True)
         self.optimizer = optimizer
+        self.factor = self._arg("factor", factor)
         groups = optimizer.param_groups
         self.min_lrs = _per_group(min_lr, len(groups), B, "min_lr")
         self.default_min_lr = None if _is_nested(min_lr) else self.min_lrs[0].clone()
-        self.patience = _ints(patience, B, "patience", minimum=0)
-        self.cooldown = _ints(cooldown, B, "cooldown", minimum=0)
-        self.eps = _floats(eps, B, "eps")
+        self.patience = self._arg("patience", patience)
+        self.cooldown = self._arg("cooldown", cooldown)
+        self.eps = self._arg("eps", eps)
         self.last_epoch = 0
         self._last_lr = [_current_lr(optimizer, g, B).clone() for g in groups]
         self._init_is_better(mode=mode, threshold=threshold, threshold_mode=threshold_mode)
@@ -951,6 +1770,11 @@ class ReduceLROnPlateau(_torch.ReduceLROnPlateau):
 
     def _metrics(self, metrics: object) -> torch.Tensor:
         B = self.B
+        np = _numpy()
+        if np is not None and isinstance(metrics, np.ndarray):
+            if metrics.dtype.kind not in "iuf":
+                raise TypeError(f"ReduceLROnPlateau.step: expected real metrics, got a {metrics.dtype} numpy array")
+            metrics = torch.from_numpy(metrics.astype(np.float64))
         if isinstance(metrics, torch.Tensor):
             t = metrics.detach().to(device="cpu", dtype=_F64)
             if t.dim() > 1 or t.numel() != B:
@@ -973,8 +1797,8 @@ class ReduceLROnPlateau(_torch.ReduceLROnPlateau):
                 )
             return torch.tensor([float(m) for m in metrics], dtype=_F64)
         raise TypeError(
-            f"ReduceLROnPlateau.step: expected metrics as a [B] tensor or a length-B sequence, "
-            f"got {type(metrics).__name__}"
+            f"ReduceLROnPlateau.step: expected metrics as a [B] tensor, a numpy array or a length-B "
+            f"sequence, got {type(metrics).__name__}"
         )
 
     def step(  # type: ignore[override]
@@ -986,23 +1810,24 @@ class ReduceLROnPlateau(_torch.ReduceLROnPlateau):
             epoch = self.last_epoch + 1
         else:
             warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
-        self.last_epoch = epoch
+        with _kept_on_error(self):
+            self.last_epoch = epoch
 
-        better = self._is_better(current, self.best)
-        self.best = torch.where(better, current, self.best)
-        self.num_bad_epochs = torch.where(better, 0, self.num_bad_epochs + 1)
+            better = self._is_better(current, self.best)
+            self.best = torch.where(better, current, self.best)
+            self.num_bad_epochs = torch.where(better, 0, self.num_bad_epochs + 1)
 
-        cooling = self.in_cooldown
-        self.cooldown_counter = torch.where(cooling, self.cooldown_counter - 1, self.cooldown_counter)
-        # Bad epochs during a cooldown do not count.
-        self.num_bad_epochs = torch.where(cooling, 0, self.num_bad_epochs)
+            cooling = self.in_cooldown
+            self.cooldown_counter = torch.where(cooling, self.cooldown_counter - 1, self.cooldown_counter)
+            # Bad epochs during a cooldown do not count.
+            self.num_bad_epochs = torch.where(cooling, 0, self.num_bad_epochs)
 
-        reduce = self.num_bad_epochs > self.patience
-        if reduce.any():
-            self._reduce_lr(epoch, reduce)
-        self.cooldown_counter = torch.where(reduce, self.cooldown, self.cooldown_counter)
-        self.num_bad_epochs = torch.where(reduce, 0, self.num_bad_epochs)
-        self._last_lr = [_current_lr(self.optimizer, g, self.B).clone() for g in self.optimizer.param_groups]
+            reduce = self.num_bad_epochs > self.patience
+            if reduce.any():
+                self._reduce_lr(epoch, reduce)
+            self.cooldown_counter = torch.where(reduce, self.cooldown, self.cooldown_counter)
+            self.num_bad_epochs = torch.where(reduce, 0, self.num_bad_epochs)
+            self._last_lr = [_current_lr(self.optimizer, g, self.B).clone() for g in self.optimizer.param_groups]
 
     def _reduce_lr(self, epoch: int, models: torch.Tensor | None = None) -> None:
         B = self.B
@@ -1016,12 +1841,15 @@ class ReduceLROnPlateau(_torch.ReduceLROnPlateau):
             self.min_lrs = [self.default_min_lr.clone() for _ in groups]
         if models is None:
             models = torch.ones(B, dtype=torch.bool)
+        changes = []
         for group, min_lr in zip(groups, self.min_lrs):
             old = _current_lr(self.optimizer, group, B)
             new = torch.maximum(old * self.factor, min_lr)
             change = models & (old - new > self.eps)
             if change.any():
-                _set_lr(self.optimizer, group, torch.where(change, new, old), B)
+                changes.append((group, torch.where(change, new, old)))
+        for group, values in changes:
+            _set_lr(self.optimizer, group, values, B)
 
     @property
     def in_cooldown(self) -> torch.Tensor:
@@ -1051,12 +1879,6 @@ class ReduceLROnPlateau(_torch.ReduceLROnPlateau):
         """The current learning rates: one ``[B]`` float64 CPU tensor per param group."""
         return self._last_lr
 
-    def state_dict(self) -> dict[str, Any]:
-        """The scheduler's state: every attribute but the optimizer."""
-        return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict` of a scheduler with the same B."""
-        _check_state_B(self, state_dict)
-        self.__dict__.update(state_dict)
-        self._init_is_better(mode=self.mode, threshold=self.threshold, threshold_mode=self.threshold_mode)
+    def _apply_state(self, new: dict[str, Any]) -> None:
+        self.__dict__.update(new)
+        self.mode_worse = math.inf if self.mode == "min" else -math.inf

@@ -17,18 +17,22 @@ class RMSprop(ArrayOptimizer):
 
     Every parameter is ``[B, ...]`` (model b is index b). ``lr``, ``alpha``,
     ``eps``, ``weight_decay`` and ``momentum`` are each a float, a length-B
-    sequence or a ``[B]`` tensor, stored in ``param_groups`` as ``[B]`` tensors on
+    sequence, or a ``[B]`` tensor or numpy array, stored in ``param_groups`` as ``[B]`` tensors on
     the parameters' device; ``centered`` and ``maximize`` apply to every model.
     State per parameter: ``step`` (``[B]`` float32), ``square_avg``, with
     momentum in any model of the group ``momentum_buffer`` (a model with zero
     momentum steps as torch does without one) and when centered ``grad_avg``
     (``[B, ...]``). Editing the stored momentum in place cannot switch momentum
     on for a group in which every model had zero (assign a new value).
-    ``skip_nonfinite`` and ``step(skip=...)``: see :class:`~hfkern.optim.ArrayOptimizer`.
+    ``skip_nonfinite`` and ``step(skip=...)``, and torch's implementation keywords
+    ``capturable``, ``foreach`` and ``differentiable``: see :class:`~hfkern.optim.ArrayOptimizer`.
+    The positional order of the arguments is torch's.
     """
 
     _hypers = ("lr", "alpha", "eps", "weight_decay", "momentum")
     _flags = ("centered", "maximize")
+    _compat = ("capturable", "foreach", "differentiable")
+    _state_names = ("step", "square_avg", "momentum_buffer", "grad_avg")
 
     def __init__(
         self,
@@ -39,13 +43,17 @@ class RMSprop(ArrayOptimizer):
         weight_decay: Hyper = 0,
         momentum: Hyper = 0,
         centered: bool = False,
-        *,
+        capturable: bool = False,
+        foreach: bool | None = None,
         maximize: bool = False,
+        differentiable: bool = False,
+        *,
         skip_nonfinite: bool = False,
     ):
         defaults = dict(
             lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
-            centered=centered, maximize=maximize,
+            centered=centered, maximize=maximize, capturable=capturable, foreach=foreach,
+            differentiable=differentiable,
         )
         super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
 

@@ -17,8 +17,8 @@ class SGD(ArrayOptimizer):
 
     Every parameter is ``[B, ...]`` with the same array size B (model b is index b).
     ``lr``, ``momentum``, ``dampening`` and ``weight_decay`` are each a float (all
-    models alike), a length-B sequence or a 1-D tensor of length B, stored in
-    ``param_groups`` as ``[B]`` tensors on the parameters' device (see
+    models alike), a length-B sequence, or a 1-D tensor or numpy array of length
+    B, stored in ``param_groups`` as ``[B]`` tensors on the parameters' device (see
     :class:`~hfkern.optim.ArrayOptimizer`). ``nesterov`` and ``maximize`` apply to
     every model; ``nesterov`` needs momentum > 0 and zero dampening for every
     model, as torch requires per model. ``skip_nonfinite`` and ``step(skip=...)``
@@ -31,10 +31,14 @@ class SGD(ArrayOptimizer):
     momentum steps with its gradient. Editing a stored hyperparameter tensor in
     place takes effect at the next step but cannot switch momentum or weight
     decay on for a group in which every model had zero (assign a new value).
+    ``foreach``, ``differentiable`` and ``fused`` are torch's implementation
+    keywords, see :class:`~hfkern.optim.ArrayOptimizer`.
     """
 
     _hypers = ("lr", "momentum", "dampening", "weight_decay")
     _flags = ("nesterov", "maximize")
+    _compat = ("foreach", "differentiable", "fused")
+    _state_names = ("step", "momentum_buffer")
 
     def __init__(
         self,
@@ -46,11 +50,15 @@ class SGD(ArrayOptimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
         skip_nonfinite: bool = False,
     ):
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-            nesterov=nesterov, maximize=maximize,
+            nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
+            fused=fused,
         )
         super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
 
