@@ -16,50 +16,11 @@ from torch.optim import lr_scheduler as T
 
 from hfkern.optim import SGD
 from hfkern.optim import lr_scheduler as H
+from _sched import PM, _f0, _f1, _f2, _h, _t
 
 STEPS = 50
 TOL = dict(rtol=1e-6, atol=1e-12)  # atol: a cosine schedule passes through eta_min = 0
 GROUP_LRS = [[0.1, 0.05, 0.2], [0.01, 0.03, 0.002]]  # per param group, per model
-
-
-class PM:
-    """A per-model argument: the array scheduler gets the first B values, model b's torch one value b."""
-
-    def __init__(self, values, tensor: bool = False):
-        self.values = list(values)
-        self.tensor = tensor
-
-
-def _h(v, B):
-    if isinstance(v, PM):
-        vals = v.values[:B]
-        if not v.tensor:
-            return vals
-        # float64: a float32 tensor would round gamma etc. before torch's float arithmetic sees them
-        return torch.tensor(vals, dtype=torch.float64 if isinstance(vals[0], float) else None)
-    if isinstance(v, list):
-        return [_h(x, B) for x in v]
-    return v
-
-
-def _t(v, b):
-    if isinstance(v, PM):
-        return v.values[b]
-    if isinstance(v, list):
-        return [_t(x, b) for x in v]
-    return v
-
-
-def _f0(e):
-    return 0.95 ** e
-
-
-def _f1(e):
-    return 1.0 / (1 + e)
-
-
-def _f2(e):
-    return e // 7 + 1
 
 
 def _g(e):

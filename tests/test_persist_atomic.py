@@ -20,6 +20,7 @@ import torch
 import hfkern.optim as hoptim
 from hfkern.amp import GradScaler
 from hfkern.optim import lr_scheduler as H
+from _sched import _f0, _f1, _f2
 
 B = 3
 OPTIMIZERS = {
@@ -146,16 +147,6 @@ def test_failed_optimizer_load_changes_nothing(name):
 
 
 # ---- schedulers ---------------------------------------------------------------------
-def _f0(e):
-    return 0.95 ** e
-
-
-def _f1(e):
-    return 1.0 / (1 + e)
-
-
-def _f2(e):
-    return e // 7 + 1
 
 
 def _sched(name, opt, B):

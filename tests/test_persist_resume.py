@@ -17,6 +17,7 @@ import torch
 
 import hfkern.optim as hoptim
 from hfkern.optim import lr_scheduler as H
+from _sched import _f0, _f1, _f2, _m0, _m1
 
 STEPS = 40
 SPLIT = 17
@@ -30,26 +31,6 @@ OPTIMIZERS = {
     "RMSprop": dict(momentum=[0.3, 0.5, 0.7], centered=True),
 }
 HAS_MOMENTUM = {"SGD", "Adam", "AdamW", "RMSprop"}
-
-
-def _f0(e):
-    return 0.95 ** e
-
-
-def _f1(e):
-    return 1.0 / (1 + e)
-
-
-def _f2(e):
-    return e // 7 + 1
-
-
-def _m0(e):
-    return 0.97
-
-
-def _m1(e):
-    return 0.9 if e % 3 == 0 else 1.0
 
 
 def _m2(e):

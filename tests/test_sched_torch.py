@@ -22,46 +22,12 @@ from torch.optim import lr_scheduler as T
 import hfkern.optim as hoptim
 from hfkern.optim import SGD
 from hfkern.optim import lr_scheduler as H
+from _sched import PM, _h, _m0, _m1, _t
 
 STEPS = 60
 SPLIT = 23
 TOL = dict(rtol=1e-6, atol=1e-12)
 GROUP_LRS = [[0.1, 0.05, 0.2], [0.01, 0.03, 0.002]]
-
-
-class PM:
-    """A per-model argument: the array scheduler gets the first B values, model b's torch one value b."""
-
-    def __init__(self, values, tensor=False):
-        self.values = list(values)
-        self.tensor = tensor
-
-
-def _h(v, B):
-    if isinstance(v, PM):
-        vals = v.values[:B]
-        if not v.tensor:
-            return vals
-        return torch.tensor(vals, dtype=torch.float64 if isinstance(vals[0], float) else None)
-    if isinstance(v, list):
-        return [_h(x, B) for x in v]
-    return v
-
-
-def _t(v, b):
-    if isinstance(v, PM):
-        return v.values[b]
-    if isinstance(v, list):
-        return [_t(x, b) for x in v]
-    return v
-
-
-def _m0(e):
-    return 0.97
-
-
-def _m1(e):
-    return 0.9 if e % 3 == 0 else 1.0
 
 
 def _m2(e):

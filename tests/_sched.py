@@ -1,0 +1,56 @@
+"""Shared helpers of the scheduler tests: per-model arguments and module-level
+lr_lambda factors (module-level so that they pickle and compare by name)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PM:
+    """A per-model argument: the array scheduler gets the first B values, model b's torch one value b."""
+
+    def __init__(self, values, tensor: bool = False):
+        self.values = list(values)
+        self.tensor = tensor
+
+
+def _h(v, B):
+    """The array scheduler's form of an argument (PM values as a list or a tensor, recursively)."""
+    if isinstance(v, PM):
+        vals = v.values[:B]
+        if not v.tensor:
+            return vals
+        # float64: a float32 tensor would round gamma etc. before torch's float arithmetic sees them
+        return torch.tensor(vals, dtype=torch.float64 if isinstance(vals[0], float) else None)
+    if isinstance(v, list):
+        return [_h(x, B) for x in v]
+    return v
+
+
+def _t(v, b):
+    """Model b's torch scheduler's form of an argument."""
+    if isinstance(v, PM):
+        return v.values[b]
+    if isinstance(v, list):
+        return [_t(x, b) for x in v]
+    return v
+
+
+def _f0(e):
+    return 0.95 ** e
+
+
+def _f1(e):
+    return 1.0 / (1 + e)
+
+
+def _f2(e):
+    return e // 7 + 1
+
+
+def _m0(e):
+    return 0.97
+
+
+def _m1(e):
+    return 0.9 if e % 3 == 0 else 1.0
