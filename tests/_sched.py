@@ -54,3 +54,18 @@ def _m0(e):
 
 def _m1(e):
     return 0.9 if e % 3 == 0 else 1.0
+
+
+def step_array_and_torch(param, models, opt, refs, sched, scheds) -> None:
+    """One step of an array (``param`` ``[B, ...]``, ``opt``, ``sched``) and of the B
+    torch models (``models[b]``, ``refs[b]``, ``scheds[b]``) on the same fresh gradient."""
+    grad = torch.randn_like(param)
+    param.grad = grad.clone()
+    for b, m in enumerate(models):
+        m.grad = grad[b].clone()
+    opt.step()
+    for r in refs:
+        r.step()
+    sched.step()
+    for t in scheds:
+        t.step()

@@ -16,7 +16,7 @@ from torch.optim import lr_scheduler as T
 
 from hfkern.optim import SGD
 from hfkern.optim import lr_scheduler as H
-from _sched import PM, _f0, _f1, _f2, _h, _t
+from _sched import PM, _f0, _f1, _f2, _h, _t, step_array_and_torch
 
 STEPS = 50
 TOL = dict(rtol=1e-6, atol=1e-12)  # atol: a cosine schedule passes through eta_min = 0
@@ -298,16 +298,7 @@ def test_one_cycle_cycles_sgd_momentum_and_trains_like_torch():
     refs = [torch.optim.SGD([models[b]], lr=0.01) for b in range(B)]
     ts = [T.OneCycleLR(refs[b], **{k: _t(v, b) for k, v in kwargs.items()}) for b in range(B)]
     for i in range(steps):
-        grad = torch.randn(B, 5)
-        param.grad = grad.clone()
-        for b in range(B):
-            models[b].grad = grad[b].clone()
-        opt.step()
-        for r in refs:
-            r.step()
-        sched.step()
-        for t in ts:
-            t.step()
+        step_array_and_torch(param, models, opt, refs, sched, ts)
         momentum = torch.tensor([r.param_groups[0]["momentum"] for r in refs], dtype=torch.float64)
         lr = torch.tensor([r.param_groups[0]["lr"] for r in refs], dtype=torch.float64)
         torch.testing.assert_close(opt.param_groups[0]["momentum"].double(), momentum, **TOL, msg=f"step {i}")

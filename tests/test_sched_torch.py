@@ -22,7 +22,7 @@ from torch.optim import lr_scheduler as T
 import hfkern.optim as hoptim
 from hfkern.optim import SGD
 from hfkern.optim import lr_scheduler as H
-from _sched import PM, _h, _m0, _m1, _t
+from _sched import PM, _h, _m0, _m1, _t, step_array_and_torch
 
 STEPS = 60
 SPLIT = 23
@@ -222,16 +222,7 @@ def test_cyclic_lr_cycles_momentum_and_trains_like_torch(name):
     ts = [T.CyclicLR(refs[b], **{k: _t(v, b) for k, v in kwargs.items()}) for b in range(B)]
     momentum_obj = None
     for i in range(steps):
-        grad = torch.randn(B, 5)
-        param.grad = grad.clone()
-        for b in range(B):
-            models[b].grad = grad[b].clone()
-        opt.step()
-        for r in refs:
-            r.step()
-        sched.step()
-        for t in ts:
-            t.step()
+        step_array_and_torch(param, models, opt, refs, sched, ts)
         if momentum_obj is None:  # the optimizer's validated [B] row, after its first step
             momentum_obj = opt.param_groups[0]["momentum"]
         assert opt.param_groups[0]["momentum"] is momentum_obj  # cycled in place
@@ -254,16 +245,7 @@ def test_cyclic_lr_cycles_adam_beta1(name):
     refs = [getattr(torch.optim, name)([models[b]], lr=1e-3, betas=(0.9, beta2[b])) for b in range(B)]
     ts = [T.CyclicLR(refs[b], **{k: _t(v, b) for k, v in kwargs.items()}) for b in range(B)]
     for i in range(steps):
-        grad = torch.randn(B, 4)
-        param.grad = grad.clone()
-        for b in range(B):
-            models[b].grad = grad[b].clone()
-        opt.step()
-        for r in refs:
-            r.step()
-        sched.step()
-        for t in ts:
-            t.step()
+        step_array_and_torch(param, models, opt, refs, sched, ts)
         betas = opt.param_groups[0]["betas"]
         want = torch.tensor([r.param_groups[0]["betas"][0] for r in refs], dtype=torch.float64)
         torch.testing.assert_close(betas[0].double(), want, **TOL, msg=f"step {i}")
