@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 import hfkern
-from hfkern.nn.embedding import Embedding, embedding_checked_indices
+from hfkern.nn.embedding import Embedding
+from hfkern.ops.embedding import embedding_checked_indices
 
 V, D = 7, 3
 

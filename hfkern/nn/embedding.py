@@ -7,59 +7,17 @@ from torch import nn
 from torch.nn import init
 
 from .._array import is_shared
-from ..ops.embedding import array_embedding, array_embedding_renorm_
+from ..ops.embedding import (
+    array_embedding,
+    array_embedding_renorm_,
+    embedding_checked_indices,
+    raise_if_out_of_range,
+)
 from ._base import ArrayModule, stack_init
 
 __all__ = ["Embedding"]
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
-
-
-def _raise_if_out_of_range(module: str, values: torch.Tensor, num_embeddings: int, shared: bool) -> None:
-    """IndexError naming the first bad value and its model, if ``values`` leaves ``[0, num_embeddings)``.
-
-    ``values`` is the ``[B, *]`` index tensor, or the ``[*]`` tensor a shared
-    input broadcasts. Reads one min/max pair back to the host.
-    """
-    if values.numel() == 0:
-        return
-    lo, hi = (int(v) for v in torch.aminmax(values))
-    if lo >= 0 and hi < num_embeddings:
-        return
-    bad = lo if lo < 0 else hi
-    if shared:
-        where = "the shared input"
-    else:
-        model = int((values == bad).reshape(values.size(0), -1).any(dim=1).nonzero()[0, 0])
-        where = f"model {model}'s input"
-    raise IndexError(
-        f"{module}: index {bad} in {where} is out of range: expected indices in "
-        f"[0, {num_embeddings}) (num_embeddings={num_embeddings})"
-    )
-
-
-# The range check as an op the compiler cannot see into, so that a compiled
-# model raises the eager IndexError (with the same message) at run time instead
-# of tracing a device-side assertion, which raises RuntimeError on CPU and
-# poisons the CUDA context on GPU. It returns a copy of the indices (an op may
-# not return its input) that the lookup then reads, which keeps the check in
-# the graph and ordered before the lookup. It synchronizes with the device, as
-# the eager check does, so it is marked unsafe for CUDA-graph capture.
-_CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-
-
-@torch.library.custom_op("hfkern::embedding_checked_indices", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
-def embedding_checked_indices(
-    values: torch.Tensor, num_embeddings: int, shared: bool, module: str
-) -> torch.Tensor:
-    """``values`` (a copy) if every index is in ``[0, num_embeddings)``; IndexError otherwise."""
-    _raise_if_out_of_range(module, values, num_embeddings, shared)
-    return values.clone()
-
-
-@embedding_checked_indices.register_fake
-def _(values, num_embeddings, shared, module):
-    return torch.empty_like(values)
 
 
 def check_indices(
@@ -96,7 +54,7 @@ def check_indices(
     if torch.compiler.is_compiling():
         checked = embedding_checked_indices(values, num_embeddings, shared, module)
         return checked.expand(x.shape) if shared else checked
-    _raise_if_out_of_range(module, values, num_embeddings, shared)
+    raise_if_out_of_range(module, values, num_embeddings, shared)
     return x
 
 

@@ -28,10 +28,13 @@ incoming weight gradient at ``indices`` (``array_embedding``, on the backend
 the backward ran), zero at ``padding_idx`` and divided by the row's hit
 count under ``scale_grad_by_freq``. ``indices`` are not differentiable.
 
-Indices must lie in ``[0, V)``. The ops do not check this (that would cost a
-device synchronization per call); an out-of-range index can read another
+Indices must lie in ``[0, V)``. The lookup ops do not check this (that would
+cost a device synchronization per call); an out-of-range index can read another
 model's rows, so callers check at the Python boundary, as
-:class:`hfkern.nn.Embedding` does.
+:class:`hfkern.nn.Embedding` does, with :func:`raise_if_out_of_range` in eager
+mode and ``embedding_checked_indices(values, num_embeddings, shared, module)``
+(an op opaque to the compiler that returns a checked copy) under
+``torch.compile``; both raise the same IndexError.
 """
 
 from __future__ import annotations
@@ -46,6 +49,55 @@ _FWD = "array_embedding"
 _BWD = "array_embedding_backward"
 _SPARSE_BWD = "array_embedding_sparse_backward"
 _RENORM = "array_embedding_renorm_"
+
+
+# ---- index range check (for callers at the Python boundary) ---------------------
+
+def raise_if_out_of_range(module: str, values: Tensor, num_embeddings: int, shared: bool) -> None:
+    """IndexError naming the first bad value and its model, if ``values`` leaves ``[0, num_embeddings)``.
+
+    ``values`` is the ``[B, *]`` index tensor, or the ``[*]`` tensor a shared
+    input broadcasts. Reads one min/max pair back to the host.
+    """
+    if values.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(values))
+    if lo >= 0 and hi < num_embeddings:
+        return
+    bad = lo if lo < 0 else hi
+    if shared:
+        where = "the shared input"
+    else:
+        model = int((values == bad).reshape(values.size(0), -1).any(dim=1).nonzero()[0, 0])
+        where = f"model {model}'s input"
+    raise IndexError(
+        f"{module}: index {bad} in {where} is out of range: expected indices in "
+        f"[0, {num_embeddings}) (num_embeddings={num_embeddings})"
+    )
+
+
+# The range check as an op the compiler cannot see into, so that a compiled
+# model raises the eager IndexError (with the same message) at run time instead
+# of tracing a device-side assertion, which raises RuntimeError on CPU and
+# poisons the CUDA context on GPU. It returns a copy of the indices (an op may
+# not return its input) that the lookup then reads, which keeps the check in
+# the graph and ordered before the lookup. It synchronizes with the device, as
+# the eager check does, so it is marked unsafe for CUDA-graph capture.
+_CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("hfkern::embedding_checked_indices", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+def embedding_checked_indices(
+    values: Tensor, num_embeddings: int, shared: bool, module: str
+) -> Tensor:
+    """``values`` (a copy) if every index is in ``[0, num_embeddings)``; IndexError otherwise."""
+    raise_if_out_of_range(module, values, num_embeddings, shared)
+    return values.clone()
+
+
+@embedding_checked_indices.register_fake
+def _(values, num_embeddings, shared, module):
+    return torch.empty_like(values)
 
 
 @torch.library.custom_op("hfkern::array_embedding", mutates_args=())
