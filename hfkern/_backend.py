@@ -1,7 +1,13 @@
 """The one registry that decides which implementation serves each hfkern op.
 
-Every op family (``hfkern/ops/*.py``) registers one implementation per backend
-with :func:`register`. The op's torch.library kernel asks :func:`resolve` for the
+Every op family module (``hfkern/ops/<family>.py``) defines its ops and
+registers their torch implementations. Each other backend is a package of
+family modules (``hfkern/triton/<family>.py``, ...) that register themselves
+with :func:`implements` when imported; the registry imports every module of a
+backend's package (listed in :data:`BACKEND_PACKAGES`) the first time that
+backend is considered for a call, so the family modules never list backends,
+a new backend module needs no entry anywhere, and ``import hfkern`` never pays
+for triton. The op's torch.library kernel asks :func:`resolve` for the
 implementation at call time, so switching backends never retraces a model and
 never touches ``hfkern.nn`` or ``hfkern.optim``.
 
@@ -39,14 +45,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import importlib.util
 import logging
 import os
+import pkgutil
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["BACKENDS", "set_backend", "get_backend", "use_backend", "backend_info"]
+__all__ = ["BACKENDS", "set_backend", "get_backend", "use_backend", "backend_info", "implements"]
 
 _ENV = "HFKERN_BACKEND"
 
@@ -56,6 +64,8 @@ BACKENDS = ("torch", "triton", "cuda")
 _GPU_BACKENDS = ("triton", "cuda")
 AUTO_PREFERENCE = ("cuda", "triton", "torch")
 _CHOICES = ("auto",) + BACKENDS
+# backend -> the package whose (non-underscore) modules register its implementations
+BACKEND_PACKAGES = {"triton": "hfkern.triton", "cuda": "hfkern.cuda"}
 
 
 @dataclass
@@ -101,6 +111,9 @@ def _triton_available() -> tuple[bool, str]:
         import triton  # noqa: F401
     except ImportError as e:
         return False, f"triton is not importable ({e})"
+    failed = _load_package("triton")
+    if failed:
+        return False, failed
     if not any(impl for ops in _registry.values() for b, impl in ops.items() if b == "triton"):
         return False, "no hfkern op has a Triton implementation in this build"
     if not torch.cuda.is_available():
@@ -109,6 +122,9 @@ def _triton_available() -> tuple[bool, str]:
 
 
 def _cuda_available() -> tuple[bool, str]:
+    failed = _load_package("cuda")
+    if failed:
+        return False, failed
     if not any(impl for ops in _registry.values() for b, impl in ops.items() if b == "cuda"):
         return False, "no hfkern op has a CUDA implementation in this build"
     try:
@@ -121,6 +137,34 @@ def _cuda_available() -> tuple[bool, str]:
 
 
 _availability.update(torch=_torch_available, triton=_triton_available, cuda=_cuda_available)
+
+# backend -> "" once its package imported, or why it could not be
+_packages: dict[str, str] = {}
+
+
+def _load_package(backend: str) -> str:
+    """Import every family module of ``backend``'s package (each registers its
+    implementations); return "" or the reason it failed. Runs once per backend."""
+    if backend not in _packages:
+        _packages[backend] = ""  # re-entrant calls (a module's own imports) see it loading
+        name = BACKEND_PACKAGES[backend]
+        try:
+            # A backend this build does not ship (no package) has nothing to register.
+            package = importlib.import_module(name) if importlib.util.find_spec(name) else None
+            for info in pkgutil.iter_modules(getattr(package, "__path__", [])):
+                if not info.name.startswith("_"):
+                    importlib.import_module(f"{name}.{info.name}")
+        except ImportError as e:
+            _packages[backend] = f"{name} could not be imported ({e})"
+        except Exception as e:  # a broken kernel module must not break the torch path
+            _packages[backend] = f"{name} failed to import: {type(e).__name__}: {e}"
+            logger.warning("hfkern backend %r disabled: %s", backend, _packages[backend])
+    return _packages[backend]
+
+
+def _load_packages() -> None:
+    for backend in BACKEND_PACKAGES:
+        _load_package(backend)
 
 
 def register(
@@ -145,6 +189,27 @@ def register(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _registry.setdefault(op, {})[backend] = _Impl(fn, tuple(device_types or ()), auto, tuple(dtypes or ()))
     _resolved.clear()
+
+
+def implements(
+    op: str,
+    backend: str,
+    *,
+    device_types: tuple[str, ...] | None = None,
+    auto: bool = True,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+) -> Callable[[Callable], Callable]:
+    """Decorator form of :func:`register`: a backend module marks each function
+    that implements an op, with the same keywords, and returns it unchanged::
+
+        @_backend.implements("array_layer_norm", "triton", device_types=("cuda",))
+        def array_layer_norm(x, weight, bias, norm_ndim, eps): ...
+    """
+    def decorate(fn: Callable) -> Callable:
+        register(op, backend, fn, device_types=device_types, auto=auto, dtypes=dtypes)
+        return fn
+
+    return decorate
 
 
 def get_backend() -> str:
@@ -226,10 +291,12 @@ def _serves(impl: _Impl, device_type: str) -> bool:
 def _choose(op: str, device_type: str, dtype: torch.dtype | None = None) -> tuple[str, str]:
     """Return (backend, reason) for ``op`` on ``device_type`` (and data ``dtype``,
     where given) under the current selection."""
+    requested = get_backend()
+    if device_type != "cpu" or requested not in ("auto", "torch"):
+        _load_packages()  # their modules register what they implement
     impls = _registry.get(op)
     if not impls:
         raise RuntimeError(f"hfkern op {op!r} has no registered implementation")
-    requested = get_backend()
     if requested in _GPU_BACKENDS and device_type == "cpu" and "torch" in impls:
         return "torch", f"CPU tensors always take the torch path ({requested!r} is for CUDA tensors)"
     if requested != "auto":
@@ -302,6 +369,7 @@ def backend_info() -> dict:
     where a choice is ``"<backend> (<why>)"`` or ``"error: <why>"``.
     """
     source = "use_backend" if _context.get() is not None else _default_source
+    _load_packages()
     backends = {}
     for name in BACKENDS:
         ok, reason = _availability[name]()

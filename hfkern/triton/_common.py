@@ -8,7 +8,8 @@ from typing import Any, Callable, Sequence
 import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
-from torch.library import wrap_triton
+
+from .._dtypes import KERNEL_DTYPES
 
 
 def interpreting() -> bool:
@@ -27,7 +28,7 @@ def autotuning() -> bool:
 
 
 def tl_dtype_ok(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return t.dtype in KERNEL_DTYPES
 
 
 class Tuned:
@@ -36,8 +37,9 @@ class Tuned:
 
     ``Tuned(kernel, configs, key)[grid](*args, **kwargs)`` launches like an
     autotuned kernel (with ``configs[0]`` alone when ``HFKERN_TRITON_AUTOTUNE=0``).
-    Launches go through ``torch.library.wrap_triton`` so a launcher called inside
-    a ``torch.library.triton_op`` stays traceable by ``torch.compile``.
+    Launchers run inside the opaque ``hfkern::`` custom ops, which
+    ``torch.compile`` does not trace into, so a launch is a plain Triton launch
+    (no ``wrap_triton`` higher-order op and its per-call host cost).
     """
 
     def __init__(
@@ -58,8 +60,6 @@ class Tuned:
 
     def __getitem__(self, grid: Callable | tuple) -> Callable:
         if interpreting():
-            # The interpreted kernel itself: wrap_triton cannot trace it (torch 2.11
-            # rejects it, later releases hand it back unwrapped).
             launch = self.kernel[grid]
             meta = dict(self.interpret_config.kwargs)
 
@@ -71,4 +71,4 @@ class Tuned:
                 return launch(*args, **kwargs, **meta)
 
             return run
-        return wrap_triton(self.tuned if autotuning() else self.fixed)[grid]
+        return (self.tuned if autotuning() else self.fixed)[grid]

@@ -16,23 +16,15 @@ def _tuned_objects():
 
 
 def _launched(monkeypatch, tuned, env):
-    """What a CUDA launch of ``tuned`` would hand to wrap_triton under ``env``."""
+    """The autotuner a CUDA launch of ``tuned`` runs under ``env``."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     if env is None:
         monkeypatch.delenv("HFKERN_TRITON_AUTOTUNE", raising=False)
     else:
         monkeypatch.setenv("HFKERN_TRITON_AUTOTUNE", env)
     seen = []
-
-    class Wrapped:
-        def __init__(self, kernel):
-            seen.append(kernel)
-
-        def __getitem__(self, grid):
-            return lambda *a, **k: None
-
-    monkeypatch.setattr(_common, "wrap_triton", Wrapped)
-    tuned[(1,)]
+    monkeypatch.setattr(type(tuned.tuned), "run", lambda self, *a, **k: seen.append(self))
+    tuned[(1,)]()
     return seen[0]
 
 

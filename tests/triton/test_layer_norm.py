@@ -19,8 +19,20 @@ import hfkern  # noqa: E402
 import hfkern.nn as hnn  # noqa: E402
 from hfkern import _backend  # noqa: E402
 from hfkern.ops import layer_norm as lnops  # noqa: E402
-from hfkern.ops import layer_norm_triton as ops  # noqa: E402
-from hfkern.ops import layer_norm_torch as ref  # noqa: E402
+from hfkern.triton import layer_norm as tk_module  # noqa: E402
+
+_NORM_OPS = ("array_layer_norm", "array_layer_norm_backward", "array_rms_norm", "array_rms_norm_backward")
+
+
+class _Impls:
+    """One backend's registered implementation of each norm op, by op name."""
+
+    def __init__(self, backend):
+        for op in _NORM_OPS:
+            setattr(self, op, _backend._registry[op][backend].load())
+
+
+ref = _Impls("torch")
 
 EPS = 1e-5
 GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
@@ -205,39 +217,39 @@ def test_empty_input():
 
 
 @pytest.mark.interpreter
-def test_triton_ops_call_the_launchers():
-    # the torch.library wrappers, called directly (the registry sends only CUDA tensors)
+def test_registered_triton_implementations():
+    # what the registry calls for CUDA tensors, called directly on CPU tensors
+    ops = _Impls("triton")
     B, D = 3, 7
     x = make_x(B, (4, D), "batch_major")
     w, b = params(B, (D,), True, True)
     gy = torch.randn(B, 4, D)
-    y, mean, rstd = ops.array_layer_norm_triton(x, w, b, 1, EPS)
+    y, mean, rstd = ops.array_layer_norm(x, w, b, 1, EPS)
     y0, mean0, rstd0 = ref.array_layer_norm(x, w, b, 1, EPS)
     torch.testing.assert_close((y, mean, rstd), (y0, mean0, rstd0))
     assert y.stride() == y0.stride()
     mask = [True, True, False]
-    got = ops.array_layer_norm_backward_triton(gy, x, w, mean, rstd, 1, mask)
+    got = ops.array_layer_norm_backward(gy, x, w, mean, rstd, 1, mask)
     assert_grads(got, ref.array_layer_norm_backward(gy, x, w, mean0, rstd0, 1, mask), mask)
-    y, rstd = ops.array_rms_norm_triton(x, w, 1, EPS)
+    y, rstd = ops.array_rms_norm(x, w, 1, EPS)
     y0, rstd0 = ref.array_rms_norm(x, w, 1, EPS)
     torch.testing.assert_close((y, rstd), (y0, rstd0))
-    got = ops.array_rms_norm_backward_triton(gy, x, None, rstd, 1, [True, False])
+    got = ops.array_rms_norm_backward(gy, x, None, rstd, 1, [True, False])
     assert_grads(got, ref.array_rms_norm_backward(gy, x, None, rstd0, 1, [True, False]), [True, False])
 
 
 def test_registered_as_explicit_cuda_backend():
     # auto-eligible where bench/results/ shows the kernel faster than the torch path
     for op, impl, auto in [
-        ("array_layer_norm", ops.array_layer_norm_triton, True),
-        ("array_layer_norm_backward", ops.array_layer_norm_backward_triton, True),
-        ("array_rms_norm", ops.array_rms_norm_triton, False),
-        ("array_rms_norm_backward", ops.array_rms_norm_backward_triton, False),
+        ("array_layer_norm", tk_module.array_layer_norm, True),
+        ("array_layer_norm_backward", tk_module.array_layer_norm_backward, True),
+        ("array_rms_norm", tk_module.array_rms_norm, False),
+        ("array_rms_norm_backward", tk_module.array_rms_norm_backward, False),
     ]:
         entry = _backend._registry[op]["triton"]
         assert entry.load() is impl and entry.device_types == ("cuda",) and entry.auto is auto
         # float64 is not served: auto leaves it to the torch path
         assert entry.dtypes == (torch.float32, torch.float16, torch.bfloat16)
-        assert hasattr(torch.ops.hfkern, f"{op}_triton")
 
 
 @pytest.mark.interpreter
@@ -383,18 +395,20 @@ def test_gpu_modules_with_triton_backend(layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["contiguous", "batch_major", "shared"])
-def test_gpu_opcheck_triton_ops(layout):
+def test_gpu_opcheck_ops_on_triton(layout):
     B, D = 3, 40
     x = make_x(B, (4, 5, D), layout, device=GPU)
     w, b = params(B, (D,), True, True, device=GPU)
     gy = torch.randn(B, 4, 5, D, device=GPU)
-    torch.library.opcheck(ops.array_layer_norm_triton, (x, w, b, 1, EPS))
-    torch.library.opcheck(ops.array_layer_norm_triton, (x, None, None, 1, EPS))
-    torch.library.opcheck(ops.array_rms_norm_triton, (x, w, 1, EPS))
-    _, mean, rstd = ref.array_layer_norm(x, w, b, 1, EPS)
-    for mask in ([True, True, True], [False, True, False], [True, False, True]):
-        torch.library.opcheck(ops.array_layer_norm_backward_triton, (gy, x, w, mean, rstd, 1, mask))
-    _, rstd = ref.array_rms_norm(x, w, 1, EPS)
-    for mask in ([True, True], [False, True], [True, False]):
-        torch.library.opcheck(ops.array_rms_norm_backward_triton, (gy, x, w, rstd, 1, mask))
+    ops = torch.ops.hfkern
+    with hfkern.use_backend("triton"):
+        torch.library.opcheck(ops.array_layer_norm, (x, w, b, 1, EPS))
+        torch.library.opcheck(ops.array_layer_norm, (x, None, None, 1, EPS))
+        torch.library.opcheck(ops.array_rms_norm, (x, w, 1, EPS))
+        _, mean, rstd = ref.array_layer_norm(x, w, b, 1, EPS)
+        for mask in ([True, True, True], [False, True, False], [True, False, True]):
+            torch.library.opcheck(ops.array_layer_norm_backward, (gy, x, w, mean, rstd, 1, mask))
+        _, rstd = ref.array_rms_norm(x, w, 1, EPS)
+        for mask in ([True, True], [False, True], [True, False]):
+            torch.library.opcheck(ops.array_rms_norm_backward, (gy, x, w, rstd, 1, mask))
 
