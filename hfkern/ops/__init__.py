@@ -1,7 +1,11 @@
-"""hfkern ops: one module per op family, each registering torch.library ops in the
-``hfkern`` namespace and their implementations with :mod:`hfkern._backend`."""
+"""hfkern ops: one module per op family, each defining its torch.library ops in
+the ``hfkern`` namespace (schemas, fakes, autograd) and their torch
+implementations. Every family module here is imported, so a new family is a new
+module and nothing else; backends register themselves (see :mod:`hfkern._backend`)."""
 
-from . import conv  # noqa: F401
-from . import embedding  # noqa: F401
-from . import layer_norm  # noqa: F401
-from . import optim  # noqa: F401
+import importlib
+import pkgutil
+
+for _info in pkgutil.iter_modules(__path__):
+    if not _info.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_info.name}")
