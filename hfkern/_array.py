@@ -1,10 +1,12 @@
-"""The array convention: shared inputs, input checks and layout-preserving folds.
+"""The array convention: shared inputs, input checks, layouts and conv geometry.
 
 Every array tensor has the array dimension B first. Physically, conv-family ops
 keep activations as ``[N, B, C, *spatial]`` memory behind a ``[B, N, C, *spatial]``
 view (so cuDNN's grouped conv reads ``[N, B*C, *spatial]`` without a copy); the
 helpers here let the element-wise and pooling layers between two convs keep that
-memory order instead of forcing it back to ``[B, N, ...]``.
+memory order instead of forcing it back to ``[B, N, ...]``. The conv geometry
+(argument checks, output sizes) is here too, because the modules, the ops and
+every backend's kernels must agree on it.
 """
 
 from __future__ import annotations
@@ -130,6 +132,93 @@ def fold(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.
             return y.view(B, N, *y.shape[1:])
 
     return folded, unfold
+
+
+def new_batch_major(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """An uninitialized ``[B, N, *rest]`` tensor (``shape``) stored as
+    ``[N, B, *rest]`` memory, with ``like``'s dtype and device."""
+    B, N, *rest = shape
+    return like.new_empty((N, B, *rest)).transpose(0, 1)
+
+
+def to_grouped(x: torch.Tensor) -> torch.Tensor:
+    """``[B, N, C, *s]`` -> ``[N, B*C, *s]``: a view when ``x`` has ``[N, B, ...]`` memory."""
+    B, N = x.shape[:2]
+    return x.transpose(0, 1).reshape(N, B * x.shape[2], *x.shape[3:])
+
+
+def from_grouped(y: torch.Tensor, B: int) -> torch.Tensor:
+    """``[N, B*C, *s]`` -> a ``[B, N, C, *s]`` view of ``[N, B, C, *s]`` memory."""
+    y = y.contiguous()
+    return y.view(y.shape[0], B, y.shape[1] // B, *y.shape[2:]).transpose(0, 1)
+
+
+_CONV_ND = (1, 2)  # the spatial dims array convolutions support
+
+
+def check_conv_args(
+    op: str, activation_dims: int, weight: torch.Tensor, stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], output_padding: Sequence[int], groups: int,
+    *, grad_out: torch.Tensor | None = None,
+) -> None:
+    """Raise unless the arguments describe a 1-D or 2-D array convolution.
+
+    ``activation_dims`` is the number of dims of the conv's input (``[B, N, C, *s]``
+    or a shared ``[N, C, *s]``); messages name ``hfkern::{op}``. A 3-D
+    convolution raises NotImplementedError, anything else malformed
+    ValueError. Metadata only: no device value is read.
+    """
+    nd = len(stride)
+    kernel_nd = weight.dim() - 3
+    if nd not in _CONV_ND or kernel_nd not in _CONV_ND:
+        # A 3-D conv is a well-formed request this library does not implement;
+        # any other count of spatial dims is malformed.
+        unsupported = 3 in (nd, kernel_nd)
+        raise (NotImplementedError if unsupported else ValueError)(
+            f"hfkern::{op}: supports 1-D and 2-D convolutions only (stride, padding, dilation "
+            f"and output_padding of length 1 or 2, weight [B, C_out, C_in/groups, *k] of 4 or "
+            f"5 dims), got {'a 3-D convolution: ' if unsupported else ''}stride {list(stride)} "
+            f"and weight of shape {list(weight.shape)}"
+        )
+    if kernel_nd != nd:
+        raise ValueError(
+            f"hfkern::{op}: expected weight of {nd + 3} dims ([B, C_out, C_in/groups, *k] with "
+            f"{nd} kernel dims, as stride {list(stride)}), got {list(weight.shape)}"
+        )
+    for name, value in (("padding", padding), ("dilation", dilation), ("output_padding", output_padding)):
+        if len(value) != nd:
+            raise ValueError(
+                f"hfkern::{op}: expected {name} of length {nd} (one per spatial dim, as stride "
+                f"{list(stride)}), got {list(value)}"
+            )
+    if activation_dims not in (nd + 2, nd + 3):
+        raise ValueError(
+            f"hfkern::{op}: expected an input of {nd + 3} dims [B, N, C_in, *s] (or {nd + 2} dims "
+            f"[N, C_in, *s], shared) for a {nd}-D convolution, got {activation_dims} dims"
+        )
+    if grad_out is not None and grad_out.dim() != nd + 3:
+        raise ValueError(
+            f"hfkern::{op}: expected grad_out of {nd + 3} dims [B, N, C_out, *s'] for a {nd}-D "
+            f"convolution, got shape {list(grad_out.shape)}"
+        )
+    if groups < 1:
+        raise ValueError(f"hfkern::{op}: expected groups >= 1, got {groups}")
+
+
+def conv_output_size(
+    size: Sequence[int], kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
+) -> list[int]:
+    """The spatial output sizes of a convolution (or transposed one) of spatial input ``size``."""
+    if transposed:
+        return [
+            (i - 1) * s - 2 * p + d * (k - 1) + op + 1
+            for i, k, s, p, d, op in zip(size, kernel_size, stride, padding, dilation, output_padding)
+        ]
+    return [
+        (i + 2 * p - d * (k - 1) - 1) // s + 1
+        for i, k, s, p, d in zip(size, kernel_size, stride, padding, dilation)
+    ]
 
 
 def hyper(value, B: int, name: str, *, like: torch.Tensor | None = None) -> torch.Tensor:

@@ -348,3 +348,57 @@ def test_double_backward_runs_on_the_backend_of_its_forward(pretend_cuda_on_cpu)
     # input_grad's adjoints: a conv (for grad_out) and a weight gradient (for w)
     assert "array_conv" in ran and "array_conv_weight_grad" in ran
     assert w.grad is not None
+
+
+def test_import_hfkern_does_not_import_triton():
+    # Kernel packages load when a backend is first considered for a CUDA tensor.
+    # (torch itself may import triton when a custom op first runs; hfkern.triton
+    # must still stay unloaded for CPU tensors.)
+    code = ("import sys, torch, hfkern\n"
+            "loaded = [m for m in ('triton', 'hfkern.triton') if m in sys.modules]\n"
+            "assert not loaded, loaded\n"
+            "hfkern.nn.LayerNorm(4, B=2)(torch.randn(2, 3, 4))\n"
+            "assert 'hfkern.triton' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.fixture
+def pretend_backend_package(tmp_path, monkeypatch):
+    """A package of backend modules that register themselves, as hfkern/triton's do."""
+    pkg = tmp_path / "pretend_kernels"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_shared.py").write_text("raise AssertionError('underscore modules are not family modules')\n")
+    (pkg / "family_a.py").write_text(
+        "from hfkern import _backend\n"
+        "@_backend.implements('test_only_op', 'cuda', device_types=('cpu',), auto=False)\n"
+        "def impl():\n"
+        "    return 'family_a'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(_backend.BACKEND_PACKAGES, "cuda", "pretend_kernels")
+    monkeypatch.delitem(_backend._packages, "cuda", raising=False)
+    _backend.register("test_only_op", "torch", lambda: "torch")
+    yield
+    del _backend._registry["test_only_op"]
+    _backend._packages.pop("cuda", None)
+    sys.modules.pop("pretend_kernels.family_a", None)
+    sys.modules.pop("pretend_kernels", None)
+
+
+def test_backend_modules_register_themselves_when_first_considered(pretend_backend_package, monkeypatch):
+    assert "cuda" not in _backend._registry["test_only_op"]
+    monkeypatch.setitem(_backend._availability, "cuda", lambda: (_backend._load_package("cuda") == "", "pretend"))
+    monkeypatch.setattr(_backend, "_GPU_BACKENDS", ())  # let the pretend backend serve CPU tensors
+    assert _backend.resolve("test_only_op", torch.device("cpu"))() == "torch"  # auto: not eligible
+    with hfkern.use_backend("cuda"):
+        assert _backend.resolve("test_only_op", torch.device("cpu"))() == "family_a"
+    assert _backend._packages["cuda"] == ""
+
+
+def test_a_broken_backend_package_is_unavailable_with_its_reason(pretend_backend_package, tmp_path):
+    (tmp_path / "pretend_kernels" / "family_b.py").write_text("import a_module_that_does_not_exist\n")
+    reason = _backend._load_package("cuda")
+    assert "pretend_kernels could not be imported" in reason and "a_module_that_does_not_exist" in reason
+    ok, why = _backend._cuda_available()
+    assert not ok and why == reason

@@ -183,8 +183,11 @@ def _conv3d_args(shared=False):
     return x, w, [1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]
 
 
-def _conv3d_calls(shared=False):
-    from hfkern.ops.conv import array_conv, array_conv_input_grad, array_conv_weight_grad
+def _conv3d_calls(shared=False, impls=None):
+    """(op name, a 3-D call of it): of the ops, or of ``impls`` (the three functions in op order)."""
+    from hfkern.ops import conv
+    array_conv, array_conv_input_grad, array_conv_weight_grad = impls or (
+        conv.array_conv, conv.array_conv_input_grad, conv.array_conv_weight_grad)
     x, w, stride, padding, dilation, output_padding = _conv3d_args(shared)
     gy = torch.randn(2, 2, 5, 3, 3, 3)
     geom = (stride, padding, dilation, False, output_padding, 1)
@@ -242,19 +245,21 @@ def test_3d_conv_raises_under_fake_tensors_and_torch_compile():
         compiled(x, w)
 
 
-def test_triton_conv_ops_reject_3d_conv():
+@pytest.mark.parametrize("shared", [False, True])
+def test_triton_conv_implementations_reject_3d_conv(shared):
+    # Benchmarks call the launchers directly, past the ops' checks.
     pytest.importorskip("triton")
-    from hfkern.ops import conv_triton
-    x, w, stride, padding, dilation, output_padding = _conv3d_args()
-    with pytest.raises(NotImplementedError, match=r"hfkern::array_conv_triton: .*3-D convolution"):
-        conv_triton.array_conv_triton(x, w, None, stride, padding, dilation, False, output_padding, 1)
-    gy = torch.randn(2, 2, 5, 3, 3, 3)
-    with pytest.raises(NotImplementedError, match=r"hfkern::array_conv_input_grad_triton: .*3-D"):
-        conv_triton.array_conv_input_grad_triton(gy, w, list(x.shape), stride, padding, dilation,
-                                                 False, output_padding, 1)
-    with pytest.raises(NotImplementedError, match=r"hfkern::array_conv_weight_grad_triton: .*3-D"):
-        conv_triton.array_conv_weight_grad_triton(gy, x, w, stride, padding, dilation, False,
-                                                  output_padding, 1)
+    from hfkern import _backend
+    from hfkern.triton import conv as launchers
+    ops = ("array_conv", "array_conv_input_grad", "array_conv_weight_grad")
+    impls = [_backend._registry[op]["triton"].load() for op in ops]
+    assert impls == [launchers.array_conv, launchers.array_conv_input_grad, launchers.array_conv_weight_grad]
+    for op, call in _conv3d_calls(shared, impls):
+        with pytest.raises(NotImplementedError,
+                           match=rf"hfkern::{op} \(triton\): supports 1-D and 2-D convolutions only .*"
+                                 r"got a 3-D convolution: stride \[1, 1, 1\] and weight of shape "
+                                 r"\[2, 5, 3, 2, 2, 2\]"):
+            call()
 
 
 def test_malformed_conv_geometry_raises_value_error():

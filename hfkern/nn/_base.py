@@ -9,11 +9,13 @@ new leading dim, which is what makes :meth:`ArrayModule.from_modules` and
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.nn import init
 
 from .._array import check_B
 
@@ -351,3 +353,20 @@ def stack_init(params: Iterable[torch.Tensor], init_fn) -> None:
     with torch.no_grad():
         for b in range(params[0].shape[0]):
             init_fn(*(p[b] if p is not None else None for p in params))
+
+
+def reset_kaiming_uniform(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """torch's default init of Linear and the convolutions, drawn independently for each model.
+
+    Without inputs (fan-in 0) the bias is zero, as Linear makes it (the
+    convolutions leave it uninitialized there).
+    """
+
+    def reset(w, b):
+        init.kaiming_uniform_(w, a=math.sqrt(5))
+        if b is not None:
+            fan_in, _ = init._calculate_fan_in_and_fan_out(w)
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+            init.uniform_(b, -bound, bound)
+
+    stack_init([weight, bias], reset)

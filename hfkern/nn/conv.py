@@ -8,33 +8,17 @@ conv, norm or pooling layer reads without a copy. A shared input
 
 from __future__ import annotations
 
-import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn import init
 
-from .._array import check_channels, check_input, is_shared
-from ..ops import conv_torch
+from .._array import check_channels, check_input, conv_output_size, from_grouped, is_shared, to_grouped
 from ..ops.conv import array_conv
-from ._base import ArrayModule, stack_init
+from ._base import ArrayModule, reset_kaiming_uniform
 
 __all__ = ["Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d"]
-
-
-def reset_kaiming_uniform(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """torch's default init of Linear and _ConvNd, applied to each model independently."""
-
-    def reset(w, b):
-        init.kaiming_uniform_(w, a=math.sqrt(5))
-        if b is not None:
-            fan_in, _ = init._calculate_fan_in_and_fan_out(w)
-            if fan_in != 0:
-                bound = 1 / math.sqrt(fan_in)
-                init.uniform_(b, -bound, bound)
-
-    stack_init([weight, bias], reset)
 
 
 class _ArrayConvNd(ArrayModule):
@@ -110,7 +94,7 @@ class _ArrayConv(_ArrayConvNd):
             if is_shared(x):
                 x = F.pad(x[0], pad, mode=mode).expand(x.shape[0], -1, -1, *([-1] * self._n))
             else:
-                x = conv_torch.from_grouped(F.pad(conv_torch.to_grouped(x), pad, mode=mode), x.shape[0])
+                x = from_grouped(F.pad(to_grouped(x), pad, mode=mode), x.shape[0])
         else:
             conv_padding = left
         y = self._conv(x, conv_padding, [0] * self._n)
@@ -159,19 +143,29 @@ class _ArrayConvTranspose(_ArrayConvNd):
         if self.padding_mode != "zeros":
             raise ValueError(f"Only `zeros` padding mode is supported for {name}")
         x, unbatched = self._check(input)
+        output_padding = self.output_padding
         if output_size is not None:
-            output_size = self._model_output_size(output_size, x.shape[0], unbatched)
-        # torch's own output_size -> output_padding logic, on one model's shape
-        per_model = x[0].squeeze(0) if unbatched else x[0]
-        output_padding = nn.modules.conv._ConvTransposeNd._output_padding(
-            self, per_model, output_size, list(self.stride), list(self.padding),
-            list(self.kernel_size), self._n, list(self.dilation),
-        )
+            size = self._spatial_output_size(output_size, x.shape[0], unbatched)
+            output_padding = self._output_padding(size, x.shape[-self._n:])
         y = self._conv(x, self.padding, output_padding)
         return y.squeeze(1) if unbatched else y
 
-    def _model_output_size(self, output_size, B: int, unbatched: bool):
-        """``output_size`` without its array entry, if it has one (checked against B)."""
+    def _output_padding(self, size: Sequence[int], input_size: Sequence[int]) -> list[int]:
+        """The output_padding that gives spatial output sizes ``size`` (torch's rule:
+        each within ``stride - 1`` above the smallest size), or ValueError."""
+        n = self._n
+        smallest = conv_output_size(input_size, self.kernel_size, self.stride, self.padding,
+                                    self.dilation, True, [0] * n)
+        largest = [lo + s - 1 for lo, s in zip(smallest, self.stride)]
+        if not all(lo <= o <= hi for o, lo, hi in zip(size, smallest, largest)):
+            raise ValueError(
+                f"{type(self).__name__}: requested an output size of {list(size)}, but valid sizes "
+                f"range from {smallest} to {largest} (for an input of spatial size {list(input_size)})"
+            )
+        return [o - lo for o, lo in zip(size, smallest)]
+
+    def _spatial_output_size(self, output_size, B: int, unbatched: bool) -> list[int]:
+        """The spatial sizes of ``output_size`` in any of its forms (an array form's B checked)."""
         name = type(self).__name__
         if not isinstance(output_size, (list, tuple)):  # torch.Size is a tuple
             raise TypeError(
@@ -189,15 +183,13 @@ class _ArrayConvTranspose(_ArrayConvNd):
                 f"{name}: for input of shape {in_shape}, expected output_size of the form {forms} "
                 f"entries, got {len(output_size)} entries {list(output_size)}"
             )
-        if len(output_size) != array_len:
-            return output_size  # spatial or per-model: torch's own logic reads it
-        if output_size[0] != B:
+        if len(output_size) == array_len and output_size[0] != B:
             shape = "[B, C_out, *spatial]" if unbatched else "[B, N, C_out, *spatial]"
             raise ValueError(
                 f"{name}: an output_size of {array_len} entries is the array output shape {shape}, "
                 f"whose first entry must be B={B}; got {list(output_size)}"
             )
-        return list(output_size[1:])
+        return list(output_size[-n:])
 
 
 class ConvTranspose1d(_ArrayConvTranspose):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._array import MAX_NDIM, check_input, fold, is_shared, per_model_memory_first
+from .._dtypes import acc_dtype
 from ._base import ArrayModule
 
 __all__ = ["Dropout", "Dropout1d", "Dropout2d", "dropout_probability", "per_model_dropout"]
@@ -115,7 +116,7 @@ def _per_model_factors(p: tuple[float, ...], x: torch.Tensor, cache: dict | None
     key = (x.device, x.dtype, p)
     if cache is not None and key in cache:
         return cache[key]
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x.dtype)
     keep = 1 - torch.tensor(p, dtype=torch.float64)
     scale = torch.where(keep > 0, 1 / keep.to(acc).clamp_min(torch.finfo(acc).tiny), 0).to(x.dtype)
     pair = (keep.to(device=x.device, dtype=acc), scale.to(x.device))

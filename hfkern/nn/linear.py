@@ -7,10 +7,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn import init
 
 from .._array import MAX_NDIM, check_input, is_shared
-from ._base import ArrayModule, stack_init
+from ._base import ArrayModule, reset_kaiming_uniform
 
 __all__ = ["Linear", "array_linear"]
 
@@ -62,16 +61,7 @@ class Linear(ArrayModule):
 
     def reset_parameters(self) -> None:
         """torch.nn.Linear's init, drawn independently for each model."""
-
-        def reset(w, b):
-            init.kaiming_uniform_(w, a=math.sqrt(5))
-            if b is not None:
-                # unlike the convolutions, torch zeroes the bias when in_features == 0
-                fan_in, _ = init._calculate_fan_in_and_fan_out(w)
-                bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-                init.uniform_(b, -bound, bound)
-
-        stack_init([self.weight, self.bias], reset)
+        reset_kaiming_uniform(self.weight, self.bias)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = check_input("Linear", input, self.B, range(1, MAX_NDIM), self.weight)

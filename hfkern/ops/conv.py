@@ -34,78 +34,142 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from . import conv_torch
+from .._array import check_conv_args, conv_output_size, from_grouped, new_batch_major, to_grouped
+
+__all__ = ["array_conv", "array_conv_input_grad", "array_conv_weight_grad"]
 
 _FWD, _DGRAD, _WGRAD = "array_conv", "array_conv_input_grad", "array_conv_weight_grad"
 
-
-def conv_output_size(
-    size: Sequence[int], weight: Tensor, stride, padding, dilation, transposed, output_padding
-) -> list[int]:
-    k = weight.shape[-len(stride):]
-    if transposed:
-        return [
-            (i - 1) * s - 2 * p + d * (kk - 1) + op + 1
-            for i, kk, s, p, d, op in zip(size, k, stride, padding, dilation, output_padding)
-        ]
-    return [
-        (i + 2 * p - d * (kk - 1) - 1) // s + 1
-        for i, kk, s, p, d in zip(size, k, stride, padding, dilation)
-    ]
+aten = torch.ops.aten
 
 
-_SUPPORTED_ND = (1, 2)
+# ---- the torch implementations (CPU path and oracle) ---------------------------
+#
+# cuDNN / oneDNN grouped convolution: the B models' convolutions become one
+# convolution with ``groups = B * groups`` over ``[N, B*C, *s]`` tensors, which
+# is exactly the physical layout the array conv keeps its activations in, so
+# neither the input nor the output is copied. A shared input instead runs one
+# dense convolution with the B weights concatenated on the output channels.
+#
+# Shapes (``g`` = groups within one model)::
+#
+#     x       [B, N, C_in, *s]   per-model input, or [N, C_in, *s] shared
+#     weight  [B, C_out, C_in/g, *k]        (transposed: [B, C_in, C_out/g, *k])
+#     bias    [B, C_out]
+#     out     [B, N, C_out, *s']  view of [N, B, C_out, *s'] memory
 
 
-def check_conv_args(
-    op: str, activation_dims: int, weight: Tensor, stride, padding, dilation, output_padding,
-    groups: int, *, grad_out: Tensor | None = None,
-) -> None:
-    """Raise unless the arguments describe a 1-D or 2-D array convolution.
+def _out_channels(weight: Tensor, transposed: bool, groups: int) -> int:
+    return weight.shape[2] * groups if transposed else weight.shape[1]
 
-    ``activation_dims`` is the number of dims of the conv's input (``[B, N, C, *s]``
-    or a shared ``[N, C, *s]``). Metadata only: no device value is read.
+
+def _flat_weight(weight: Tensor) -> Tensor:
+    """[B, A, b, *k] -> [B*A, b, *k]: the per-model weights of the grouped conv."""
+    return weight.reshape(weight.shape[0] * weight.shape[1], *weight.shape[2:])
+
+
+def _dense_weight(weight: Tensor, transposed: bool, groups: int) -> Tensor:
+    """The B weights concatenated on the output channels for one dense conv.
+
+    Output channels come out in (group, model, channel-in-group) order, so each
+    of the ``groups`` groups of the dense conv sees the same input channels as
+    that group in every model.
     """
+    B = weight.shape[0]
+    if transposed:  # [B, C_in, C_out/g, *k] -> [C_in, B*C_out/g, *k]
+        w = weight.transpose(0, 1)
+        return w.reshape(w.shape[0], B * w.shape[2], *w.shape[3:])
+    co_g = weight.shape[1] // groups  # [B, C_out, C_in/g, *k] -> [g*B*C_out/g, C_in/g, *k]
+    w = weight.reshape(B, groups, co_g, *weight.shape[2:]).transpose(0, 1)
+    return w.reshape(groups * B * co_g, *weight.shape[2:])
+
+
+def _swap_channel_blocks(y: Tensor, outer: int, inner: int) -> Tensor:
+    """[N, (outer, inner, c), *s] channel order -> [N, (inner, outer, c), *s]; with
+    (groups, B) the dense conv's order to the array's, with (B, groups) back.
+    A copy only when both are > 1."""
+    if outer == 1 or inner == 1:
+        return y
+    N, C = y.shape[:2]
+    return y.reshape(N, outer, inner, C // (outer * inner), *y.shape[2:]).transpose(1, 2).reshape(y.shape)
+
+
+@_backend.implements(_FWD, "torch")
+def array_conv_torch(
+    x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+) -> Tensor:
+    B = weight.shape[0]
+    if x.dim() == weight.dim():  # per-model input
+        y = aten.convolution(
+            to_grouped(x), _flat_weight(weight), None if bias is None else bias.reshape(-1),
+            stride, padding, dilation, transposed, output_padding, B * groups,
+        )
+        return from_grouped(y, B)
+    # shared input [N, C_in, *s]: one dense conv
+    dense_bias = None
+    if bias is not None:
+        dense_bias = bias.reshape(B, groups, -1).transpose(0, 1).reshape(-1)
+    y = aten.convolution(
+        x, _dense_weight(weight, transposed, groups), dense_bias,
+        stride, padding, dilation, transposed, output_padding, groups,
+    )
+    return from_grouped(_swap_channel_blocks(y, groups, B), B)
+
+
+@_backend.implements(_DGRAD, "torch")
+def array_conv_input_grad_torch(
+    grad_out: Tensor, weight: Tensor, input_size: Sequence[int], stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], transposed: bool,
+    output_padding: Sequence[int], groups: int,
+) -> Tensor:
+    """d(loss)/dx: the adjoint convolution of grad_out (a transposed conv for a conv)."""
+    B = weight.shape[0]
+    shared = len(input_size) == weight.dim() - 1
+    if shared:  # the sum over the B models falls out of the dense conv
+        gy = _swap_channel_blocks(to_grouped(grad_out), B, groups)
+        w, g = _dense_weight(weight, transposed, groups), groups
+    else:
+        gy = to_grouped(grad_out)
+        w, g = _flat_weight(weight), B * groups
     nd = len(stride)
-    kernel_nd = weight.dim() - 3
-    if nd not in _SUPPORTED_ND or kernel_nd not in _SUPPORTED_ND:
-        # A 3-D conv is a well-formed request this library does not implement;
-        # any other count of spatial dims is malformed.
-        unsupported = 3 in (nd, kernel_nd)
-        raise (NotImplementedError if unsupported else ValueError)(
-            f"hfkern::{op}: supports 1-D and 2-D convolutions only (stride, padding, dilation "
-            f"and output_padding of length 1 or 2, weight [B, C_out, C_in/groups, *k] of 4 or "
-            f"5 dims), got {'a 3-D convolution: ' if unsupported else ''}stride {list(stride)} "
-            f"and weight of shape {list(weight.shape)}"
-        )
-    if kernel_nd != nd:
-        raise ValueError(
-            f"hfkern::{op}: expected weight of {nd + 3} dims ([B, C_out, C_in/groups, *k] with "
-            f"{nd} kernel dims, as stride {list(stride)}), got {list(weight.shape)}"
-        )
-    for name, value in (("padding", padding), ("dilation", dilation), ("output_padding", output_padding)):
-        if len(value) != nd:
-            raise ValueError(
-                f"hfkern::{op}: expected {name} of length {nd} (one per spatial dim, as stride "
-                f"{list(stride)}), got {list(value)}"
-            )
-    if activation_dims not in (nd + 2, nd + 3):
-        raise ValueError(
-            f"hfkern::{op}: expected an input of {nd + 3} dims [B, N, C_in, *s] (or {nd + 2} dims "
-            f"[N, C_in, *s], shared) for a {nd}-D convolution, got {activation_dims} dims"
-        )
-    if grad_out is not None and grad_out.dim() != nd + 3:
-        raise ValueError(
-            f"hfkern::{op}: expected grad_out of {nd + 3} dims [B, N, C_out, *s'] for a {nd}-D "
-            f"convolution, got shape {list(grad_out.shape)}"
-        )
-    if groups < 1:
-        raise ValueError(f"hfkern::{op}: expected groups >= 1, got {groups}")
+    if transposed:
+        adjoint_padding = [0] * nd
+    else:  # the output_padding that makes the transposed conv of grad_out land on input_size
+        reached = conv_output_size(gy.shape[2:], weight.shape[-nd:], stride, padding, dilation,
+                                   True, [0] * nd)
+        adjoint_padding = [i - r for i, r in zip(input_size[-nd:], reached)]
+    gx = aten.convolution(gy, w, None, stride, padding, dilation, not transposed, adjoint_padding, g)
+    return gx if shared else from_grouped(gx, B)
 
 
-def _empty_array_layout(B: int, N: int, C: int, spatial: Sequence[int], like: Tensor) -> Tensor:
-    return like.new_empty((N, B, C, *spatial)).transpose(0, 1)
+@_backend.implements(_WGRAD, "torch")
+def array_conv_weight_grad_torch(
+    grad_out: Tensor, x: Tensor, weight: Tensor, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+) -> Tensor:
+    """d(loss)/dweight (``weight`` is read for its shape only)."""
+    B = weight.shape[0]
+    if x.dim() == weight.dim():
+        gw = aten.convolution_backward(
+            to_grouped(grad_out), to_grouped(x), _flat_weight(weight), None,
+            stride, padding, dilation, transposed, output_padding, B * groups,
+            [False, True, False],
+        )[1]
+        return gw.reshape(weight.shape)
+    gw = aten.convolution_backward(
+        _swap_channel_blocks(to_grouped(grad_out), B, groups), x,
+        _dense_weight(weight, transposed, groups), None,
+        stride, padding, dilation, transposed, output_padding, groups,
+        [False, True, False],
+    )[1]
+    if transposed:  # [C_in, B*C_out/g, *k] -> [B, C_in, C_out/g, *k]
+        return gw.reshape(gw.shape[0], B, -1, *gw.shape[2:]).transpose(0, 1).contiguous()
+    # [(g, B, c), C_in/g, *k] -> [B, (g, c), C_in/g, *k]
+    return gw.reshape(groups, B, -1, *gw.shape[1:]).transpose(0, 1).reshape(weight.shape)
 
+
+# ---- the ops -------------------------------------------------------------------
 
 @torch.library.custom_op("hfkern::array_conv", mutates_args=())
 def array_conv(
@@ -128,11 +192,10 @@ def array_conv(
 def _(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
     nd = len(stride)
-    out = conv_output_size(x.shape[-nd:], weight, stride, padding, dilation, transposed, output_padding)
-    N = x.shape[-nd - 2]
-    return _empty_array_layout(
-        weight.shape[0], N, conv_torch.out_channels(weight, transposed, groups), out, x
-    )
+    out = conv_output_size(x.shape[-nd:], weight.shape[-nd:], stride, padding, dilation, transposed,
+                           output_padding)
+    C_out = _out_channels(weight, transposed, groups)
+    return new_batch_major(x, (weight.shape[0], x.shape[-nd - 2], C_out, *out))
 
 
 @torch.library.custom_op("hfkern::array_conv_input_grad", mutates_args=())
@@ -159,8 +222,7 @@ def _(grad_out, weight, input_size, stride, padding, dilation, transposed, outpu
                     groups, grad_out=grad_out)
     if len(input_size) == weight.dim() - 1:  # shared input
         return grad_out.new_empty(input_size)
-    B, N, C = input_size[:3]
-    return _empty_array_layout(B, N, C, input_size[3:], grad_out)
+    return new_batch_major(grad_out, input_size)
 
 
 @torch.library.custom_op("hfkern::array_conv_weight_grad", mutates_args=())
@@ -270,16 +332,3 @@ def _weight_grad_backward(ctx, grad_grad_w):
 
 
 array_conv_weight_grad.register_autograd(_weight_grad_backward, setup_context=_weight_grad_setup_context)
-
-_backend.register(_FWD, "torch", conv_torch.array_conv)
-_backend.register(_DGRAD, "torch", conv_torch.array_conv_input_grad)
-_backend.register(_WGRAD, "torch", conv_torch.array_conv_weight_grad)
-
-
-# The Triton implementations are torch.library triton ops defined in
-# hfkern/ops/conv_triton.py, imported on first use (defining a triton op imports
-# triton and parts of inductor, which plain "import hfkern" should not pay for).
-# auto=False: auto picks them only once a GPU benchmark shows them faster.
-for _op in (_FWD, _DGRAD, _WGRAD):
-    _backend.register(_op, "triton", f"hfkern.ops.conv_triton:{_op}_triton",
-                      device_types=("cuda",), auto=False)

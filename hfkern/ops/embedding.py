@@ -43,12 +43,129 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from . import embedding_torch
+from .._array import is_shared
 
-_FWD = "array_embedding"
-_BWD = "array_embedding_backward"
-_SPARSE_BWD = "array_embedding_sparse_backward"
-_RENORM = "array_embedding_renorm_"
+__all__ = [
+    "array_embedding", "array_embedding_backward", "array_embedding_sparse_backward",
+    "array_embedding_renorm_", "embedding_checked_indices", "raise_if_out_of_range",
+]
+
+_FWD, _BWD = "array_embedding", "array_embedding_backward"
+_SPARSE_BWD, _RENORM = "array_embedding_sparse_backward", "array_embedding_renorm_"
+
+aten = torch.ops.aten
+
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
+# ---- the torch implementations (CPU path and oracle) ---------------------------
+#
+# One lookup over the ``[B*V, D]`` table: the B models' tables are one table
+# and model b's index ``i`` is row ``b*V + i`` of it, so the B lookups (and the
+# B gradient scatters, and the B max-norm renormalizations) are one aten call
+# each. A shared index tensor (stride 0 on the array dim) needs no offsets: the
+# forward is one ``index_select`` along the vocabulary dim of ``[B, V, D]``.
+#
+# Shapes::
+#
+#     weight    [B, V, D]
+#     indices   [B, *] int64 or int32 (any strides; stride 0 on dim 0: shared)
+#     out       [B, *, D]
+#     grad_out  [B, *, D]
+#
+# Determinism: the dense backward is aten's ``embedding_dense_backward`` over
+# the flat table (the kernel ``torch.nn.Embedding`` itself uses), not
+# ``index_add_``: on CPU it is a sequential scatter, on CUDA a sort by row
+# followed by per-row sums, and torch does not list it among its
+# nondeterministic operations. The sparse backward and the renorm do no
+# reductions across indices.
+
+
+def _offset_indices(indices: Tensor, num_weights: int) -> Tensor:
+    """``[B, *]`` per-model indices -> ``[B*n]`` contiguous rows of the ``[B*V, D]`` table.
+
+    Keeps int32 indices int32 unless a row number of the flat table could
+    exceed the int32 range.
+    """
+    B = indices.shape[0]
+    dtype = torch.int64 if B * num_weights > _INT32_MAX else indices.dtype
+    offsets = torch.arange(0, B * num_weights, num_weights, device=indices.device, dtype=dtype)
+    offsets = offsets.view(B, *([1] * (indices.dim() - 1)))
+    # Written into a contiguous buffer so that indices with any strides (an
+    # [N, B] memory order, a broadcast) flatten without a second copy.
+    out = torch.empty(indices.shape, dtype=dtype, device=indices.device)
+    return torch.add(indices, offsets, out=out).view(-1)
+
+
+@_backend.implements(_FWD, "torch")
+def array_embedding_torch(
+    weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Tensor:
+    """out[b, ...] = weight[b, indices[b, ...]]; the remaining arguments only shape the backward."""
+    B, V, D = weight.shape
+    if is_shared(indices):
+        rows = indices[0].reshape(-1)
+        return weight.index_select(1, rows).view(B, *indices.shape[1:], D)
+    table = weight.reshape(B * V, D)
+    return table.index_select(0, _offset_indices(indices, V)).view(*indices.shape, D)
+
+
+@_backend.implements(_BWD, "torch")
+def array_embedding_backward_torch(
+    grad_out: Tensor, indices: Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool,
+) -> Tensor:
+    """Dense weight gradient ``[B, num_weights, D]``.
+
+    Row counts for ``scale_grad_by_freq`` are counted per flat row, i.e. per
+    model, because each model's rows are distinct rows of the flat table.
+    """
+    B, D = grad_out.shape[0], grad_out.shape[-1]
+    rows = _offset_indices(indices, num_weights)
+    grad = aten.embedding_dense_backward(
+        grad_out.reshape(rows.numel(), D), rows, B * num_weights, -1, scale_grad_by_freq
+    ).view(B, num_weights, D)
+    if padding_idx >= 0:
+        # aten takes one padding row; each model's padding row is a different
+        # flat row, so they are cleared here instead.
+        grad[:, padding_idx] = 0
+    return grad
+
+
+@_backend.implements(_SPARSE_BWD, "torch")
+def array_embedding_sparse_backward_torch(
+    grad_out: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+) -> Tensor:
+    """Sparse COO weight gradient ``[B, num_weights, D]`` (2 sparse dims, 1 dense).
+
+    Uncoalesced, one entry per looked-up index in input order with the padding
+    entries left out, so ``grad[b]`` is exactly the gradient ``torch.nn.Embedding``
+    with ``sparse=True`` gives model b.
+    """
+    B, D = grad_out.shape[0], grad_out.shape[-1]
+    models = torch.arange(B, device=indices.device).view(B, *([1] * (indices.dim() - 1)))
+    models = models.expand(indices.shape).reshape(-1)
+    rows = indices.reshape(-1).to(torch.int64)
+    values = grad_out.reshape(rows.numel(), D)
+    if padding_idx >= 0:
+        keep = rows != padding_idx
+        models, rows, values = models[keep], rows[keep], values[keep]
+    else:
+        values = values.clone()  # the gradient must not alias grad_out
+    return torch.sparse_coo_tensor(
+        torch.stack([models, rows]), values, (B, num_weights, D), check_invariants=False
+    )
+
+
+@_backend.implements(_RENORM, "torch")
+def array_embedding_renorm_torch(weight: Tensor, indices: Tensor, max_norm: float, norm_type: float) -> None:
+    """In place: rescale each row of model b referenced by ``indices[b]`` to norm <= max_norm."""
+    B, V, D = weight.shape
+    rows = _offset_indices(indices, V)
+    table = weight.contiguous().view(B * V, D)  # weight itself when contiguous
+    torch.embedding_renorm_(table, rows, max_norm, norm_type)
+    if not weight.is_contiguous():
+        weight.copy_(table.view(B, V, D))
 
 
 # ---- index range check (for callers at the Python boundary) ---------------------
@@ -216,7 +333,7 @@ def _row_scale(indices: Tensor, num_weights: int, padding_idx: int, scale_grad_b
         return None
     scale = torch.ones(indices.shape, dtype=dtype, device=indices.device)
     if scale_grad_by_freq:
-        rows = embedding_torch.offset_indices(indices, num_weights)
+        rows = _offset_indices(indices, num_weights)
         hits = torch.bincount(rows, minlength=indices.shape[0] * num_weights)
         scale = scale / hits.index_select(0, rows).view(indices.shape).to(dtype)
     if padding_idx >= 0:
@@ -257,19 +374,3 @@ array_embedding_backward.register_autograd(
 array_embedding_sparse_backward.register_autograd(
     _backward_op_backward, setup_context=_backward_op_setup_context(_SPARSE_BWD)
 )
-
-_backend.register(_FWD, "torch", embedding_torch.array_embedding)
-_backend.register(_BWD, "torch", embedding_torch.array_embedding_backward)
-_backend.register(_SPARSE_BWD, "torch", embedding_torch.array_embedding_sparse_backward)
-_backend.register(_RENORM, "torch", embedding_torch.array_embedding_renorm_)
-
-
-# The Triton implementations are torch.library triton ops defined in
-# hfkern/ops/embedding_triton.py, imported on first use (defining a triton op
-# imports triton and parts of inductor, which plain "import hfkern" should not
-# pay for). The sparse backward and the renorm stay torch-only: neither reduces
-# across indices, and aten's kernels for them are already single passes.
-# auto=False: auto picks them only once a GPU benchmark shows them faster.
-for _op in (_FWD, _BWD):
-    _backend.register(_op, "triton", f"hfkern.ops.embedding_triton:{_op}_triton",
-                      device_types=("cuda",), auto=False)

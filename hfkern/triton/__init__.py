@@ -1,9 +1,12 @@
-"""Triton kernels over the array dimension, and their launchers.
+"""Triton kernels over the array dimension, one module per op family.
 
-Only kernels and launchers live here: no modules, no autograd, no dispatch.
-``hfkern/ops/*`` registers the launchers as the ``triton`` implementations of
-the ``hfkern`` ops. Importing this package imports triton; hfkern imports it
-only when a Triton implementation first runs.
+Each family module holds its kernels and launchers and registers the
+launchers as the ``triton`` implementations of its ``hfkern`` ops with
+``hfkern._backend.implements``; the registry imports every module of this
+package the first time the ``triton`` backend is considered for a call, so
+``import hfkern`` never imports triton. No module here imports ``hfkern.ops``
+(the layer above); shared facts come from ``hfkern._array``, ``_dtypes`` and
+``_device``, and the launch helpers from :mod:`._common`.
 
 Launchers take CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set
 before triton is imported (Triton's interpreter, used by the CPU test suite).

@@ -25,6 +25,11 @@ columns) in the forward and one reduction over B*C_out in the input gradient.
 
 Accumulation is fp32. fp32 inputs use TF32 tensor cores only when
 ``torch.backends.cudnn.allow_tf32`` allows it, as cuDNN does for torch's convs.
+
+The launchers take exactly the arguments of the ops in :mod:`hfkern.ops.conv`
+(which states the op contract; its torch implementations are the oracle),
+check them as the ops do, since benchmarks call them directly, and register
+themselves as the ``triton`` implementations.
 """
 
 from __future__ import annotations
@@ -35,7 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _backend
+from .._array import check_conv_args, conv_output_size, new_batch_major
+from .._device import sm_count
 from ._common import Tuned, interpreting
+
+_FWD, _DGRAD, _WGRAD = "array_conv", "array_conv_input_grad", "array_conv_weight_grad"
 
 
 def _configs(m_n_k: Sequence[tuple[int, int, int, int, int]]) -> list[triton.Config]:
@@ -255,8 +265,12 @@ _wgrad = Tuned(_conv_wgrad_kernel, _GEMM_CONFIGS, ["A_G", "C_G", "CHUNK", "OH", 
                interpret_config=_INTERPRET_CONFIG)
 
 
-# ---------------------------------------------------------------------------
-# launchers
+# ---- launchers -----------------------------------------------------------------
+
+# Registered for CUDA tensors; auto=False: auto picks them only once a GPU
+# benchmark shows them faster than the torch path.
+def _implements(op: str):
+    return _backend.implements(op, "triton", device_types=("cuda",), auto=False)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -320,15 +334,7 @@ def _launch_gemm(transposed, x, x_strides, w, w_strides, bias, y, y_strides, siz
     )
 
 
-def _out_spatial(in_hw, k_hw, geom, transposed, output_padding):
-    (sh, sw), (ph, pw), (dh, dw) = geom
-    out = []
-    for i, k, s, p, d, op in zip(in_hw, k_hw, (sh, sw), (ph, pw), (dh, dw), output_padding):
-        out.append((i - 1) * s - 2 * p + d * (k - 1) + op + 1 if transposed
-                   else (i + 2 * p - d * (k - 1) - 1) // s + 1)
-    return out
-
-
+@_implements(_FWD)
 def array_conv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -341,19 +347,21 @@ def array_conv(
     groups: int,
 ) -> torch.Tensor:
     """The Triton implementation of ``hfkern::array_conv`` (see hfkern/ops/conv.py)."""
+    check_conv_args(f"{_FWD} (triton)", x.dim(), weight, stride, padding, dilation, output_padding,
+                    groups)
     nd = len(stride)
     B = weight.shape[0]
     shared = x.dim() == weight.dim() - 1
     N, C_in = (x.shape[0], x.shape[1]) if shared else (x.shape[1], x.shape[2])
     C_out = weight.shape[2] * groups if transposed else weight.shape[1]
     geom = _geometry(stride, padding, dilation, nd)
-    out_pad = (0, output_padding[0]) if nd == 1 else tuple(output_padding)
     x2 = _as_2d(x, nd)
     H, W = x2.shape[-2:]
-    OH, OW = _out_spatial((H, W), _kernel_hw(weight), geom, transposed, out_pad)
-    out_spatial = [OW] if nd == 1 else [OH, OW]
-    y = x.new_empty((N, B, C_out, *out_spatial)).transpose(0, 1)
+    out_spatial = conv_output_size(x.shape[-nd:], weight.shape[-nd:], stride, padding, dilation,
+                                   transposed, output_padding)
+    y = new_batch_major(x, (B, N, C_out, *out_spatial))
     y2 = _as_2d(y, nd)
+    OH, OW = y2.shape[-2:]
     y_strides = tuple(y2.stride())
     c_in_g, c_out_g = C_in // groups, C_out // groups
     sizes = (N, H, W, OH, OW, c_in_g, c_out_g)
@@ -378,6 +386,7 @@ def _mergeable(weight, bias, y2, C_out) -> bool:
     return ok and (bias is None or bias.stride(0) == C_out * bias.stride(1))
 
 
+@_implements(_DGRAD)
 def array_conv_input_grad(
     grad_out: torch.Tensor,
     weight: torch.Tensor,
@@ -390,6 +399,8 @@ def array_conv_input_grad(
     groups: int,
 ) -> torch.Tensor:
     """The Triton implementation of ``hfkern::array_conv_input_grad``."""
+    check_conv_args(f"{_DGRAD} (triton)", len(input_size), weight, stride, padding, dilation,
+                    output_padding, groups, grad_out=grad_out)
     nd = len(stride)
     B = weight.shape[0]
     shared = len(input_size) == weight.dim() - 1
@@ -400,13 +411,11 @@ def array_conv_input_grad(
         gx = grad_out.new_empty(input_size)
         C_in = input_size[1]
     else:
-        gx = grad_out.new_empty((input_size[1], B, *input_size[2:])).transpose(0, 1)
+        gx = new_batch_major(grad_out, input_size)
         C_in = input_size[2]
     gx2 = _as_2d(gx, nd)
     H, W = gx2.shape[-2:]
     c_in_g, c_out_g = C_in // groups, C_out // groups
-    # The input gradient of a conv is a transposed conv of grad_out (and vice
-    # versa): the same kernels with the weight's two channel dims swapped.
     # The input gradient of a conv is a transposed conv of grad_out and vice
     # versa: here the kernel's "in" channels are grad_out's and its "out"
     # channels the input's. A plain GEMM reads its weight as (model, out, in/G)
@@ -427,7 +436,7 @@ def array_conv_input_grad(
                          gx2, (0, *gx2.stride()), (N, OH, OW, H, W, B * C_out, C_in),
                          geom, 1, 1, grad_out.dtype)
             return gx
-        per_model = grad_out.new_empty((N, B, *input_size[1:])).transpose(0, 1)
+        per_model = new_batch_major(grad_out, (B, N, *input_size[1:]))
         pm2 = _as_2d(per_model, nd)
         _launch_gemm(adjoint, gy2, tuple(gy2.stride()), weight, w_strides, None,
                      pm2, tuple(pm2.stride()), sizes, geom, B, groups, grad_out.dtype)
@@ -437,6 +446,7 @@ def array_conv_input_grad(
     return gx
 
 
+@_implements(_WGRAD)
 def array_conv_weight_grad(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -449,6 +459,8 @@ def array_conv_weight_grad(
     groups: int,
 ) -> torch.Tensor:
     """The Triton implementation of ``hfkern::array_conv_weight_grad``."""
+    check_conv_args(f"{_WGRAD} (triton)", x.dim(), weight, stride, padding, dilation,
+                    output_padding, groups, grad_out=grad_out)
     nd = len(stride)
     B = weight.shape[0]
     shared = x.dim() == weight.dim() - 1
@@ -471,7 +483,9 @@ def array_conv_weight_grad(
     A_g, C_g = weight.shape[1] // groups, weight.shape[2]
     CK = C_g * kh * kw
     P = N * OH * OW
-    chunk = _wgrad_chunk(P, A_g, CK, B * groups, weight.numel())
+    if P == 0:  # a sum over no output pixels: nothing to launch
+        return torch.zeros_like(weight, memory_format=torch.contiguous_format)
+    chunk = _wgrad_chunk(P, A_g, CK, B * groups, weight.numel(), weight.device)
     splits = triton.cdiv(P, chunk)
     partial = torch.empty((splits, B, groups, A_g, CK), device=weight.device, dtype=torch.float32)
     (sh, sw), (ph, pw), (dh, dw) = geom
@@ -491,12 +505,13 @@ def array_conv_weight_grad(
     return gw.reshape(weight.shape).to(weight.dtype)
 
 
-def _wgrad_chunk(P: int, A_g: int, CK: int, models_groups: int, weight_numel: int) -> int:
+def _wgrad_chunk(P: int, A_g: int, CK: int, models_groups: int, weight_numel: int,
+                 device: torch.device) -> int:
     """Output pixels per reduction split: enough programs to fill the GPU, bounded partial memory."""
     if interpreting():
         return max(16, triton.cdiv(P, 2))
     tiles = triton.cdiv(A_g, 64) * triton.cdiv(CK, 64) * models_groups
-    target_programs = 4 * 132  # a few waves on an H100's 132 SMs
+    target_programs = 4 * sm_count(device)  # a few waves of programs over the SMs
     splits = max(1, min(target_programs // max(tiles, 1), triton.cdiv(P, 256)))
     splits = max(1, min(splits, (64 << 20) // max(weight_numel, 1)))  # <= 256 MiB of partials
     chunk = triton.cdiv(P, splits)

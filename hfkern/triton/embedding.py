@@ -1,7 +1,12 @@
 """Triton kernels for the array embedding: the gather forward and the dense backward.
 
-Shapes (as in :mod:`hfkern.ops.embedding_torch`, whose functions these launchers
-mirror argument for argument)::
+The launchers take exactly the arguments of the ops in :mod:`hfkern.ops.embedding`
+(which states the op contract; its torch implementations are the oracle) and
+register themselves as the ``triton`` implementations. The sparse backward and
+the renorm stay torch-only: neither reduces across indices, and aten's kernels
+for them are already single passes.
+
+Shapes::
 
     weight    [B, V, D]  any strides
     indices   [B, *]     int32 or int64, any strides (stride 0 on dim 0: shared)
@@ -45,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _backend
 from ._common import Tuned, tl_dtype_ok
 
 __all__ = ["array_embedding", "array_embedding_backward"]
@@ -322,6 +328,9 @@ def _check_dtype(name: str, t: torch.Tensor) -> None:
         )
 
 
+# Registered for CUDA tensors; auto=False: auto picks them only once a GPU
+# benchmark shows them faster than the torch path.
+@_backend.implements("array_embedding", "triton", device_types=("cuda",), auto=False)
 def array_embedding(
     weight: torch.Tensor,
     indices: torch.Tensor,
@@ -360,6 +369,7 @@ def array_embedding(
     return out
 
 
+@_backend.implements("array_embedding_backward", "triton", device_types=("cuda",), auto=False)
 def array_embedding_backward(
     grad_out: torch.Tensor,
     indices: torch.Tensor,

@@ -4,14 +4,21 @@ Interpreter tests call the launchers on CPU tensors (TRITON_INTERPRET=1);
 GPU tests go through the hfkern ops with the triton backend selected.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import hfkern
 import hfkern.nn as hnn
-from hfkern.ops import conv_torch
+from hfkern import _backend
 
 triton = pytest.importorskip("triton")
+from hfkern.triton import conv as tc  # noqa: E402
+
+_OPS = ("array_conv", "array_conv_input_grad", "array_conv_weight_grad")
+# the torch implementations, as registered: the oracle
+ref = SimpleNamespace(**{op: _backend._registry[op]["torch"].load() for op in _OPS})
 
 B = 3
 
@@ -65,19 +72,17 @@ def ieee_fp32():
 
 
 def _check_all(x, w, b, conv, tol):
-    from hfkern.triton import conv as tc
-
     y = tc.array_conv(x, w, b, *conv)
-    ref = conv_torch.array_conv(x, w, b, *conv)
-    assert y.shape == ref.shape and y.stride() == ref.stride()
-    torch.testing.assert_close(y, ref, **tol)
-    gy = torch.randn_like(ref)
+    y_ref = ref.array_conv(x, w, b, *conv)
+    assert y.shape == y_ref.shape and y.stride() == y_ref.stride()
+    torch.testing.assert_close(y, y_ref, **tol)
+    gy = torch.randn_like(y_ref)
     gx = tc.array_conv_input_grad(gy, w, list(x.shape), *conv)
-    gx_ref = conv_torch.array_conv_input_grad(gy, w, list(x.shape), *conv)
+    gx_ref = ref.array_conv_input_grad(gy, w, list(x.shape), *conv)
     assert gx.shape == gx_ref.shape and gx.stride() == gx_ref.stride()
     torch.testing.assert_close(gx, gx_ref, **tol)
     gw = tc.array_conv_weight_grad(gy, x, w, *conv)
-    torch.testing.assert_close(gw, conv_torch.array_conv_weight_grad(gy, x, w, *conv), **tol)
+    torch.testing.assert_close(gw, ref.array_conv_weight_grad(gy, x, w, *conv), **tol)
     assert gw.is_contiguous() and gw.dtype == w.dtype
 
 
@@ -201,32 +206,55 @@ def test_gpu_weight_grad_is_deterministic():
 @pytest.mark.gpu
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
-def test_gpu_opcheck_triton_ops(transposed, shared):
-    import hfkern.ops.conv_triton as ct
-
+def test_gpu_opcheck_ops_on_triton(transposed, shared):
     x, w, b, conv = _case(2, transposed, 1, shared, "batch_major", device="cuda")
-    torch.library.opcheck(ct.array_conv_triton, (x, w, b, *conv))
-    y = ct.array_conv_triton(x, w, b, *conv)
-    gy = torch.randn_like(y)
-    torch.library.opcheck(ct.array_conv_input_grad_triton, (gy, w, list(x.shape), *conv))
-    torch.library.opcheck(ct.array_conv_weight_grad_triton, (gy, x, w, *conv))
+    ops = torch.ops.hfkern
+    with hfkern.use_backend("triton"):
+        torch.library.opcheck(ops.array_conv, (x, w, b, *conv))
+        gy = torch.randn_like(ops.array_conv(x, w, b, *conv))
+        torch.library.opcheck(ops.array_conv_input_grad, (gy, w, list(x.shape), *conv))
+        torch.library.opcheck(ops.array_conv_weight_grad, (gy, x, w, *conv))
+
+
+def test_registered_as_explicit_cuda_backend():
+    # auto=False until a GPU benchmark shows the kernels faster than the torch path
+    for op in _OPS:
+        entry = _backend._registry[op]["triton"]
+        assert entry.load() is getattr(tc, op)
+        assert entry.device_types == ("cuda",) and entry.auto is False and entry.dtypes == ()
+
+
+def _assert_like_fake(op, args, real):
+    """``real`` (a launcher's output) has the shape, strides and dtype the op's fake promises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = getattr(torch.ops.hfkern, op)(*args)
+    assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype)
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
-def test_interpreter_opcheck_schema_and_fake(transposed, shared):
-    # The interpreter's kernels cannot be traced into a graph (wrap_triton hands
-    # them back raw), so the AOT checks run only on a GPU (test_gpu_opcheck_triton_ops).
-    import hfkern.ops.conv_triton as ct
-
-    utils = ("test_schema", "test_faketensor")
+def test_interpreter_outputs_match_the_ops_fakes(transposed, shared):
+    # The AOT checks of the ops on this backend run only on a GPU
+    # (test_gpu_opcheck_ops_on_triton); CPU tensors always take the torch path.
     x, w, b, conv = _case(2, transposed, 1, shared, "batch_major")
-    torch.library.opcheck(ct.array_conv_triton, (x, w, b, *conv), test_utils=utils)
-    y = ct.array_conv_triton(x, w, b, *conv)
+    y = tc.array_conv(x, w, b, *conv)
+    _assert_like_fake("array_conv", (x, w, b, *conv), y)
     gy = torch.randn_like(y)
-    torch.library.opcheck(ct.array_conv_input_grad_triton, (gy, w, list(x.shape), *conv), test_utils=utils)
-    torch.library.opcheck(ct.array_conv_weight_grad_triton, (gy, x, w, *conv), test_utils=utils)
+    dgrad_args = (gy, w, list(x.shape), *conv)
+    _assert_like_fake("array_conv_input_grad", dgrad_args, tc.array_conv_input_grad(*dgrad_args))
+    wgrad_args = (gy, x, w, *conv)
+    _assert_like_fake("array_conv_weight_grad", wgrad_args, tc.array_conv_weight_grad(*wgrad_args))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("transposed", [False, True])
+def test_interpreter_empty_batch(transposed):
+    # N = 0: nothing to launch; the weight gradient is a sum over no pixels
+    x, w, b, conv = _case(2, transposed, 1, False, "batch_major", n=0)
+    _check_all(x, w, b, conv, dict(atol=0, rtol=0))
 
 
 @pytest.mark.interpreter

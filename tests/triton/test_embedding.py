@@ -5,19 +5,21 @@ Interpreter tests call the launchers on CPU tensors (TRITON_INTERPRET=1); GPU
 tests go through the hfkern ops with the triton backend selected.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import hfkern
-from hfkern.ops import embedding_torch as ref
+from hfkern import _backend
 from hfkern.ops.embedding import array_embedding, array_embedding_backward
 
 triton = pytest.importorskip("triton")
-from hfkern.ops.embedding_triton import (  # noqa: E402  (needs triton)
-    array_embedding_backward_triton,
-    array_embedding_triton,
-)
 from hfkern.triton import embedding as tk  # noqa: E402
+
+_OPS = ("array_embedding", "array_embedding_backward")
+# the torch implementations, as registered: the oracle
+ref = SimpleNamespace(**{op: _backend._registry[op]["torch"].load() for op in _OPS})
 
 V = 7  # small, so every index tensor of more than 7 entries repeats rows
 
@@ -265,20 +267,38 @@ def test_rejects_unsupported_dtype():
         tk.array_embedding_backward(torch.randn(2, 4, 3, dtype=torch.float64), idx, V, -1, False)
 
 
+def test_registered_as_explicit_cuda_backend():
+    # auto=False until a GPU benchmark shows the kernels faster than the torch path;
+    # the sparse backward and the renorm stay torch-only
+    for op in _OPS:
+        entry = _backend._registry[op]["triton"]
+        assert entry.load() is getattr(tk, op)
+        assert entry.device_types == ("cuda",) and entry.auto is False and entry.dtypes == ()
+    for op in ("array_embedding_sparse_backward", "array_embedding_renorm_"):
+        assert "triton" not in _backend._registry[op]
+
+
 @pytest.mark.interpreter
-def test_opcheck_schema_and_fake_in_interpreter():
-    # The interpreter's kernels cannot be traced into a graph (wrap_triton hands
-    # them back raw), so the AOT checks run only on a GPU (test_gpu_opcheck_triton_ops).
-    utils = ("test_schema", "test_faketensor")
+def test_outputs_match_the_ops_fakes_in_interpreter():
+    # The AOT checks of the ops on this backend run only on a GPU
+    # (test_gpu_opcheck_ops_on_triton); CPU tensors always take the torch path.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     B, D = 3, 5
     w = torch.randn(B, V, D)
     idx = torch.randint(0, V, (B, 4, 6))
     shared = make_indices(B, "shared")
     g = make_grad(B, (4, 6), D, "batch_major")
-    torch.library.opcheck(array_embedding_triton, (w, idx, -1, False, False), test_utils=utils)
-    torch.library.opcheck(array_embedding_triton, (w, shared.int(), 2, True, False), test_utils=utils)
-    torch.library.opcheck(array_embedding_backward_triton, (g, idx, V, 2, True), test_utils=utils)
-    torch.library.opcheck(array_embedding_backward_triton, (g, shared, V, -1, False), test_utils=utils)
+    for op, args in [
+        ("array_embedding", (w, idx, -1, False, False)),
+        ("array_embedding", (w, shared.int(), 2, True, False)),
+        ("array_embedding_backward", (g, idx, V, 2, True)),
+        ("array_embedding_backward", (g, shared, V, -1, False)),
+    ]:
+        real = getattr(tk, op)(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = getattr(torch.ops.hfkern, op)(*args)
+        assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype), op
 
 
 # ---- GPU: the hfkern ops with the triton backend against the torch backend ----
@@ -363,15 +383,15 @@ def test_gpu_module_with_triton_backend(wdtype):
 
 
 @pytest.mark.gpu
-def test_gpu_opcheck_triton_ops():
+def test_gpu_opcheck_ops_on_triton():
     B, Vg, D = 3, 50, 40
     w = torch.randn(B, Vg, D, device=DEV)
     idx = torch.randint(0, Vg, (B, 5, 7), device=DEV)
     shared = make_indices(B, "shared", V=Vg, shape=(5, 7), device=DEV)
     g = make_grad(B, (5, 7), D, "batch_major", device=DEV)
-    torch.library.opcheck(array_embedding_triton, (w, idx, -1, False, False))
-    torch.library.opcheck(array_embedding_triton, (w, shared.int(), 2, True, False))
-    torch.library.opcheck(array_embedding_backward_triton, (g, idx, Vg, 2, True))
-    torch.library.opcheck(array_embedding_backward_triton, (g, shared, Vg, -1, False))
     with hfkern.use_backend("triton"):
+        torch.library.opcheck(array_embedding, (w, idx, -1, False, False))
+        torch.library.opcheck(array_embedding, (w, shared.int(), 2, True, False))
+        torch.library.opcheck(array_embedding_backward, (g, idx, Vg, 2, True))
+        torch.library.opcheck(array_embedding_backward, (g, shared, Vg, -1, False))
         torch.library.opcheck(array_embedding, (w.requires_grad_(), idx, 1, True, False))
