@@ -1,20 +1,16 @@
 """Kernel benchmark: hfkern's array ops per backend against the baselines they replace.
 
-For every case (op, layer shape, array size B, dtype, direction) each
+For every case (op family, layer shape, array size B, dtype, direction) each
 implementation runs on the same random inputs:
 
-* ``torch``, ``triton``: the hfkern op (``torch.ops.hfkern.array_conv``,
-  ``array_layer_norm``, ``array_embedding``) under
-  ``hfkern.use_backend(name)``. The torch backend's conv is cuDNN grouped
-  convolution on the array layout.
-* conv baselines: ``grouped_nchw`` / ``grouped_nhwc``, one ``F.conv2d`` (or
-  ``F.conv_transpose2d``) with ``groups = B * groups`` on ``[N, B*C, H, W]``
-  in NCHW and in channels-last memory (cuDNN with ``cudnn.benchmark`` on
-  CUDA), ``grouped_best`` the faster of the two per case; ``vmap``,
-  ``torch.func.vmap`` of the per-model call over the stacked parameters;
-  ``loop``, B separate per-model calls.
-* layer norm and embedding baselines: ``loop``, B separate ``F.layer_norm`` /
-  ``F.embedding`` calls.
+* ``torch``, ``triton``: the family's hfkern op (``torch.ops.hfkern.array_conv``,
+  ``array_layer_norm``, ...) under ``hfkern.use_backend(name)``.
+* the family's baselines: what a sweep runs without hfkern (B separate calls,
+  one grouped cuDNN conv, ``torch.func.vmap``, ...).
+
+The families, their shape suites, inputs, byte counts and baselines are
+described in ``bench/families/`` (one module each); a family without a shape
+suite is not benchmarked here.
 
 Directions: ``fwd`` (forward under ``torch.no_grad``), ``bwd`` (the backward
 alone: ``torch.autograd.grad`` over a forward graph built once and retained),
@@ -36,7 +32,6 @@ printed at the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import importlib.metadata
 import itertools
@@ -58,20 +53,23 @@ for _p in (ROOT, HERE):  # HERE first: the sibling modules below; ROOT: the in-t
         sys.path.insert(0, _p)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import bandwidth  # noqa: E402
+import families  # noqa: E402
 import report  # noqa: E402
-import shapes  # noqa: E402
+from families import Impl  # noqa: E402
 
 import hfkern  # noqa: E402
 
+# The families with a shape suite, by name.
+FAMILIES = {name: f for name, f in families.discover().items() if f.shapes}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-EPS = 1e-5
+B_VALUES = (4, 8, 16)
+QUICK_B_VALUES = (8,)
+SMOKE_B_VALUES = (2,)
+SMOKE_DTYPES = ("fp32", "bf16")
 # B's priority when a time budget cuts the suite short: the middle size first.
 B_PRIORITY = (8, 16, 4)
-# The directions the targets are stated in come first.
-QUICK_DIRECTIONS = {"conv": ("fwd+bwd", "fwd"), "layer_norm": ("fwd", "bwd"), "embedding": ("fwd", "bwd")}
 # Rotation needs the last-level cache size; the CPU figure only sizes --smoke's rotation.
 CPU_CACHE_BYTES = 4 * 2**20
 MAX_ROTATE = 8
@@ -79,8 +77,8 @@ MAX_ROTATE = 8
 
 @dataclass(frozen=True)
 class Case:
-    op: str
-    shape: object  # a shapes.ConvShape / LayerNormShape / EmbeddingShape
+    op: str  # the family's name
+    shape: object  # one of the family's shapes
     B: int
     dtype: str
     direction: str
@@ -93,81 +91,16 @@ class Case:
 ContextLost = report.ContextLost  # the runners raise it when the CUDA context is unusable
 
 
-def _leaf(t):
-    # detach() keeps the strides, so an [N, B, ...]-memory input stays one as a leaf.
-    return None if t is None else t.detach().requires_grad_()
-
-
-# ---- inputs ------------------------------------------------------------------
-
-def conv_data(s: shapes.ConvShape, B: int, dtype: torch.dtype, device, grad: bool) -> dict:
-    """x, gy: [B, N, C, H, W] views of [N, B, C, H, W] memory (the array conv's own
-    layout), w: [B, *weight_shape] scaled by fan-in**-0.5 so fp16 stays in range,
-    b: [B, C_out] or None."""
-    Ho, Wo = s.out_hw()
-    fan_in = math.prod(s.weight_shape()[1:])
-    x = torch.randn(s.N, B, s.C_in, s.H, s.W, device=device, dtype=dtype).transpose(0, 1)
-    w = torch.randn(B, *s.weight_shape(), device=device, dtype=dtype) * fan_in**-0.5
-    b = torch.randn(B, s.C_out, device=device, dtype=dtype) if s.bias else None
-    gy = torch.randn(s.N, B, s.C_out, Ho, Wo, device=device, dtype=dtype).transpose(0, 1) if grad else None
-    return {"B": B, "x": x, "w": w, "b": b, "gy": gy}
-
-
-def layer_norm_data(s: shapes.LayerNormShape, B: int, dtype: torch.dtype, device, grad: bool) -> dict:
-    """x, gy: [B, rows, D]; w, b: [B, D]."""
-    x = torch.randn(B, s.rows, s.D, device=device, dtype=dtype)
-    w = 1 + 0.1 * torch.randn(B, s.D, device=device, dtype=dtype)
-    b = 0.1 * torch.randn(B, s.D, device=device, dtype=dtype)
-    gy = torch.randn(B, s.rows, s.D, device=device, dtype=dtype) if grad else None
-    return {"B": B, "x": x, "w": w, "b": b, "gy": gy}
-
-
-def embedding_data(s: shapes.EmbeddingShape, B: int, dtype: torch.dtype, device, grad: bool) -> dict:
-    """w: [B, V, D]; idx: [B, batch, seq] int64, uniform over the table or Zipf
-    distributed (``s.zipf``); gy: [B, batch, seq, D]."""
-    w = torch.randn(B, s.V, s.D, device=device, dtype=dtype)
-    if s.zipf:
-        p = torch.arange(1, s.V + 1, dtype=torch.float64, device=device) ** -s.zipf
-        idx = torch.multinomial(p.float(), B * s.tokens, replacement=True).view(B, s.batch, s.seq)
-    else:
-        idx = torch.randint(0, s.V, (B, s.batch, s.seq), device=device)
-    gy = torch.randn(B, s.batch, s.seq, s.D, device=device, dtype=dtype) if grad else None
-    return {"B": B, "w": w, "idx": idx, "gy": gy}
-
-
-MAKE_DATA = {"conv": conv_data, "layer_norm": layer_norm_data, "embedding": embedding_data}
-
-
 # ---- bytes and FLOPs ---------------------------------------------------------
 
 def cost(case: Case, elem: int) -> tuple[int, int | None]:
     """(bytes, FLOPs) the direction must move / compute at least.
 
     Bytes: every input read once and every output written once, in the
-    benchmark's dtype (``elem`` bytes; indices int64, norm statistics fp32).
-    ``fwd+bwd`` is the sum of the two directions. FLOPs (conv only): 2 per
-    multiply-accumulate; the backward does the input and the weight gradient,
-    each as many MACs as the forward.
+    benchmark's dtype (``elem`` bytes; the family's ``cost`` says what that is
+    for its ops). ``fwd+bwd`` is the sum of the two directions.
     """
-    s, B = case.shape, case.B
-    if case.op == "conv":
-        Ho, Wo = s.out_hw()
-        x = B * s.N * s.C_in * s.H * s.W
-        y = B * s.N * s.C_out * Ho * Wo
-        w = B * math.prod(s.weight_shape())
-        b = B * s.C_out if s.bias else 0
-        fwd = (elem * (x + w + b + y), 2 * B * s.macs())
-        bwd = (elem * (y + x + w + x + w + b), 4 * B * s.macs())  # read gy, x, w; write gx, gw, gb
-    elif case.op == "layer_norm":
-        rows, n, p = B * s.rows, B * s.rows * s.D, B * s.D
-        fwd = (elem * (2 * n + 2 * p) + 8 * rows, None)  # x, w, b in; y, mean, rstd out
-        bwd = (elem * (3 * n + 3 * p) + 8 * rows, None)  # gy, x, w, mean, rstd in; gx, gw, gb out
-    elif case.op == "embedding":
-        t = B * s.tokens
-        fwd = (8 * t + 2 * elem * t * s.D, None)  # indices, one row read per lookup, out
-        bwd = (8 * t + elem * t * s.D + elem * B * s.V * s.D, None)  # indices, gy in; dense grad out
-    else:
-        raise ValueError(case.op)
+    fwd, bwd = FAMILIES[case.op].cost(case.shape, case.B, elem)
     if case.direction == "fwd":
         return fwd
     if case.direction == "bwd":
@@ -176,314 +109,6 @@ def cost(case: Case, elem: int) -> tuple[int, int | None]:
 
 
 # ---- implementations ---------------------------------------------------------
-#
-# An implementation turns the canonical data (``*_data`` above) into its own
-# inputs, runs the forward, and maps its outputs and gradients back to the
-# canonical [B, ...] form so that every implementation can be checked against
-# the torch backend's result.
-
-class Impl:
-    name: str = ""
-    kind: str = "baseline"
-    backend: str | None = None  # the hfkern backend to select while it runs
-
-    def inputs(self, d: dict, grad: bool) -> tuple[tuple, list]:
-        """(arguments of forward, the tensors to differentiate)."""
-        raise NotImplementedError
-
-    def forward(self, args: tuple) -> list:
-        raise NotImplementedError
-
-    def grad_outputs(self, d: dict) -> list:
-        raise NotImplementedError
-
-    def canon_out(self, outs: list) -> torch.Tensor:
-        raise NotImplementedError
-
-    def canon_grads(self, grads: tuple) -> list:
-        return list(grads)
-
-    def context(self):
-        return hfkern.use_backend(self.backend) if self.backend else contextlib.nullcontext()
-
-
-class _ConvBase(Impl):
-    def __init__(self, s: shapes.ConvShape):
-        self.s = s
-        self.stride, self.padding = (s.stride,) * 2, (s.padding,) * 2
-        self.output_padding = (s.output_padding,) * 2
-
-    def _call(self, x, w, b, groups):
-        if self.s.transposed:
-            return F.conv_transpose2d(x, w, b, self.stride, self.padding, self.output_padding, groups)
-        return F.conv2d(x, w, b, self.stride, self.padding, 1, groups)
-
-
-class HfkernConv(_ConvBase):
-    kind = "backend"
-
-    def __init__(self, s, backend: str):
-        super().__init__(s)
-        self.name = self.backend = backend
-
-    def inputs(self, d, grad):
-        x, w, b = d["x"], d["w"], d["b"]
-        if grad:
-            x, w, b = _leaf(x), _leaf(w), _leaf(b)
-        return (x, w, b), [t for t in (x, w, b) if t is not None]
-
-    def forward(self, args):
-        x, w, b = args
-        s = self.s
-        return [torch.ops.hfkern.array_conv(
-            x, w, b, list(self.stride), list(self.padding), [1, 1], s.transposed,
-            list(self.output_padding), s.groups,
-        )]
-
-    def grad_outputs(self, d):
-        return [d["gy"]]
-
-    def canon_out(self, outs):
-        return outs[0]
-
-
-class GroupedConv(_ConvBase):
-    """One grouped conv over [N, B*C, H, W]: the models are groups B*groups."""
-
-    def __init__(self, s, channels_last: bool):
-        super().__init__(s)
-        self.channels_last = channels_last
-        self.name = "grouped_nhwc" if channels_last else "grouped_nchw"
-        self.fmt = torch.channels_last if channels_last else torch.contiguous_format
-
-    def inputs(self, d, grad):
-        s, B = self.s, d["B"]
-        x = d["x"].transpose(0, 1).reshape(s.N, B * s.C_in, s.H, s.W).contiguous(memory_format=self.fmt)
-        w = d["w"].reshape(B * d["w"].shape[1], *d["w"].shape[2:]).contiguous(memory_format=self.fmt)
-        b = None if d["b"] is None else d["b"].reshape(-1).contiguous()
-        if grad:
-            x, w, b = _leaf(x), _leaf(w), _leaf(b)
-        return (x, w, b, B * s.groups), [t for t in (x, w, b) if t is not None]
-
-    def forward(self, args):
-        x, w, b, groups = args
-        return [self._call(x, w, b, groups)]
-
-    def grad_outputs(self, d):
-        gy = d["gy"]
-        B, N, C, H, W = gy.shape
-        return [gy.transpose(0, 1).reshape(N, B * C, H, W).contiguous(memory_format=self.fmt)]
-
-    def canon_out(self, outs):
-        y = outs[0]
-        N, BC, H, W = y.shape
-        B = BC // self.s.C_out
-        return y.reshape(N, B, self.s.C_out, H, W).transpose(0, 1)
-
-    def canon_grads(self, grads):
-        s = self.s
-        gx, gw = grads[0], grads[1]
-        N, BC, H, W = gx.shape
-        B = BC // s.C_in
-        out = [gx.reshape(N, B, s.C_in, H, W).transpose(0, 1), gw.reshape(B, *s.weight_shape())]
-        if len(grads) > 2:
-            out.append(grads[2].reshape(B, s.C_out))
-        return out
-
-
-class VmapConv(_ConvBase):
-    """torch.func.vmap of the per-model conv over stacked [B, ...] inputs and parameters."""
-
-    name = "vmap"
-
-    def __init__(self, s):
-        super().__init__(s)
-        g = s.groups
-        self._with_bias = torch.func.vmap(lambda x, w, b: self._call(x, w, b, g))
-        self._no_bias = torch.func.vmap(lambda x, w: self._call(x, w, None, g))
-
-    def inputs(self, d, grad):
-        x, w, b = d["x"].contiguous(), d["w"], d["b"]
-        if grad:
-            x, w, b = _leaf(x), _leaf(w), _leaf(b)
-        return (x, w, b), [t for t in (x, w, b) if t is not None]
-
-    def forward(self, args):
-        x, w, b = args
-        return [self._no_bias(x, w) if b is None else self._with_bias(x, w, b)]
-
-    def grad_outputs(self, d):
-        return [d["gy"].contiguous()]
-
-    def canon_out(self, outs):
-        return outs[0]
-
-
-class LoopConv(_ConvBase):
-    """B separate per-model convs on separate (contiguous) tensors."""
-
-    name = "loop"
-
-    def inputs(self, d, grad):
-        B = d["B"]
-        xs = [d["x"][i].contiguous() for i in range(B)]
-        ws = [d["w"][i].contiguous() for i in range(B)]
-        bs = [None if d["b"] is None else d["b"][i].contiguous() for i in range(B)]
-        if grad:
-            xs, ws, bs = [_leaf(t) for t in xs], [_leaf(t) for t in ws], [_leaf(t) for t in bs]
-        return (xs, ws, bs), xs + ws + [t for t in bs if t is not None]
-
-    def forward(self, args):
-        xs, ws, bs = args
-        g = self.s.groups
-        return [self._call(x, w, b, g) for x, w, b in zip(xs, ws, bs)]
-
-    def grad_outputs(self, d):
-        return [d["gy"][i].contiguous() for i in range(d["B"])]
-
-    def canon_out(self, outs):
-        return torch.stack(outs)
-
-    def canon_grads(self, grads):
-        n = len(grads)
-        B = n // 3 if self.s.bias else n // 2
-        return [torch.stack(grads[i:i + B]) for i in range(0, n, B)]
-
-
-class HfkernLayerNorm(Impl):
-    kind = "backend"
-
-    def __init__(self, s, backend: str):
-        self.s = s
-        self.name = self.backend = backend
-
-    def inputs(self, d, grad):
-        x, w, b = d["x"], d["w"], d["b"]
-        if grad:
-            x, w, b = _leaf(x), _leaf(w), _leaf(b)
-        return (x, w, b), [x, w, b]
-
-    def forward(self, args):
-        x, w, b = args
-        return [torch.ops.hfkern.array_layer_norm(x, w, b, 1, EPS)[0]]
-
-    def grad_outputs(self, d):
-        return [d["gy"]]
-
-    def canon_out(self, outs):
-        return outs[0]
-
-
-class LoopLayerNorm(Impl):
-    name = "loop"
-
-    def __init__(self, s):
-        self.s = s
-
-    def inputs(self, d, grad):
-        B = d["B"]
-        parts = [[d[k][i].contiguous() for i in range(B)] for k in ("x", "w", "b")]
-        if grad:
-            parts = [[_leaf(t) for t in p] for p in parts]
-        xs, ws, bs = parts
-        return (xs, ws, bs), xs + ws + bs
-
-    def forward(self, args):
-        xs, ws, bs = args
-        return [F.layer_norm(x, (self.s.D,), w, b, EPS) for x, w, b in zip(xs, ws, bs)]
-
-    def grad_outputs(self, d):
-        return [d["gy"][i].contiguous() for i in range(d["B"])]
-
-    def canon_out(self, outs):
-        return torch.stack(outs)
-
-    def canon_grads(self, grads):
-        B = len(grads) // 3
-        return [torch.stack(grads[i:i + B]) for i in range(0, len(grads), B)]
-
-
-class HfkernEmbedding(Impl):
-    kind = "backend"
-
-    def __init__(self, s, backend: str):
-        self.s = s
-        self.name = self.backend = backend
-
-    def inputs(self, d, grad):
-        w = _leaf(d["w"]) if grad else d["w"]
-        return (w, d["idx"]), [w]
-
-    def forward(self, args):
-        w, idx = args
-        return [torch.ops.hfkern.array_embedding(w, idx, -1, False, False)]
-
-    def grad_outputs(self, d):
-        return [d["gy"]]
-
-    def canon_out(self, outs):
-        return outs[0]
-
-
-class LoopEmbedding(Impl):
-    name = "loop"
-
-    def __init__(self, s):
-        self.s = s
-
-    def inputs(self, d, grad):
-        B = d["B"]
-        ws = [d["w"][i].contiguous() for i in range(B)]
-        if grad:
-            ws = [_leaf(t) for t in ws]
-        idx = [d["idx"][i].contiguous() for i in range(B)]
-        return (ws, idx), ws
-
-    def forward(self, args):
-        ws, idx = args
-        return [F.embedding(i, w) for w, i in zip(ws, idx)]
-
-    def grad_outputs(self, d):
-        return [d["gy"][i].contiguous() for i in range(d["B"])]
-
-    def canon_out(self, outs):
-        return torch.stack(outs)
-
-    def canon_grads(self, grads):
-        return [torch.stack(grads)]
-
-
-BACKENDS = ("torch", "triton")
-IMPL_NAMES = {
-    "conv": ("torch", "triton", "grouped_nchw", "grouped_nhwc", "vmap", "loop"),
-    "layer_norm": ("torch", "triton", "loop"),
-    "embedding": ("torch", "triton", "loop"),
-}
-
-
-def make_impls(op: str, s, names) -> list[Impl]:
-    """The implementations of ``op`` named in ``names``; ``torch`` first (the reference)."""
-    out: list[Impl] = []
-    for name in IMPL_NAMES[op]:
-        if name not in names:
-            continue
-        if op == "conv":
-            if name in BACKENDS:
-                out.append(HfkernConv(s, name))
-            elif name == "grouped_nchw":
-                out.append(GroupedConv(s, channels_last=False))
-            elif name == "grouped_nhwc":
-                out.append(GroupedConv(s, channels_last=True))
-            elif name == "vmap":
-                out.append(VmapConv(s))
-            else:
-                out.append(LoopConv(s))
-        elif op == "layer_norm":
-            out.append(HfkernLayerNorm(s, name) if name in BACKENDS else LoopLayerNorm(s))
-        else:
-            out.append(HfkernEmbedding(s, name) if name in BACKENDS else LoopEmbedding(s))
-    return out
-
 
 def build_fn(impl: Impl, d: dict, direction: str) -> tuple[Callable, Callable]:
     """(the timed callable, a map of its result to canonical tensors)."""
@@ -574,9 +199,9 @@ class Runner:
         # cache-resident even where that flush is not used (CPU, cuda_events).
         rotate = 1 if nbytes >= self.cache_bytes else min(MAX_ROTATE, math.ceil(2 * self.cache_bytes / nbytes))
         grad = case.direction != "fwd"
-        make = MAKE_DATA[case.op]
-        datasets = [make(case.shape, case.B, dtype, self.device, grad) for _ in range(rotate)]
-        impls = make_impls(case.op, case.shape, impl_names)
+        family = FAMILIES[case.op]
+        datasets = [family.make_data(case.shape, case.B, dtype, self.device, grad) for _ in range(rotate)]
+        impls = family.make_impls(case.shape, impl_names)
         rows, ref = [], None
         for impl in impls:
             row = self.base_row(case, impl.name, impl.kind)
@@ -626,7 +251,7 @@ class Runner:
                 row["tflops"] = flops / (ms * 1e-3) / 1e12
                 row["frac_matmul"] = self._frac_matmul(case.dtype, row["tflops"])
             rows.append(row)
-        rows.extend(_derived_best(rows))
+        rows.extend(family.derived_rows(rows))
         return rows
 
     def _measure(self, impl: Impl, datasets: list[dict], direction: str, check: Callable) -> float:
@@ -652,22 +277,6 @@ class Runner:
         return ms
 
 
-def _derived_best(rows: list[dict]) -> list[dict]:
-    """grouped_best: the faster of the two grouped-conv layouts."""
-    grouped = [r for r in rows if r["impl"] in ("grouped_nchw", "grouped_nhwc")]
-    if not grouped:
-        return []
-    ok = [r for r in grouped if r["status"] == "ok"]
-    if ok:
-        best = dict(min(ok, key=lambda r: r["ms"]))
-        best["note"] = f"{best['impl']}" + (f"; {best['note']}" if best.get("note") else "")
-    else:
-        best = dict(grouped[0])
-        best["error"] = "; ".join(f"{r['impl']}: {r['error']}" for r in grouped)[:500]
-    best["impl"] = "grouped_best"
-    return [best]
-
-
 def _cache_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -684,23 +293,31 @@ def plan(args) -> list[Case]:
     measured.
     """
     if args.smoke:
-        tiers = [[(op, s, B, dt, d) for s in shapes.suite(op, smoke=True) for B in args.B
-                  for dt in args.dtypes for d in args.directions or shapes.DIRECTIONS]
+        tiers = [[(op, s, B, dt, d) for s in FAMILIES[op].suite(smoke=True) for B in args.B
+                  for dt in args.dtypes for d in _directions(FAMILIES[op], args.directions)]
                  for op in args.ops]
         return _filtered(_interleave(tiers), args.filter)
     quick, rest = [], []
     for op in args.ops:
-        dirs_q = args.directions or QUICK_DIRECTIONS[op]
-        dirs = args.directions or shapes.DIRECTIONS
-        q = [(op, s, B, dt, d) for d in dirs_q for s in shapes.suite(op, quick=True) for B in args.B
-             if B in shapes.QUICK_B_VALUES or args.B_given
+        family = FAMILIES[op]
+        dirs_q = _directions(family, args.directions, quick=True)
+        dirs = _directions(family, args.directions)
+        q = [(op, s, B, dt, d) for d in dirs_q for s in family.suite(quick=True) for B in args.B
+             if B in QUICK_B_VALUES or args.B_given
              for dt in args.dtypes]
         quick.append(q)
         seen = set(q)
-        r = [(op, s, B, dt, d) for B in sorted(args.B, key=_b_priority) for s in shapes.suite(op)
+        r = [(op, s, B, dt, d) for B in sorted(args.B, key=_b_priority) for s in family.suite()
              for dt in args.dtypes for d in dirs]
         rest.append([c for c in r if c not in seen])
     return _filtered(_interleave(quick) + ([] if args.quick else _interleave(rest)), args.filter)
+
+
+def _directions(family, asked: list[str] | None, quick: bool = False) -> list[str]:
+    """The directions ``--directions`` asked for that the family benchmarks, else its own."""
+    if asked:
+        return [d for d in asked if d in family.directions]
+    return list(family.quick_directions if quick else family.directions)
 
 
 def _filtered(cases: list[tuple], text: str | None) -> list[Case]:
@@ -768,16 +385,18 @@ def _csv_list(kind, choices=None):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    all_impls = sorted({i for v in IMPL_NAMES.values() for i in v})
+    all_impls = sorted({i for f in FAMILIES.values() for i in f.impl_names()})
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", type=_csv_list(str, shapes.OPS), default=list(shapes.OPS),
-                   help="comma list of ops (default: all of %(default)s)")
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="op families:\n" + "\n".join(
+                                    f"  {name}: {f.summary}" for name, f in FAMILIES.items()))
+    p.add_argument("--ops", type=_csv_list(str, FAMILIES), default=list(FAMILIES),
+                   help="comma list of op families (default: all of %(default)s)")
     p.add_argument("--dtypes", type=_csv_list(str, DTYPES), default=None,
                    help="comma list of fp32, bf16, fp16 (default: all; --smoke: fp32,bf16)")
     p.add_argument("--B", type=_csv_list(int), default=None,
                    help="comma list of array sizes (default: 4,8,16, the quick subset 8; --smoke: 2)")
-    p.add_argument("--directions", type=_csv_list(str, shapes.DIRECTIONS), default=None,
+    p.add_argument("--directions", type=_csv_list(str, families.DIRECTIONS), default=None,
                    help="comma list of fwd, bwd, fwd+bwd (default: all; the quick subset: what the "
                         "targets need)")
     p.add_argument("--impls", type=_csv_list(str, all_impls), default=None,
@@ -803,12 +422,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.B_given = args.B is not None
     if args.smoke:
-        args.dtypes = args.dtypes or list(shapes.SMOKE_DTYPES)
-        args.B = args.B or list(shapes.SMOKE_B_VALUES)
+        args.dtypes = args.dtypes or list(SMOKE_DTYPES)
+        args.B = args.B or list(SMOKE_B_VALUES)
         args.impls = args.impls or [i for i in all_impls if i != "triton"]
     else:
-        args.dtypes = args.dtypes or list(shapes.DTYPES)
-        args.B = args.B or list(shapes.B_VALUES)
+        args.dtypes = args.dtypes or list(DTYPES)
+        args.B = args.B or list(B_VALUES)
         args.impls = args.impls or all_impls
     return args
 

@@ -82,11 +82,10 @@ def main(argv=None) -> int:
         torch.backends.cudnn.benchmark = True  # as bench_kernels.py runs
     torch.manual_seed(0)
     for case in cases:
-        dtype = bk.DTYPES[case.dtype]
-        data = bk.MAKE_DATA[case.op](case.shape, case.B, dtype, device, case.direction != "fwd")
+        family = bk.FAMILIES[case.op]
+        data = family.make_data(case.shape, case.B, bk.DTYPES[case.dtype], device, case.direction != "fwd")
         print(f"{case.label()}  [{case.shape.describe()}]")
-        names = args.impls or bk.IMPL_NAMES[case.op]
-        for impl in bk.make_impls(case.op, case.shape, names):
+        for impl in family.make_impls(case.shape, args.impls or family.impl_names()):
             try:
                 print(profile_impl(impl, data, case.direction, device, own.calls, own.top), flush=True)
             except Exception as e:  # noqa: BLE001  (one failing implementation must not stop the others)

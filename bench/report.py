@@ -39,8 +39,13 @@ COLUMNS = [
 _INT_COLUMNS = {"B", "bytes", "flops", "rotate"}
 _FLOAT_COLUMNS = {"ms", "gbps", "tflops", "frac_copy_bw", "frac_matmul", "rel_err"}
 
-# Display order of implementations; unknown names go last.
-IMPL_ORDER = ["torch", "triton", "grouped_nchw", "grouped_nhwc", "grouped_best", "vmap", "loop"]
+
+def _families():
+    """bench/families, imported on first use: reading and merging result files needs
+    neither torch nor the families."""
+    import families
+
+    return families
 
 
 # ---- files -----------------------------------------------------------------
@@ -293,11 +298,12 @@ def summarize(rows: list[dict]) -> dict:
         "embedding_fwd_frac_copy_bw": {
             impl: bandwidth_fractions(rows, "embedding", "fwd", impl) for impl in ("triton", "torch", "loop")
         },
-        # What auto's choice for CUDA tensors rests on: triton against the torch backend.
+        # What auto's choice for CUDA tensors rests on: triton against the torch
+        # backend, in the directions each family's targets are stated in.
         "triton_vs_torch": {
             f"{op} {direction}": speedups(rows, op, direction, "triton", "torch")
-            for op, direction in (("conv", "fwd"), ("conv", "fwd+bwd"), ("layer_norm", "fwd"),
-                                  ("layer_norm", "bwd"), ("embedding", "fwd"), ("embedding", "bwd"))
+            for op, family in _families().discover().items() for direction in family.directions
+            if direction in family.quick_directions
         },
         "max_rel_err": max_rel_err(rows),
         "rows": len(rows),
@@ -371,8 +377,10 @@ def summary_lines(summary: dict, meta: dict | None = None) -> list[str]:
 # ---- tables ----------------------------------------------------------------
 
 def _impls(rows: list[dict]) -> list[str]:
+    """The implementations of ``rows`` in the families' report order; unknown names last."""
     seen = {r["impl"] for r in rows}
-    return [i for i in IMPL_ORDER if i in seen] + sorted(seen - set(IMPL_ORDER))
+    order = _families().impl_order()
+    return [i for i in order if i in seen] + sorted(seen - set(order))
 
 
 def pivot(rows: list[dict]) -> tuple[list[str], list[list[str]]]:

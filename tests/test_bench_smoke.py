@@ -18,16 +18,16 @@ BENCH = os.path.join(ROOT, "bench")
 
 @pytest.fixture(scope="module")
 def bench():
-    """bench_kernels, report and shapes as modules (bench/ is a script folder, not a package)."""
+    """bench_kernels, report and the families as modules (bench/ is a script folder, not a package)."""
     added = [p for p in (BENCH, ROOT) if p not in sys.path]
     sys.path[:0] = added
     try:
-        mods = {name: importlib.import_module(name) for name in ("bench_kernels", "report", "shapes")}
+        mods = {name: importlib.import_module(name) for name in ("bench_kernels", "report", "families")}
         yield mods
     finally:
         for p in added:
             sys.path.remove(p)
-        for name in ("bench_kernels", "report", "shapes", "bandwidth"):
+        for name in ("bench_kernels", "report", "bandwidth"):
             sys.modules.pop(name, None)
 
 
@@ -47,7 +47,7 @@ def smoke_run(tmp_path_factory):
 
 def test_smoke_writes_csv_and_json(smoke_run, bench):
     out, stdout = smoke_run
-    report, shapes = bench["report"], bench["shapes"]
+    report, bk = bench["report"], bench["bench_kernels"]
     csvs = [f for f in os.listdir(out) if f.endswith(".csv")]
     jsons = [f for f in os.listdir(out) if f.endswith(".json")]
     assert len(csvs) == 1 and len(jsons) == 1 and csvs[0][:-4] == jsons[0][:-5], os.listdir(out)
@@ -65,16 +65,18 @@ def test_smoke_writes_csv_and_json(smoke_run, bench):
     assert meta["ceilings"]["copy_gbps"] > 0
     assert meta["versions"]["torch"] == torch.__version__
 
-    # every op, direction and dtype of the smoke suite is there, and ran
-    for op in shapes.OPS:
-        for direction in shapes.DIRECTIONS:
-            for dtype in shapes.SMOKE_DTYPES:
+    # every family with a suite, each of its directions and every smoke dtype is there, and ran
+    assert {"conv", "layer_norm", "embedding"} <= set(bk.FAMILIES)
+    for op, family in bk.FAMILIES.items():
+        for direction in family.directions:
+            for dtype in bk.SMOKE_DTYPES:
                 got = [r for r in rows if (r["op"], r["direction"], r["dtype"]) == (op, direction, dtype)]
                 assert got and all(r["status"] == "ok" for r in got), (op, direction, dtype)
     impls = {(r["op"], r["impl"]) for r in rows}
-    expected = {("conv", i) for i in ("torch", "grouped_nchw", "grouped_nhwc", "grouped_best", "vmap", "loop")}
-    expected |= {(op, i) for op in ("layer_norm", "embedding") for i in ("torch", "loop")}
+    expected = {(op, i) for op, f in bk.FAMILIES.items() for i in f.report_order() if i != "triton"}
     assert impls == expected  # --smoke runs the torch backend only, never triton
+    assert {i for op, i in impls if op == "conv"} == {
+        "torch", "grouped_nchw", "grouped_nhwc", "grouped_best", "vmap", "loop"}
 
     for r in rows:
         assert r["device"] and r["date"] and r["timer"] == "perf_counter" and r["torch"] == torch.__version__
@@ -171,8 +173,9 @@ def test_summary_arithmetic(bench):
 
 
 def test_cost_counts(bench):
-    bk, shapes = bench["bench_kernels"], bench["shapes"]
-    s = shapes.ConvShape("m", "l", N=2, C_in=4, C_out=6, H=8, W=8, kernel=3, stride=2, padding=1, bias=True)
+    bk, families = bench["bench_kernels"], bench["families"]
+    conv, layer_norm, embedding = families.conv, families.layer_norm, families.embedding
+    s = conv.ConvShape("m", "l", N=2, C_in=4, C_out=6, H=8, W=8, kernel=3, stride=2, padding=1, bias=True)
     assert s.out_hw() == (4, 4)
     macs = 2 * 6 * 4 * 4 * 4 * 9
     assert s.macs() == macs
@@ -181,27 +184,27 @@ def test_cost_counts(bench):
     assert bk.cost(bk.Case("conv", s, B, "fp16", "fwd"), 2) == (2 * (x + w + b + y), 2 * B * macs)
     assert bk.cost(bk.Case("conv", s, B, "fp16", "bwd"), 2) == (2 * (y + 2 * x + 2 * w + b), 4 * B * macs)
     assert bk.cost(bk.Case("conv", s, B, "fp16", "fwd+bwd"), 2)[1] == 6 * B * macs
-    t = shapes.ConvShape("m", "t", N=2, C_in=4, C_out=6, H=5, W=5, kernel=4, stride=2, padding=1, transposed=True)
+    t = conv.ConvShape("m", "t", N=2, C_in=4, C_out=6, H=5, W=5, kernel=4, stride=2, padding=1, transposed=True)
     assert t.out_hw() == (10, 10) and t.macs() == 2 * 4 * 25 * 6 * 16
-    ln = shapes.LayerNormShape("m", "l", batch=2, seq=3, D=10)
+    ln = layer_norm.LayerNormShape("m", "l", batch=2, seq=3, D=10)
     rows, n, p = B * 6, B * 60, B * 10
     assert bk.cost(bk.Case("layer_norm", ln, B, "fp32", "fwd"), 4) == (4 * (2 * n + 2 * p) + 8 * rows, None)
     assert bk.cost(bk.Case("layer_norm", ln, B, "fp32", "bwd"), 4) == (4 * (3 * n + 3 * p) + 8 * rows, None)
-    e = shapes.EmbeddingShape("m", "e", V=100, D=16, batch=2, seq=5)
+    e = embedding.EmbeddingShape("m", "e", V=100, D=16, batch=2, seq=5)
     assert bk.cost(bk.Case("embedding", e, B, "bf16", "fwd"), 2) == (8 * 30 + 2 * 2 * 30 * 16, None)
     assert bk.cost(bk.Case("embedding", e, B, "bf16", "bwd"), 2) == (8 * 30 + 2 * 30 * 16 + 2 * B * 100 * 16, None)
 
 
 def test_failing_backend_gives_error_row_and_run_goes_on(bench, tmp_path):
     """A backend that raises gets an error row; the other implementations still run."""
-    bk, report, shapes = bench["bench_kernels"], bench["report"], bench["shapes"]
+    bk = bench["bench_kernels"]
     if torch.cuda.is_available():
         pytest.skip("the triton backend may work here; the failure is staged on a CPU-only machine")
     args = bk.parse_args(["--smoke", "--impls", "torch,triton,loop"])
     device = torch.device("cpu")
     env = bk.environment(device) | {"timer": "perf_counter"}
     runner = bk.Runner(args, device, bk.bandwidth.CpuTimer(reps=1, warmup=0), {"copy_gbps": 1.0}, env)
-    case = bk.Case("layer_norm", shapes.SMOKE_LAYER_NORM_SHAPES[0], 2, "fp32", "fwd+bwd")
+    case = bk.Case("layer_norm", bk.FAMILIES["layer_norm"].smoke_shapes[0], 2, "fp32", "fwd+bwd")
     rows = runner.run_case(case, args.impls)
     assert [r["impl"] for r in rows] == ["torch", "triton", "loop"]
     torch_row, triton_row, loop_row = rows
@@ -212,14 +215,14 @@ def test_failing_backend_gives_error_row_and_run_goes_on(bench, tmp_path):
 
 
 def test_plan_orders_quick_subset_first_and_time_budget_stops(bench, tmp_path):
-    bk, shapes = bench["bench_kernels"], bench["shapes"]
+    bk = bench["bench_kernels"]
     cases = bk.plan(bk.parse_args([]))
     n_quick = len(bk.plan(bk.parse_args(["--quick"])))
     assert 0 < n_quick < len(cases)
     assert all(c.shape.quick and c.B == 8 for c in cases[:n_quick])
-    assert {c.op for c in cases[:3]} == set(shapes.OPS)  # ops interleaved
+    assert {c.op for c in cases[:len(bk.FAMILIES)]} == set(bk.FAMILIES)  # ops interleaved
     assert len(cases) == len(set(cases))
-    full = sum(len(shapes.suite(op)) for op in shapes.OPS) * 3 * 3 * 3
+    full = sum(len(f.suite()) * len(f.directions) for f in bk.FAMILIES.values()) * 3 * 3  # B, dtypes
     assert len(cases) == full
     # budget 0: nothing starts, the files still say what was planned
     rc = bk.main(["--smoke", "--ops", "embedding", "--time-budget", "0", "--out", str(tmp_path),

@@ -12,27 +12,32 @@ than the device has.
 
 How it works:
 
-1. ``hfkern.triton`` is imported with ``TRITON_INTERPRET`` unset, so its kernels
-   are JIT functions as on a GPU. Then ``TRITON_INTERPRET=1`` is set, so the
-   launchers take their interpreter paths and accept CPU tensors.
-2. ``JITFunction.run`` is replaced by a recorder and the launchers are called
-   on small CPU tensors covering their code paths (dtypes, layouts, flags):
-   each launch is recorded, nothing runs.
+1. Every module of ``hfkern.triton`` is imported with ``TRITON_INTERPRET`` unset,
+   so its kernels are JIT functions as on a GPU. Then ``TRITON_INTERPRET=1`` is
+   set, so the launchers take their interpreter paths and accept CPU tensors.
+2. ``JITFunction.run`` is replaced by a recorder and each op family's
+   ``compile_calls`` (bench/families) call the launchers on small CPU tensors
+   covering their code paths (dtypes, layouts, flags): each launch is
+   recorded, nothing runs. With every family selected, every autotuned kernel
+   must have been launched.
 3. Each recorded launch is compiled, for each architecture and each config of
    its autotuner, by ``JITFunction.warmup`` under a stand-in driver that names
    the target. Binding, specialization (pointer alignment, integer
    divisibility) and code generation are Triton's own; identical
    specializations are compiled once.
 
-Exit status 0 when everything compiled and every kernel has at least one
-config within the device's shared memory; the report lists failures first.
+Exit status 0 when every kernel was launched, everything compiled and every
+kernel has at least one config within the device's shared memory; the report
+lists failures first.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -154,13 +159,16 @@ def _target(arch: int) -> Iterator[None]:
 
 
 def _import_kernels() -> dict[int, Any]:
-    """Import hfkern.triton's kernels as JIT functions; {id(jit function): Tuned}."""
+    """Import every module of hfkern.triton, its kernels as JIT functions; {id(jit function): Tuned}."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or "triton" in sys.modules:
         raise RuntimeError("import this module before triton, with TRITON_INTERPRET unset")
-    from hfkern.triton import _common, conv, embedding, layer_norm, optim
+    import hfkern.triton
+    from hfkern.triton import _common
 
+    modules = [importlib.import_module(f"hfkern.triton.{info.name}")
+               for info in pkgutil.iter_modules(hfkern.triton.__path__)]
     tuners: dict[int, Any] = {}
-    for module in (conv, embedding, layer_norm, optim):
+    for module in modules:
         for value in vars(module).values():
             for item in value.values() if isinstance(value, dict) else [value]:
                 if isinstance(item, _common.Tuned):
@@ -188,166 +196,14 @@ def _recording(tuners: dict[int, Any], launches: list[Launch], where: list[str])
 # ---- the launchers' code paths --------------------------------------------------
 
 
-def _conv_calls(torch) -> Iterator[tuple[str, Callable[[], Any]]]:
-    from hfkern.triton import conv
+def _families() -> dict[str, Any]:
+    """The op families that describe launcher calls (bench/families), by name."""
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import families
 
-    B, N = 3, 2
-
-    def case(nd, transposed, groups, shared, dtype, *, ci=4, co=6, stride=2, dilation=1, padding=1):
-        sp = (7, 6)[-nd:]
-        k = (3, 2)[-nd:]
-        x = (torch.randn(N, ci, *sp, dtype=dtype) if shared
-             else torch.randn(N, B, ci, *sp, dtype=dtype).transpose(0, 1))
-        w = (torch.randn(B, ci, co // groups, *k, dtype=dtype) if transposed
-             else torch.randn(B, co, ci // groups, *k, dtype=dtype))
-        geom = ([stride] * nd, [padding] * nd, [dilation] * nd, transposed,
-                [1 if transposed and stride > 1 else 0] * nd, groups)
-        return x, w, torch.randn(B, co, dtype=dtype), geom
-
-    variants = [
-        # nd, transposed, groups, shared, stride, dilation
-        (2, False, 1, False, 1, 1),
-        (2, False, 2, False, 2, 2),
-        (2, False, 1, True, 1, 1),  # shared input, groups 1: B weights folded into one GEMM
-        (2, False, 2, True, 2, 1),
-        (2, True, 1, False, 2, 1),  # phased
-        (2, True, 2, False, 2, 2),  # transposed, dilated: masked taps
-        (2, True, 1, True, 1, 1),
-        (1, False, 1, False, 2, 1),
-    ]
-    torch.backends.cudnn.allow_tf32 = False  # fp32 as IEEE here; TF32 in the last case
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for nd, transposed, groups, shared, stride, dilation in variants:
-            x, w, b, geom = case(nd, transposed, groups, shared, dtype, stride=stride, dilation=dilation)
-            name = f"conv{nd}d{' transposed' if transposed else ''} g{groups}{' shared' if shared else ''} " \
-                   f"s{stride} d{dilation} {dtype}"
-
-            def calls(x=x, w=w, b=b, geom=geom):
-                y = conv.array_conv(x, w, b, *geom)
-                conv.array_conv_input_grad(torch.randn_like(y), w, list(x.shape), *geom)
-                conv.array_conv_weight_grad(torch.randn_like(y), x, w, *geom)
-
-            yield name, calls
-    # fp32 with TF32 allowed (torch's default for convolutions)
-    x, w, b, geom = case(2, False, 1, False, torch.float32)
-
-    def tf32():
-        before = torch.backends.cudnn.allow_tf32
-        torch.backends.cudnn.allow_tf32 = True
-        try:
-            conv.array_conv(x, w, b, *geom)
-        finally:
-            torch.backends.cudnn.allow_tf32 = before
-
-    yield "conv2d tf32", tf32
-
-
-def _layer_norm_calls(torch) -> Iterator[tuple[str, Callable[[], Any]]]:
-    from hfkern.triton import layer_norm as ln
-
-    B = 3
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        # a short row held whole, and one long enough to be swept in blocks
-        for D in (48, 20_000):
-            x = torch.randn(B, 5, D, dtype=dtype)
-            w = torch.randn(B, D, dtype=dtype)
-            b = torch.randn(B, D, dtype=dtype)
-            for rms in (False, True):
-                for affine in (True, False):
-                    def calls(x=x, w=w if affine else None, b=b if affine else None, rms=rms):
-                        gy = torch.randn_like(x)
-                        if rms:
-                            y, rstd = ln.array_rms_norm(x, w, 1, 1e-5)
-                            for mask in ([True, True], [False, True], [True, False]):
-                                ln.array_rms_norm_backward(gy, x, w, rstd, 1, mask)
-                        else:
-                            y, mean, rstd = ln.array_layer_norm(x, w, b, 1, 1e-5)
-                            for mask in ([True, True, True], [False, True, True], [True, False, False]):
-                                ln.array_layer_norm_backward(gy, x, w, mean, rstd, 1, mask)
-
-                    yield f"{'rms' if rms else 'layer'} norm D={D}{' affine' if affine else ''} {dtype}", calls
-    # a transposed layout ([N, B, D] memory) and a 2-D normalized shape
-    x = torch.randn(5, B, 8, 6).transpose(0, 1)
-    yield "layer norm strided, 2-D shape", lambda: ln.array_layer_norm(x, torch.randn(B, 8, 6), None, 2, 1e-5)
-
-
-def _embedding_calls(torch) -> Iterator[tuple[str, Callable[[], Any]]]:
-    from hfkern.triton import embedding as emb
-
-    B, V = 3, 50
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for D in (24, 1000):
-            w = torch.randn(B, V, D, dtype=dtype)
-            for idx_dtype in (torch.int64, torch.int32):
-                for shared in (False, True):
-                    # more hits per model than a chunk: rows of V=50 repeat past it
-                    shape = (5, 30)
-                    idx = torch.randint(0, V, (1 if shared else B, *shape), dtype=idx_dtype)
-                    idx[..., :20] = 7
-                    idx = idx.expand(B, *shape)
-
-                    def calls(w=w, idx=idx, D=D, shape=shape):
-                        emb.array_embedding(w, idx)
-                        gy = torch.randn(B, *shape, D, dtype=w.dtype)
-                        for scale in (False, True):
-                            emb.array_embedding_backward(gy, idx, V, 3, scale)
-
-                    yield f"embedding D={D} {idx_dtype}{' shared' if shared else ''} {dtype}", calls
-
-
-def _optim_calls(torch) -> Iterator[tuple[str, Callable[[], Any]]]:
-    from hfkern.triton import optim
-
-    B = 3
-    flag_sets = {
-        "sgd": [dict(nesterov=n, maximize=m, has_weight_decay=wd, momentum=mo)
-                for n, m, wd, mo in [(False, False, False, False), (False, False, True, True),
-                                     (True, True, True, True)]],
-        "adam": [dict(amsgrad=a, maximize=m, decoupled_weight_decay=d, has_weight_decay=wd)
-                 for a, m, d, wd in [(False, False, False, False), (True, True, False, True),
-                                     (False, False, True, True)]],
-        "adagrad": [dict(maximize=m, has_weight_decay=wd) for m, wd in [(False, False), (True, True)]],
-        "adadelta": [dict(maximize=m, has_weight_decay=wd) for m, wd in [(False, False), (True, True)]],
-        "rmsprop": [dict(centered=c, maximize=m, has_weight_decay=wd, momentum=mo)
-                    for c, m, wd, mo in [(False, False, False, False), (True, True, True, True)]],
-    }
-    rows = {"sgd": 4, "adam": 5, "adagrad": 4, "adadelta": 4, "rmsprop": 5}
-    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        state = torch.float64 if dtype == torch.float64 else torch.float32
-        for name, flag_list in flag_sets.items():
-            for flags in flag_list:
-                for skip in (None, torch.zeros(B, dtype=torch.bool)):
-                    params = [torch.randn(B, 37, 11, dtype=dtype), torch.randn(B, dtype=dtype)]
-                    grads = [torch.randn_like(p) for p in params]
-                    zeros = lambda: [torch.zeros_like(p, dtype=state) for p in params]  # noqa: E731
-                    steps = [torch.zeros(B) for _ in params]
-                    hypers = torch.rand(rows[name], B, dtype=state)
-                    f = dict(flags)
-                    momentum = f.pop("momentum", None)
-                    if name == "sgd":
-                        args = (params, grads, zeros() if momentum else [], steps if momentum else [], hypers)
-                    elif name == "adam":
-                        args = (params, grads, zeros(), zeros(), zeros() if f["amsgrad"] else [], steps, hypers)
-                    elif name == "adagrad":
-                        args = (params, grads, zeros(), steps, hypers)
-                    elif name == "adadelta":
-                        args = (params, grads, zeros(), zeros(), steps, hypers)
-                    else:
-                        args = (params, grads, zeros(), zeros() if f["centered"] else [],
-                                zeros() if momentum else [], steps, hypers)
-                    step = getattr(optim, f"{name}_step_")
-
-                    def calls(step=step, args=args, f=f, skip=skip):
-                        step(*args, *f.values(), skip)
-
-                    label = ",".join(k for k, v in flags.items() if v) or "plain"
-                    yield f"{name} [{label}]{' skip' if skip is not None else ''} {dtype}", calls
-        yield f"nonfinite_models {dtype}", lambda dtype=dtype: optim.nonfinite_models(
-            [torch.randn(B, 37, 11, dtype=dtype), torch.randn(B, dtype=dtype)])
-
-
-DRIVERS = {"conv": _conv_calls, "layer_norm": _layer_norm_calls, "embedding": _embedding_calls,
-           "optim": _optim_calls}
+    return {name: f for name, f in families.discover().items() if f.compile_calls}
 
 
 # ---- compiling ----------------------------------------------------------------
@@ -433,24 +289,23 @@ def compile_all(launches: list[Launch], archs: list[int], *, first_config: bool,
     return report
 
 
-def record(ops: list[str], log: Callable[[str], None]) -> list[Launch]:
-    """Call the launchers of ``ops`` on CPU tensors and return their recorded launches."""
-    tuners = _import_kernels()
+def record(tuners: dict[int, Any], families: dict[str, Any], log: Callable[[str], None]) -> list[Launch]:
+    """Make the compile calls of ``families`` on CPU tensors and return their recorded launches."""
     import torch
 
     torch.manual_seed(0)
     launches: list[Launch] = []
     where = [""]
     with _recording(tuners, launches, where):
-        for op in ops:
-            for label, call in DRIVERS[op](torch):
+        for family in families.values():
+            for label, call in family.compile_calls():
                 where[0] = label
                 before = len(launches)
                 call()
                 if len(launches) == before:
                     raise RuntimeError(f"{label}: no kernel was launched")
     log(f"recorded {len(launches)} launches of "
-        f"{len({id(x.kernel) for x in launches})} kernels over {', '.join(ops)}")
+        f"{len({id(x.kernel) for x in launches})} kernels over {', '.join(families)}")
     return launches
 
 
@@ -459,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, action="append",
                         help="compute capability as a number (90: H100/H200, 80: A100); repeatable; "
                              "default 90 and 80")
-    parser.add_argument("--ops", default=",".join(DRIVERS), help="comma-separated: " + ", ".join(DRIVERS))
+    parser.add_argument("--ops", default=None,
+                        help="comma-separated op families (bench/families; default: every one with compile "
+                             "calls)")
     parser.add_argument("--first-config", action="store_true",
                         help="compile only the first config of each autotuner (faster)")
     parser.add_argument("--resources", action="store_true",
@@ -470,10 +327,14 @@ def main(argv: list[str] | None = None) -> int:
                              "everything is compiled)")
     args = parser.parse_args(argv)
     archs = args.arch or [90, 80]
-    ops = [o for o in args.ops.split(",") if o]
-    unknown = sorted(set(ops) - set(DRIVERS))
+    # Kernels first: the families import hfkern, and Triton must see its kernels
+    # defined with TRITON_INTERPRET unset.
+    tuners = _import_kernels()
+    families = _families()
+    ops = [o for o in args.ops.split(",") if o] if args.ops else list(families)
+    unknown = sorted(set(ops) - set(families))
     if unknown:
-        parser.error(f"unknown ops {unknown}; expected some of {list(DRIVERS)}")
+        parser.error(f"unknown ops {unknown}; expected some of {list(families)}")
 
     cache = None
     if not args.keep_cache:
@@ -481,7 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_CACHE_DIR"] = cache
     try:
         t0 = time.perf_counter()
-        launches = record(ops, print)
+        launches = record(tuners, {op: families[op] for op in ops}, print)
+        # A kernel that no compile call reaches would go unchecked.
+        launched = {id(x.kernel) for x in launches}
+        missed = sorted(f"{t.kernel.fn.__module__}.{t.kernel.fn.__name__}" for k, t in tuners.items()
+                        if k not in launched)
+        missed = missed if set(ops) == set(families) else []
+        for name in missed:
+            print(f"NOT LAUNCHED: {name}: no compile_calls of a family in bench/families reach it")
         report = compile_all(launches, archs, first_config=args.first_config, resources=args.resources,
                              log=print)
     finally:
@@ -499,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     for kernel, arch in unfit:
         print(f"NO CONFIG FITS: {kernel} needs more than sm_{arch}'s {SMEM_LIMIT.get(arch)} bytes "
               f"of shared memory in every config")
-    return 0 if not report.failures() and not unfit else 1
+    return 0 if not report.failures() and not unfit and not missed else 1
 
 
 if __name__ == "__main__":
