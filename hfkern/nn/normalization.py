@@ -1,12 +1,13 @@
 """Array normalization layers: LayerNorm, RMSNorm, GroupNorm, BatchNorm1d, BatchNorm2d.
 
-LayerNorm and RMSNorm run the ``hfkern::array_layer_norm`` / ``array_rms_norm``
-ops, which read any input strides and write the output in the input's memory
-order. GroupNorm and BatchNorm run torch's own kernels on the grouped view
-``[N, B*C, *]`` with the per-model parameters and buffers viewed as ``[B*C]``;
-that view is free for the ``[N, B, C, *]`` memory an array conv produces. For
-``[B, N, C, *]`` memory (a Linear output, or a user's stacked tensor) they
-compute over the per-model dims directly instead of copying the activation.
+LayerNorm, RMSNorm and BatchNorm run the ``hfkern::array_layer_norm`` /
+``array_rms_norm`` / ``array_batch_norm`` ops, which read any input strides
+(the ``[N, B, C, *]`` memory an array conv produces included) and write the
+output in the input's memory order. GroupNorm runs torch's own kernel on the
+grouped view ``[N, B*C, *]`` with the per-model parameters viewed as ``[B*C]``;
+that view is free for ``[N, B, C, *]`` memory. For ``[B, N, C, *]`` memory (a
+Linear output, or a user's stacked tensor) it folds the samples into the
+groups instead of copying the activation.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn import init
 
 from .._array import check_channels, check_input, is_shared, per_model_memory_first
+from ..ops.batch_norm import array_batch_norm
 from ..ops.layer_norm import array_layer_norm, array_rms_norm
 from ._base import ArrayModule, torch_module
 
@@ -37,10 +39,6 @@ def _check_trailing(
             f"(array dim first, normalized_shape={list(shape)} last), got shape {list(input.shape)}"
         )
     return check_input(module, input, B, (input.dim() - 1,), param)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class LayerNorm(ArrayModule):
@@ -288,7 +286,6 @@ class _BatchNorm(ArrayModule):
         check_channels(name, x, 2, self.num_features)
         # As torch: batch statistics in training, and in eval when nothing is tracked.
         use_batch_stats = self.training or self.running_mean is None
-        update = self.training and self.track_running_stats
         if use_batch_stats:
             n = x.size(1) * math.prod(x.shape[3:])
             if n == 1:  # torch's F.batch_norm -> _verify_batch_size, per model
@@ -300,82 +297,19 @@ class _BatchNorm(ArrayModule):
                 raise ValueError(f"{name}: batch_norm eps must be positive during training, got {self.eps}")
         elif self.eps < 0.0:
             raise ValueError(f"{name}: batch_norm eps must be non-negative, got {self.eps}")
-        factor: float | Tensor | None = None
-        if update:
+        if self.training and self.track_running_stats:
+            # counted before the op runs: momentum=None averages over each model's
+            # own count (the B counts may differ after from_modules)
             self.num_batches_tracked.add_(1)
-            # momentum=None is a cumulative average: 1/count per model (the B
-            # counts may differ after from_modules).
-            if self.momentum is None:
-                factor = 1.0 / self.num_batches_tracked.to(torch.float64).unsqueeze(1)
-            else:
-                factor = float(self.momentum)
-        if per_model_memory_first(x) and not is_shared(x):
-            return self._grouped(x, use_batch_stats, update, factor)
-        return self._direct(x, use_batch_stats, update, factor)
-
-    def _update_running(self, mean: Tensor, var_unbiased: Tensor, factor: float | Tensor) -> None:
-        """running <- factor * batch + (1 - factor) * running, per model, in float64 as torch's CPU kernel."""
-        with torch.no_grad():
-            for buf, new in ((self.running_mean, mean), (self.running_var, var_unbiased)):
-                buf.copy_(factor * new.to(torch.float64) + (1 - factor) * buf.to(torch.float64))
-
-    def _grouped(self, x: Tensor, use_batch_stats: bool, update: bool, factor) -> Tensor:
-        """[N, B, C, *] memory: torch's batch_norm on the free view [N, B*C, *]."""
-        B, N, C = x.shape[:3]
-        rest = tuple(x.shape[3:])
-        xg = x.transpose(0, 1).reshape(N, B * C, *rest)
-        w = None if self.weight is None else self.weight.reshape(-1)
-        b = None if self.bias is None else self.bias.reshape(-1)
-        running = (None, None)
-        momentum = 0.0
-        if update and isinstance(factor, float):
-            # [B*C] views of the [B, C] buffers: torch updates them in place.
-            running, momentum = (self.running_mean.view(-1), self.running_var.view(-1)), factor
-        elif update:
-            # Per-model factors: let torch write the batch mean and unbiased
-            # variance (momentum 1 into zeros) and blend them here.
-            zeros = lambda: torch.zeros(B * C, device=x.device, dtype=self.running_mean.dtype)  # noqa: E731
-            running, momentum = (zeros(), zeros()), 1.0
-        elif not use_batch_stats:
-            running = (self.running_mean.view(-1), self.running_var.view(-1))
-        y = torch.batch_norm(
-            xg, w, b, running[0], running[1], use_batch_stats, momentum, self.eps,
-            torch.backends.cudnn.enabled,
-        )
-        if update and not isinstance(factor, float):
-            self._update_running(running[0].view(B, C), running[1].view(B, C), factor)
-        return y.view(N, B, C, *rest).transpose(0, 1)
-
-    def _direct(self, x: Tensor, use_batch_stats: bool, update: bool, factor) -> Tensor:
-        """Any other layout: reduce over the per-model dims (N, *) of x in place, no copy."""
-        B, C = x.shape[0], x.shape[2]
-        acc = _acc_dtype(x.dtype)
-        stat_shape = (-1, 1, C) + (1,) * (x.dim() - 3)
-        if use_batch_stats:
-            # A shared input is the same batch for every model: its statistics once.
-            src = x[:1] if is_shared(x) else x
-            xf = src.to(acc)
-            dims = [1] + list(range(3, x.dim()))
-            var, mean = torch.var_mean(xf, dim=dims, correction=0, keepdim=True)
-            invstd = torch.rsqrt(var + self.eps)
-            if update:
-                n = x.size(1) * math.prod(x.shape[3:])
-                self._update_running(
-                    mean.detach().reshape(-1, C), var.detach().reshape(-1, C) * (n / (n - 1)), factor
-                )
-        else:
-            xf = x.to(acc)
-            mean = self.running_mean.to(acc).view(stat_shape)
-            invstd = torch.rsqrt(self.running_var.to(acc) + self.eps).view(stat_shape)
-        scale = invstd if self.weight is None else invstd * self.weight.to(acc).view(stat_shape)
-        centered = xf - mean
-        if self.bias is None:
-            y = centered * scale
-        else:
-            y = torch.addcmul(self.bias.to(acc).view(stat_shape), centered, scale)
-        # a shared input's batch statistics without per-model parameters: one
-        # result, the same for every model
-        return y.to(x.dtype).expand(x.shape)
+        if is_shared(x) and self.weight is None and self.bias is None and self.running_mean is None:
+            # One shared batch, its own statistics, no per-model state: the B
+            # models compute the same thing, once.
+            y = array_batch_norm(x[:1], None, None, None, None, None, True, None, self.eps)[0]
+            return y.expand(x.shape)
+        return array_batch_norm(
+            x, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
+            use_batch_stats, self.momentum, self.eps,
+        )[0]
 
 
 class BatchNorm1d(_BatchNorm):
@@ -395,9 +329,9 @@ class BatchNorm2d(_BatchNorm):
     """B ``torch.nn.BatchNorm2d`` models: input ``[B, N, C, H, W]``.
 
     Parameters and ``running_mean``/``running_var`` are ``[B, C]``,
-    ``num_batches_tracked`` is ``[B]``. ``[N, B, C, H, W]`` memory (an array
-    conv's output) is normalized on the free view ``[N, B*C, H, W]`` and keeps
-    that memory order. ``B`` is required when ``affine`` or ``track_running_stats``.
+    ``num_batches_tracked`` is ``[B]``. Any input strides are read as they are;
+    ``[N, B, C, H, W]`` memory (an array conv's output) keeps that memory order.
+    ``B`` is required when ``affine`` or ``track_running_stats``.
     """
 
     _torch_cls = nn.BatchNorm2d
