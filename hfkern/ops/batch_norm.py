@@ -83,7 +83,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._array import is_shared
+from .._array import from_grouped, is_shared, per_model_memory_first, to_grouped
 from .._dtypes import acc_dtype
 
 __all__ = ["array_batch_norm", "array_batch_norm_backward", "batch_norm_backward_math"]
@@ -137,6 +137,41 @@ def _update_running(
         buf.copy_(factor * new.to(torch.float64) + (1 - factor) * buf.to(torch.float64))
 
 
+def _grouped_ok(x: Tensor, *tensors: Tensor | None) -> bool:
+    """Whether torch's own batch norm can serve ``x`` on the free grouped view
+    ``[N, B*C, *S]``: ``[N, B, C, *S]`` memory (an array conv's output), and
+    every per-channel tensor of x's dtype (float32 or float64, so the
+    statistics are in the accumulation dtype either way)."""
+    # B > 1: for B = 1 the view's strides would differ from torch.empty_like(x)'s
+    return (x.dtype in (torch.float32, torch.float64) and x.numel() > 0 and x.dim() > 3 and x.size(0) > 1
+            and per_model_memory_first(x) and not is_shared(x)
+            and all(t is None or t.dtype == x.dtype for t in tensors))
+
+
+def _flat(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.reshape(-1)
+
+
+def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps):
+    """Training on ``[N, B, C, *S]`` memory: torch's kernel (cuDNN, oneDNN) on the
+    grouped view, about twice as fast as strided reductions over ``x``."""
+    B, C = x.shape[0], x.shape[2]
+    running, factor = (None, None), 0.0
+    if running_mean is not None and momentum is not None:
+        running, factor = (running_mean.view(-1), running_var.view(-1)), momentum  # updated in place
+    elif running_mean is not None:
+        # Per-model factors: torch writes the batch mean and unbiased variance
+        # (momentum 1 into zeros), blended per model below.
+        running, factor = (x.new_zeros(B * C), x.new_zeros(B * C)), 1.0
+    y, mean, rstd = torch.native_batch_norm(
+        to_grouped(x), _flat(weight), _flat(bias), *running, True, factor, eps
+    )
+    if running_mean is not None and momentum is None:
+        _update_running(running_mean, running_var, num_batches_tracked,
+                        running[0].view(B, C), running[1].view(B, C), None)
+    return from_grouped(y, B), mean.view(B, C), rstd.view(B, C)
+
+
 @_backend.implements(_FWD, "torch")
 def array_batch_norm_torch(
     x: Tensor,
@@ -151,6 +186,8 @@ def array_batch_norm_torch(
 ) -> tuple[Tensor, Tensor, Tensor]:
     B, C = x.shape[0], x.shape[2]
     acc = acc_dtype(x.dtype)
+    if training and values_per_channel(x) > 0 and _grouped_ok(x, weight, bias, running_mean, running_var):
+        return _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps)
     if training:
         n = values_per_channel(x)
         # A shared input is the same batch for every model: its statistics once.
@@ -189,6 +226,18 @@ def array_batch_norm_backward_torch(
     output_mask: Sequence[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias); an output whose mask entry is False is ``[0]``."""
+    if training and _grouped_ok(x, grad_y, weight, mean) and per_model_memory_first(grad_y):
+        B, N, C = x.shape[:3]
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            to_grouped(grad_y), to_grouped(x), _flat(weight), None, None, mean.view(-1), rstd.view(-1),
+            True, 0.0, list(output_mask),
+        )
+        # unrequested outputs: distinct empties, as custom-op outputs may not alias
+        return (
+            from_grouped(gx, B) if output_mask[0] else x.new_empty(0),
+            gw.view(B, C) if output_mask[1] else x.new_empty(0),
+            gb.view(B, C) if output_mask[2] else x.new_empty(0),
+        )
     acc = mean.dtype
     dims = _reduced_dims(x)
     n = values_per_channel(x)
