@@ -11,13 +11,14 @@ from __future__ import annotations
 import inspect
 import io
 import math
+import re
 
 import pytest
 import torch
 
 import hfkern.optim as hoptim
+from hfkern._dtypes import acc_dtype
 from hfkern.ops import optim as ops
-from hfkern.ops import optim_torch
 
 SHAPES = [(5, 3), (7,), (2, 3, 3, 1)]  # per-model parameter shapes of the first group
 LATE_SHAPE = (4, 2)  # second group; its gradient starts late and skips a step
@@ -735,13 +736,13 @@ def test_step_reads_no_device_value(name):
         opt.step(skip=torch.zeros(B, dtype=torch.bool, device="meta"))
     assert opt.last_skipped.device.type == "meta"
     # The custom op runs its fake kernel on meta; call the torch implementation itself.
-    fn = {"SGD": optim_torch.sgd_step_, "AdamW": optim_torch.adam_step_, "Adam": optim_torch.adam_step_,
-          "Adagrad": optim_torch.adagrad_step_, "Adadelta": optim_torch.adadelta_step_,
-          "RMSprop": optim_torch.rmsprop_step_}[name]
+    fn = {"SGD": ops.sgd_step_torch, "AdamW": ops.adam_step_torch, "Adam": ops.adam_step_torch,
+          "Adagrad": ops.adagrad_step_torch, "Adadelta": ops.adadelta_step_torch,
+          "RMSprop": ops.rmsprop_step_torch}[name]
     for skip in (None, torch.zeros(B, dtype=torch.bool, device="meta")):
         args = _op_args(name, torch.bfloat16, skip, device="meta")
         fn(*args)
-    optim_torch.nonfinite_models([p.grad for p in params])
+    ops.nonfinite_models_torch([p.grad for p in params])
 
 
 @pytest.mark.gpu
@@ -797,7 +798,7 @@ def _op_args(name, dtype=torch.float32, skip=None, option=True, device="cpu"):
     B = 3
     params = [torch.randn(B, 4, 3, device=device).to(dtype), torch.randn(B, 5, device=device).to(dtype)]
     grads = [torch.randn_like(p) for p in params]
-    sdt = ops.state_dtype(dtype)
+    sdt = acc_dtype(dtype)
 
     def state(lo=0.0):
         return [torch.rand(p.shape, dtype=sdt, device=device) + lo for p in params]
@@ -862,6 +863,33 @@ def test_op_masked_models_bit_identical(name):
     for t, b in zip(tensors, before):
         assert torch.equal(t[1], b)
     assert not any(torch.isnan(t).any() for t in tensors)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hyper_table_rows_follow_the_op_declaration(name):
+    """The optimizer's [R, B] table holds each row of its op's declaration, by name, and the
+    op's check names those rows."""
+    cls = getattr(hoptim, name)
+    spec = cls._spec
+    assert cls._hypers == spec.group_keys and set(cls._state_names) == {"step"} | {k for _, k, _ in spec.states}
+    B = 3
+    # distinct values per row and model, valid for every row (below 1, above 0)
+    values = {row: [0.01 * (i + 1) + 0.001 * b for b in range(B)] for i, row in enumerate(spec.rows)}
+    kwargs = {}
+    for key in spec.group_keys:
+        pair = spec.pair(key)
+        kwargs[key] = tuple(values[r] for r in pair) if pair else values[key]
+    p = torch.nn.Parameter(torch.randn(B, 2))
+    opt = cls([p], **kwargs)
+    table = opt._check_group(opt.param_groups[0]).hypers
+    assert table.shape == (len(spec.rows), B)
+    for row in spec.rows:
+        torch.testing.assert_close(table[spec.row(row)], torch.tensor(values[row]))
+    op = getattr(ops, spec.op)
+    args = list(_op_args(name))
+    args[spec.args.index("hypers")] = torch.rand(len(spec.rows) + 1, B)
+    with pytest.raises(ValueError, match=re.escape(f"rows {list(spec.rows)}")):
+        op(*args)
 
 
 def test_ops_check_their_arguments():

@@ -9,43 +9,25 @@ from __future__ import annotations
 
 import torch
 
+from hfkern._optim_specs import OPTIMIZER_SPECS
+
 from . import Family
 
-# Each step op's flag arguments, in signature order (after ``hypers``, before ``skip``).
-_FLAGS = {
-    "sgd_step_": ("nesterov", "maximize", "has_weight_decay"),
-    "adam_step_": ("amsgrad", "maximize", "decoupled_weight_decay", "has_weight_decay"),
-    "adagrad_step_": ("maximize", "has_weight_decay"),
-    "adadelta_step_": ("maximize", "has_weight_decay"),
-    "rmsprop_step_": ("centered", "maximize", "has_weight_decay"),
-}
-# The rows of each step op's ``hypers``, in the order its contract
-# (hfkern/ops/optim.py) documents; the samples zero those a flag promises are 0.
-_HYPER_ROWS = {
-    "sgd_step_": ("lr", "momentum", "dampening", "weight_decay"),
-    "adam_step_": ("lr", "beta1", "beta2", "eps", "weight_decay"),
-    "adagrad_step_": ("lr", "lr_decay", "weight_decay", "eps"),
-    "adadelta_step_": ("lr", "rho", "eps", "weight_decay"),
-    "rmsprop_step_": ("lr", "alpha", "eps", "weight_decay", "momentum"),
-}
+# Each step op's declaration: its flag arguments (in signature order, after
+# ``hypers``), its hyperparameter rows and when each state list is present.
+_SPECS = {spec.op: spec for spec in OPTIMIZER_SPECS}
+_FLAGS = {op: spec.flags for op, spec in _SPECS.items()}
+_HYPER_ROWS = {op: spec.rows for op, spec in _SPECS.items()}
 
 
 def _step_args(op: str, params, grads, flags: dict, momentum: bool, hypers, state_dtype):
     """The step op's arguments up to ``hypers``, state zeroed in the parameters' layouts."""
-    def zeros():
-        return [torch.zeros_like(p, dtype=state_dtype) for p in params]
-
-    steps = [torch.zeros(p.size(0), device=p.device) for p in params]
-    if op == "sgd_step_":
-        return params, grads, zeros() if momentum else [], steps if momentum else [], hypers
-    if op == "adam_step_":
-        return params, grads, zeros(), zeros(), zeros() if flags["amsgrad"] else [], steps, hypers
-    if op == "adagrad_step_":
-        return params, grads, zeros(), steps, hypers
-    if op == "adadelta_step_":
-        return params, grads, zeros(), zeros(), steps, hypers
-    return (params, grads, zeros(), zeros() if flags["centered"] else [], zeros() if momentum else [],
-            steps, hypers)
+    spec = _SPECS[op]
+    present = {**flags, "momentum": momentum, "": True}  # a list's condition: a flag, a row, or always
+    states = [[torch.zeros_like(p, dtype=state_dtype) for p in params] if present[when] else []
+              for _, _, when in spec.states]
+    steps = [torch.zeros(p.size(0), device=p.device) for p in params] if present[spec.steps_when] else []
+    return (params, grads, *states, steps, hypers)
 
 
 def compile_calls():

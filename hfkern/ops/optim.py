@@ -35,6 +35,9 @@ Conventions shared by every ``*_step_`` op (model b is index b of every dim 0):
   learning rates into it in place), so nothing depends on its values on the
   host. Arithmetic on hyperparameters (``1 - beta``, bias corrections, ...) is
   done in ``hypers.dtype`` at run time.
+* Each op's rows, state lists and flags are declared once, by name, in
+  :mod:`hfkern._optim_specs` (``SGD_SPEC``, ...); the checks here, every backend's
+  implementation and the optimizer classes read them from that declaration.
 * ``has_weight_decay``: False promises that every model's weight_decay is 0; a
   backend may then skip the weight decay terms. With True they are computed for
   every model (for a model with weight_decay 0 they change nothing).
@@ -61,53 +64,52 @@ NaN in any of the n ``[B, ...]`` gradients (on grads[0]'s device).
 
 from __future__ import annotations
 
-from typing import Sequence
+import inspect
+import math
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from .. import _backend
-from . import optim_torch
+from .._dtypes import FLOAT_DTYPES, acc_dtype
+from .._optim_specs import (
+    ADADELTA_SPEC, ADAGRAD_SPEC, ADAM_SPEC, RMSPROP_SPEC, SGD_SPEC, OptimizerSpec,
+)
 
 __all__ = [
     "sgd_step_", "adam_step_", "adagrad_step_", "adadelta_step_", "rmsprop_step_",
     "nonfinite_models",
 ]
 
-_SGD, _ADAM, _ADAGRAD, _ADADELTA, _RMSPROP = (
-    "sgd_step_", "adam_step_", "adagrad_step_", "adadelta_step_", "rmsprop_step_"
-)
-_NONFINITE = "nonfinite_models"
 
-SGD_ROWS = ("lr", "momentum", "dampening", "weight_decay")
-ADAM_ROWS = ("lr", "beta1", "beta2", "eps", "weight_decay")
-ADAGRAD_ROWS = ("lr", "lr_decay", "weight_decay", "eps")
-ADADELTA_ROWS = ("lr", "rho", "eps", "weight_decay")
-RMSPROP_ROWS = ("lr", "alpha", "eps", "weight_decay", "momentum")
+# ---- checks and op definition ----------------------------------------------------
 
-_FLOAT_PARAMS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+def _check(spec: OptimizerSpec, args: Sequence[Any]) -> None:
+    """Shapes, dtypes and list lengths of the op's arguments (in ``spec.args`` order):
+    metadata only, never a device value."""
+    op = spec.op
+    n_states = len(spec.states)
+    params, grads = args[0], args[1]
+    lists = dict(zip(spec.state_args, args[2 : 2 + n_states]))
+    steps, hypers = args[2 + n_states], args[3 + n_states]
+    flags = dict(zip(spec.flags, args[4 + n_states : -1]))
+    skip = args[-1]
 
+    def required(when: str) -> bool:
+        if not when:
+            return True
+        if when in flags:
+            return bool(flags[when])
+        # A row's condition: the caller decided by the values; every list that
+        # follows the row must agree with the first one.
+        return bool(next(lists[a] for a, _, w in spec.states if w == when))
 
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of optimizer state (and of the update math) for parameters of ``dtype``."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _check(
-    op: str,
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    states: dict[str, tuple[Sequence[Tensor], bool]],
-    steps: Sequence[Tensor],
-    steps_required: bool,
-    hypers: Tensor,
-    rows: Sequence[str],
-    skip: Tensor | None,
-) -> None:
-    """Shapes, dtypes and list lengths only: metadata, never a device value."""
     n = len(params)
     if len(grads) != n:
         raise ValueError(f"hfkern::{op}: expected {n} grads (one per parameter), got {len(grads)}")
+    rows = spec.rows
     if hypers.dim() != 2 or hypers.size(0) != len(rows) or (n and hypers.size(1) != params[0].size(0)):
         B = params[0].size(0) if n else "B"
         raise ValueError(
@@ -116,14 +118,14 @@ def _check(
         )
     if hypers.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"hfkern::{op}: expected float32 or float64 hypers, got {hypers.dtype}")
-    lists = dict(states)
-    lists["steps"] = (steps, steps_required)
-    for name, (lst, required) in lists.items():
-        expected = n if required else 0
+    counted = [(arg, lists[arg], required(when)) for arg, _, when in spec.states]
+    counted.append(("steps", steps, required(spec.steps_when)))
+    for name, lst, req in counted:
+        expected = n if req else 0
         if len(lst) != expected:
             raise ValueError(
                 f"hfkern::{op}: expected {name} to hold {expected} tensors "
-                f"({'one per parameter' if required else 'empty: its option is off'}), got {len(lst)}"
+                f"({'one per parameter' if req else 'empty: its option is off'}), got {len(lst)}"
             )
     if n == 0:
         return
@@ -133,15 +135,15 @@ def _check(
             raise ValueError(
                 f"hfkern::{op}: expected every parameter of shape [B={B}, ...], got {list(p.shape)} at index {i}"
             )
-        if p.dtype not in _FLOAT_PARAMS:
+        if p.dtype not in FLOAT_DTYPES:
             raise TypeError(f"hfkern::{op}: expected a floating-point parameter, got {p.dtype} at index {i}")
         if g.shape != p.shape or g.dtype != p.dtype:
             raise ValueError(
                 f"hfkern::{op}: expected grads[{i}] of shape {list(p.shape)} and dtype {p.dtype} "
                 f"(its parameter's), got {list(g.shape)} {g.dtype}"
             )
-        sdt = state_dtype(p.dtype)
-        for name, (lst, _) in states.items():
+        sdt = acc_dtype(p.dtype)
+        for name, lst in lists.items():
             if lst and (lst[i].shape != p.shape or lst[i].dtype != sdt):
                 raise ValueError(
                     f"hfkern::{op}: expected {name}[{i}] of shape {list(p.shape)} and dtype {sdt}, "
@@ -161,19 +163,162 @@ def _check(
         )
 
 
+def _step_op(spec: OptimizerSpec) -> Callable[[Callable], Any]:
+    """Define the decorated function (its signature: the op's schema; its docstring:
+    the math) as ``hfkern::<spec.op>``, with the fake kernel that checks its arguments."""
+    def define(fn: Callable) -> Any:
+        signature = inspect.signature(fn)
+        if tuple(signature.parameters) != spec.args:
+            raise TypeError(
+                f"hfkern::{spec.op}: expected the arguments {spec.args}, got {tuple(signature.parameters)}"
+            )
+        op = torch.library.custom_op(f"hfkern::{spec.op}", fn, mutates_args=spec.mutated)
+
+        @op.register_fake
+        def _(*args, **kwargs):
+            _check(spec, signature.bind(*args, **kwargs).args)
+
+        return op
+
+    return define
+
+
+def _step(spec: OptimizerSpec, *args: Any) -> None:
+    """Check the arguments and run the implementation the registry picks."""
+    _check(spec, args)
+    if args[0]:
+        _backend.resolve(spec.op, args[0][0].device)(*args)
+
+
+# ---- the torch implementation (CPU path and oracle) ------------------------------
+#
+# ``torch._foreach_*`` over every parameter. A per-model hyperparameter (``[B]``)
+# enters the foreach calls as a ``[B, 1, ...]`` view per tensor, so one call
+# serves every model, and per-(parameter, model) quantities such as bias
+# corrections are computed once on the stacked ``[n, B]`` step counts. Nothing
+# reads a device value on the host and nothing loops over models. The arithmetic
+# follows torch.optim's single-tensor implementations operation by operation
+# (same operands, same order), so that a model's trajectory matches torch's to
+# rounding; the Triton kernels follow this order too.
+
+def _rows(spec: OptimizerSpec, hypers: Tensor) -> SimpleNamespace:
+    """The ``[B]`` rows of ``hypers`` by name (``h.lr``, ``h.beta1``, ...)."""
+    return SimpleNamespace(**dict(zip(spec.rows, hypers.unbind(0))))
+
+
+def _col(h: Tensor, like: Tensor) -> Tensor:
+    """The ``[B]`` tensor ``h`` as ``[B, 1, ...]``, broadcasting against ``like`` ([B, ...])."""
+    return h.view(h.shape[0], *([1] * (like.dim() - 1)))
+
+
+def _cols(h: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    return [_col(h, t) for t in tensors]
+
+
+def _lerp_weights(h: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``_cols`` in each tensor's dtype: foreach lerp wants its weight in the tensor's
+    dtype, and one group may mix float64 state with float32 hyperparameters."""
+    return [_col(h.to(t.dtype), t) for t in tensors]
+
+
+def _per_tensor(x: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Row i of the ``[n, B]`` tensor ``x`` as a column broadcasting against ``tensors[i]``."""
+    return [_col(row, t) for row, t in zip(x.unbind(0), tensors)]
+
+
+class _Targets:
+    """The tensors a step writes, as the math sees them, and their write-back.
+
+    Without a skip mask a float32/float64 tensor is updated directly. A
+    bfloat16/float16 parameter is updated through a float32 copy that
+    :meth:`commit` rounds into it once. With a mask every written tensor goes
+    through a copy, and :meth:`commit` keeps the stored values of the skipped
+    models (``torch.where``, so inf/NaN computed for them never lands).
+    """
+
+    def __init__(self, skip: Tensor | None):
+        self.skip = skip
+        self._copies: list[tuple[Tensor, Tensor]] = []
+
+    def __call__(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        out = []
+        for t in tensors:
+            dtype = acc_dtype(t.dtype)
+            if self.skip is None and t.dtype == dtype:
+                out.append(t)
+            else:
+                w = t.to(dtype, copy=True)
+                self._copies.append((t, w))
+                out.append(w)
+        return out
+
+    def commit(self) -> None:
+        if not self._copies:
+            return
+        stored = [s for s, _ in self._copies]
+        work = [w for _, w in self._copies]
+        if self.skip is not None:
+            for s, w in zip(stored, work):
+                torch.where(_col(self.skip, w), s, w, out=w)
+        torch._foreach_copy_(stored, work)
+
+
+def _advance(steps: list[Tensor], skip: Tensor | None) -> None:
+    """Count one update for every model that is not skipped."""
+    if not steps:
+        return
+    if skip is None:
+        torch._foreach_add_(steps, 1.0)
+    else:
+        inc = (~skip).to(steps[0].dtype)
+        torch._foreach_add_(steps, [inc] * len(steps))
+
+
+def _direction(
+    grads: Sequence[Tensor], params: list[Tensor], weight_decay: Tensor | None, maximize: bool
+) -> list[Tensor]:
+    """The gradient the update follows: in the math dtype, negated to maximize, plus
+    ``weight_decay * param`` when given. May alias ``grads``: read only."""
+    d = [g.to(acc_dtype(g.dtype)) for g in grads]
+    if maximize:
+        d = torch._foreach_neg(d)
+    if weight_decay is not None:
+        d = torch._foreach_addcmul(d, params, _cols(weight_decay, params))
+    return d
+
+
+def _ema_sq_(avgs: list[Tensor], d: list[Tensor], decay: Tensor) -> None:
+    """``avg = decay * avg + (1 - decay) * d * d``, as torch's ``mul_(decay).addcmul_(d, d, value=1 - decay)``."""
+    torch._foreach_mul_(avgs, _cols(decay, avgs))
+    torch._foreach_addcmul_(avgs, torch._foreach_mul(d, _cols(1 - decay, d)), d)
+
+
+def _add_scaled_ratio_(
+    p: list[Tensor], num: list[Tensor], sq: list[Tensor], eps: Tensor, scale: Tensor,
+    root_divisor: Tensor | None = None,
+) -> None:
+    """``p += scale * num / (sqrt(sq) [/ root_divisor] + eps)``; ``scale`` and
+    ``root_divisor`` are per (parameter, model), ``[n, B]``."""
+    denom = torch._foreach_sqrt(sq)
+    if root_divisor is not None:
+        torch._foreach_div_(denom, _per_tensor(root_divisor, denom))
+    torch._foreach_add_(denom, _cols(eps, denom))
+    update = torch._foreach_div(num, denom)
+    del denom
+    torch._foreach_addcmul_(p, update, _per_tensor(scale, p))
+
+
+def _bias_correction(beta: Tensor, t: Tensor) -> Tensor:
+    """``1 - beta ** t`` for ``t`` ``[n, B]``, without cancellation where ``beta ** t`` is near 1."""
+    return -torch.expm1(t * torch.log(beta))
+
+
 # ---- SGD -------------------------------------------------------------------
 
-@torch.library.custom_op("hfkern::sgd_step_", mutates_args=("params", "momentum_buffers", "steps"))
+@_step_op(SGD_SPEC)
 def sgd_step_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    momentum_buffers: list[Tensor],
-    steps: list[Tensor],
-    hypers: Tensor,
-    nesterov: bool,
-    maximize: bool,
-    has_weight_decay: bool,
-    skip: Tensor | None,
+    params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], steps: list[Tensor],
+    hypers: Tensor, nesterov: bool, maximize: bool, has_weight_decay: bool, skip: Tensor | None,
 ) -> None:
     """``torch.optim.SGD``'s step for each of B models, in place.
 
@@ -192,39 +337,38 @@ def sgd_step_(
             g = g + momentum * buf if nesterov else buf
         p = p - lr * g
     """
-    _check(_SGD, params, grads, {"momentum_buffers": (momentum_buffers, bool(momentum_buffers))},
-           steps, bool(momentum_buffers), hypers, SGD_ROWS, skip)
-    if params:
-        _backend.resolve(_SGD, params[0].device)(
-            params, grads, momentum_buffers, steps, hypers, nesterov, maximize, has_weight_decay, skip
-        )
+    _step(SGD_SPEC, params, grads, momentum_buffers, steps, hypers, nesterov, maximize, has_weight_decay, skip)
 
 
-@sgd_step_.register_fake
-def _(params, grads, momentum_buffers, steps, hypers, nesterov, maximize, has_weight_decay, skip):
-    _check(_SGD, params, grads, {"momentum_buffers": (momentum_buffers, bool(momentum_buffers))},
-           steps, bool(momentum_buffers), hypers, SGD_ROWS, skip)
+@_backend.implements(SGD_SPEC.op, "torch")
+def sgd_step_torch(params, grads, momentum_buffers, steps, hypers, nesterov, maximize, has_weight_decay, skip):
+    h = _rows(SGD_SPEC, hypers)
+    targets = _Targets(skip)
+    p = targets(params)
+    d = _direction(grads, p, h.weight_decay if has_weight_decay else None, maximize)
+    if momentum_buffers:
+        # A model's first update sets its buffer to the gradient (torch clones it);
+        # from zeros that is buf * 0 + g * 1. torch ignores dampening without momentum.
+        first = torch.stack(steps) == 0
+        keep = 1 - torch.where(h.momentum == 0, 0.0, h.dampening)
+        decay = torch.where(first, 0.0, h.momentum)
+        scale = torch.where(first, 1.0, keep)
+        bufs = targets(momentum_buffers)
+        torch._foreach_mul_(bufs, _per_tensor(decay, bufs))
+        torch._foreach_addcmul_(bufs, d, _per_tensor(scale, bufs))
+        d = torch._foreach_addcmul(d, bufs, _cols(h.momentum, bufs)) if nesterov else bufs
+        _advance(steps, skip)
+    torch._foreach_addcmul_(p, d, _cols(-h.lr, p))
+    targets.commit()
 
 
 # ---- Adam / AdamW ------------------------------------------------------------
 
-@torch.library.custom_op(
-    "hfkern::adam_step_",
-    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"),
-)
+@_step_op(ADAM_SPEC)
 def adam_step_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor],
-    steps: list[Tensor],
-    hypers: Tensor,
-    amsgrad: bool,
-    maximize: bool,
-    decoupled_weight_decay: bool,
-    has_weight_decay: bool,
-    skip: Tensor | None,
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hypers: Tensor, amsgrad: bool, maximize: bool,
+    decoupled_weight_decay: bool, has_weight_decay: bool, skip: Tensor | None,
 ) -> None:
     """``torch.optim.Adam`` (``AdamW`` with ``decoupled_weight_decay``) for each of B models, in place.
 
@@ -246,42 +390,41 @@ def adam_step_(
     ``1 - beta ** t`` is computed as ``-expm1(t * log(beta))``, which keeps full
     relative precision where ``beta ** t`` is close to 1 (``beta = 0`` gives 1).
     """
-    _check(
-        _ADAM, params, grads,
-        {"exp_avgs": (exp_avgs, True), "exp_avg_sqs": (exp_avg_sqs, True),
-         "max_exp_avg_sqs": (max_exp_avg_sqs, amsgrad)},
-        steps, True, hypers, ADAM_ROWS, skip,
-    )
-    if params:
-        _backend.resolve(_ADAM, params[0].device)(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hypers,
-            amsgrad, maximize, decoupled_weight_decay, has_weight_decay, skip,
-        )
+    _step(ADAM_SPEC, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hypers,
+          amsgrad, maximize, decoupled_weight_decay, has_weight_decay, skip)
 
 
-@adam_step_.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hypers,
-      amsgrad, maximize, decoupled_weight_decay, has_weight_decay, skip):
-    _check(
-        _ADAM, params, grads,
-        {"exp_avgs": (exp_avgs, True), "exp_avg_sqs": (exp_avg_sqs, True),
-         "max_exp_avg_sqs": (max_exp_avg_sqs, amsgrad)},
-        steps, True, hypers, ADAM_ROWS, skip,
-    )
+@_backend.implements(ADAM_SPEC.op, "torch")
+def adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hypers,
+                    amsgrad, maximize, decoupled_weight_decay, has_weight_decay, skip):
+    h = _rows(ADAM_SPEC, hypers)
+    _advance(steps, skip)
+    targets = _Targets(skip)
+    p = targets(params)
+    coupled = has_weight_decay and not decoupled_weight_decay
+    d = _direction(grads, p, h.weight_decay if coupled else None, maximize)
+    if has_weight_decay and decoupled_weight_decay:
+        torch._foreach_mul_(p, _cols(1 - h.lr * h.weight_decay, p))
+    m, v = targets(exp_avgs), targets(exp_avg_sqs)
+    torch._foreach_lerp_(m, d, _lerp_weights(1 - h.beta1, m))
+    _ema_sq_(v, d, h.beta2)
+    if amsgrad:
+        v_max = targets(max_exp_avg_sqs)
+        torch._foreach_maximum_(v_max, v)
+        v = v_max
+    t = torch.stack(steps).to(hypers.dtype)
+    step_size = h.lr / _bias_correction(h.beta1, t)
+    bc2_sqrt = _bias_correction(h.beta2, t).sqrt()
+    _add_scaled_ratio_(p, m, v, h.eps, -step_size, bc2_sqrt)
+    targets.commit()
 
 
 # ---- Adagrad -------------------------------------------------------------------
 
-@torch.library.custom_op("hfkern::adagrad_step_", mutates_args=("params", "state_sums", "steps"))
+@_step_op(ADAGRAD_SPEC)
 def adagrad_step_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    state_sums: list[Tensor],
-    steps: list[Tensor],
-    hypers: Tensor,
-    maximize: bool,
-    has_weight_decay: bool,
-    skip: Tensor | None,
+    params: list[Tensor], grads: list[Tensor], state_sums: list[Tensor], steps: list[Tensor],
+    hypers: Tensor, maximize: bool, has_weight_decay: bool, skip: Tensor | None,
 ) -> None:
     """``torch.optim.Adagrad`` (dense gradients) for each of B models, in place.
 
@@ -294,35 +437,30 @@ def adagrad_step_(
         state_sum = state_sum + g * g
         p = p - clr * g / (sqrt(state_sum) + eps)
     """
-    _check(_ADAGRAD, params, grads, {"state_sums": (state_sums, True)}, steps, True, hypers,
-           ADAGRAD_ROWS, skip)
-    if params:
-        _backend.resolve(_ADAGRAD, params[0].device)(
-            params, grads, state_sums, steps, hypers, maximize, has_weight_decay, skip
-        )
+    _step(ADAGRAD_SPEC, params, grads, state_sums, steps, hypers, maximize, has_weight_decay, skip)
 
 
-@adagrad_step_.register_fake
-def _(params, grads, state_sums, steps, hypers, maximize, has_weight_decay, skip):
-    _check(_ADAGRAD, params, grads, {"state_sums": (state_sums, True)}, steps, True, hypers,
-           ADAGRAD_ROWS, skip)
+@_backend.implements(ADAGRAD_SPEC.op, "torch")
+def adagrad_step_torch(params, grads, state_sums, steps, hypers, maximize, has_weight_decay, skip):
+    h = _rows(ADAGRAD_SPEC, hypers)
+    _advance(steps, skip)
+    targets = _Targets(skip)
+    p = targets(params)
+    d = _direction(grads, p, h.weight_decay if has_weight_decay else None, maximize)
+    t = torch.stack(steps).to(hypers.dtype)
+    clr = h.lr / (1 + (t - 1) * h.lr_decay)
+    sums = targets(state_sums)
+    torch._foreach_addcmul_(sums, d, d)
+    _add_scaled_ratio_(p, d, sums, h.eps, -clr)
+    targets.commit()
 
 
 # ---- Adadelta ------------------------------------------------------------------
 
-@torch.library.custom_op(
-    "hfkern::adadelta_step_", mutates_args=("params", "square_avgs", "acc_deltas", "steps")
-)
+@_step_op(ADADELTA_SPEC)
 def adadelta_step_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    square_avgs: list[Tensor],
-    acc_deltas: list[Tensor],
-    steps: list[Tensor],
-    hypers: Tensor,
-    maximize: bool,
-    has_weight_decay: bool,
-    skip: Tensor | None,
+    params: list[Tensor], grads: list[Tensor], square_avgs: list[Tensor], acc_deltas: list[Tensor],
+    steps: list[Tensor], hypers: Tensor, maximize: bool, has_weight_decay: bool, skip: Tensor | None,
 ) -> None:
     """``torch.optim.Adadelta`` for each of B models, in place.
 
@@ -336,40 +474,37 @@ def adadelta_step_(
         acc_delta = rho * acc_delta + (1 - rho) * delta * delta
         p = p - lr * delta
     """
-    _check(_ADADELTA, params, grads,
-           {"square_avgs": (square_avgs, True), "acc_deltas": (acc_deltas, True)},
-           steps, True, hypers, ADADELTA_ROWS, skip)
-    if params:
-        _backend.resolve(_ADADELTA, params[0].device)(
-            params, grads, square_avgs, acc_deltas, steps, hypers, maximize, has_weight_decay, skip
-        )
+    _step(ADADELTA_SPEC, params, grads, square_avgs, acc_deltas, steps, hypers, maximize, has_weight_decay, skip)
 
 
-@adadelta_step_.register_fake
-def _(params, grads, square_avgs, acc_deltas, steps, hypers, maximize, has_weight_decay, skip):
-    _check(_ADADELTA, params, grads,
-           {"square_avgs": (square_avgs, True), "acc_deltas": (acc_deltas, True)},
-           steps, True, hypers, ADADELTA_ROWS, skip)
+@_backend.implements(ADADELTA_SPEC.op, "torch")
+def adadelta_step_torch(params, grads, square_avgs, acc_deltas, steps, hypers, maximize, has_weight_decay, skip):
+    h = _rows(ADADELTA_SPEC, hypers)
+    _advance(steps, skip)
+    targets = _Targets(skip)
+    p = targets(params)
+    d = _direction(grads, p, h.weight_decay if has_weight_decay else None, maximize)
+    sq, acc = targets(square_avgs), targets(acc_deltas)
+    _ema_sq_(sq, d, h.rho)
+    std = torch._foreach_add(sq, _cols(h.eps, sq))
+    torch._foreach_sqrt_(std)
+    delta = torch._foreach_add(acc, _cols(h.eps, acc))
+    torch._foreach_sqrt_(delta)
+    torch._foreach_div_(delta, std)
+    del std
+    torch._foreach_mul_(delta, d)
+    _ema_sq_(acc, delta, h.rho)
+    torch._foreach_addcmul_(p, delta, _cols(-h.lr, p))
+    targets.commit()
 
 
 # ---- RMSprop -------------------------------------------------------------------
 
-@torch.library.custom_op(
-    "hfkern::rmsprop_step_",
-    mutates_args=("params", "square_avgs", "grad_avgs", "momentum_buffers", "steps"),
-)
+@_step_op(RMSPROP_SPEC)
 def rmsprop_step_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    square_avgs: list[Tensor],
-    grad_avgs: list[Tensor],
-    momentum_buffers: list[Tensor],
-    steps: list[Tensor],
-    hypers: Tensor,
-    centered: bool,
-    maximize: bool,
-    has_weight_decay: bool,
-    skip: Tensor | None,
+    params: list[Tensor], grads: list[Tensor], square_avgs: list[Tensor], grad_avgs: list[Tensor],
+    momentum_buffers: list[Tensor], steps: list[Tensor], hypers: Tensor, centered: bool, maximize: bool,
+    has_weight_decay: bool, skip: Tensor | None,
 ) -> None:
     """``torch.optim.RMSprop`` for each of B models, in place.
 
@@ -393,24 +528,38 @@ def rmsprop_step_(
         else:
             p = p - lr * g / avg
     """
-    _check(_RMSPROP, params, grads,
-           {"square_avgs": (square_avgs, True), "grad_avgs": (grad_avgs, centered),
-            "momentum_buffers": (momentum_buffers, bool(momentum_buffers))},
-           steps, True, hypers, RMSPROP_ROWS, skip)
-    if params:
-        _backend.resolve(_RMSPROP, params[0].device)(
-            params, grads, square_avgs, grad_avgs, momentum_buffers, steps, hypers,
-            centered, maximize, has_weight_decay, skip,
-        )
+    _step(RMSPROP_SPEC, params, grads, square_avgs, grad_avgs, momentum_buffers, steps, hypers,
+          centered, maximize, has_weight_decay, skip)
 
 
-@rmsprop_step_.register_fake
-def _(params, grads, square_avgs, grad_avgs, momentum_buffers, steps, hypers,
-      centered, maximize, has_weight_decay, skip):
-    _check(_RMSPROP, params, grads,
-           {"square_avgs": (square_avgs, True), "grad_avgs": (grad_avgs, centered),
-            "momentum_buffers": (momentum_buffers, bool(momentum_buffers))},
-           steps, True, hypers, RMSPROP_ROWS, skip)
+@_backend.implements(RMSPROP_SPEC.op, "torch")
+def rmsprop_step_torch(params, grads, square_avgs, grad_avgs, momentum_buffers, steps, hypers,
+                       centered, maximize, has_weight_decay, skip):
+    h = _rows(RMSPROP_SPEC, hypers)
+    _advance(steps, skip)
+    targets = _Targets(skip)
+    p = targets(params)
+    d = _direction(grads, p, h.weight_decay if has_weight_decay else None, maximize)
+    sq = targets(square_avgs)
+    _ema_sq_(sq, d, h.alpha)
+    if centered:
+        g_avg = targets(grad_avgs)
+        torch._foreach_lerp_(g_avg, d, _lerp_weights(1 - h.alpha, g_avg))
+        avg = torch._foreach_addcmul(sq, g_avg, g_avg, value=-1)
+        torch._foreach_sqrt_(avg)
+    else:
+        avg = torch._foreach_sqrt(sq)
+    torch._foreach_add_(avg, _cols(h.eps, avg))
+    if momentum_buffers:
+        bufs = targets(momentum_buffers)
+        torch._foreach_mul_(bufs, _cols(h.momentum, bufs))
+        torch._foreach_addcdiv_(bufs, d, avg)
+        update = bufs
+    else:
+        update = torch._foreach_div(d, avg)
+    del avg
+    torch._foreach_addcmul_(p, update, _cols(-h.lr, p))
+    targets.commit()
 
 
 # ---- non-finite detection -----------------------------------------------------
@@ -432,7 +581,7 @@ def _check_grads(grads: Sequence[Tensor]) -> int:
 def nonfinite_models(grads: list[Tensor]) -> Tensor:
     """``[B]`` bool: which models have an inf or NaN anywhere in ``grads`` (n tensors ``[B, ...]``)."""
     _check_grads(grads)
-    return _backend.resolve(_NONFINITE, grads[0].device)(grads)
+    return _backend.resolve("nonfinite_models", grads[0].device)(grads)
 
 
 @nonfinite_models.register_fake
@@ -441,22 +590,18 @@ def _(grads):
     return grads[0].new_empty((B,), dtype=torch.bool)
 
 
-_backend.register(_SGD, "torch", optim_torch.sgd_step_)
-_backend.register(_ADAM, "torch", optim_torch.adam_step_)
-_backend.register(_ADAGRAD, "torch", optim_torch.adagrad_step_)
-_backend.register(_ADADELTA, "torch", optim_torch.adadelta_step_)
-_backend.register(_RMSPROP, "torch", optim_torch.rmsprop_step_)
-_backend.register(_NONFINITE, "torch", optim_torch.nonfinite_models)
-
-
-# The Triton implementations are torch.library triton ops defined in
-# hfkern/ops/optim_triton.py, imported on first use (defining a triton op imports
-# triton and parts of inductor, which plain "import hfkern" should not pay for).
-# auto picks a Triton kernel only where a committed GPU benchmark shows it faster:
-# the SGD and Adam/AdamW steps are, on an H100, 2.8-4.5x the torch path for B
-# ResNet-18 models, B = 4, 16, 32 (bench/results/h100_2026-11-22/). Adagrad,
-# Adadelta, RMSprop and the non-finite check have not been benchmarked yet.
-_AUTO = {_SGD: True, _ADAM: True, _ADAGRAD: False, _ADADELTA: False, _RMSPROP: False, _NONFINITE: False}
-for _op, _auto in _AUTO.items():
-    _backend.register(_op, "triton", f"hfkern.ops.optim_triton:{_op.rstrip('_')}_triton",
-                      device_types=("cuda",), auto=_auto)
+@_backend.implements("nonfinite_models", "torch")
+def nonfinite_models_torch(grads: list[Tensor]) -> Tensor:
+    bad = torch.zeros(grads[0].size(0), dtype=torch.bool, device=grads[0].device)
+    for g in grads:
+        if g.numel() == 0:
+            continue
+        if g.dim() == 1:
+            m = ~torch.isfinite(g)
+        else:
+            # The max-abs norm is inf or NaN exactly when an entry is; unlike a
+            # sum it cannot overflow on large finite (e.g. float16) values.
+            norm = torch.linalg.vector_norm(g, ord=math.inf, dim=tuple(range(1, g.dim())))
+            m = ~torch.isfinite(norm)
+        bad |= m
+    return bad

@@ -3,8 +3,10 @@
 An array optimizer updates B models at once. Every parameter is ``[B, ...]``
 (model b is index b) and every numeric hyperparameter is per model. The base
 class validates parameters and hyperparameters, keeps per-model state, handles
-skipped models and the state dict; a subclass names its hyperparameters, its
-state and the hfkern op that computes its step.
+skipped models and the state dict, and calls the step op; a subclass names the
+op's declaration (:class:`hfkern._optim_specs.OptimizerSpec`: the hyperparameter
+rows, state lists and flags, from which the hyperparameter table, the state it
+keeps and the op call are derived) and its torch-compatible constructor.
 
 Hyperparameters of a group live in one ``[H, B]`` tensor on the parameters'
 device (float64 for float64 parameters, float32 otherwise); ``group[name]`` is a
@@ -31,14 +33,13 @@ import torch
 from torch.optim import Optimizer
 
 from .._array import hyper
+from .._dtypes import FLOAT_DTYPES, acc_dtype
+from .._optim_specs import OptimizerSpec
 from ..ops import optim as ops
-from ..ops.optim import state_dtype
 
 __all__ = ["ArrayOptimizer"]
 
 Hyper = float | Sequence[float] | torch.Tensor
-
-_PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class _Checked:
 
     values: tuple[Any, ...]  # the group's hyperparameter and flag objects, compared by identity
     hypers: torch.Tensor  # [H, B]: the op's rows of the group's hyperparameter tensor
-    nonzero: dict[str, bool]  # per hyperparameter row: whether any model's value is non-zero
+    nonzero: dict[str, bool]  # per row name (spec rows, init hypers): whether any model's value is non-zero
 
 
 class _Shielded:
@@ -83,11 +84,12 @@ _COMPAT_DEFAULTS = {"foreach": None, "fused": None, "capturable": False, "differ
 class ArrayOptimizer(Optimizer):
     """Base of the array optimizers: ``torch.optim.Optimizer`` over ``[B, ...]`` parameters.
 
-    Subclasses set ``_hypers`` (per-model numeric hyperparameters in the row order
-    of their op; ``betas`` is a pair and takes two rows), ``_init_hypers``
-    (per-model values used only to initialize state), ``_flags`` (bool options)
-    and implement ``_state_keys`` and ``_update``; ``_check_values`` adds checks
-    beyond "one finite non-negative value per model".
+    Subclasses set ``_spec`` (their op's declaration), from which the per-model
+    hyperparameters (``_hypers``, in row order; ``betas`` is a pair and takes two
+    rows), the bool options (``_flags``), the state kept and the op call derive;
+    ``_init_hypers`` (per-model values used only to initialize state) and
+    ``_compat`` (torch's implementation keywords) are their own. ``_check_values``
+    adds checks beyond "one finite non-negative value per model".
 
     ``step(closure=None, *, skip=None)``: ``skip`` is an optional ``[B]`` bool
     tensor on the parameters' device; a model marked True is not updated at all
@@ -122,12 +124,22 @@ class ArrayOptimizer(Optimizer):
     of SGD and RMSprop): the step leaves it out. Assign a new value instead.
     """
 
-    _hypers: tuple[str, ...] = ()
+    _spec: OptimizerSpec
     _init_hypers: tuple[str, ...] = ()
-    _flags: tuple[str, ...] = ("maximize",)
-    _pairs: tuple[str, ...] = ("betas",)
     _compat: tuple[str, ...] = ()  # the implementation keywords the torch namesake takes
-    _state_names: tuple[str, ...] = ()  # every per-parameter state entry the optimizer may keep
+    # Derived from _spec: the hyperparameter arguments, the bool options and every
+    # per-parameter state entry the optimizer may keep.
+    _hypers: tuple[str, ...] = ()
+    _flags: tuple[str, ...] = ()
+    _state_names: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        spec = cls.__dict__.get("_spec")
+        if spec is not None:
+            cls._hypers = spec.group_keys
+            cls._flags = tuple(f for f in spec.flags if spec.value_flag(f) is None)
+            cls._state_names = ("step", *(key for _, key, _ in spec.states))
 
     def __init__(
         self,
@@ -154,15 +166,24 @@ class ArrayOptimizer(Optimizer):
     def _check_values(self, group: dict[str, Any], per_model: dict[str, torch.Tensor]) -> None:
         """Extra checks on the validated ``[B]`` float64 CPU values (keys: row names)."""
 
-    def _state_keys(self, group: dict[str, Any], checked: _Checked) -> tuple[str, ...]:
-        """The state a parameter of ``group`` needs before the next step."""
-        raise NotImplementedError
-
     def _init_state(self, key: str, p: torch.Tensor, group: dict[str, Any], state: dict) -> torch.Tensor:
         """A new state entry: ``step`` is ``[B]`` float32 zeros, anything else zeros like ``p``."""
         if key == "step":
             return torch.zeros(p.size(0), dtype=torch.float32, device=p.device)
-        return torch.zeros_like(p, dtype=state_dtype(p.dtype), memory_format=torch.preserve_format)
+        return torch.zeros_like(p, dtype=acc_dtype(p.dtype), memory_format=torch.preserve_format)
+
+    # ---- the op ---------------------------------------------------------------
+    def _holds(self, when: str, group: dict[str, Any], checked: _Checked) -> bool:
+        """Whether a state list with condition ``when`` (see OptimizerSpec) is kept for ``group``."""
+        if not when:
+            return True
+        return group[when] if when in self._spec.flags else checked.nonzero[when]
+
+    def _state_keys(self, group: dict[str, Any], checked: _Checked) -> tuple[str, ...]:
+        """The state a parameter of ``group`` needs before the next step."""
+        spec = self._spec
+        keys = ("step",) if self._holds(spec.steps_when, group, checked) else ()
+        return keys + tuple(key for _, key, when in spec.states if self._holds(when, group, checked))
 
     def _update(
         self,
@@ -171,18 +192,23 @@ class ArrayOptimizer(Optimizer):
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
         states: list[dict[str, torch.Tensor]],
+        kept: tuple[str, ...],
         skip: torch.Tensor | None,
     ) -> None:
-        """Call the op on the parameters of ``group`` that have gradients."""
-        raise NotImplementedError
+        """Call the op on the parameters of ``group`` that have gradients (``kept``: their state keys)."""
+        spec = self._spec
+        lists = [[s[key] for s in states] if key in kept else [] for _, key, _ in spec.states]
+        steps = [s["step"] for s in states] if "step" in kept else []
+        flags = [checked.nonzero[row] if (row := spec.value_flag(f)) else group[f] for f in spec.flags]
+        getattr(ops, spec.op)(params, grads, *lists, steps, checked.hypers, *flags, skip)
 
     # ---- validation -------------------------------------------------------
-    @classmethod
-    def _rows(cls) -> list[str]:
-        rows = []
-        for k in cls._hypers + cls._init_hypers:
-            rows += [f"{k}[0]", f"{k}[1]"] if k in cls._pairs else [k]
-        return rows
+    def _label(self, row: str) -> str:
+        """How the optimizer's arguments name hyperparameter row ``row`` (``betas[0]`` for ``beta1``)."""
+        for key, pair in self._spec.pairs:
+            if row in pair:
+                return f"{key}[{pair.index(row)}]"
+        return row
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of ``[B, ...]`` parameters, with optional per-group hyperparameters."""
@@ -198,7 +224,7 @@ class ArrayOptimizer(Optimizer):
     def _check_params(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
         for i, p in enumerate(group["params"]):
-            if p.dtype not in _PARAM_DTYPES:
+            if p.dtype not in FLOAT_DTYPES:
                 raise TypeError(
                     f"{name}: expected floating-point parameters (float32, float64, bfloat16 or "
                     f"float16), got {p.dtype} at index {i}"
@@ -234,7 +260,7 @@ class ArrayOptimizer(Optimizer):
         if bad.any():
             relation = "<=" if inclusive else "<"
             raise ValueError(
-                f"{type(self).__name__}: {name} must be {relation} {bound} for every model, "
+                f"{type(self).__name__}: {self._label(name)} must be {relation} {bound} for every model, "
                 f"got {t.tolist()}"
             )
 
@@ -272,7 +298,8 @@ class ArrayOptimizer(Optimizer):
         np = sys.modules.get("numpy")  # a numpy pair exists only once numpy is imported
         per_model: dict[str, torch.Tensor] = {}
         for k in self._hypers + self._init_hypers:
-            if k in self._pairs:
+            rows = self._spec.pair(k)
+            if rows:
                 pair = group[k]
                 is_pair = isinstance(pair, (tuple, list)) or (
                     isinstance(pair, torch.Tensor) and pair.dim() >= 1
@@ -282,8 +309,8 @@ class ArrayOptimizer(Optimizer):
                         f"{name}: {k} must be a pair, each entry a float, a length-B sequence or a "
                         f"[B] tensor or array, got {pair!r}"
                     )
-                per_model[f"{k}[0]"] = self._hyper(pair[0], f"{k}[0]")
-                per_model[f"{k}[1]"] = self._hyper(pair[1], f"{k}[1]")
+                for j, row in enumerate(rows):
+                    per_model[row] = self._hyper(pair[j], f"{k}[{j}]")
             else:
                 per_model[k] = self._hyper(group[k], k)
         self._check_values(group, per_model)
@@ -302,14 +329,16 @@ class ArrayOptimizer(Optimizer):
         dtype = (
             torch.float64 if all(p.dtype == torch.float64 for p in group["params"]) else torch.float32
         )
-        pack = torch.stack(list(per_model.values())).to(device=self._device, dtype=dtype)
-        rows = iter(pack.unbind(0))
+        # The op's rows first, in its order; the values that only initialize state after them.
+        rows = self._spec.rows + self._init_hypers
+        pack = torch.stack([per_model[r] for r in rows]).to(device=self._device, dtype=dtype)
+        stored = dict(zip(rows, pack.unbind(0)))
         for k in self._hypers + self._init_hypers:
-            group[k] = (next(rows), next(rows)) if k in self._pairs else next(rows)
-        n_op_rows = len(self._rows()) - len(self._init_hypers)
+            pair = self._spec.pair(k)
+            group[k] = tuple(stored[r] for r in pair) if pair else stored[k]
         checked = _Checked(
             values=tuple(group[k] for k in keys),
-            hypers=pack[:n_op_rows],
+            hypers=pack[: len(self._spec.rows)],
             nonzero={k: bool((v != 0).any()) for k, v in per_model.items()},
         )
         self._checked[id(group)] = (group, checked)
@@ -366,17 +395,18 @@ class ArrayOptimizer(Optimizer):
                 mask = bad if skip is None else skip | bad
         for group, checked, params in work:
             if params:
-                states = [self._state_of(p, group, checked) for p in params]
-                self._update(group, checked, params, [p.grad for p in params], states, mask)
+                keys = self._state_keys(group, checked)
+                states = [self._state_of(p, group, keys) for p in params]
+                self._update(group, checked, params, [p.grad for p in params], states, keys, mask)
         if mask is None:
             self.last_skipped = torch.zeros(self.B, dtype=torch.bool, device=self._device)
         else:
             self.last_skipped = mask.clone() if mask is skip else mask
         return loss
 
-    def _state_of(self, p: torch.Tensor, group: dict[str, Any], checked: _Checked) -> dict:
+    def _state_of(self, p: torch.Tensor, group: dict[str, Any], keys: tuple[str, ...]) -> dict:
         state = self.state[p]
-        for key in self._state_keys(group, checked):
+        for key in keys:
             if key not in state:
                 state[key] = self._init_state(key, p, group, state)
         return state
@@ -493,7 +523,7 @@ class ArrayOptimizer(Optimizer):
                 f"{type(self).__name__}: loaded state {key!r} of shape {list(value.shape)} does not fit a "
                 f"parameter of shape {list(p.shape)} (expected {list(expected)})"
             )
-        dtype = torch.float32 if key == "step" else state_dtype(p.dtype)
+        dtype = torch.float32 if key == "step" else acc_dtype(p.dtype)
         return value.to(device=p.device, dtype=dtype, copy=True)
 
     def _place_loaded_state(self) -> None:

@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..ops import optim as ops
+from .._optim_specs import ADADELTA_SPEC
 from ._base import ArrayOptimizer, Hyper
 
 __all__ = ["Adadelta"]
@@ -24,9 +24,8 @@ class Adadelta(ArrayOptimizer):
     ``capturable`` and ``differentiable``: see :class:`~hfkern.optim.ArrayOptimizer`.
     """
 
-    _hypers = ("lr", "rho", "eps", "weight_decay")
+    _spec = ADADELTA_SPEC
     _compat = ("foreach", "capturable", "differentiable")
-    _state_names = ("step", "square_avg", "acc_delta")
 
     def __init__(
         self,
@@ -50,13 +49,3 @@ class Adadelta(ArrayOptimizer):
 
     def _check_values(self, group, per_model):
         self._require_below(per_model, "rho", 1.0, inclusive=True)
-
-    def _state_keys(self, group, checked):
-        return ("step", "square_avg", "acc_delta")
-
-    def _update(self, group, checked, params, grads, states, skip):
-        ops.adadelta_step_(
-            params, grads, [s["square_avg"] for s in states], [s["acc_delta"] for s in states],
-            [s["step"] for s in states], checked.hypers, group["maximize"],
-            checked.nonzero["weight_decay"], skip,
-        )

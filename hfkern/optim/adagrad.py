@@ -6,8 +6,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ..ops import optim as ops
-from ..ops.optim import state_dtype
+from .._dtypes import acc_dtype
+from .._optim_specs import ADAGRAD_SPEC
 from ._base import ArrayOptimizer, Hyper
 
 __all__ = ["Adagrad"]
@@ -27,10 +27,9 @@ class Adagrad(ArrayOptimizer):
     ``foreach``, ``differentiable`` and ``fused``: see :class:`~hfkern.optim.ArrayOptimizer`.
     """
 
-    _hypers = ("lr", "lr_decay", "weight_decay", "eps")
+    _spec = ADAGRAD_SPEC
     _init_hypers = ("initial_accumulator_value",)
     _compat = ("foreach", "differentiable", "fused")
-    _state_names = ("step", "sum")
 
     def __init__(
         self,
@@ -54,18 +53,9 @@ class Adagrad(ArrayOptimizer):
         )
         super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
 
-    def _state_keys(self, group, checked):
-        return ("step", "sum")
-
     def _init_state(self, key, p, group, state):
         if key == "sum":
             init = group["initial_accumulator_value"]
-            out = torch.empty_like(p, dtype=state_dtype(p.dtype), memory_format=torch.preserve_format)
+            out = torch.empty_like(p, dtype=acc_dtype(p.dtype), memory_format=torch.preserve_format)
             return out.copy_(init.view(-1, *([1] * (p.dim() - 1))).expand_as(p))
         return super()._init_state(key, p, group, state)
-
-    def _update(self, group, checked, params, grads, states, skip):
-        ops.adagrad_step_(
-            params, grads, [s["sum"] for s in states], [s["step"] for s in states],
-            checked.hypers, group["maximize"], checked.nonzero["weight_decay"], skip,
-        )

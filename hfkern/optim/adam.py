@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..ops import optim as ops
+from .._optim_specs import ADAM_SPEC
 from ._base import ArrayOptimizer, Hyper
 
 __all__ = ["Adam", "AdamW"]
@@ -31,10 +31,8 @@ class Adam(ArrayOptimizer):
     :class:`~hfkern.optim.ArrayOptimizer`.
     """
 
-    _hypers = ("lr", "betas", "eps", "weight_decay")
-    _flags = ("amsgrad", "maximize", "decoupled_weight_decay")
+    _spec = ADAM_SPEC
     _compat = ("foreach", "capturable", "differentiable", "fused")
-    _state_names = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(
         self,
@@ -61,24 +59,8 @@ class Adam(ArrayOptimizer):
         super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
 
     def _check_values(self, group, per_model):
-        self._require_below(per_model, "betas[0]", 1.0)
-        self._require_below(per_model, "betas[1]", 1.0)
-
-    def _state_keys(self, group, checked):
-        keys = ("step", "exp_avg", "exp_avg_sq")
-        return keys + ("max_exp_avg_sq",) if group["amsgrad"] else keys
-
-    def _update(self, group, checked, params, grads, states, skip):
-        amsgrad = group["amsgrad"]
-        ops.adam_step_(
-            params, grads,
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
-            [s["step"] for s in states],
-            checked.hypers, amsgrad, group["maximize"], group["decoupled_weight_decay"],
-            checked.nonzero["weight_decay"], skip,
-        )
+        self._require_below(per_model, "beta1", 1.0)
+        self._require_below(per_model, "beta2", 1.0)
 
 
 class AdamW(Adam):

@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..ops import optim as ops
+from .._optim_specs import RMSPROP_SPEC
 from ._base import ArrayOptimizer, Hyper
 
 __all__ = ["RMSprop"]
@@ -29,10 +29,8 @@ class RMSprop(ArrayOptimizer):
     The positional order of the arguments is torch's.
     """
 
-    _hypers = ("lr", "alpha", "eps", "weight_decay", "momentum")
-    _flags = ("centered", "maximize")
+    _spec = RMSPROP_SPEC
     _compat = ("capturable", "foreach", "differentiable")
-    _state_names = ("step", "square_avg", "momentum_buffer", "grad_avg")
 
     def __init__(
         self,
@@ -56,22 +54,3 @@ class RMSprop(ArrayOptimizer):
             differentiable=differentiable,
         )
         super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
-
-    def _state_keys(self, group, checked):
-        keys = ("step", "square_avg")
-        if checked.nonzero["momentum"]:
-            keys += ("momentum_buffer",)
-        if group["centered"]:
-            keys += ("grad_avg",)
-        return keys
-
-    def _update(self, group, checked, params, grads, states, skip):
-        momentum, centered = checked.nonzero["momentum"], group["centered"]
-        ops.rmsprop_step_(
-            params, grads,
-            [s["square_avg"] for s in states],
-            [s["grad_avg"] for s in states] if centered else [],
-            [s["momentum_buffer"] for s in states] if momentum else [],
-            [s["step"] for s in states],
-            checked.hypers, centered, group["maximize"], checked.nonzero["weight_decay"], skip,
-        )

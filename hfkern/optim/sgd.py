@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..ops import optim as ops
+from .._optim_specs import SGD_SPEC
 from ._base import ArrayOptimizer, Hyper
 
 __all__ = ["SGD"]
@@ -35,10 +35,8 @@ class SGD(ArrayOptimizer):
     keywords, see :class:`~hfkern.optim.ArrayOptimizer`.
     """
 
-    _hypers = ("lr", "momentum", "dampening", "weight_decay")
-    _flags = ("nesterov", "maximize")
+    _spec = SGD_SPEC
     _compat = ("foreach", "differentiable", "fused")
-    _state_names = ("step", "momentum_buffer")
 
     def __init__(
         self,
@@ -72,21 +70,9 @@ class SGD(ArrayOptimizer):
                     f"and dampening {per_model['dampening'][bad].tolist()}"
                 )
 
-    def _state_keys(self, group, checked):
-        return ("step", "momentum_buffer") if checked.nonzero["momentum"] else ()
-
     def _init_state(self, key, p, group, state):
         if key == "step" and "momentum_buffer" in state:
             # A buffer loaded without a count was saved by a version that kept
             # none; it has been started for every model.
             return torch.ones(p.size(0), dtype=torch.float32, device=p.device)
         return super()._init_state(key, p, group, state)
-
-    def _update(self, group, checked, params, grads, states, skip):
-        momentum = checked.nonzero["momentum"]
-        ops.sgd_step_(
-            params, grads,
-            [s["momentum_buffer"] for s in states] if momentum else [],
-            [s["step"] for s in states] if momentum else [],
-            checked.hypers, group["nesterov"], group["maximize"], checked.nonzero["weight_decay"], skip,
-        )

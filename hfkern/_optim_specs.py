@@ -1,0 +1,115 @@
+"""The optimizer step ops, each declared once by name.
+
+Each array optimizer's step op is declared here because three layers read the
+same declaration and must never disagree on it: the op's checks and torch
+implementation (hfkern/ops/optim.py), its Triton kernels (hfkern/triton/optim.py,
+which may not import hfkern.ops) and the optimizer class that builds the
+hyperparameter table (hfkern/optim/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["OptimizerSpec", "OPTIMIZER_SPECS", "SGD_SPEC", "ADAM_SPEC", "ADAGRAD_SPEC", "ADADELTA_SPEC",
+            "RMSPROP_SPEC"]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The declaration of one ``hfkern::<name>_step_`` op.
+
+    The op's arguments are ``(params, grads, *state lists, steps, hypers, *flags,
+    skip)``; ``hypers`` is ``[len(rows), B]``, one row per name in ``rows``.
+
+    ``states`` holds ``(argument, state key, when)`` per state list, in argument
+    order: the op's argument name, the key the optimizer keeps the tensor under
+    in ``optimizer.state[p]``, and when the list holds one tensor per parameter
+    (else it is empty): ``""`` always; a flag's name: when that flag is True; a
+    row's name: when any model's value of that row is non-zero (the op cannot
+    read the values: it accepts either, and the lists of one row must agree).
+    ``steps_when`` says the same of ``steps``. ``pairs`` names the optimizer
+    arguments that hold two rows (``betas``). A flag ``has_<row>`` promises that
+    every model's ``<row>`` is 0 when False; the optimizer derives it from the values.
+    """
+
+    name: str
+    rows: tuple[str, ...]
+    states: tuple[tuple[str, str, str], ...]
+    flags: tuple[str, ...]
+    steps_when: str = ""
+    pairs: tuple[tuple[str, tuple[str, str]], ...] = ()
+
+    @property
+    def op(self) -> str:
+        return f"{self.name}_step_"
+
+    @property
+    def state_args(self) -> tuple[str, ...]:
+        return tuple(arg for arg, _, _ in self.states)
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The op's argument names, in order."""
+        return ("params", "grads", *self.state_args, "steps", "hypers", *self.flags, "skip")
+
+    @property
+    def mutated(self) -> tuple[str, ...]:
+        return ("params", *self.state_args, "steps")
+
+    def row(self, name: str) -> int:
+        """The index of row ``name`` in ``hypers``."""
+        if name not in self.rows:
+            raise ValueError(
+                f"hfkern::{self.op} has no hyperparameter row {name!r}; its rows are {list(self.rows)}"
+            )
+        return self.rows.index(name)
+
+    def value_flag(self, flag: str) -> str | None:
+        """The row a ``has_<row>`` flag summarizes, or None for a flag the caller sets."""
+        row = flag.removeprefix("has_")
+        return row if row != flag and row in self.rows else None
+
+    @property
+    def group_keys(self) -> tuple[str, ...]:
+        """The optimizer's hyperparameter arguments in row order, each pair once."""
+        keys: list[str] = []
+        for row in self.rows:
+            key = next((k for k, pair in self.pairs if row in pair), row)
+            if key not in keys:
+                keys.append(key)
+        return tuple(keys)
+
+    def pair(self, key: str) -> tuple[str, str] | None:
+        """The two rows an optimizer argument holds, or None for a one-row argument."""
+        return dict(self.pairs).get(key)
+
+
+SGD_SPEC = OptimizerSpec(
+    "sgd", rows=("lr", "momentum", "dampening", "weight_decay"),
+    states=(("momentum_buffers", "momentum_buffer", "momentum"),),
+    flags=("nesterov", "maximize", "has_weight_decay"), steps_when="momentum",
+)
+ADAM_SPEC = OptimizerSpec(
+    "adam", rows=("lr", "beta1", "beta2", "eps", "weight_decay"),
+    states=(("exp_avgs", "exp_avg", ""), ("exp_avg_sqs", "exp_avg_sq", ""),
+            ("max_exp_avg_sqs", "max_exp_avg_sq", "amsgrad")),
+    flags=("amsgrad", "maximize", "decoupled_weight_decay", "has_weight_decay"),
+    pairs=(("betas", ("beta1", "beta2")),),
+)
+ADAGRAD_SPEC = OptimizerSpec(
+    "adagrad", rows=("lr", "lr_decay", "weight_decay", "eps"),
+    states=(("state_sums", "sum", ""),), flags=("maximize", "has_weight_decay"),
+)
+ADADELTA_SPEC = OptimizerSpec(
+    "adadelta", rows=("lr", "rho", "eps", "weight_decay"),
+    states=(("square_avgs", "square_avg", ""), ("acc_deltas", "acc_delta", "")),
+    flags=("maximize", "has_weight_decay"),
+)
+RMSPROP_SPEC = OptimizerSpec(
+    "rmsprop", rows=("lr", "alpha", "eps", "weight_decay", "momentum"),
+    states=(("square_avgs", "square_avg", ""), ("grad_avgs", "grad_avg", "centered"),
+            ("momentum_buffers", "momentum_buffer", "momentum")),
+    flags=("centered", "maximize", "has_weight_decay"),
+)
+OPTIMIZER_SPECS = (SGD_SPEC, ADAM_SPEC, ADAGRAD_SPEC, ADADELTA_SPEC, RMSPROP_SPEC)
