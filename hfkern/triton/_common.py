@@ -31,6 +31,25 @@ def tl_dtype_ok(t: torch.Tensor) -> bool:
     return t.dtype in KERNEL_DTYPES
 
 
+def check_tensors(op: str, x: torch.Tensor, *others: torch.Tensor | None) -> None:
+    """What every launcher checks before a launch: ``x`` (the data) and the other
+    floating-point tensors in a kernel dtype, on a CUDA device (or in the interpreter)."""
+    if not tl_dtype_ok(x):
+        raise TypeError(
+            f"hfkern::{op} (triton): expected x of dtype float32, float16 or bfloat16, got {x.dtype}"
+        )
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"hfkern::{op} (triton): expected CUDA tensors (or TRITON_INTERPRET=1), "
+            f"got x on {x.device}"
+        )
+    for t in others:
+        if t is not None and t.is_floating_point() and not tl_dtype_ok(t):
+            raise TypeError(
+                f"hfkern::{op} (triton): expected float32, float16 or bfloat16 tensors, got {t.dtype}"
+            )
+
+
 class Tuned:
     """A ``@triton.jit`` kernel launched with autotuning, or with one fixed
     config in the interpreter (which cannot time configs).

@@ -50,7 +50,7 @@ from torch import Tensor
 from .. import _backend
 from .._device import sm_count
 from .._dtypes import KERNEL_DTYPES
-from ._common import Tuned, interpreting, tl_dtype_ok
+from ._common import Tuned, check_tensors, interpreting
 
 __all__ = ["array_batch_norm", "array_batch_norm_backward"]
 
@@ -464,23 +464,6 @@ def _implements(op: str):
     return _backend.implements(op, "triton", device_types=("cuda",), auto=False, dtypes=KERNEL_DTYPES)
 
 
-def _check(op: str, x: Tensor, *others: Tensor | None) -> None:
-    if not tl_dtype_ok(x):
-        raise TypeError(
-            f"hfkern::{op} (triton): expected x of dtype float32, float16 or bfloat16, got {x.dtype}"
-        )
-    if x.device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f"hfkern::{op} (triton): expected CUDA tensors (or TRITON_INTERPRET=1), "
-            f"got x on {x.device}"
-        )
-    for t in others:
-        if t is not None and t.is_floating_point() and not tl_dtype_ok(t):
-            raise TypeError(
-                f"hfkern::{op} (triton): expected float32, float16 or bfloat16 tensors, got {t.dtype}"
-            )
-
-
 # ---- forward ------------------------------------------------------------------
 
 def _empty_forward(x: Tensor, running_mean, running_var, training: bool, eps: float):
@@ -513,7 +496,7 @@ def array_batch_norm(
     (float32 ``[B, C]``, contiguous); in training the running statistics are
     updated in place.
     """
-    _check("array_batch_norm", x, weight, bias, running_mean, running_var)
+    check_tensors("array_batch_norm", x, weight, bias, running_mean, running_var)
     B, N, C = x.shape[:3]
     if x.numel() == 0:
         return _empty_forward(x, running_mean, running_var, training, eps)
@@ -594,7 +577,7 @@ def array_batch_norm_backward(
     and rstd float32 ``[B, C]``. An output whose ``output_mask`` entry is False
     is an empty ``[0]`` tensor.
     """
-    _check("array_batch_norm_backward", x, grad_y, weight)
+    check_tensors("array_batch_norm_backward", x, grad_y, weight)
     want_dx, want_dw, want_db = (bool(m) for m in output_mask)
     B, N, C = x.shape[:3]
     param_dtype = x.dtype if weight is None else weight.dtype

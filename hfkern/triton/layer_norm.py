@@ -45,7 +45,7 @@ from torch import Tensor
 from .. import _backend
 from .._device import sm_count
 from .._dtypes import KERNEL_DTYPES
-from ._common import Tuned, interpreting, tl_dtype_ok
+from ._common import Tuned, check_tensors, interpreting
 
 __all__ = [
     "array_layer_norm", "array_layer_norm_backward", "array_rms_norm", "array_rms_norm_backward",
@@ -503,23 +503,6 @@ def _implements(op: str, auto: bool):
     return _backend.implements(op, "triton", device_types=("cuda",), auto=auto, dtypes=KERNEL_DTYPES)
 
 
-def _check(op: str, x: Tensor, *others: Tensor | None) -> None:
-    if not tl_dtype_ok(x):
-        raise TypeError(
-            f"hfkern::{op} (triton): expected x of dtype float32, float16 or bfloat16, got {x.dtype}"
-        )
-    if x.device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f"hfkern::{op} (triton): expected CUDA tensors (or TRITON_INTERPRET=1), "
-            f"got x on {x.device}"
-        )
-    for t in others:
-        if t is not None and not tl_dtype_ok(t):
-            raise TypeError(
-                f"hfkern::{op} (triton): expected float32, float16 or bfloat16 tensors, got {t.dtype}"
-            )
-
-
 # ---- forward ------------------------------------------------------------------
 
 def _empty_forward(x: Tensor, norm_ndim: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -573,7 +556,7 @@ def array_layer_norm(
     ``[B, *S]`` or None. Returns y (x's dtype, ``empty_like(x)`` layout) and
     mean, rstd (float32 ``[B, M]``, contiguous).
     """
-    _check("array_layer_norm", x, weight, bias)
+    check_tensors("array_layer_norm", x, weight, bias)
     if x.numel() == 0:
         return _empty_forward(x, norm_ndim)
     return _forward(x, weight, bias, norm_ndim, eps, is_rms=False)
@@ -587,7 +570,7 @@ def array_rms_norm(
 
     x ``[B, *, *S]``, weight ``[B, *S]`` or None. Returns y and rstd (float32 ``[B, M]``).
     """
-    _check("array_rms_norm", x, weight)
+    check_tensors("array_rms_norm", x, weight)
     if x.numel() == 0:
         return _empty_forward(x, norm_ndim)[::2]
     y, _, rstd = _forward(x, weight, None, norm_ndim, eps, is_rms=True)
@@ -685,7 +668,7 @@ def array_layer_norm_backward(
     and rstd float32 ``[B, M]``. An output whose ``output_mask`` entry is False
     is an empty ``[0]`` tensor.
     """
-    _check("array_layer_norm_backward", x, grad_y, weight)
+    check_tensors("array_layer_norm_backward", x, grad_y, weight)
     return _backward(grad_y, x, weight, mean, rstd, norm_ndim, output_mask, is_rms=False)
 
 
@@ -702,7 +685,7 @@ def array_rms_norm_backward(
 
     grad_y, x ``[B, *, *S]``, weight ``[B, *S]`` or None, rstd float32 ``[B, M]``.
     """
-    _check("array_rms_norm_backward", x, grad_y, weight)
+    check_tensors("array_rms_norm_backward", x, grad_y, weight)
     grad_x, grad_w, _ = _backward(
         grad_y, x, weight, None, rstd, norm_ndim, [*output_mask, False], is_rms=True
     )
