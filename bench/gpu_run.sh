@@ -11,10 +11,11 @@
 #                   TRITON_INTERPRET is unset; HFKERN_TRITON_AUTOTUNE=0, so each
 #                   kernel compiles its first config only), capped in time
 #   3. ceilings     the device's copy bandwidth and matmul rates (bench/bandwidth.py)
-#   4. benchmark    bench/bench_kernels.py once per op (layer norm, embedding, conv),
-#                   each in its own process with a time budget, so that a kernel
-#                   that breaks the CUDA context loses only its own op's rows;
-#                   between embedding and conv, bench/bench_optim.py (optimizer
+#   4. benchmark    bench/bench_kernels.py once per op family with a shape suite
+#                   (bench/families), smallest suite first, each in its own process
+#                   with a time budget, so that a kernel that breaks the CUDA
+#                   context loses only its own family's rows; before the largest
+#                   suite (conv), bench/bench_optim.py (optimizer
 #                   steps of B ResNet-18 models) in its own process and budget.
 #                   These time eager calls (do_bench): launch overhead included.
 #   5. graph        bench/bench_kernels.py --quick --timer cuda_graph: the quick
@@ -245,14 +246,22 @@ main() {
     run_stage environment environment
     run_stage gpu_tests gpu_tests
     run_stage ceilings ceilings
-    # Layer norm and embedding suites are small; conv takes whatever is left.
-    run_stage bench_layer_norm bench layer_norm $(max 20 $((($(left) - RESERVE) / 6)))
-    run_stage bench_embedding bench embedding $(max 20 $((($(left) - RESERVE) / 5)))
+    # The families with a benchmark suite, smallest first: the small suites get a
+    # share each, the largest (conv) takes whatever is left.
+    local families n i=0 last
+    mapfile -t families < <("$PY" -c "import sys; sys.path.insert(0, 'bench'); import families as f
+for n, fam in sorted(f.discover().items(), key=lambda kv: (len(kv[1].shapes), kv[0])):
+    print(n) if fam.shapes else None")
+    n=${#families[@]}
+    last=${families[n - 1]:-conv}
+    for ((i = 0; i < n - 1; i++)); do
+        run_stage "bench_${families[i]}" bench "${families[i]}" $(max 20 $((($(left) - RESERVE) / (n - i + 4))))
+    done
     run_stage bench_optim bench_optim "$(min "$OPTIM_SECONDS" $(max 30 $((($(left) - RESERVE) / 3))))"
     local graph_cap
     graph_cap=$(min "$GRAPH_SECONDS" $(max 30 $((($(left) - RESERVE) / 3))))
     # A conv case can run past its budget by its own length; 45 s is kept for that.
-    run_stage bench_conv bench conv $(max 20 $(($(left) - RESERVE - graph_cap - 45)))
+    run_stage "bench_$last" bench "$last" $(max 20 $(($(left) - RESERVE - graph_cap - 45)))
     run_stage bench_graph bench_graph "$graph_cap"
     run_stage report report
     run_stage report_graph report_graph
