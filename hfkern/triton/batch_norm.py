@@ -86,6 +86,22 @@ def _chunk_bounds(p, P1, R0, R1, CHUNK0, CHUNK1):
 
 
 @triton.jit
+def _program_tile(pid, R0, C, R1, n_cb, n_r0b, n_r1b,
+                  BLOCK_R0: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R1: tl.constexpr):
+    """The tile of an element-wise program: (model, R0 rows, channels, R1 rows,
+    channel mask, tile mask). The inner blocks vary fastest, so neighbouring
+    programs read neighbouring memory."""
+    r1 = (pid % n_r1b) * BLOCK_R1 + tl.arange(0, BLOCK_R1)
+    r0 = ((pid // n_r1b) % n_r0b) * BLOCK_R0 + tl.arange(0, BLOCK_R0)
+    cb = (pid // (n_r1b * n_r0b)) % n_cb
+    b = (pid // (n_r1b * n_r0b * n_cb)).to(tl.int64)
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    mask = (r0 < R0)[:, None, None] & col_ok[None, :, None] & (r1 < R1)[None, None, :]
+    return b, r0, cols, r1, col_ok, mask
+
+
+@triton.jit
 def _bn_stats_kernel(
     x_ptr,  # [B, R0, C, R1] through strides
     pmean_ptr,  # [B, P, C] float32: the mean of each chunk
@@ -211,16 +227,10 @@ def _bn_norm_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_R1: tl.constexpr,
 ):
-    # one tile per program; the inner blocks vary fastest so neighbouring
-    # programs read neighbouring memory
-    pid = tl.program_id(0)
-    r1 = (pid % n_r1b) * BLOCK_R1 + tl.arange(0, BLOCK_R1)
-    r0 = ((pid // n_r1b) % n_r0b) * BLOCK_R0 + tl.arange(0, BLOCK_R0)
-    cb = (pid // (n_r1b * n_r0b)) % n_cb
-    b = (pid // (n_r1b * n_r0b * n_cb)).to(tl.int64)
-    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    mask = (r0 < R0)[:, None, None] & col_ok[None, :, None] & (r1 < R1)[None, None, :]
+    # one tile per program
+    b, r0, cols, r1, col_ok, mask = _program_tile(
+        tl.program_id(0), R0, C, R1, n_cb, n_r0b, n_r1b, BLOCK_R0, BLOCK_C, BLOCK_R1
+    )
     mean = tl.load(mean_ptr + b * C + cols, mask=col_ok, other=0.0)
     scale = tl.load(rstd_ptr + b * C + cols, mask=col_ok, other=0.0)
     if HAS_W:
@@ -334,14 +344,9 @@ def _bn_bwd_dx_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_R1: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    r1 = (pid % n_r1b) * BLOCK_R1 + tl.arange(0, BLOCK_R1)
-    r0 = ((pid // n_r1b) % n_r0b) * BLOCK_R0 + tl.arange(0, BLOCK_R0)
-    cb = (pid // (n_r1b * n_r0b)) % n_cb
-    b = (pid // (n_r1b * n_r0b * n_cb)).to(tl.int64)
-    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    mask = (r0 < R0)[:, None, None] & col_ok[None, :, None] & (r1 < R1)[None, None, :]
+    b, r0, cols, r1, col_ok, mask = _program_tile(
+        tl.program_id(0), R0, C, R1, n_cb, n_r0b, n_r1b, BLOCK_R0, BLOCK_C, BLOCK_R1
+    )
     stats = b * C + cols
     rstd = tl.load(rstd_ptr + stats, mask=col_ok, other=0.0)
     scale = rstd
