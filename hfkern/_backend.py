@@ -127,13 +127,9 @@ def _cuda_available() -> tuple[bool, str]:
         return False, failed
     if not any(impl for ops in _registry.values() for b, impl in ops.items() if b == "cuda"):
         return False, "no hfkern op has a CUDA implementation in this build"
-    try:
-        from hfkern import _C  # noqa: F401
-    except ImportError as e:
-        return False, f"the compiled extension hfkern._C could not be loaded ({e})"
-    if not torch.cuda.is_available():
-        return False, "torch.cuda.is_available() is False"
-    return True, "compiled extension hfkern._C"
+    from hfkern.cuda import _ext  # imported by _load_package above
+
+    return _ext.availability()
 
 
 _availability.update(torch=_torch_available, triton=_triton_available, cuda=_cuda_available)
@@ -364,6 +360,8 @@ def backend_info() -> dict:
         {"requested": "auto",
          "source": "default" | "HFKERN_BACKEND" | "set_backend" | "use_backend",
          "backends": {name: {"available": bool, "reason": str}},
+         # and backends["cuda"]["architectures"]: {"sass": [80, 90], "ptx": [90],
+         #     "device": "sm_90" or None, "covered_by": "SASS sm_90" or None}, {} unbuilt
          "ops": {op: {"registered": [backends], "cpu": choice, "cuda": choice}}}
 
     where a choice is ``"<backend> (<why>)"`` or ``"error: <why>"``.
@@ -374,6 +372,11 @@ def backend_info() -> dict:
     for name in BACKENDS:
         ok, reason = _availability[name]()
         backends[name] = {"available": ok, "reason": reason}
+    if not _packages.get("cuda"):
+        from hfkern.cuda import _ext
+
+        # What hfkern._C was built for and what of it runs on the current device ({} unbuilt).
+        backends["cuda"]["architectures"] = _ext.build_info()
     ops = {}
     for op in sorted(_registry):
         row: dict = {"registered": sorted(_registry[op])}

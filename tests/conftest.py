@@ -22,8 +22,29 @@ def _seed():
     yield
 
 
+def _emulator_missing() -> str:
+    """Why hfkern._C_emu cannot be used, or "" (with HFKERN_REQUIRE_EXTENSIONS=1 never
+    skipped: the tests then fail on the missing build)."""
+    if os.environ.get("HFKERN_REQUIRE_EXTENSIONS") == "1":
+        return ""
+    try:
+        from hfkern.cuda import _ext
+
+        _ext.load(emulated=True)
+    except (ImportError, RuntimeError) as e:
+        return str(e)
+    return ""
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    if any("emulator" in item.keywords for item in items):
+        missing = _emulator_missing()
+        if missing:
+            skip_emu = pytest.mark.skip(reason=missing)
+            for item in items:
+                if "emulator" in item.keywords:
+                    item.add_marker(skip_emu)
     skip_interp = pytest.mark.skip(reason="runs in Triton's interpreter (TRITON_INTERPRET=1)")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():

@@ -902,6 +902,9 @@ def test_ops_check_their_arguments():
     bad[6] = torch.rand(4, 3)
     with pytest.raises(ValueError, match=r"hypers of shape \[5, 3\]"):
         ops.adam_step_(*bad)
+    bad[6] = args[6].double()  # float64 hyperparameters are for all-float64 parameters only
+    with pytest.raises(TypeError, match=r"float64 hypers with \['torch.float32'\] parameters"):
+        ops.adam_step_(*bad)
     bad = list(args)
     bad[4] = []  # amsgrad without its state
     with pytest.raises(ValueError, match="max_exp_avg_sqs to hold 2 tensors"):

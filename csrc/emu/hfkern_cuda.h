@@ -51,6 +51,9 @@
 
 #define HFKERN_EMULATED 0
 
+// `#pragma unroll` spelled so that the emulator build can drop it.
+#define HFKERN_UNROLL _Pragma("unroll")
+
 // extern __shared__ arrays share one symbol across all kernels of a
 // translation unit, so it must have one type everywhere: raw bytes, 16-aligned
 // so any element type up to float4/double2 can be placed at the start.
@@ -100,6 +103,9 @@ void launch(const char* name, const char* file, int line, void (*kernel)(KArgs..
 #include <vector>
 
 #define HFKERN_EMULATED 1
+
+// nvcc's unroll hint; the host compiler has no use for it (and would warn).
+#define HFKERN_UNROLL
 
 #define __global__
 #define __device__

@@ -118,6 +118,11 @@ def _check(spec: OptimizerSpec, args: Sequence[Any]) -> None:
         )
     if hypers.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"hfkern::{op}: expected float32 or float64 hypers, got {hypers.dtype}")
+    if hypers.dtype == torch.float64 and any(p.dtype != torch.float64 for p in params):
+        raise TypeError(
+            f"hfkern::{op}: expected float32 hypers (float64 only when every parameter is float64), "
+            f"got float64 hypers with {sorted({str(p.dtype) for p in params} - {'torch.float64'})} parameters"
+        )
     counted = [(arg, lists[arg], required(when)) for arg, _, when in spec.states]
     counted.append(("steps", steps, required(spec.steps_when)))
     for name, lst, req in counted:

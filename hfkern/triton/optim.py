@@ -20,28 +20,17 @@ element-wise math on one block (including its state's loads and stores).
 
 Tiles
 -----
-A step op gets n parameters ``[B, *shape_i]`` with gradients and state of the
-same shape. Model b's slice of tensor i is ``n_i = numel / B`` consecutive
-elements (tensors are dense with the array dim outermost in memory, and every
-list shares its parameter's element order). The launcher cuts every slice into
-tiles of at most ``CHUNK`` elements and keeps, per tile, one row of a small
-int64 device table (columns ``_COL_*``): the element offset of the tile's
-first element in the parameter, the gradient and each state list, the offset
-of the step count ``steps[i][b]``, the model b, the tile's length and whether
-the tile is 16-byte aligned in every list. Offsets are counted from the
-*first* tensor of each list, which the kernel receives as an ordinary typed
-pointer, so every other tensor is plain pointer arithmetic from it. One
-program handles one tile: it reads model b's hyperparameters ``hypers[:, b]``
-and step count, computes in float32 (float64 for float64 parameters) and
-writes parameter and state in place. Aligned tiles take a copy of the loop with
-divisibility hints, so loads and stores are 16-byte vectors; the rest (small
-tensors of odd size) take the scalar copy.
-
-The table depends only on the tensors' addresses and layouts, so it is built
-once per distinct set of tensors and cached (a training loop hits the cache at
-every step); a cached step costs one dict lookup, the step-count launch and one
-launch per parameter dtype (parameters are grouped by dtype, each group
-addressed from its own first tensors).
+The launcher addresses every parameter of every model through a tile table
+(hfkern/_multi_tensor.py: one int64 row per (tensor, model, chunk) tile with
+element offsets from the first tensor of each list), built once per distinct
+set of tensors and cached. One program handles one tile: it reads model b's
+hyperparameters ``hypers[:, b]`` and step count, computes in float32 (float64
+for float64 parameters) and writes parameter and state in place. Aligned tiles
+take a copy of the loop with divisibility hints, so loads and stores are
+16-byte vectors; the rest (small tensors of odd size) take the scalar copy. A
+cached step costs one dict lookup, the step-count launch and one launch per
+parameter dtype (parameters are grouped by dtype, each group addressed from its
+own first tensors).
 
 Step counts
 -----------
@@ -77,7 +66,6 @@ from __future__ import annotations
 
 import collections
 import inspect
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -85,10 +73,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
-from torch._subclasses.functional_tensor import FunctionalTensor
 
-from .. import _backend
+from .. import _backend, _multi_tensor as mt
 from .._device import sm_count
 from .._dtypes import FLOAT_DTYPES
 from .._optim_specs import (
@@ -104,21 +90,18 @@ __all__ = [
 # Named constants that host code and kernels share are tl.constexpr objects (the
 # only globals a kernel may read); host code takes their int().
 
-# Columns of a step tile row: element offsets in the parameter, the gradient and
-# the three state lists, the step count's offset, the model, the length, aligned.
+# The tile table's columns (hfkern/_multi_tensor.py) as kernel constants.
 _COL_P, _COL_G, _COL_S0, _COL_S1, _COL_S2, _COL_STEP, _COL_MODEL, _COL_LEN, _COL_ALIGNED, _COLS = (
-    tl.constexpr(i) for i in range(10)
+    tl.constexpr(c) for c in (mt.COL_P, mt.COL_G, mt.COL_S0, mt.COL_S1, mt.COL_S2, mt.COL_STEP, mt.COL_MODEL,
+                              mt.COL_LEN, mt.COL_ALIGNED, mt.COLS)
 )
-_OFFSET_COLS = (_COL_P, _COL_G, _COL_S0, _COL_S1, _COL_S2)
-_N_STATES = len(_OFFSET_COLS) - 2
-# Columns of a non-finite check tile row: gradient offset, partial index, length, aligned.
-_NF_G, _NF_PART, _NF_LEN, _NF_ALIGNED, _NF_COLS = (tl.constexpr(i) for i in range(5))
-
-_ALIGN_BYTES = 16
-# Alignment of a tile's length (elements): keeps masks constant over a whole
-# 16-byte vector for every element size.
-_LEN_ALIGN = tl.constexpr(16)
-_MAX_CACHED = 16
+_N_STATES = mt.N_STATES
+_NF_G, _NF_PART, _NF_LEN, _NF_ALIGNED, _NF_COLS = (
+    tl.constexpr(c) for c in (mt.NF_G, mt.NF_PART, mt.NF_LEN, mt.NF_ALIGNED, mt.NF_COLS)
+)
+_ALIGN_BYTES = mt.ALIGN_BYTES
+_LEN_ALIGN = tl.constexpr(mt.LEN_ALIGN)
+_MAX_CACHED = mt.MAX_CACHED
 
 if max(len(spec.states) for spec in OPTIMIZER_SPECS) > _N_STATES:
     raise RuntimeError(f"the optimizer kernels address at most {_N_STATES} state lists")
@@ -582,230 +565,12 @@ def _chunk(total: int, device: torch.device) -> int:
     return min(65536, max(4096, triton.next_power_of_2(max(1, total // (sm_count(device) * 64)))))
 
 
-# ---- tile tables ------------------------------------------------------------------------------
+# ---- tile tables (hfkern/_multi_tensor.py) -------------------------------------------
 
-def _model_major(t: Tensor) -> bool:
-    """Dense, with each model's slice one contiguous run of memory."""
-    if t.is_contiguous():
-        return True
-    B = t.size(0)
-    if B > 1 and t.numel() and t.stride(0) != t.numel() // B:
-        return False
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride()[1:], t.shape[1:]) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _order(t: Tensor) -> tuple[int, ...]:
-    """The strides that fix the element order (those of dims longer than 1)."""
-    return tuple(st for st, sz in zip(t.stride(), t.shape) if sz != 1)
-
-
-_data_ptr = Tensor.data_ptr
-_is_contiguous = Tensor.is_contiguous
-_shape_dtype = operator.attrgetter("shape", "dtype")
-
-
-def _sig(tensors: Sequence[Tensor]):
-    """What a tile table depends on in ``tensors``: addresses, and the layout where not
-    contiguous (built from C-level calls: this runs at every step)."""
-    ptrs = tuple(map(_data_ptr, tensors))
-    if all(map(_is_contiguous, tensors)):
-        return ptrs
-    return ptrs, tuple(t.stride() for t in tensors)
-
-
-@dataclass
-class _Group:
-    index: list[int]  # positions of this dtype's parameters in the call's lists; [0] is the base
-    tiles: Tensor  # [T, _COLS] int64 on the device
-    n_tiles: int
-    dtype: torch.dtype
-
-
-@dataclass
-class _Plan:
-    groups: list[_Group]
-    step_offs: Tensor | None  # [n * B] int64 on the device, or None without step counts
-    n_steps: int
-
-
-_plans: collections.OrderedDict = collections.OrderedDict()
-
-
-def _remember(cache: collections.OrderedDict, key, value) -> None:
-    cache[key] = value
-    if len(cache) > _MAX_CACHED:
-        cache.popitem(last=False)
-
-
-def _offsets(tensors: Sequence[Tensor], base: Tensor, name: str) -> list[int]:
-    es = base.element_size()
-    out = []
-    for i, t in enumerate(tensors):
-        diff = t.data_ptr() - base.data_ptr()
-        if diff % es:
-            raise ValueError(
-                f"{name}[{i}] is not aligned to its element size ({es} bytes) relative to "
-                f"{name}'s first tensor; the triton backend addresses tensors of one list from one base"
-            )
-        out.append(diff // es)
-    return out
-
-
-def _build_tiles(
-    lists: Sequence[Sequence[Tensor]], names: Sequence[str], steps: Sequence[Tensor] | None,
-    B: int, chunk: int, part: tuple[int, int] | None = None,
-) -> Tensor:
-    """Model-major CPU table of every (tensor, model, chunk) tile of the tensors in ``lists``
-    (every list the same length, tensor i of every list the same shape and element order).
-
-    Without ``part``: a step table (``_COL_*``), ``lists`` the parameters, gradients
-    and state lists in column order. With ``part`` = (Tm, first column): a
-    non-finite check table (``_NF_*``) of the one list, each tile with its partial index.
-    """
-    bases = [lst[0] for lst in lists]
-    offs = [_offsets(lst, base, name) for lst, base, name in zip(lists, bases, names)]
-    base_aligned = all(b.data_ptr() % _ALIGN_BYTES == 0 for b in bases)
-    step_offs = _offsets(steps, steps[0], "steps") if steps else None
-    offset_cols = (_NF_G,) if part else _OFFSET_COLS
-    n_cols = int(_NF_COLS if part else _COLS)
-    per_model: list[list[Tensor]] = [[] for _ in range(B)]
-    col = part[1] if part else 0
-    for i in range(len(lists[0])):
-        n = lists[0][i].numel() // B if B else 0
-        if n == 0:
-            continue
-        nch = triton.cdiv(n, chunk)
-        starts = torch.arange(nch, dtype=torch.int64) * chunk
-        lens = torch.clamp(n - starts, max=chunk)
-        aligned = int(
-            base_aligned and n % int(_LEN_ALIGN) == 0
-            and all(lst[i].data_ptr() % _ALIGN_BYTES == 0 for lst in lists)
-        )
-        for b in range(B):
-            rows = torch.zeros(nch, n_cols, dtype=torch.int64)
-            for c, o in zip(offset_cols, offs):
-                rows[:, int(c)] = o[i] + b * n + starts
-            if part is not None:
-                rows[:, int(_NF_PART)] = b * part[0] + col + torch.arange(nch)
-                rows[:, int(_NF_LEN)] = lens
-                rows[:, int(_NF_ALIGNED)] = aligned
-            else:
-                if step_offs is not None:
-                    rows[:, int(_COL_STEP)] = step_offs[i] + b * steps[i].stride(0)
-                rows[:, int(_COL_MODEL)] = b
-                rows[:, int(_COL_LEN)] = lens
-                rows[:, int(_COL_ALIGNED)] = aligned
-            per_model[b].append(rows)
-        col += nch
-    flat = [r for rows in per_model for r in rows]
-    return torch.cat(flat) if flat else torch.zeros(0, n_cols, dtype=torch.int64)
-
-
-def _check_layouts(params, grads, states, names) -> None:
-    device = params[0].device
-    for i, p in enumerate(params):
-        if not _model_major(p):
-            raise ValueError(
-                f"the triton backend needs every parameter dense with each model's slice contiguous "
-                f"(array dim outermost in memory); params[{i}] of shape {list(p.shape)} has strides "
-                f"{list(p.stride())}"
-            )
-        for name, lst in zip(names, states):
-            t = lst[i]
-            if t.device != device:
-                raise ValueError(f"expected {name}[{i}] on {device}, got {t.device}")
-            if t.shape != p.shape or _order(t) != _order(p) or not _model_major(t):
-                raise ValueError(
-                    f"the triton backend needs {name}[{i}] laid out like params[{i}] "
-                    f"(shape {list(p.shape)}, strides {list(p.stride())}), got shape {list(t.shape)}, "
-                    f"strides {list(t.stride())}"
-                )
-        if grads[i].device != device:
-            raise ValueError(f"expected grads[{i}] on {device}, got {grads[i].device}")
-
-
-def _conform_grads(params: Sequence[Tensor], grads: Sequence[Tensor]) -> list[Tensor]:
-    """``grads``, with any gradient laid out unlike its parameter copied into the parameter's layout
-    (read only, so a copy is exact)."""
-    out = list(grads)
-    for i, (p, g) in enumerate(zip(params, grads)):
-        if g.shape != p.shape or g.dtype != p.dtype:
-            raise ValueError(
-                f"expected grads[{i}] of shape {list(p.shape)} and dtype {p.dtype}, "
-                f"got {list(g.shape)} {g.dtype}"
-            )
-        if _order(g) != _order(p) or not _model_major(g):
-            out[i] = torch.empty_like(p).copy_(g)
-    return out
-
-
-def _to_device(table: Tensor, device: torch.device) -> Tensor:
-    """A host-built table on ``device`` without synchronizing: a pageable host
-    tensor's copy to the GPU waits for the stream, a pinned one's is queued (the
-    caching host allocator keeps the pinned buffer until the copy is done)."""
-    if device.type != "cuda":
-        return table.to(device)
-    return table.pin_memory().to(device, non_blocking=True)
-
-
-def _plan(
-    params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Sequence[Tensor]],
-    names: Sequence[str], steps: Sequence[Tensor],
-) -> tuple[_Plan, Sequence[Tensor]]:
-    """The cached tile tables for these tensors (built on first sight), and the
-    gradients to address (``grads``, unless one needed a copy into its parameter's layout).
-
-    ``states`` holds every state list of the kernel in its column order; an
-    absent (empty) list is addressed as ``params`` and never read.
-    """
-    key = (_sig(params), _sig(grads), tuple(map(_sig, states)), _sig(steps),
-           tuple(map(_shape_dtype, params)), params[0].device)
-    plan = _plans.get(key)
-    if plan is not None:
-        _plans.move_to_end(key)
-        return plan, grads
-    present = [(n, s) for n, s in zip(names, states) if s]
-    _check_layouts(params, grads, [s for _, s in present], [n for n, _ in present])
-    conformed = _conform_grads(params, grads)
-    B = params[0].size(0)
-    device = params[0].device
-    if steps:
-        for i, s in enumerate(steps):
-            if s.shape != (B,) or s.dtype != torch.float32 or s.device != device:
-                raise ValueError(
-                    f"expected steps[{i}] of shape [{B}] and dtype float32 on {device}, "
-                    f"got {list(s.shape)} {s.dtype} on {s.device}"
-                )
-    chunk = _chunk(sum(p.numel() for p in params), device)
-    groups = []
-    for dtype in FLOAT_DTYPES:
-        index = [i for i, p in enumerate(params) if p.dtype == dtype]
-        if not index:
-            continue
-        full = (params, conformed, *(s if s else params for s in states))
-        lists = [[lst[i] for i in index] for lst in full]
-        tiles = _build_tiles(
-            lists, ("params", "grads", *(n if s else "params" for n, s in zip(names, states))),
-            [steps[i] for i in index] if steps else None, B, chunk,
-        )
-        groups.append(_Group(index, _to_device(tiles, device), tiles.size(0), dtype))
-    step_offs = None
-    if steps:
-        base = _offsets(steps, steps[0], "steps")
-        step_offs = torch.tensor(
-            [o + b * s.stride(0) for o, s in zip(base, steps) for b in range(B)], dtype=torch.int64
-        )
-        step_offs = _to_device(step_offs, device)
-    plan = _Plan(groups, step_offs, len(steps) * B)
-    if all(c is g for c, g in zip(conformed, grads)):
-        _remember(_plans, key, plan)
-    return plan, conformed
-
+_planner = mt.Planner("triton", _chunk)
+_plans = _planner.plans
+_plan = _planner.plan
+_model_major = mt.model_major
 
 _dummies: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
@@ -820,13 +585,7 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> Tensor:
 
 
 def _traced(t: Tensor) -> bool:
-    """True under FakeTensorMode (nothing to launch); raises inside functionalization."""
-    if isinstance(t, FunctionalTensor):
-        raise RuntimeError(
-            "the triton optimizer kernels address their tensors through a device table, which a "
-            "traced graph cannot follow; call the hfkern::*_step_ ops (opaque to torch.compile) instead"
-        )
-    return is_fake(t)
+    return mt.traced(t, "triton")
 
 
 # ---- launch -----------------------------------------------------------------------------
@@ -907,7 +666,7 @@ def _tune_on_scratch(args: Sequence[Any], hypers: Tensor, meta: dict[str, Any]) 
     states = [scratch(args[3 + j]) if meta[f"HAS_S{j}"] else sp for j in range(_N_STATES)]
     steps = [torch.ones(B, device=p.device)]
     lists = [[sp], [sg]] + [[t] for t in states]
-    tiles = _build_tiles(lists, ["scratch"] * len(lists), steps, B, _chunk(B * n, p.device))
+    tiles = mt.build_tiles(lists, ["scratch"] * len(lists), steps, B, _chunk(B * n, p.device), backend="triton")
     # Every model live (same dtype as the live mask: the autotuner's key), so all tiles do work.
     s_skip = torch.zeros(B, dtype=torch.bool, device=p.device)
     s_args = (tiles.to(p.device), sp, sg, *states, steps[0], hypers, hypers.stride(0), hypers.stride(1),
@@ -969,7 +728,7 @@ def nonfinite_models(grads: list[Tensor]) -> Tensor:
     if g0.is_cuda and g0.device.index != torch.cuda.current_device():
         with torch.cuda.device(g0.device):
             return nonfinite_models(grads)
-    key = (_sig(grads), tuple(map(_shape_dtype, grads)), g0.device)
+    key = (mt.signature(grads), mt.shapes_dtypes(grads), g0.device)
     plan = _checks.get(key)
     if plan is None:
         # Read only: any layout the table cannot address is checked through a dense copy.
@@ -982,15 +741,16 @@ def nonfinite_models(grads: list[Tensor]) -> Tensor:
             index = [i for i, g in enumerate(dense) if g.dtype == dtype and sizes[i]]
             if not index:
                 continue
-            tiles = _build_tiles([[dense[i] for i in index]], ["grads"], None, B, chunk, part=(tm, col))
+            tiles = mt.build_tiles([[dense[i] for i in index]], ["grads"], None, B, chunk, part=(tm, col),
+                                   backend="triton")
             col += sum(sizes[i] for i in index)
-            groups.append((index, _to_device(tiles, g0.device), tiles.size(0)))
+            groups.append((index, mt.to_device(tiles, g0.device), tiles.size(0)))
         others = [g for g in dense if g.dtype not in FLOAT_DTYPES and g.numel()]
         if others:
             raise TypeError(f"expected floating-point gradients, got {others[0].dtype}")
         plan = _CheckPlan(groups, torch.zeros(max(1, B * tm), dtype=torch.int32, device=g0.device), tm)
         if all(d is g for d, g in zip(dense, grads)):
-            _remember(_checks, key, plan)
+            mt.remember(_checks, key, plan)
         grads = dense
     out = torch.empty(B, dtype=torch.bool, device=g0.device)
     for index, tiles, n_tiles in plan.groups:

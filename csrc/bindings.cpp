@@ -1,0 +1,145 @@
+// bindings.cpp: the pybind11 module hfkern._C (kernels built by nvcc, run on the
+// GPU) or hfkern._C_emu (the same kernels built as host C++, run by the grid
+// emulator on host memory); HFKERN_MODULE_NAME says which.
+//
+// Every function takes raw addresses (Python ints), sizes, dtype codes and the
+// stream handle; nothing here knows torch, so one build serves every torch
+// version. The Python glue (hfkern/cuda/) checks devices, dtypes, shapes,
+// layouts and alignment before an address crosses.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "hfkern/multi_tensor_step.h"
+#include "hfkern/runtime.h"
+
+#ifndef HFKERN_MODULE_NAME
+#error "HFKERN_MODULE_NAME must be defined (_C or _C_emu)"
+#endif
+#ifndef HFKERN_CUDA_ARCHITECTURES
+#define HFKERN_CUDA_ARCHITECTURES ""
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+hfkern::DType dtype_from_code(int code) {
+  if (code < 0 || code > 3) throw std::invalid_argument("hfkern: unknown dtype code " + std::to_string(code));
+  return static_cast<hfkern::DType>(code);
+}
+
+hfkern::StepGroup make_group(uintptr_t tiles, int64_t n_tiles, int param_dtype, uintptr_t params,
+                             uintptr_t grads, uintptr_t state0, uintptr_t state1, uintptr_t state2,
+                             uintptr_t steps, uintptr_t hypers, int64_t hyper_row_stride,
+                             int64_t hyper_model_stride, uintptr_t skip) {
+  hfkern::StepGroup g;
+  g.tiles = ptr<const int64_t>(tiles);
+  g.n_tiles = n_tiles;
+  g.param_dtype = dtype_from_code(param_dtype);
+  g.params = ptr<void>(params);
+  g.grads = ptr<const void>(grads);
+  g.state[0] = ptr<float>(state0);
+  g.state[1] = ptr<float>(state1);
+  g.state[2] = ptr<float>(state2);
+  g.steps = ptr<const float>(steps);
+  g.hypers = ptr<const float>(hypers);
+  g.hyper_row_stride = hyper_row_stride;
+  g.hyper_model_stride = hyper_model_stride;
+  g.skip = ptr<const uint8_t>(skip);
+  return g;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
+  m.doc() = "hfkern's CUDA kernels on raw addresses (see hfkern/cuda/)";
+
+  m.attr("EMULATED") = py::bool_(HFKERN_EMULATED_BUILD != 0);
+  // The CMAKE_CUDA_ARCHITECTURES the kernels were built for ("80-real;90"), "" emulated.
+  m.attr("CUDA_ARCHITECTURES") = py::str(HFKERN_CUDA_ARCHITECTURES);
+  py::dict columns;
+  columns["param"] = int(hfkern::kColParam);
+  columns["grad"] = int(hfkern::kColGrad);
+  columns["state0"] = int(hfkern::kColState0);
+  columns["state1"] = int(hfkern::kColState1);
+  columns["state2"] = int(hfkern::kColState2);
+  columns["step"] = int(hfkern::kColStep);
+  columns["model"] = int(hfkern::kColModel);
+  columns["length"] = int(hfkern::kColLength);
+  columns["aligned"] = int(hfkern::kColAligned);
+  columns["columns"] = int(hfkern::kTileColumns);
+  m.attr("TILE_COLUMNS") = columns;
+  // The hyperparameter rows the kernels read, in order (hfkern._optim_specs declares them).
+  py::dict rows;
+  rows["sgd"] = py::make_tuple("lr", "momentum", "dampening", "weight_decay");
+  rows["adam"] = py::make_tuple("lr", "beta1", "beta2", "eps", "weight_decay");
+  m.attr("OPTIMIZER_ROWS") = rows;
+
+  m.def(
+      "runtime_info",
+      [] {
+        const hfkern::RuntimeInfo info = hfkern::runtime_info();
+        py::dict d;
+        d["emulated"] = info.emulated;
+        d["runtime_version"] = info.runtime_version;
+        d["driver_version"] = info.driver_version;
+        d["device_count"] = info.device_count;
+        d["error"] = info.error;
+        return d;
+      },
+      "The linked CUDA runtime's and the driver's versions, the device count and any error.");
+  m.def("set_device", &hfkern::set_device, py::arg("device"),
+        "Make `device` current for the extension's own CUDA runtime on this thread.");
+
+  m.def(
+      "count_steps",
+      [](uintptr_t steps, uintptr_t offsets, int64_t n, int64_t B, uintptr_t skip, int threads,
+         uintptr_t stream) {
+        py::gil_scoped_release release;
+        hfkern::count_steps(ptr<float>(steps), ptr<const int64_t>(offsets), n, B, ptr<const uint8_t>(skip),
+                            threads, ptr<void>(stream));
+      },
+      py::arg("steps"), py::arg("offsets"), py::arg("n"), py::arg("B"), py::arg("skip"), py::arg("threads"),
+      py::arg("stream"));
+
+  // sgd_step / adam_step: one launch over one dtype group's tile table.
+  auto def_step = [&m](const char* name, void (*step)(const hfkern::StepGroup&, const hfkern::StepOptions&, int,
+                                                     void*)) {
+    m.def(
+        name,
+        [step](uintptr_t tiles, int64_t n_tiles, int param_dtype, uintptr_t params, uintptr_t grads,
+               uintptr_t state0, uintptr_t state1, uintptr_t state2, uintptr_t steps, uintptr_t hypers,
+               int64_t hyper_row_stride, int64_t hyper_model_stride, uintptr_t skip,
+               bool maximize, bool has_weight_decay, bool decoupled_weight_decay, bool momentum, bool nesterov,
+               bool amsgrad, int threads, uintptr_t stream) {
+          const hfkern::StepGroup group =
+              make_group(tiles, n_tiles, param_dtype, params, grads, state0, state1, state2, steps, hypers,
+                         hyper_row_stride, hyper_model_stride, skip);
+          hfkern::StepOptions options;
+          options.maximize = maximize;
+          options.has_weight_decay = has_weight_decay;
+          options.decoupled_weight_decay = decoupled_weight_decay;
+          options.momentum = momentum;
+          options.nesterov = nesterov;
+          options.amsgrad = amsgrad;
+          py::gil_scoped_release release;
+          step(group, options, threads, ptr<void>(stream));
+        },
+        py::arg("tiles"), py::arg("n_tiles"), py::arg("param_dtype"), py::arg("params"), py::arg("grads"),
+        py::arg("state0"), py::arg("state1"), py::arg("state2"), py::arg("steps"), py::arg("hypers"),
+        py::arg("hyper_row_stride"), py::arg("hyper_model_stride"), py::arg("skip"),
+        py::arg("maximize"), py::arg("has_weight_decay"), py::arg("decoupled_weight_decay"),
+        py::arg("momentum"), py::arg("nesterov"), py::arg("amsgrad"), py::arg("threads"), py::arg("stream"));
+  };
+  def_step("sgd_step", &hfkern::sgd_step);
+  def_step("adam_step", &hfkern::adam_step);
+}

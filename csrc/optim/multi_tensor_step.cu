@@ -1,0 +1,262 @@
+// multi_tensor_step.cu: one launch updates every parameter of every model.
+//
+// The apex multi_tensor_apply pattern on hfkern's tile table: the Python glue
+// (hfkern/cuda/optim.py, tables from hfkern/_multi_tensor.py) cuts model b's
+// slice of every parameter into tiles of at most a chunk of elements, one int64
+// row per tile holding element offsets from the first tensor of each list, the
+// tile's model, length and whether every access may be a 16-byte vector. One
+// thread block runs one tile:
+//
+//   * it reads model b's hyperparameter column hypers[:, b] and its (already
+//     incremented) step count from device memory, so a scheduler may rewrite the
+//     hyperparameters in place between steps, and computes the per-model
+//     scalars once, in float32 (the hyperparameters' dtype) as the torch path does;
+//   * a skipped model's blocks return before touching anything;
+//   * the element loop computes in float32 for float32, bfloat16 and float16
+//     parameters (float32 state) and rounds into the parameter once.
+//
+// The math follows hfkern/ops/optim.py's torch implementation operation by
+// operation (its docstrings have the formulas). Options that change what is
+// read and written (momentum buffers, amsgrad) and the parameter dtype are
+// template parameters; the other flags are uniform branches.
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "hfkern/dtypes.h"
+#include "hfkern/multi_tensor_step.h"
+#include "hfkern_cuda.h"
+
+namespace hfkern {
+namespace {
+
+constexpr int kMaxThreads = 512;
+// Elements per vector access: 16 bytes of float32 state (an aligned tile's
+// offsets and length are multiples of 16 elements, see hfkern/_multi_tensor.py).
+constexpr int kVec = 4;
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+__device__ __forceinline__ float sqrt_rn(float x) { return sqrtf(x); }
+__device__ __forceinline__ double sqrt_rn(double x) { return sqrt(x); }
+
+// max that propagates NaN from either side, as torch.maximum.
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// 1 - beta ** t, as -expm1(t * log(beta)): full relative precision where beta ** t
+// is close to 1 (beta = 0 gives 1).
+__device__ __forceinline__ double one_minus_pow(double beta, float t) {
+  return -expm1(static_cast<double>(t) * log(beta));
+}
+
+// ---- the optimizers: per-model scalars and the element update -------------------------
+//
+// scalars<H>(h, rs, t): h points at model b's column of hypers (float32: the
+// op's contract for non-float64 parameters), rs is the row stride, t the step
+// count; the arithmetic is in H, as the torch path's. update(c, o, p, g, s):
+// one element, s the optimizer's state values (in registers), returns the new p.
+
+template <bool MOMENTUM>
+struct Sgd {
+  static constexpr int kStates = MOMENTUM ? 1 : 0;
+  static constexpr bool kReadsSteps = MOMENTUM;
+  struct Scalars {
+    float neg_lr, momentum, decay, scale, weight_decay;
+  };
+
+  template <typename H>
+  __device__ static Scalars scalars(const H* h, int64_t rs, float t) {
+    const H lr = h[kSgdLr * rs], momentum = h[kSgdMomentum * rs];
+    const H dampening = h[kSgdDampening * rs], weight_decay = h[kSgdWeightDecay * rs];
+    // torch ignores dampening for a model without momentum.
+    H decay = momentum, scale = H(1) - (momentum == H(0) ? H(0) : dampening);
+    if (MOMENTUM && t == 1.0f) {
+      // A model's first update sets its buffer to the gradient (torch clones it).
+      decay = H(0);
+      scale = H(1);
+    }
+    return {static_cast<float>(-lr), static_cast<float>(momentum), static_cast<float>(decay),
+            static_cast<float>(scale), static_cast<float>(weight_decay)};
+  }
+
+  __device__ static float update(const Scalars& c, const StepOptions& o, float p, float g, float* s) {
+    float d = o.maximize ? -g : g;
+    if (o.has_weight_decay) d = d + p * c.weight_decay;
+    if (MOMENTUM) {
+      float& buf = s[0];
+      buf = buf * c.decay + d * c.scale;
+      d = o.nesterov ? d + buf * c.momentum : buf;
+    }
+    return p + d * c.neg_lr;
+  }
+};
+
+template <bool AMSGRAD>
+struct Adam {
+  static constexpr int kStates = AMSGRAD ? 3 : 2;
+  static constexpr bool kReadsSteps = true;
+  struct Scalars {
+    float neg_step_size, bc2_sqrt, eps, weight_decay, param_decay, beta2, w1, w2;
+    bool w1_small;
+  };
+
+  template <typename H>
+  __device__ static Scalars scalars(const H* h, int64_t rs, float t) {
+    const H lr = h[kAdamLr * rs], beta1 = h[kAdamBeta1 * rs], beta2 = h[kAdamBeta2 * rs];
+    const H eps = h[kAdamEps * rs], weight_decay = h[kAdamWeightDecay * rs];
+    const H bc1 = static_cast<H>(one_minus_pow(beta1, t));
+    const H bc2 = static_cast<H>(one_minus_pow(beta2, t));
+    const H step_size = lr / bc1;
+    const H w1 = H(1) - beta1;
+    Scalars c;
+    c.neg_step_size = static_cast<float>(-step_size);
+    c.bc2_sqrt = static_cast<float>(sqrt_rn(bc2));
+    c.eps = static_cast<float>(eps);
+    c.weight_decay = static_cast<float>(weight_decay);
+    c.param_decay = static_cast<float>(H(1) - lr * weight_decay);
+    c.beta2 = static_cast<float>(beta2);
+    c.w1 = static_cast<float>(w1);
+    c.w2 = static_cast<float>(H(1) - beta2);
+    c.w1_small = (w1 < H(0) ? -w1 : w1) < H(0.5);
+    return c;
+  }
+
+  __device__ static float update(const Scalars& c, const StepOptions& o, float p, float g, float* s) {
+    float& m = s[0];
+    float& v = s[1];
+    float d = o.maximize ? -g : g;
+    if (o.has_weight_decay) {
+      if (o.decoupled_weight_decay)
+        p = p * c.param_decay;
+      else
+        d = d + p * c.weight_decay;
+    }
+    // torch.lerp's formula for m = lerp(m, d, 1 - beta1).
+    const float diff = d - m;
+    m = c.w1_small ? m + c.w1 * diff : d - diff * (1.0f - c.w1);
+    v = v * c.beta2 + (d * c.w2) * d;
+    float v_hat = v;
+    if (AMSGRAD) {
+      s[2] = nan_max(s[2], v);
+      v_hat = s[2];
+    }
+    const float denom = sqrt_rn(v_hat) / c.bc2_sqrt + c.eps;
+    return p + (m / denom) * c.neg_step_size;
+  }
+};
+
+// ---- the driver ---------------------------------------------------------------------
+
+template <class Opt, typename P>
+__global__ void __launch_bounds__(kMaxThreads) step_kernel(StepGroup group, StepOptions options) {
+  const int64_t* row = group.tiles + static_cast<int64_t>(blockIdx.x) * kTileColumns;
+  const int64_t b = row[kColModel];
+  if (group.skip != nullptr && group.skip[b] != 0) return;  // nothing of a skipped model is written
+
+  const float t = Opt::kReadsSteps ? group.steps[row[kColStep]] : 0.0f;
+  const int64_t rs = group.hyper_row_stride;
+  const typename Opt::Scalars c = Opt::scalars(group.hypers + b * group.hyper_model_stride, rs, t);
+
+  P* __restrict__ p = static_cast<P*>(group.params) + row[kColParam];
+  const P* __restrict__ g = static_cast<const P*>(group.grads) + row[kColGrad];
+  float* s[Opt::kStates > 0 ? Opt::kStates : 1];
+  for (int j = 0; j < Opt::kStates; ++j) s[j] = group.state[j] + row[kColState0 + j];
+  const int64_t n = row[kColLength];
+
+  if (row[kColAligned] != 0) {
+    // Whole packs only: an aligned tile's length is a multiple of kVec.
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kVec; i < n; i += static_cast<int64_t>(blockDim.x) * kVec) {
+      Pack<P, kVec> pv = *reinterpret_cast<const Pack<P, kVec>*>(p + i);
+      const Pack<P, kVec> gv = *reinterpret_cast<const Pack<P, kVec>*>(g + i);
+      Pack<float, kVec> sv[Opt::kStates > 0 ? Opt::kStates : 1];
+      for (int j = 0; j < Opt::kStates; ++j) sv[j] = *reinterpret_cast<const Pack<float, kVec>*>(s[j] + i);
+HFKERN_UNROLL
+      for (int k = 0; k < kVec; ++k) {
+        float st[Opt::kStates > 0 ? Opt::kStates : 1];
+        for (int j = 0; j < Opt::kStates; ++j) st[j] = sv[j].v[k];
+        pv.v[k] = from_float<P>(Opt::update(c, options, to_float(pv.v[k]), to_float(gv.v[k]), st));
+        for (int j = 0; j < Opt::kStates; ++j) sv[j].v[k] = st[j];
+      }
+      for (int j = 0; j < Opt::kStates; ++j) *reinterpret_cast<Pack<float, kVec>*>(s[j] + i) = sv[j];
+      *reinterpret_cast<Pack<P, kVec>*>(p + i) = pv;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      float st[Opt::kStates > 0 ? Opt::kStates : 1];
+      for (int j = 0; j < Opt::kStates; ++j) st[j] = s[j][i];
+      p[i] = from_float<P>(Opt::update(c, options, to_float(p[i]), to_float(g[i]), st));
+      for (int j = 0; j < Opt::kStates; ++j) s[j][i] = st[j];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kMaxThreads)
+    count_kernel(float* steps, const int64_t* offsets, int64_t n, int64_t B, const uint8_t* skip) {
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k >= n) return;
+  if (skip != nullptr && skip[k % B] != 0) return;
+  steps[offsets[k]] += 1.0f;
+}
+
+void check_threads(int threads) {
+  if (threads < 32 || threads > kMaxThreads || threads % 32 != 0)
+    throw std::invalid_argument("hfkern: expected threads per block a multiple of 32 in [32, " +
+                                std::to_string(kMaxThreads) + "], got " + std::to_string(threads));
+}
+
+template <class Opt>
+void launch_group(const StepGroup& group, const StepOptions& options, int threads, void* stream) {
+  check_threads(threads);
+  if (group.n_tiles < 0 || group.n_tiles > 0x7fffffff)
+    throw std::invalid_argument("hfkern: expected 0 <= n_tiles < 2**31, got " + std::to_string(group.n_tiles));
+  if (group.n_tiles == 0) return;
+  const dim3 grid(static_cast<unsigned>(group.n_tiles)), block(static_cast<unsigned>(threads));
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  switch (group.param_dtype) {
+    case DType::Float32:
+      HFKERN_LAUNCH((step_kernel<Opt, float>), grid, block, 0, s, group, options);
+      break;
+    case DType::BFloat16:
+      HFKERN_LAUNCH((step_kernel<Opt, BFloat16>), grid, block, 0, s, group, options);
+      break;
+    case DType::Float16:
+      HFKERN_LAUNCH((step_kernel<Opt, Half>), grid, block, 0, s, group, options);
+      break;
+    default:
+      throw std::invalid_argument("hfkern: the CUDA optimizer steps take float32, bfloat16 or float16 "
+                                  "parameters, got dtype code " +
+                                  std::to_string(static_cast<int>(group.param_dtype)));
+  }
+}
+
+}  // namespace
+
+void count_steps(float* steps, const int64_t* offsets, int64_t n, int64_t B, const uint8_t* skip, int threads,
+                 void* stream) {
+  check_threads(threads);
+  if (n <= 0) return;
+  if (B <= 0) throw std::invalid_argument("hfkern: expected B >= 1, got " + std::to_string(B));
+  const dim3 grid(static_cast<unsigned>((n + threads - 1) / threads)), block(static_cast<unsigned>(threads));
+  HFKERN_LAUNCH(count_kernel, grid, block, 0, reinterpret_cast<cudaStream_t>(stream), steps, offsets, n, B, skip);
+}
+
+void sgd_step(const StepGroup& group, const StepOptions& options, int threads, void* stream) {
+  if (options.nesterov && !options.momentum)
+    throw std::invalid_argument("hfkern: nesterov needs momentum buffers");
+  if (options.momentum)
+    launch_group<Sgd<true>>(group, options, threads, stream);
+  else
+    launch_group<Sgd<false>>(group, options, threads, stream);
+}
+
+void adam_step(const StepGroup& group, const StepOptions& options, int threads, void* stream) {
+  if (options.amsgrad)
+    launch_group<Adam<true>>(group, options, threads, stream);
+  else
+    launch_group<Adam<false>>(group, options, threads, stream);
+}
+
+}  // namespace hfkern

@@ -1,0 +1,159 @@
+"""hfkern::sgd_step_ and hfkern::adam_step_ on the CUDA kernels (csrc/optim/multi_tensor_step.cu).
+
+Each launcher implements the hfkern op of the same name (hfkern/ops/optim.py
+documents the arguments and the math; its torch implementation is the oracle
+the kernels follow operation by operation). A step is the apex
+``multi_tensor_apply`` pattern on hfkern's tile table (hfkern/_multi_tensor.py):
+one launch increments the step counts of every (tensor, model) not skipped, then
+one launch per parameter dtype updates every parameter of every model, one
+thread block per tile. The kernels read each model's hyperparameters and step
+count from device memory, so a step never synchronizes with the host, and the
+table is cached per set of tensors, so a training loop's steady-state step is a
+dict lookup and two launches.
+
+Served: float32, bfloat16 and float16 parameters with float32 state, every
+option of the two ops (momentum, dampening, nesterov, weight decay, maximize;
+Adam's amsgrad and AdamW's decoupled weight decay) and the skip mask. float64
+parameters are refused (TypeError); the torch and triton backends serve them.
+
+``emulated(op)`` runs the same launcher on CPU tensors through
+``hfkern._C_emu``, the kernels built for the host grid emulator: that is how
+the tests execute these kernels without a GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _backend, _multi_tensor as mt
+from .._device import sm_count
+from .._optim_specs import ADAM_SPEC, SGD_SPEC, OptimizerSpec
+from . import _ext
+
+__all__ = ["sgd_step_", "adam_step_", "emulated", "PARAM_DTYPES"]
+
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_THREADS = 256  # threads per block on a GPU: 1024 elements per loop iteration
+# Under the emulator every block is a group of host threads: small blocks and tiles,
+# so that test tensors span several tiles and the vector loop several iterations.
+_EMULATED_THREADS = 32
+_EMULATED_CHUNK = 192
+
+
+def _chunk(total: int, device: torch.device) -> int:
+    """Elements per tile: about 64 tiles per SM, within [4096, 65536] (a power of two),
+    so big arrays run many short waves and the last is cheap."""
+    if device.type != "cuda":
+        return _EMULATED_CHUNK
+    per_tile = max(1, total // (sm_count(device) * 64))
+    return min(65536, max(4096, 1 << (per_tile - 1).bit_length()))
+
+
+_planner = mt.Planner("cuda", _chunk)
+
+
+def _check(spec: OptimizerSpec, params: Sequence[Tensor], hypers: Tensor, skip: Tensor | None,
+           device_type: str) -> None:
+    """What the kernels need beyond the op's own checks (hfkern/ops/optim.py)."""
+    for i, p in enumerate(params):
+        if p.device.type != device_type:
+            raise ValueError(f"hfkern::{spec.op} on the cuda backend: expected params[{i}] on a "
+                             f"{device_type} device, got {p.device}")
+        if p.dtype not in PARAM_DTYPES:
+            raise TypeError(
+                f"hfkern::{spec.op} on the cuda backend takes float32, bfloat16 or float16 parameters, "
+                f"got {p.dtype} at params[{i}]; the torch and triton backends serve float64"
+            )
+    device = params[0].device
+    if hypers.dtype != torch.float32:  # the op allows float64 only with float64 parameters
+        raise TypeError(f"hfkern::{spec.op} on the cuda backend: expected float32 hypers, got {hypers.dtype}")
+    if hypers.device != device:
+        raise ValueError(f"hfkern::{spec.op}: expected hypers on {device}, got {hypers.device}")
+    if skip is not None and skip.device != device:
+        raise ValueError(f"hfkern::{spec.op}: expected skip on {device}, got {skip.device}")
+
+
+def _run(spec: OptimizerSpec, args: Sequence[Any], emulate: bool) -> None:
+    """One step of ``spec``'s op; ``args`` in the op's argument order (``spec.args``)."""
+    n = len(spec.states)
+    params, grads = args[0], args[1]
+    if not params or mt.traced(params[0], "cuda"):
+        return
+    steps, hypers, skip = args[2 + n], args[3 + n], args[-1]
+    flags = dict(zip(spec.flags, args[4 + n : -1]))
+    _check(spec, params, hypers, skip, "cpu" if emulate else "cuda")
+    ext = _ext.load(emulated=emulate)
+    absent = mt.N_STATES - n
+    states = [*args[2 : 2 + n], *([[]] * absent)]
+    names = [*spec.state_args, *(["unused"] * absent)]
+    plan, grads = _planner.plan(params, grads, states, names, steps)
+    device = params[0].device
+    if device.type == "cuda":
+        ext.set_device(device.index if device.index is not None else torch.cuda.current_device())
+    stream = _ext.stream(device)
+    threads = _EMULATED_THREADS if emulate else _THREADS
+    B = params[0].size(0)
+    if skip is not None:
+        skip = skip.contiguous()  # read as [B] bytes
+    skip_ptr = skip.data_ptr() if skip is not None else 0
+    if plan.step_offs is not None and plan.n_steps:
+        ext.count_steps(steps[0].data_ptr(), plan.step_offs.data_ptr(), plan.n_steps, B, skip_ptr, threads, stream)
+    launch = ext.sgd_step if spec is SGD_SPEC else ext.adam_step
+    for group in plan.groups:
+        first = group.index[0]
+        launch(
+            tiles=group.tiles.data_ptr(), n_tiles=group.n_tiles, param_dtype=_ext.DTYPE_CODES[group.dtype],
+            params=params[first].data_ptr(), grads=grads[first].data_ptr(),
+            state0=states[0][first].data_ptr() if states[0] else 0,
+            state1=states[1][first].data_ptr() if states[1] else 0,
+            state2=states[2][first].data_ptr() if states[2] else 0,
+            steps=steps[first].data_ptr() if steps else 0,
+            hypers=hypers.data_ptr(), hyper_row_stride=hypers.stride(0), hyper_model_stride=hypers.stride(1),
+            skip=skip_ptr,
+            maximize=bool(flags["maximize"]), has_weight_decay=bool(flags["has_weight_decay"]),
+            decoupled_weight_decay=bool(flags.get("decoupled_weight_decay", False)),
+            momentum=spec is SGD_SPEC and bool(states[0]), nesterov=bool(flags.get("nesterov", False)),
+            amsgrad=spec is ADAM_SPEC and bool(states[2]), threads=threads, stream=stream,
+        )
+
+
+def _signature(spec: OptimizerSpec) -> inspect.Signature:
+    return inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in spec.args]
+    )
+
+
+def _launcher(spec: OptimizerSpec, *, emulate: bool) -> Callable[..., None]:
+    """``spec``'s op on the kernels: the op's arguments, in its order."""
+    signature = _signature(spec)
+
+    def launch(*args: Any, **kwargs: Any) -> None:
+        _run(spec, signature.bind(*args, **kwargs).args if kwargs else args, emulate)
+
+    launch.__name__ = launch.__qualname__ = spec.op
+    where = "CPU tensors through the host grid emulator (hfkern._C_emu)" if emulate else "CUDA tensors"
+    launch.__doc__ = f"hfkern::{spec.op} on {where} with the multi-tensor step kernel."
+    launch.__signature__ = signature  # type: ignore[attr-defined]
+    return launch
+
+
+_SPECS = {spec.op: spec for spec in (SGD_SPEC, ADAM_SPEC)}
+
+# auto never picks these until a committed GPU benchmark shows them faster
+# (no GPU has measured them yet); backend="cuda" selects them.
+sgd_step_ = _backend.implements(SGD_SPEC.op, "cuda", device_types=("cuda",), auto=False)(
+    _launcher(SGD_SPEC, emulate=False))
+adam_step_ = _backend.implements(ADAM_SPEC.op, "cuda", device_types=("cuda",), auto=False)(
+    _launcher(ADAM_SPEC, emulate=False))
+
+
+def emulated(op: str) -> Callable[..., None]:
+    """The cuda launcher of ``op`` (``"sgd_step_"``, ``"adam_step_"``) on CPU tensors,
+    running the same kernel sources in the host grid emulator (hfkern._C_emu)."""
+    if op not in _SPECS:
+        raise ValueError(f"the cuda backend implements {sorted(_SPECS)}, got {op!r}")
+    return _launcher(_SPECS[op], emulate=True)
