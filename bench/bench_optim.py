@@ -5,7 +5,7 @@ parameter tensors, 11,173,962 parameters per model. Every case (optimizer, B)
 times one optimizer step over the B models' parameters, with each model's own
 learning rate, on fixed random gradients:
 
-* ``torch``, ``triton``: ``hfkern.optim.Adam`` (``AdamW``, ``SGD``) on the
+* ``torch``, ``triton``, ``cuda``: ``hfkern.optim.Adam`` (``AdamW``, ``SGD``) on the
   ``[B, ...]`` array parameters under ``hfkern.use_backend(name)``.
 * ``fused_per_model``: B ``torch.optim.Adam(fused=True)`` optimizers, one per
   model, stepped one after another (what a sweep runs without hfkern; the
@@ -71,8 +71,9 @@ OPS = ("adam", "sgd_momentum", "adamw")
 B_VALUES = (16, 32, 4)
 SMOKE_B_VALUES = (3,)
 SMOKE_WIDTH = 4
-IMPLS = ("torch", "triton", "fused_per_model", "foreach_per_model", "fused_one_list", "loop")
-BACKENDS = ("torch", "triton")
+IMPLS = ("torch", "triton", "cuda", "fused_per_model", "foreach_per_model", "fused_one_list", "loop")
+BACKENDS = ("torch", "triton", "cuda")
+GPU_BACKENDS = ("triton", "cuda")
 REFERENCE = "torch"
 BASELINE = "fused_per_model"
 
@@ -655,7 +656,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--B", type=csv_list(int), default=None,
                    help="comma list of array sizes (default: 16,32,4; --smoke: 3)")
     p.add_argument("--impls", type=csv_list(str, IMPLS), default=None,
-                   help=f"comma list of implementations (default: all; --smoke: all but triton): {list(IMPLS)}")
+                   help=f"comma list of implementations (default: all; --smoke: all but triton and cuda): {list(IMPLS)}")
     p.add_argument("--width", type=int, default=None,
                    help="ResNet-18 base width (default 64, the standard network; --smoke: 4)")
     p.add_argument("--smoke", action="store_true",
@@ -683,7 +684,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--B values must be >= 1, got {args.B}")
     if args.smoke:
         args.B = args.B or list(SMOKE_B_VALUES)
-        args.impls = args.impls or [i for i in IMPLS if i != "triton"]
+        args.impls = args.impls or [i for i in IMPLS if i not in GPU_BACKENDS]
         args.width = args.width or SMOKE_WIDTH
     else:
         args.B = args.B or list(B_VALUES)

@@ -59,7 +59,7 @@ def test_smoke_writes_rows_csv_and_json(smoke_run, bo):
     with open(out / files[1]) as f:
         data = json.load(f)
     meta, rows = data["meta"], data["rows"]
-    assert len(rows) == len(csv_rows) == len(bo.OPS) * len(bo.SMOKE_B_VALUES) * (len(bo.IMPLS) - 1)
+    assert len(rows) == len(csv_rows) == len(bo.OPS) * len(bo.SMOKE_B_VALUES) * (len(bo.IMPLS) - len(bo.GPU_BACKENDS))
     assert [r["impl"] for r in rows] == [r["impl"] for r in csv_rows]
     assert meta["complete"] and meta["finished"] and meta["skipped_cases"] == 0
     copy = meta["ceilings"]["copy_gbps"]
@@ -68,9 +68,9 @@ def test_smoke_writes_rows_csv_and_json(smoke_run, bo):
     assert meta["settings"]["params_per_model"] == n_params
     assert meta["settings"]["bytes_per_param"] == {"adam": 28, "adamw": 28, "sgd_momentum": 20}
 
-    # every optimizer and every implementation but triton (--smoke is torch-backend only) ran
+    # every optimizer and every implementation but the GPU backends (--smoke is torch-backend only) ran
     got = {(r["op"], r["B"], r["impl"]) for r in rows}
-    assert got == {(op, B, i) for op in bo.OPS for B in bo.SMOKE_B_VALUES for i in bo.IMPLS if i != "triton"}
+    assert got == {(op, B, i) for op in bo.OPS for B in bo.SMOKE_B_VALUES for i in bo.IMPLS if i not in bo.GPU_BACKENDS}
     for r in rows:
         assert r["status"] == "ok", r
         assert r["dtype"] == "fp32" and r["direction"] == "step" and r["model"] == "resnet18_cifar"
@@ -148,7 +148,7 @@ def test_every_implementation_follows_torch_per_model_over_steps(bo, op):
             opt.step()
         expected.append([p.detach() for p in ps])
     expected = [torch.stack([m[i] for m in expected]) for i in range(len(shapes))]
-    for impl in bo.make_impls([i for i in bo.IMPLS if i not in ("triton", "fused_one_list")]):
+    for impl in bo.make_impls([i for i in bo.IMPLS if i not in (*bo.GPU_BACKENDS, "fused_one_list")]):
         with impl.context():
             step, params = impl.build(prob)
             for _ in range(steps):
