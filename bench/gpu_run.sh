@@ -5,23 +5,28 @@
 #     bash bench/gpu_run.sh
 #
 # Stages (each one's exit status is recorded; a failing stage never stops the next):
-#   1. environment  Python, torch, CUDA, cuDNN and Triton versions, the device,
+#   1. build        the CUDA extension hfkern._C in place (python setup.py build_ext
+#                   --inplace: HFKERN_BUILD_CUDA=1, HFKERN_BUILD_EMU=0, for
+#                   HFKERN_CUDA_ARCHS, default 90), with the machine's nvcc, cmake,
+#                   ninja and pybind11 and nothing downloaded; when it fails, the
+#                   stages after it run without the extension
+#   2. environment  Python, torch, CUDA, cuDNN and Triton versions, the device,
 #                   nvidia-smi, and which hfkern backend serves each op
-#   2. gpu tests    python -m pytest -m gpu tests (Triton compiles for the device;
+#   3. gpu tests    python -m pytest -m gpu tests (Triton compiles for the device;
 #                   TRITON_INTERPRET is unset; HFKERN_TRITON_AUTOTUNE=0, so each
 #                   kernel compiles its first config only), capped in time
-#   3. ceilings     the device's copy bandwidth and matmul rates (bench/bandwidth.py)
-#   4. benchmark    bench/bench_kernels.py once per op family with a shape suite
+#   4. ceilings     the device's copy bandwidth and matmul rates (bench/bandwidth.py)
+#   5. benchmark    bench/bench_kernels.py once per op family with a shape suite
 #                   (bench/families), smallest suite first, each in its own process
 #                   with a time budget, so that a kernel that breaks the CUDA
 #                   context loses only its own family's rows; before the largest
 #                   suite (conv), bench/bench_optim.py (optimizer
 #                   steps of B ResNet-18 models) in its own process and budget.
 #                   These time eager calls (do_bench): launch overhead included.
-#   5. graph        bench/bench_kernels.py --quick --timer cuda_graph: the quick
+#   6. graph        bench/bench_kernels.py --quick --timer cuda_graph: the quick
 #                   subset of every op timed as CUDA-graph replays, the kernels'
 #                   own time without launch overhead
-#   6. report       the kernel parts merged into one CSV + JSON and summarized;
+#   7. report       the kernel parts merged into one CSV + JSON and summarized;
 #                   the graph-timed and optimizer summaries printed last
 #
 # Results go to $OUT (default bench/results/gpu_run), flat, at most 8 files:
@@ -40,10 +45,12 @@
 #   OPTIM_ARGS           extra options for bench_optim.py, e.g. "--ops adam --B 16"
 #   HFKERN_OPTIM_SECONDS cap on the optimizer benchmark's time budget (default 75)
 #   HFKERN_GRAPH_SECONDS cap on the graph-timed benchmark's time budget (default 90)
+#   HFKERN_CUDA_ARCHS    the architectures hfkern._C is built for (default 90: H100/H200)
 #   PYTHON               the interpreter (default python3)
 #
 # hfkern is used in place through PYTHONPATH (no pip install, so no dependency
-# is touched).
+# is touched); the build stage puts hfkern/_C*.so beside the sources and its
+# CMake files under build/.
 
 set -u
 
@@ -87,6 +94,15 @@ run_stage() {
     printf '%-20s rc=%-4s %5s s\n' "$name" "$rc" "$(($(date +%s) - t0))" >>"$STAGES"
     ((rc == 0)) || FAILED=1
     return 0
+}
+
+# build_extension: hfkern._C in place for this machine's GPUs (setup.py drives
+# CMake; its build directory under build/ makes a second run incremental).
+build_extension() {
+    local archs=${HFKERN_CUDA_ARCHS:-90}
+    echo "HFKERN_BUILD_CUDA=1 HFKERN_BUILD_EMU=0 HFKERN_CUDA_ARCHS=$archs $PY setup.py build_ext --inplace"
+    HFKERN_BUILD_CUDA=1 HFKERN_BUILD_EMU=0 HFKERN_CUDA_ARCHS=$archs "$PY" setup.py build_ext --inplace || return
+    "$PY" -c "import hfkern._C as c; print('hfkern._C:', c.__file__, '| built for', c.CUDA_ARCHITECTURES, '|', c.runtime_info())"
 }
 
 environment() {
@@ -243,6 +259,7 @@ report() {
 main() {
     : >"$STAGES"
     echo "hfkern GPU run: results in $OUT, target ${RUN_SECONDS} s"
+    run_stage build build_extension
     run_stage environment environment
     run_stage gpu_tests gpu_tests
     run_stage ceilings ceilings

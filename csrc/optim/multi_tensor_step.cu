@@ -40,8 +40,7 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-__device__ __forceinline__ float sqrt_rn(float x) { return sqrtf(x); }
-__device__ __forceinline__ double sqrt_rn(double x) { return sqrt(x); }
+__device__ __forceinline__ float sqrt_rn(float x) { return sqrtf(x); }  // IEEE (no fast math)
 
 // max that propagates NaN from either side, as torch.maximum.
 __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
