@@ -8,6 +8,8 @@ tensors with another run's.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hfkern._dtypes import acc_dtype
@@ -150,3 +152,32 @@ CASES = [
 def case_id(case):
     name, opts = case
     return "-".join([name] + [k for k, v in opts.items() if v])
+
+
+def check_masked_steps(want: Case, impl, ref, *, rtol=1e-5, atol=1e-6) -> None:
+    """Three steps of ``impl`` on a copy of ``want`` against ``ref`` on ``want``: unmasked,
+    then a mask whose skipped model has poisoned gradients (NaN, and -inf in the last
+    tensor), then another mask. The skipped model stays bit-identical, the others follow
+    ``ref``, the step counts match exactly and every parameter moved."""
+    B = want.B
+    got = want.clone()
+    masks = [None, torch.tensor([True] + [False] * (B - 1)), torch.tensor([False] * (B - 1) + [True])]
+    if B == 3:
+        masks[1] = torch.tensor([False, True, False])
+    start = [p.clone() for p in got.params]
+    for step, skip in enumerate(masks):
+        grads = [torch.randn_like(p) for p in want.params]
+        if skip is not None:
+            bad = int(skip.nonzero()[0])
+            for g in grads:
+                g[bad] = math.nan
+            grads[-1][bad, 0, 1] = -math.inf
+        before = [t.clone() for t in got.mutated()]
+        want.run(ref, grads, skip)
+        got.run(impl, grads, skip)
+        assert_same_state(got, want, rtol=rtol, atol=atol)
+        if skip is not None:
+            for t, b in zip(got.mutated(), before):
+                assert torch.equal(t[bad], b[bad]), (step, bad)
+        assert all(torch.equal(t, u) for t, u in zip(got.steps, want.steps))
+    assert all(not torch.equal(p, p0) for p, p0 in zip(got.params, start))

@@ -21,7 +21,7 @@ import hfkern.optim as hoptim
 from hfkern import _backend
 from hfkern.cuda import _ext
 from hfkern.cuda import optim as ck
-from _optim_cases import CASES, Case, assert_same_state, case_id
+from _optim_cases import CASES, Case, assert_same_state, case_id, check_masked_steps
 
 
 class _Impls:
@@ -42,12 +42,6 @@ CUDA_CASES = [c for c in CASES if c[0] in ("sgd", "adam")] + [
 SHAPES = [(), (5, 3), (24, 16), (37, 11)]
 
 
-def _poison(grads, bad):
-    for g in grads:
-        g[bad] = math.nan
-    grads[-1][bad, 0, 1] = -math.inf
-
-
 @pytest.mark.emulator
 @pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("case", CUDA_CASES, ids=[case_id(c) for c in CUDA_CASES])
@@ -55,26 +49,7 @@ def test_emulated_steps_match_torch(case, B):
     """Three steps: unmasked, then a mask whose skipped model has poisoned gradients, then
     another mask; the skipped model stays bit-identical, the others follow torch."""
     name, opts = case
-    want = Case(name, opts, B, shapes=SHAPES)
-    got = want.clone()
-    masks = [None, torch.tensor([True] + [False] * (B - 1)), torch.tensor([False] * (B - 1) + [True])]
-    if B == 3:
-        masks[1] = torch.tensor([False, True, False])
-    start = [p.clone() for p in got.params]
-    for step, skip in enumerate(masks):
-        grads = [torch.randn_like(p) for p in want.params]
-        if skip is not None:
-            bad = int(skip.nonzero()[0])
-            _poison(grads, bad)
-        before = [t.clone() for t in got.mutated()]
-        want.run(ref, grads, skip)
-        got.run(emu, grads, skip)
-        assert_same_state(got, want, rtol=1e-5, atol=1e-6)
-        if skip is not None:
-            for t, b in zip(got.mutated(), before):
-                assert torch.equal(t[bad], b[bad]), (step, bad)
-        assert all(torch.equal(t, u) for t, u in zip(got.steps, want.steps))
-    assert all(not torch.equal(p, p0) for p, p0 in zip(got.params, start))
+    check_masked_steps(Case(name, opts, B, shapes=SHAPES), emu, ref)
 
 
 @pytest.mark.emulator

@@ -24,7 +24,7 @@ import hfkern.optim as hoptim
 from hfkern import _backend
 from hfkern._optim_specs import OPTIMIZER_SPECS
 from hfkern.ops import optim as ops
-from _optim_cases import CASES, NAMES, SHAPES, Case, case_id, assert_same_state  # noqa: F401
+from _optim_cases import CASES, NAMES, SHAPES, Case, assert_same_state, case_id, check_masked_steps  # noqa: F401
 
 triton = pytest.importorskip("triton")
 from hfkern.triton import optim as tk  # noqa: E402
@@ -53,28 +53,7 @@ def test_steps_match_torch(case, B):
     """Three steps: unmasked, then a mask whose skipped model has poisoned gradients, then
     another mask; the skipped model stays bit-identical, the others follow torch."""
     name, opts = case
-    want = Case(name, opts, B)
-    got = want.clone()
-    masks = [None, torch.tensor([True] + [False] * (B - 1)), torch.tensor([False] * (B - 1) + [True])]
-    if B == 3:
-        masks[1] = torch.tensor([False, True, False])
-    start = [p.clone() for p in got.params]
-    for step, skip in enumerate(masks):
-        grads = [torch.randn_like(p) for p in want.params]
-        if skip is not None:
-            bad = int(skip.nonzero()[0])
-            for g in grads:
-                g[bad] = math.nan
-            grads[3][bad, 0, 1] = -math.inf
-        before = [t.clone() for t in got.mutated()]
-        want.run(ref, grads, skip)
-        got.run(tk, grads, skip)
-        assert_same_state(got, want, rtol=1e-5, atol=1e-6)
-        if skip is not None:
-            for t, b in zip(got.mutated(), before):
-                assert torch.equal(t[bad], b[bad]), (step, bad)
-        assert all(torch.equal(t, u) for t, u in zip(got.steps, want.steps))
-    assert all(not torch.equal(p, p0) for p, p0 in zip(got.params, start))
+    check_masked_steps(Case(name, opts, B), tk, ref)
 
 
 @pytest.mark.interpreter
