@@ -2,7 +2,8 @@
 
 ``hfkern.nn`` holds array modules (B models of a torch.nn module fused along a
 leading array dim), ``hfkern.nn.functional`` array losses, ``hfkern.optim``
-array optimizers; every array tensor has the array dim B first. Kernels are
+array optimizers; :func:`fuse` turns B unmodified torch models into one array
+model. Every array tensor has the array dim B first. Kernels are
 ``torch.ops.hfkern.*`` ops whose implementation (torch / triton / cuda) is chosen
 by :func:`set_backend` (process-wide, or ``HFKERN_BACKEND``) and
 :func:`use_backend` (per thread / context).
@@ -18,12 +19,17 @@ _backend._select_from_environment()
 from . import amp, nn, optim, utils  # noqa: E402, F401
 from ._array import broadcast, is_shared  # noqa: E402
 from ._backend import backend_info, get_backend, set_backend, use_backend  # noqa: E402
+from .fusion import FusedModel, FuseError, fuse, unfuse  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "broadcast",
     "is_shared",
+    "fuse",
+    "unfuse",
+    "FusedModel",
+    "FuseError",
     "set_backend",
     "get_backend",
     "use_backend",

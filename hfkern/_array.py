@@ -11,6 +11,7 @@ every backend's kernels must agree on it.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -136,9 +137,27 @@ def fold(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.
 
 def new_batch_major(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """An uninitialized ``[B, N, *rest]`` tensor (``shape``) stored as
-    ``[N, B, *rest]`` memory, with ``like``'s dtype and device."""
+    ``[N, B, *rest]`` memory, with ``like``'s dtype and device.
+
+    Allocated with those strides rather than as a transposed view, so that an op
+    returning it returns a tensor of its own (see :func:`op_result`).
+    """
     B, N, *rest = shape
-    return like.new_empty((N, B, *rest)).transpose(0, 1)
+    inner = math.prod(rest)
+    strides = [inner, B * inner] + [math.prod(rest[i + 1:]) for i in range(len(rest))]
+    return like.new_empty_strided(tuple(shape), tuple(strides))
+
+
+def op_result(y: torch.Tensor) -> torch.Tensor:
+    """An op kernel's output as a tensor of its own, not a view of the kernel's scratch.
+
+    Array ops return ``[B, N, ...]`` views of ``[N, B, ...]`` memory. torch
+    forbids in-place changes (``nn.ReLU(inplace=True)``, ``out += identity``) to
+    a view created inside a custom op or autograd Function, because autograd
+    could not rebase its backward; ``detach()`` keeps the memory and drops the
+    view relation. Kernels run below autograd, so nothing is lost.
+    """
+    return y.detach() if y._is_view() else y
 
 
 def to_grouped(x: torch.Tensor) -> torch.Tensor:

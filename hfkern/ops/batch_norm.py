@@ -83,7 +83,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._array import from_grouped, is_shared, per_model_memory_first, to_grouped
+from .._array import from_grouped, is_shared, op_result, per_model_memory_first, to_grouped
 from .._dtypes import acc_dtype
 
 __all__ = ["array_batch_norm", "array_batch_norm_backward", "batch_norm_backward_math"]
@@ -169,7 +169,7 @@ def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tra
     if running_mean is not None and momentum is None:
         _update_running(running_mean, running_var, num_batches_tracked,
                         running[0].view(B, C), running[1].view(B, C), None)
-    return from_grouped(y, B), mean.view(B, C), rstd.view(B, C)
+    return op_result(from_grouped(y, B)), mean.view(B, C), rstd.view(B, C)
 
 
 @_backend.implements(_FWD, "torch")
@@ -234,7 +234,7 @@ def array_batch_norm_backward_torch(
         )
         # unrequested outputs: distinct empties, as custom-op outputs may not alias
         return (
-            from_grouped(gx, B) if output_mask[0] else x.new_empty(0),
+            op_result(from_grouped(gx, B)) if output_mask[0] else x.new_empty(0),
             gw.view(B, C) if output_mask[1] else x.new_empty(0),
             gb.view(B, C) if output_mask[2] else x.new_empty(0),
         )

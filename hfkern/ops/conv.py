@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._array import check_conv_args, conv_output_size, from_grouped, new_batch_major, to_grouped
+from .._array import check_conv_args, conv_output_size, from_grouped, new_batch_major, op_result, to_grouped
 
 __all__ = ["array_conv", "array_conv_input_grad", "array_conv_weight_grad"]
 
@@ -105,7 +105,7 @@ def array_conv_torch(
             to_grouped(x), _flat_weight(weight), None if bias is None else bias.reshape(-1),
             stride, padding, dilation, transposed, output_padding, B * groups,
         )
-        return from_grouped(y, B)
+        return op_result(from_grouped(y, B))
     # shared input [N, C_in, *s]: one dense conv
     dense_bias = None
     if bias is not None:
@@ -114,7 +114,7 @@ def array_conv_torch(
         x, _dense_weight(weight, transposed, groups), dense_bias,
         stride, padding, dilation, transposed, output_padding, groups,
     )
-    return from_grouped(_swap_channel_blocks(y, groups, B), B)
+    return op_result(from_grouped(_swap_channel_blocks(y, groups, B), B))
 
 
 @_backend.implements(_DGRAD, "torch")
@@ -140,7 +140,7 @@ def array_conv_input_grad_torch(
                                    True, [0] * nd)
         adjoint_padding = [i - r for i, r in zip(input_size[-nd:], reached)]
     gx = aten.convolution(gy, w, None, stride, padding, dilation, not transposed, adjoint_padding, g)
-    return gx if shared else from_grouped(gx, B)
+    return gx if shared else op_result(from_grouped(gx, B))
 
 
 @_backend.implements(_WGRAD, "torch")

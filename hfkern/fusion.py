@@ -1,0 +1,1191 @@
+"""Whole-model fusion: B unmodified ``torch.nn`` models as one array model.
+
+:func:`fuse` takes B models of one architecture (or a factory and B) and
+returns a :class:`FusedModel` that computes, for every b, what model b
+computes, with the array dim B first on every input and output.
+
+How: model 0's ``forward`` is captured as a ``torch.fx`` graph, once, and
+rewritten op by op.
+
+* **Leaf modules with an array version** (``nn.Conv2d``, ``nn.Linear``,
+  ``nn.BatchNorm2d``, ``nn.TransformerEncoder``, ... every ``torch.nn`` class
+  that an :class:`hfkern.nn.ArrayModule` names as its ``_torch_cls``) become
+  that array module, built with ``from_modules`` from the B models' modules:
+  parameters, buffers, ``requires_grad`` and per-model hyper-parameters (a
+  dropout probability) carried over. The heavy work runs in array kernels.
+* **Element-wise leaf modules** (ReLU, GELU, Tanh, Identity, ...) stay the
+  torch modules they are and run on the ``[B, ...]`` tensors directly.
+* **Everything else** in the captured code (reshapes such as
+  ``x.view(x.size(0), -1)``, ``torch.flatten(x, 1)``, concatenations, chunks,
+  residual adds, functional calls, reductions over dims, parameters used
+  directly) runs over the array dim with per-model semantics: common ops are
+  translated to the same op on the array (dims shifted past B, shapes prefixed
+  with B, lower-rank operands aligned), and any other call runs under
+  ``torch.vmap`` (``randomness="different"``: random ops draw independently per
+  model). Shape queries (``x.size(0)``, ``x.shape``, ``x.dim()``) answer for
+  one model. Other ``torch.nn`` leaf modules without an array version run under
+  ``torch.vmap`` over their stacked parameters.
+
+Inputs are ``[B, *per-model shape]`` tensors, or one input shared by the B
+models as :func:`hfkern.broadcast` (no copy; the first array layer uses the
+cheaper shared math). Non-tensor arguments are passed as they are.
+
+State: the fused model keeps model 0's module hierarchy, so ``state_dict()``
+has exactly the original keys, each entry the B models' tensors stacked on a
+new leading dim; :func:`unfuse` (or :meth:`FusedModel.extract_model`) gives back
+torch models of the original class whose ``state_dict`` loads into the
+originals. ``train()``/``eval()`` work as usual: BatchNorm keeps running
+statistics per model, dropout draws per model; code that reads
+``self.training`` in a ``forward`` is captured in both modes. The fused model
+can be compiled with ``torch.compile``.
+
+What cannot be captured: ``torch.fx`` runs ``forward`` on symbolic values, so
+Python control flow on a tensor (``if x.sum() > 0:``, ``if x.size(1) > 3:``,
+``for row in x:``) and host reads (``.item()``, ``.tolist()``) raise
+:class:`FuseError`, naming the construct, the source line and the module.
+Write such branches as tensor ops (``torch.where``), move them out of
+``forward``, or name the module's class in ``fuse(..., vmap_modules=...)``
+(the module runs under ``torch.vmap``: fine for branches on shapes) or
+``loop_modules=...`` (the module runs once per model in a Python loop: any
+code, at B times the launches).
+"""
+
+from __future__ import annotations
+
+import builtins
+import copy
+import operator
+import os
+import traceback
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ._array import broadcast, check_B, fold
+from .nn._base import ArrayModule
+
+__all__ = ["FuseError", "FusedModel", "fuse", "unfuse"]
+
+
+class FuseError(ValueError):
+    """A model that :func:`fuse` cannot turn into an array model (the message says why and where)."""
+
+
+# ---- which module becomes what --------------------------------------------------
+# Modules that apply one element-wise function to their single input: the torch
+# module itself is correct on a [B, ...] tensor.
+_ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus,
+    nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Threshold, nn.Hardshrink, nn.Softshrink,
+)
+
+
+def _array_classes() -> dict[type[nn.Module], type[ArrayModule]]:
+    """torch class -> its hfkern array class, for every array module that names one."""
+    found: dict[type[nn.Module], type[ArrayModule]] = {}
+    pending = list(ArrayModule.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        torch_cls = cls.__dict__.get("_torch_cls")
+        if isinstance(torch_cls, type) and torch_cls is not nn.Module:
+            found[torch_cls] = cls
+    return found
+
+
+# ---- capture ----------------------------------------------------------------------
+# Calls that read a tensor's values on the host: never the same for B models.
+_HOST_READS = {"item", "tolist", "numpy", "nonzero", "unique", "unique_consecutive", "argwhere",
+               "masked_select", "__bool__", "__int__", "__float__", "__index__"}
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, with our leaves, and the module being traced remembered for errors."""
+
+    def __init__(self, opaque: tuple[type, ...], stack_traces: bool = False):
+        super().__init__()
+        self.record_stack_traces = stack_traces  # costly: only to point at a line in an error
+        self._array = _array_classes()
+        self._opaque = opaque
+        self._modules_entered: list[tuple[str, str]] = []
+        self.failed_in: tuple[str, str] | None = None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if type(m) in self._array or isinstance(m, self._opaque):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        self._modules_entered.append((self.path_of_module(m), type(m).__name__))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self._modules_entered[-1]  # the innermost module, for the error
+            raise
+        finally:
+            self._modules_entered.pop()
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta["hfkern_module"] = self._modules_entered[-1] if self._modules_entered else None
+        return node
+
+
+def _library_file(filename: str) -> bool:
+    roots = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    return os.path.abspath(filename).startswith(roots)
+
+
+def _where(module: tuple[str, str] | None, root: nn.Module) -> str:
+    if module is None or not module[0]:
+        return f"in the model's own forward ({type(root).__name__})"
+    return f"in module '{module[0]}' ({module[1]})"
+
+
+def _construct(message: str) -> str:
+    """What a tracing error means, in the user's terms."""
+    if "control flow" in message:
+        return ("Python control flow on a tensor (an `if`/`while`/`and`/`assert` on a tensor value "
+                "or shape)")
+    if "len" in message:
+        return "len() of a tensor"
+    if "iterated" in message:
+        return "iterating over a tensor"
+    return "an operation torch.fx cannot capture"
+
+
+_REMEDY = (
+    "Write the branch with tensor ops (torch.where), move it out of forward, or name the module's "
+    "class in fuse(..., vmap_modules=(Cls,)) to run it under torch.vmap (branches on shapes) or "
+    "loop_modules=(Cls,) to run it once per model (any code)."
+)
+
+
+def _capture(model: nn.Module, opaque: tuple[type, ...], stack_traces: bool = False) -> fx.Graph:
+    tracer = _Tracer(opaque, stack_traces)
+    try:
+        graph = tracer.trace(model)
+    except Exception as e:  # noqa: BLE001 - every capture failure is reported the same way
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not _library_file(f.filename)]
+        line = (f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}: "
+                f"`{frames[-1].line}`" if frames else "")
+        module = tracer.failed_in
+        raise FuseError(
+            f"fuse: cannot capture the model: {_construct(str(e))}{line} {_where(module, model)}. "
+            f"{_REMEDY} (torch.fx: {type(e).__name__}: {e})"
+        ) from e
+    for node in graph.nodes:
+        if node.op == "call_method" and node.target in _HOST_READS:
+            if not stack_traces:  # trace again, recording where each op comes from
+                return _capture(model, opaque, stack_traces=True)
+            line = _source_line(node)
+            raise FuseError(
+                f"fuse: cannot capture the model: `.{node.target}()` reads a tensor's values on the "
+                f"host{line} {_where(node.meta.get('hfkern_module'), model)}; the B models' values "
+                f"differ, so the result is not one Python value. {_REMEDY}"
+            )
+    return graph
+
+
+def _source_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    for i in range(len(lines) - 2, -1, -1):
+        if lines[i].startswith("File ") and i + 1 < len(lines):
+            return f" at {lines[i].split(',')[0][5:].strip()}:{lines[i].split(',')[1].split()[-1]}: " \
+                   f"`{lines[i + 1]}`"
+    return ""
+
+
+# ---- running ops per model on arrays ------------------------------------------------
+class _Fallback(Exception):
+    """A direct translation does not apply to these arguments: run the op under vmap."""
+
+
+def _dim(d: Any, nd: int, extra: int = 0) -> int:
+    """The array dim of a per-model dim ``d`` (of a per-model rank ``nd``; ``extra``: 1 where
+    the op accepts one dim past the end, as unsqueeze and stack do)."""
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise _Fallback
+    n = nd + extra
+    if not -n <= d < n or n == 0:
+        raise _Fallback  # let the op itself report the bad dim under vmap
+    return d % n + 1
+
+
+def _dims(d: Any, nd: int) -> tuple[int, ...] | int:
+    if isinstance(d, (tuple, list, torch.Size)):
+        return tuple(_dim(x, nd) for x in d)
+    return _dim(d, nd)
+
+
+def _all_dims(x: torch.Tensor) -> tuple[int, ...]:
+    if x.dim() < 2:
+        raise _Fallback  # a per-model scalar: sum(dim=()) would mean every dim
+    return tuple(range(1, x.dim()))
+
+
+def _shape(shape: tuple) -> tuple:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
+        raise _Fallback  # view(dtype) and friends
+    return shape
+
+
+def _flatten(x, start_dim=0, end_dim=-1):
+    nd = x.dim() - 1
+    return x.flatten(_dim(start_dim, nd), _dim(end_dim, nd))
+
+
+def _view(x, *shape):
+    return x.view(x.size(0), *_shape(shape))
+
+
+def _reshape(x, *shape):
+    return x.reshape(x.size(0), *_shape(shape))
+
+
+def _transpose(x, dim0, dim1):
+    nd = x.dim() - 1
+    return x.transpose(_dim(dim0, nd), _dim(dim1, nd))
+
+
+def _permute(x, *dims):
+    nd = x.dim() - 1
+    return x.permute(0, *(_dim(d, nd) for d in _shape(dims)))
+
+
+def _unsqueeze(x, dim):
+    return x.unsqueeze(_dim(dim, x.dim() - 1, extra=1))
+
+
+def _squeeze(x, dim=None):
+    if dim is None:
+        dims = tuple(i for i in range(1, x.dim()) if x.size(i) == 1)
+        return x.squeeze(dims) if dims else x.view_as(x)
+    return x.squeeze(_dims(dim, x.dim() - 1))
+
+
+def _reduction(name: str):
+    def reduce(x, dim=None, keepdim=False, **kw):
+        dims = _all_dims(x) if dim is None else _dims(dim, x.dim() - 1)
+        if dim is None and keepdim:
+            raise _Fallback
+        return getattr(torch, name)(x, dims, keepdim, **kw)
+    return reduce
+
+
+def _extremum(name: str):
+    def extremum(x, dim=None, keepdim=False):
+        if isinstance(dim, torch.Tensor):
+            raise _Fallback  # torch.max(a, b): handled as element-wise by vmap
+        if dim is None:
+            return getattr(torch, "a" + name)(x, _all_dims(x))
+        return getattr(torch, name)(x, _dim(dim, x.dim() - 1), keepdim)
+    return extremum
+
+
+def _argextremum(name: str):
+    def arg(x, dim=None, keepdim=False):
+        if dim is None:
+            if keepdim:
+                raise _Fallback
+            return getattr(torch, name)(x.reshape(x.size(0), -1), 1)
+        return getattr(torch, name)(x, _dim(dim, x.dim() - 1), keepdim)
+    return arg
+
+
+def _with_dim(name: str, extra: int = 0):
+    """Ops whose second argument is one dim: ``torch.<name>(x, dim, *rest)``."""
+    def op(x, dim, *args, **kwargs):
+        return getattr(torch, name)(x, _dim(dim, x.dim() - 1, extra), *args, **kwargs)
+    return op
+
+
+def _f_softmax(name: str):
+    def op(input, dim=None, _stacklevel=3, dtype=None):
+        if dim is None:
+            raise _Fallback  # torch's implicit-dim rule depends on the rank
+        return getattr(F, name)(input, dim=_dim(dim, input.dim() - 1), dtype=dtype)
+    return op
+
+
+def _split_like(name: str):
+    def op(x, size_or_sections, dim=0):
+        return getattr(torch, name)(x, size_or_sections, _dim(dim, x.dim() - 1))
+    return op
+
+
+def _unbind(x, dim=0):
+    return torch.unbind(x, _dim(dim, x.dim() - 1))
+
+
+def _narrow(x, dim, start, length):
+    return torch.narrow(x, _dim(dim, x.dim() - 1), start, length)
+
+
+def _expand(x, *sizes):
+    sizes = _shape(sizes)
+    if len(sizes) != x.dim() - 1:
+        raise _Fallback  # new leading dims would land before B
+    return x.expand(x.size(0), *sizes)
+
+
+def _cat(tensors, dim=0):
+    if not tensors:
+        raise _Fallback
+    return torch.cat(list(tensors), _dim(dim, tensors[0].dim() - 1))
+
+
+def _stack(tensors, dim=0):
+    if not tensors:
+        raise _Fallback
+    return torch.stack(list(tensors), _dim(dim, tensors[0].dim() - 1, extra=1))
+
+
+def _matmul(a, b):
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 3 or b.dim() < 3 \
+            or a.dim() != b.dim():
+        raise _Fallback  # per-model vectors and mixed ranks: vmap knows torch.matmul's rules
+    return torch.matmul(a, b)
+
+
+def _folded(fn: Callable, batched_rank: int):
+    """Ops on ``[N, C, *s]`` that also take an unbatched ``[C, *s]`` (pooling, interpolation):
+    a per-model batched input folds B into N; an unbatched one is a batched array input."""
+    def op(input, *args, **kwargs):
+        nd = input.dim() - 1
+        if nd == batched_rank - 1:
+            return fn(input, *args, **kwargs)
+        if nd != batched_rank:
+            raise _Fallback
+        folded, unfold = fold(input)
+        out = fn(folded, *args, **kwargs)
+        return tuple(unfold(o) for o in out) if isinstance(out, tuple) else unfold(out)
+    return op
+
+
+def _getitem(x, index):
+    if not isinstance(x, torch.Tensor):
+        return x[index]  # a tuple or list of arrays, or a namedtuple
+    index = index if isinstance(index, tuple) else (index,)
+    for i in index:
+        if not (i is None or i is Ellipsis or isinstance(i, slice)
+                or (isinstance(i, int) and not isinstance(i, bool))):
+            raise _Fallback  # tensor and bool indices index each model under vmap
+        if isinstance(i, slice) and not all(
+                v is None or (isinstance(v, int) and not isinstance(v, bool))
+                for v in (i.start, i.stop, i.step)):
+            raise _Fallback
+    return x[(slice(None),) + index]
+
+
+# Functions and methods whose result for each model is the same op applied
+# element by element: correct on whole arrays once the operands are aligned.
+_ELEMENTWISE_FUNCTIONS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+    operator.pow, operator.neg, operator.pos, operator.abs, operator.eq, operator.ne, operator.lt,
+    operator.le, operator.gt, operator.ge, operator.and_, operator.or_, operator.xor,
+    operator.invert, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    torch.add, torch.sub, torch.subtract, torch.mul, torch.multiply, torch.div, torch.divide,
+    torch.true_divide, torch.pow, torch.neg, torch.abs, torch.exp, torch.expm1, torch.log,
+    torch.log1p, torch.log2, torch.sqrt, torch.rsqrt, torch.sin, torch.cos, torch.tanh,
+    torch.sigmoid, torch.relu, torch.clamp, torch.clip, torch.where, torch.maximum, torch.minimum,
+    torch.erf, torch.sign, torch.floor, torch.ceil, torch.round, torch.reciprocal, torch.square,
+    torch.masked_fill, torch.logical_and, torch.logical_or, torch.logical_not, torch.isnan,
+    torch.isfinite, torch.nan_to_num, torch.lerp, torch.addcmul, torch.addcdiv,
+    F.relu, F.relu6, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu, F.hardtanh,
+    F.hardswish, F.hardsigmoid, F.sigmoid, F.tanh, F.softplus, F.softsign, F.logsigmoid,
+    F.threshold, F.dropout, F.alpha_dropout,
+}
+_ELEMENTWISE_METHODS = {
+    "add", "sub", "mul", "div", "pow", "neg", "abs", "exp", "log", "log1p", "sqrt", "rsqrt",
+    "sigmoid", "tanh", "relu", "clamp", "clamp_min", "clamp_max", "clip", "masked_fill", "float",
+    "double", "half", "bfloat16", "to", "type_as", "detach", "clone", "contiguous", "sin", "cos",
+    "erf", "sign", "floor", "ceil", "round", "reciprocal", "square", "lerp", "where", "maximum",
+    "minimum", "logical_not", "isnan", "nan_to_num", "requires_grad_", "add_", "sub_", "mul_",
+    "div_", "pow_", "neg_", "exp_", "sqrt_", "sigmoid_", "tanh_", "relu_", "clamp_", "clamp_min_",
+    "clamp_max_", "masked_fill_", "zero_", "fill_", "lerp_", "addcmul", "addcdiv", "addcmul_",
+    "addcdiv_", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__neg__",
+}
+
+# Ops with dims or shapes in their arguments, and their array translation.
+_TRANSLATED_METHODS: dict[str, Callable] = {
+    "flatten": _flatten, "view": _view, "reshape": _reshape, "transpose": _transpose,
+    "swapaxes": _transpose, "permute": _permute, "unsqueeze": _unsqueeze, "squeeze": _squeeze,
+    "sum": _reduction("sum"), "mean": _reduction("mean"), "amax": _reduction("amax"),
+    "amin": _reduction("amin"), "max": _extremum("max"), "min": _extremum("min"),
+    "argmax": _argextremum("argmax"), "argmin": _argextremum("argmin"),
+    "softmax": _with_dim("softmax"), "log_softmax": _with_dim("log_softmax"),
+    "cumsum": _with_dim("cumsum"), "cumprod": _with_dim("cumprod"), "chunk": _split_like("chunk"),
+    "split": _split_like("split"), "unbind": _unbind, "narrow": _narrow, "expand": _expand,
+    "matmul": _matmul, "bmm": _matmul, "__matmul__": _matmul, "__getitem__": _getitem,
+}
+_TRANSLATED_FUNCTIONS: dict[Callable, Callable] = {
+    torch.flatten: _flatten, torch.reshape: _reshape, torch.transpose: _transpose,
+    torch.swapaxes: _transpose, torch.permute: _permute, torch.unsqueeze: _unsqueeze,
+    torch.squeeze: _squeeze, torch.sum: _reduction("sum"), torch.mean: _reduction("mean"),
+    torch.amax: _reduction("amax"), torch.amin: _reduction("amin"), torch.max: _extremum("max"),
+    torch.min: _extremum("min"), torch.argmax: _argextremum("argmax"),
+    torch.argmin: _argextremum("argmin"), torch.softmax: _with_dim("softmax"),
+    torch.log_softmax: _with_dim("log_softmax"), torch.cumsum: _with_dim("cumsum"),
+    torch.cumprod: _with_dim("cumprod"), F.softmax: _f_softmax("softmax"),
+    F.log_softmax: _f_softmax("log_softmax"), torch.chunk: _split_like("chunk"),
+    torch.split: _split_like("split"), torch.unbind: _unbind, torch.narrow: _narrow,
+    torch.cat: _cat, torch.concat: _cat, torch.concatenate: _cat, torch.stack: _stack,
+    torch.matmul: _matmul, torch.bmm: _matmul, operator.matmul: _matmul, operator.getitem: _getitem,
+    F.adaptive_avg_pool1d: _folded(F.adaptive_avg_pool1d, 3),
+    F.adaptive_avg_pool2d: _folded(F.adaptive_avg_pool2d, 4),
+    F.adaptive_max_pool1d: _folded(F.adaptive_max_pool1d, 3),
+    F.adaptive_max_pool2d: _folded(F.adaptive_max_pool2d, 4),
+    F.avg_pool1d: _folded(F.avg_pool1d, 3), F.avg_pool2d: _folded(F.avg_pool2d, 4),
+    F.max_pool1d: _folded(F.max_pool1d, 3), F.max_pool2d: _folded(F.max_pool2d, 4),
+    F.interpolate: _folded(F.interpolate, 4),
+}
+
+# Shape queries: their value is one model's, computed on model 0's slice.
+_METADATA_METHODS = {"size", "dim", "ndimension", "numel", "nelement", "element_size", "stride",
+                     "is_contiguous", "is_floating_point", "is_complex", "get_device"}
+_METADATA_ATTRIBUTES = {"shape", "ndim", "dtype", "device", "is_cuda", "layout", "requires_grad"}
+
+
+def _is_metadata(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _METADATA_METHODS
+    if node.op == "call_function":
+        if node.target is builtins.getattr:
+            return len(node.args) >= 2 and node.args[1] in _METADATA_ATTRIBUTES
+        return node.target is builtins.len
+    return False
+
+
+def _in_dims(mark: Any, value: Any) -> Any:
+    """vmap's in_dims for ``value``: 0 for every tensor of an array argument, None elsewhere."""
+    if mark is True:
+        return tree_map(lambda v: 0 if isinstance(v, torch.Tensor) else None, value)
+    if isinstance(mark, (list, tuple)) and isinstance(value, (list, tuple)) \
+            and type(value) in (list, tuple) and len(mark) == len(value):
+        dims = [_in_dims(m, v) for m, v in zip(mark, value)]
+        return dims if isinstance(value, list) else tuple(dims)
+    if isinstance(mark, dict) and isinstance(value, dict) and mark.keys() == value.keys():
+        return {k: _in_dims(mark[k], value[k]) for k in value}
+    return None
+
+
+def _tensors(dims: Any, value: Any, array: bool) -> list[torch.Tensor]:
+    """The tensors of ``value`` that are (``array``) or are not array values, by their in_dims."""
+    out: list[torch.Tensor] = []
+
+    def walk(d, v):
+        if d is None:
+            if not array:
+                out.extend(t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
+            return
+        if isinstance(d, int):
+            if array:
+                out.append(v)
+            return
+        if isinstance(d, dict):
+            for k in d:
+                walk(d[k], v[k])
+        else:
+            for dd, vv in zip(d, v):
+                walk(dd, vv)
+
+    walk(dims, value)
+    return out
+
+
+_OUT = object()  # marks a tensor output among vmap's non-tensor outputs
+
+
+def _vmap_call(fn: Callable, dims: tuple, args: tuple, kwargs: dict) -> Any:
+    """``fn`` applied to each model's slice of the array arguments, under torch.vmap.
+
+    Non-tensor outputs (shapes, flags) are returned as the per-model function
+    produced them; random ops draw independently for each model.
+    """
+    layout: list = []
+
+    def per_model(a, k):
+        out = fn(*a, **k)
+        leaves, spec = tree_flatten(out)
+        layout[:] = [spec, [_OUT if isinstance(v, torch.Tensor) else v for v in leaves]]
+        return tuple(v for v in leaves if isinstance(v, torch.Tensor))
+
+    tensors = torch.vmap(per_model, in_dims=dims, randomness="different")(args, kwargs)
+    spec, leaves = layout
+    it = iter(tensors)
+    return tree_unflatten([next(it) if v is _OUT else v for v in leaves], spec)
+
+
+def _aligned(dims: Any, value: Any, rank: int) -> Any:
+    """``value`` with every array tensor of lower rank viewed as ``[B, 1, ..., 1, *s]`` of ``rank``
+    dims, so torch's trailing-dim broadcasting pairs per-model dims as each model does."""
+    if dims is None:
+        return value
+    if isinstance(dims, int):
+        missing = rank - value.dim()
+        return value[(slice(None),) + (None,) * missing] if missing else value
+    if isinstance(dims, dict):
+        return {k: _aligned(dims[k], value[k], rank) for k in value}
+    out = [_aligned(d, v, rank) for d, v in zip(dims, value)]
+    return out if isinstance(value, list) else tuple(out)
+
+
+class _ArrayCall:
+    """A captured function or method call with array arguments, run per model.
+
+    ``marks`` has the shape of the call's ``(args, kwargs)`` with True where an
+    argument is an array value of the fused graph.
+    """
+
+    def __init__(self, fn: Callable, marks: Any, label: str, method: str | None = None):
+        self.fn = fn
+        self.marks = marks
+        self.method = method
+        self.__name__ = label
+        self.__qualname__ = label
+        self.__module__ = __name__
+        if method is not None:
+            self.elementwise = method in _ELEMENTWISE_METHODS
+            self.translate = _TRANSLATED_METHODS.get(method)
+        else:
+            self.elementwise = fn in _ELEMENTWISE_FUNCTIONS
+            self.translate = _TRANSLATED_FUNCTIONS.get(fn)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        if self.method is not None:
+            return getattr(args[0], self.method)(*args[1:], **kwargs)
+        return self.fn(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        dims = _in_dims(self.marks, (args, kwargs))
+        arrays = _tensors(dims, (args, kwargs), True)
+        if not arrays:
+            return self._call(args, kwargs)  # its array arguments were shapes or flags
+        others = _tensors(dims, (args, kwargs), False)
+        if self.elementwise:
+            rank = max(a.dim() for a in arrays)
+            if all(o.dim() < rank for o in others):
+                if any(a.dim() != rank for a in arrays):
+                    if self.method is not None and args[0].dim() != rank:
+                        return self._vmap(dims, args, kwargs)  # in place into a lower-rank tensor
+                    args, kwargs = _aligned(dims, (args, kwargs), rank)
+                return self._call(args, kwargs)
+        elif self.translate is not None and not others and self._first_holds_arrays(dims):
+            try:
+                return self.translate(*args, **kwargs)
+            except _Fallback:
+                pass
+        return self._vmap(dims, args, kwargs)
+
+    @staticmethod
+    def _first_holds_arrays(dims: Any) -> bool:
+        """Whether every array argument is in the first positional argument (x, or cat's list)."""
+        arg_dims, kwarg_dims = dims
+        rest = (arg_dims[1:], kwarg_dims)
+        return bool(arg_dims) and arg_dims[0] is not None and not tree_flatten(rest)[0].count(0)
+
+    def _vmap(self, dims: Any, args: tuple, kwargs: dict) -> Any:
+        return _vmap_call(lambda *a, **k: self._call(a, k), dims, args, kwargs)
+
+
+class _Metadata:
+    """A shape query on array values: the answer for one model (model 0's slice)."""
+
+    def __init__(self, fn: Callable, marks: Any, label: str, method: str | None = None):
+        self.fn, self.marks, self.method = fn, marks, method
+        self.__name__ = self.__qualname__ = label
+        self.__module__ = __name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        dims = _in_dims(self.marks, (args, kwargs))
+
+        def one(d, v):
+            if d is None:
+                return v
+            if isinstance(d, int):
+                return v.select(0, 0)
+            if isinstance(d, dict):
+                return {k: one(d[k], v[k]) for k in v}
+            out = [one(dd, vv) for dd, vv in zip(d, v)]
+            return out if isinstance(v, list) else tuple(out)
+
+        args, kwargs = one(dims, (args, kwargs))
+        if self.method is not None:
+            return getattr(args[0], self.method)(*args[1:], **kwargs)
+        return self.fn(*args, **kwargs)
+
+
+class _ModuleCall:
+    """A leaf module without an array version, run per model over its stacked parameters.
+
+    ``strategy`` "vmap" runs the module's forward once under torch.vmap; "loop"
+    runs it B times, model b with its own parameters, buffers and inputs, and
+    stacks the outputs (any Python code, including data-dependent branches).
+    """
+
+    def __init__(self, template: nn.Module, marks: Any, strategy: str, label: str):
+        self.template = template  # a meta-device copy: only its code and configuration are used
+        self.marks = marks
+        self.strategy = strategy
+        self.__name__ = self.__qualname__ = label
+        self.__module__ = __name__
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        for mine, theirs in zip(self.template.modules(), module.modules()):
+            mine.training = theirs.training  # the template's code reads the live modes
+        state = dict(module.named_parameters(remove_duplicate=False))
+        state.update(module.named_buffers(remove_duplicate=False))
+        dims = _in_dims(self.marks, (args, kwargs))
+        B = next(iter(state.values())).size(0) if state else None
+        if self.strategy == "loop":
+            if B is None:
+                arrays = _tensors(dims, (args, kwargs), True)
+                B = arrays[0].size(0) if arrays else 1
+            return self._loop(state, dims, args, kwargs, B)
+
+        def per_model(s, *a, **k):
+            return torch.func.functional_call(self.template, s, a, k, strict=True)
+
+        state_dims = {k: 0 for k in state}
+        arg_dims, kwarg_dims = dims
+        return _vmap_call(per_model, ((state_dims, *arg_dims), kwarg_dims), (state, *args), kwargs)
+
+    def _loop(self, state: dict, dims: Any, args: tuple, kwargs: dict, B: int) -> Any:
+        def select(d, v, b):
+            if d is None:
+                return v
+            if isinstance(d, int):
+                return v[b]
+            if isinstance(d, dict):
+                return {k: select(d[k], v[k], b) for k in v}
+            out = [select(dd, vv, b) for dd, vv in zip(d, v)]
+            return out if isinstance(v, list) else tuple(out)
+
+        outs = []
+        for b in range(B):
+            a, k = select(dims, (args, kwargs), b)
+            # Buffers are passed as views of model b's slice: in-place updates
+            # (running statistics) land in the stacked buffer.
+            outs.append(torch.func.functional_call(self.template, {n: t[b] for n, t in state.items()},
+                                                   a, k, strict=True))
+        leaves = [tree_flatten(o)[0] for o in outs]
+        spec = tree_flatten(outs[0])[1]
+        stacked = [torch.stack(vs) if isinstance(vs[0], torch.Tensor) else vs[0] for vs in zip(*leaves)]
+        return tree_unflatten(stacked, spec)
+
+
+def _share(value: Any, B: int) -> Any:
+    """A tensor that is not an array value, as the B models' shared input of an array module."""
+    return broadcast(value, B) if isinstance(value, torch.Tensor) else value
+
+
+# Positional arguments of an array module that are its data (shared when they
+# are not array values); other tensor arguments (masks) are passed as they are.
+_DATA_ARGS: dict[str, tuple[int, ...]] = {"MultiheadAttention": (0, 1, 2)}
+
+
+# ---- the fused model -----------------------------------------------------------------
+def _parent(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    head, _, name = path.rpartition(".")
+    return (root.get_submodule(head) if head else root), name
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = list(model.named_parameters(remove_duplicate=False))
+    out += list(model.named_buffers(remove_duplicate=False))
+    return out
+
+
+def _plain_attributes(module: nn.Module) -> dict[str, Any]:
+    """A module's own configuration values (numbers, strings, tuples of them) that forward may read."""
+    plain = (int, float, str, bool, type(None))
+    out = {}
+    for k, v in vars(module).items():
+        if k.startswith("_") or k == "training":
+            continue
+        if isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v)):
+            out[k] = v
+    return out
+
+
+class FusedModel(ArrayModule):
+    """B torch models of one architecture fused into one array model (see :mod:`hfkern.fusion`).
+
+    Made by :func:`fuse`. ``forward`` takes the original model's arguments with
+    every tensor as ``[B, *per-model shape]`` (or shared via
+    :func:`hfkern.broadcast`) and returns the original outputs with B first.
+    ``state_dict()`` has the original keys, each entry stacked over the B models.
+
+    Per-slot surgery, what pruning and refilling trials needs:
+    :meth:`load_model`, :meth:`extract_model`, :meth:`reset_model`.
+    The captured, rewritten forward is ``self.graph`` (a ``torch.fx.Graph``);
+    ``self.code`` is its Python source.
+    """
+
+    _torch_cls = nn.Module  # any: the original class is kept in ``model_class``
+
+    def __init__(self) -> None:  # use hfkern.fuse
+        super().__init__()
+
+    # ---- forward ------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        B = self.B
+        for i, value in enumerate(tree_flatten((args, kwargs))[0]):
+            if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.size(0) != B):
+                raise ValueError(
+                    f"{self.model_class.__name__} (fused, B={B}): expected every tensor input to have "
+                    f"the array dim B={B} first ([B, *per-model shape], or hfkern.broadcast(x, {B}) for "
+                    f"an input shared by the models), got shape {list(value.shape)} (tensor input {i})"
+                )
+        return self._forward_for_mode()(self, *args, **kwargs)
+
+    def _forward_for_mode(self) -> Callable:
+        if len(self._forwards) == 1:
+            return self._forwards[None]
+        modes = {self.get_submodule(p).training for p in self._mode_paths}
+        if len(modes) > 1:
+            raise ValueError(
+                f"{self.model_class.__name__} (fused): its forward reads `self.training` of modules "
+                "that are now in different modes (some train, some eval); the captured graph exists "
+                "for all-train and all-eval. Call train() or eval() on the whole model."
+            )
+        return self._forwards[modes.pop()]
+
+    @property
+    def graph(self) -> fx.Graph:
+        """The rewritten forward (for the current train/eval mode) as a ``torch.fx.Graph``."""
+        return self._graphs[None if len(self._graphs) == 1 else self.training]
+
+    @property
+    def code(self) -> str:
+        """The Python source of :attr:`graph`."""
+        return self.graph.python_code(root_module="self").src
+
+    # ---- conversion -----------------------------------------------------------------
+    @classmethod
+    def from_modules(cls, modules: Sequence[nn.Module]) -> "FusedModel":
+        """Same as :func:`fuse`."""
+        return fuse(modules)
+
+    def to_modules(self) -> list[nn.Module]:
+        """Same as :func:`unfuse`: the B models as torch models of the original class."""
+        return [self.extract_model(b) for b in range(self.B)]
+
+    def extra_repr(self) -> str:
+        return f"B={self.B}, model_class={self.model_class.__name__}"
+
+    # ---- per-slot surgery --------------------------------------------------------------
+    def _check_slot(self, b: Any, who: str) -> int:
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise TypeError(f"{who}: expected the slot b to be an int, got {type(b).__name__} {b!r}")
+        if not 0 <= b < self.B:
+            raise ValueError(f"{who}: expected a slot 0 <= b < B={self.B}, got {b}")
+        return b
+
+    def extract_model(self, b: int) -> nn.Module:
+        """Model b as a torch model of the original class (copies; same requires_grad and modes)."""
+        b = self._check_slot(b, "extract_model")
+        device = self._factory_kwargs().get("device", torch.device("cpu"))
+        model = copy.deepcopy(self._template).to_empty(device=device)
+        with torch.no_grad():
+            for path, name in self._stacked:
+                owner, _ = _parent(model, path + "." + name if path else name)
+                value = self.get_submodule(path)
+                stacked = getattr(value, name)
+                target = getattr(owner, name)
+                target.copy_(stacked[b])
+                if isinstance(target, nn.Parameter):
+                    target.requires_grad_(stacked.requires_grad)
+        for path in self._array_leaves:
+            owner, name = _parent(model, path)
+            setattr(owner, name, _extract(self.get_submodule(path), b))
+        self._retie(model)
+        for path, module in model.named_modules():
+            if path not in self._array_leaves_set and not any(path.startswith(p + ".") for p in self._array_leaves):
+                module.training = self.get_submodule(path).training
+        return model
+
+    def _retie(self, model: nn.Module) -> None:
+        for names in self._ties:
+            first = model.get_parameter(names[0])
+            for name in names[1:]:
+                owner, attr = _parent(model, name)
+                setattr(owner, attr, first)
+
+    def load_model(self, b: int, model: nn.Module) -> None:
+        """Copy a torch model of the original class into slot b; the other slots are untouched.
+
+        Every check (class, module types, parameter and buffer shapes and dtypes,
+        array layers' configurations) runs before anything is written.
+        """
+        who = "load_model"
+        b = self._check_slot(b, who)
+        if type(model) is not self.model_class:
+            raise TypeError(
+                f"{who}: expected a {self.model_class.__name__} model, got {type(model).__name__}")
+        expected = dict(_named_tensors(self._template))
+        got = dict(_named_tensors(model))
+        if expected.keys() != got.keys():
+            missing = sorted(expected.keys() - got.keys())
+            extra = sorted(got.keys() - expected.keys())
+            raise ValueError(f"{who}: the model's parameters and buffers differ from the fused "
+                             f"architecture's: missing {missing}, unexpected {extra}")
+        for key, t in got.items():
+            ref = expected[key]
+            if t.shape != ref.shape or t.dtype != ref.dtype:
+                raise ValueError(
+                    f"{who}: {key!r} is {t.dtype} {list(t.shape)} in the model, the fused "
+                    f"architecture has {ref.dtype} {list(ref.shape)}")
+        for path in self._array_leaves:
+            leaf = self.get_submodule(path)
+            sub = model.get_submodule(path)
+            if type(sub) is not leaf._torch_cls:
+                raise TypeError(f"{who}: expected module {path!r} to be a {leaf._torch_cls.__name__}, "
+                                f"got {type(sub).__name__}")
+            ours, theirs = leaf._config_of(leaf), leaf._config_of(sub)
+            for field, value in theirs.items():
+                mine = ours[field]
+                if field in leaf._per_model_fields and isinstance(mine, tuple):
+                    continue
+                if field not in leaf._per_model_fields and value != mine:
+                    raise ValueError(f"{who}: module {path!r} has {field}={value!r}, the fused model "
+                                     f"has {field}={mine!r}")
+        device = self._factory_kwargs().get("device")
+        with torch.no_grad():
+            for path, name in self._stacked:
+                full = f"{path}.{name}" if path else name
+                getattr(self.get_submodule(path), name)[b].copy_(got[full].to(device))
+        for path in self._array_leaves:
+            _load(self.get_submodule(path), b, model.get_submodule(path))
+
+    def reset_model(self, b: int, seed: int | None = None, *,
+                    factory: Callable[[], nn.Module] | None = None) -> None:
+        """Slot b becomes a freshly initialized model; the other slots are untouched.
+
+        The fresh model comes from ``factory`` (default: the one given to
+        :func:`fuse`), called under ``torch.manual_seed(seed)`` in a forked RNG
+        when ``seed`` is given (the global RNG is then untouched), else drawing
+        from the global RNG as a new model would. Without a factory, a copy of
+        the architecture is re-initialized with each submodule's
+        ``reset_parameters()``; parameters that no submodule initializes (a model's
+        own ``nn.Parameter``) then need a factory, and ValueError says which.
+        """
+        b = self._check_slot(b, "reset_model")
+        factory = factory or self._factory
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            fresh = factory() if factory is not None else self._reinitialized()
+        self.load_model(b, fresh)
+
+    def _reinitialized(self) -> nn.Module:
+        device = self._factory_kwargs().get("device", torch.device("cpu"))
+        model = copy.deepcopy(self._template).to_empty(device=device)
+        self._retie(model)
+        covered: set[int] = set()
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+                covered.update(id(t) for t in module.parameters())
+                covered.update(id(t) for t in module.buffers())
+        left = [n for n, t in _named_tensors(model) if id(t) not in covered]
+        if left:
+            raise ValueError(
+                f"reset_model: {left} are not initialized by any submodule's reset_parameters(); "
+                "pass factory= (or fuse a factory: hfkern.fuse(factory, B)) to make fresh models")
+        return model
+
+
+def _extract(leaf: nn.Module, b: int) -> nn.Module:
+    if hasattr(leaf, "extract_model"):
+        return leaf.extract_model(b)
+    return leaf.to_modules()[b]
+
+
+def _load(leaf: nn.Module, b: int, module: nn.Module) -> None:
+    if hasattr(leaf, "load_model"):
+        leaf.load_model(b, module)
+        return
+    # Generic: same keys, stacked; per-model configuration is left as it is.
+    with torch.no_grad():
+        state = leaf.state_dict(keep_vars=True)
+        for key, value in module.state_dict().items():
+            state[key][b].copy_(value)
+
+
+# ---- fuse / unfuse ------------------------------------------------------------------------
+def _check_models(models: list[nn.Module]) -> None:
+    first = models[0]
+    cls = type(first)
+    ref_modules = {p: type(m) for p, m in first.named_modules()}
+    ref_tensors = dict(_named_tensors(first))
+    ref_attrs = {p: _plain_attributes(m) for p, m in first.named_modules()}
+    array_classes = _array_classes()
+    for i, m in enumerate(models[1:], start=1):
+        if type(m) is not cls:
+            raise TypeError(f"fuse: expected models of one class, got {cls.__name__} at index 0 and "
+                            f"{type(m).__name__} at index {i}")
+        modules = {p: type(s) for p, s in m.named_modules()}
+        if modules != ref_modules:
+            diff = sorted(set(modules.items()) ^ set(ref_modules.items()))[0]
+            raise FuseError(f"fuse: model {i}'s module tree differs from model 0's (at {diff[0]!r})")
+        tensors = dict(_named_tensors(m))
+        if tensors.keys() != ref_tensors.keys():
+            raise FuseError(f"fuse: model {i}'s parameters and buffers differ from model 0's: "
+                            f"{sorted(tensors.keys() ^ ref_tensors.keys())}")
+        for key, t in tensors.items():
+            ref = ref_tensors[key]
+            for attr in ("shape", "dtype", "device", "requires_grad"):
+                if getattr(t, attr) != getattr(ref, attr):
+                    raise FuseError(f"fuse: {attr} of {key!r} differs: model 0 has {getattr(ref, attr)}, "
+                                    f"model {i} has {getattr(t, attr)}")
+        for path, sub in m.named_modules():
+            if sub.training != first.get_submodule(path).training:
+                raise FuseError(f"fuse: module {path or '(the model)'!r} is in training mode in one "
+                                f"model and in eval mode in another (models 0 and {i})")
+            attrs = _plain_attributes(sub)
+            for k, v in attrs.items():
+                if ref_attrs[path].get(k, v) != v and type(sub) not in array_classes:
+                    raise FuseError(
+                        f"fuse: attribute {(path + '.' if path else '') + k!r} differs: model 0 has "
+                        f"{ref_attrs[path][k]!r}, model {i} has {v!r}; the forward code is captured "
+                        "from model 0, so its configuration must be every model's")
+
+
+def fuse(models: Sequence[nn.Module] | Callable[[], nn.Module], B: int | None = None, *,
+         vmap_modules: Iterable[type] = (), loop_modules: Iterable[type] = ()) -> FusedModel:
+    """Fuse B torch models of one architecture into one :class:`FusedModel`.
+
+    Args:
+        models: B models of one class and configuration (different weights), or a
+            factory (a callable returning a new model), called ``B`` times.
+        B: the number of models to make with the factory (only with a factory).
+        vmap_modules: module classes whose ``forward`` is not captured but run
+            under ``torch.vmap`` over their stacked parameters (for code fx cannot
+            trace, such as branches on shapes).
+        loop_modules: module classes run once per model in a Python loop (any
+            code, including branches on values).
+
+    The models are not modified; their parameters and buffers are copied.
+    Raises :class:`FuseError` (a ValueError) for a model that cannot be captured
+    or models that differ in architecture, TypeError for wrong argument types.
+    """
+    factory = None
+    if isinstance(models, nn.Module):
+        raise TypeError("fuse: expected a sequence of B models or a factory and B, got one model "
+                        f"({type(models).__name__}); pass [model_0, ..., model_B-1]")
+    if callable(models) and not isinstance(models, (list, tuple)):
+        if B is None:
+            raise TypeError("fuse: with a factory, the number of models B is required: fuse(factory, B)")
+        B = check_B(B)
+        factory = models
+        models = [factory() for _ in range(B)]
+        for i, m in enumerate(models):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"fuse: the factory must return torch.nn.Module instances, got "
+                                f"{type(m).__name__} (call {i})")
+    else:
+        if B is not None:
+            raise TypeError("fuse: B is given by the number of models; pass B only with a factory")
+        if not isinstance(models, Sequence) or isinstance(models, (str, bytes)):
+            raise TypeError(f"fuse: expected a sequence of models or a factory, got {type(models).__name__}")
+        models = list(models)
+        if not models:
+            raise ValueError("fuse: expected at least one model, got an empty sequence")
+        for i, m in enumerate(models):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"fuse: expected torch.nn.Module models, got {type(m).__name__} at index {i}")
+        B = len(models)
+    opaque = {}
+    for strategy, classes in (("vmap", vmap_modules), ("loop", loop_modules)):
+        for c in classes:
+            if not (isinstance(c, type) and issubclass(c, nn.Module)):
+                raise TypeError(f"fuse: {strategy}_modules must hold torch.nn.Module classes, got {c!r}")
+            opaque[c] = strategy
+    root_cls = type(models[0])
+    if root_cls in opaque:
+        raise FuseError(f"fuse: the model's own class {root_cls.__name__} cannot be in "
+                        f"{opaque[root_cls]}_modules; name its submodules' classes instead")
+    _check_models(models)
+    return _build(models, B, factory, opaque)
+
+
+def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) -> FusedModel:
+    first = models[0]
+    array_classes = _array_classes()
+    opaque_types = tuple(opaque)
+    was_training = {p: m.training for p, m in first.named_modules()}
+
+    # Capture in both modes: forward code may read self.training.
+    graphs: dict[bool, fx.Graph] = {}
+    try:
+        for mode in (True, False):
+            first.train(mode)
+            graphs[mode] = _capture(first, opaque_types)
+    finally:
+        for p, m in first.named_modules():
+            m.training = was_training[p]
+    if graphs[True].python_code("self").src == graphs[False].python_code("self").src:
+        graphs = {None: graphs[True]}
+
+    fused = FusedModel()
+    fused.B = B
+    object.__setattr__(fused, "model_class", type(first))
+    object.__setattr__(fused, "_factory", factory)
+    object.__setattr__(fused, "_template", copy.deepcopy(first).to("meta"))
+
+    # The hierarchy: model 0's, leaves replaced, every other tensor stacked.
+    root = copy.deepcopy(first)
+    leaves: dict[str, nn.Module] = {
+        node.target: first.get_submodule(node.target)
+        for g in graphs.values() for node in g.nodes if node.op == "call_module"
+    }
+    array_leaves = [p for p, m in leaves.items() if type(m) in array_classes]
+    for path in array_leaves:
+        owner, name = _parent(root, path)
+        setattr(owner, name, array_classes[type(leaves[path])].from_modules(
+            [m.get_submodule(path) for m in models]))
+    stacked: list[tuple[str, str]] = []
+    in_array_leaf = lambda p: any(p == a or p.startswith(a + ".") for a in array_leaves)  # noqa: E731
+    with torch.no_grad():
+        for path, module in first.named_modules():
+            if in_array_leaf(path):
+                continue
+            target = root.get_submodule(path)
+            for name, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                value = torch.stack([m.get_submodule(path)._parameters[name] for m in models])
+                target._parameters[name] = nn.Parameter(value, requires_grad=p.requires_grad)
+                stacked.append((path, name))
+            for name, buf in list(module._buffers.items()):
+                if buf is None:
+                    continue
+                target._buffers[name] = torch.stack([m.get_submodule(path)._buffers[name] for m in models])
+                stacked.append((path, name))
+    # Parameters tied in the model (an output head sharing the embedding) stay tied.
+    ties: list[list[str]] = []
+    by_id: dict[int, list[str]] = {}
+    for name, p in first.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    for names in by_id.values():
+        if len(names) > 1:
+            ties.append(names)
+            head = root.get_parameter(names[0])
+            for name in names[1:]:
+                owner, attr = _parent(root, name)
+                if owner.get_parameter(attr).shape != head.shape:
+                    raise FuseError(f"fuse: tied parameters {names} have different array shapes")
+                setattr(owner, attr, head)
+    for name, child in root.named_children():
+        fused.add_module(name, child)
+    for name, p in root._parameters.items():
+        fused.register_parameter(name, p)
+    for name, buf in root._buffers.items():
+        fused.register_buffer(name, buf, persistent=name not in root._non_persistent_buffers_set)
+
+    object.__setattr__(fused, "_array_leaves", tuple(array_leaves))
+    object.__setattr__(fused, "_array_leaves_set", frozenset(array_leaves))
+    object.__setattr__(fused, "_stacked", tuple(stacked))
+    object.__setattr__(fused, "_ties", ties)
+    rewritten = {mode: _rewrite(g, first, B, leaves, array_classes, opaque) for mode, g in graphs.items()}
+    forwards = {}
+    for mode, g in rewritten.items():
+        code = g.python_code(root_module="self")
+        namespace = dict(code.globals)
+        exec(compile(code.src, f"<hfkern.fuse {type(first).__name__}>", "exec"), namespace)  # noqa: S102
+        forwards[mode] = namespace["forward"]
+    object.__setattr__(fused, "_graphs", rewritten)
+    object.__setattr__(fused, "_forwards", forwards)
+    object.__setattr__(fused, "_mode_paths", tuple(
+        p for p, _ in first.named_modules() if not in_array_leaf(p) and p not in leaves))
+    return fused.train(first.training)
+
+
+def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Module],
+             array_classes: dict, opaque: dict[type, str]) -> fx.Graph:
+    """The captured graph with every call made per model over the array dim."""
+    params = {n for n, _ in _named_tensors(model)}
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    array: dict[fx.Node, bool] = {}
+    for node in graph.nodes:
+        marks = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), lambda n: array[n])
+        any_array = any(array[n] for n in node.all_input_nodes)
+        args = fx.node.map_arg(node.args, lambda n: env[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+        if node.op == "placeholder":
+            env[node] = out.node_copy(node, lambda n: env[n])
+            array[node] = True
+        elif node.op == "get_attr":
+            env[node] = out.node_copy(node, lambda n: env[n])
+            array[node] = node.target in params
+        elif node.op == "output":
+            env[node] = out.node_copy(node, lambda n: env[n])
+        elif node.op == "call_module":
+            module = leaves.get(node.target, model.get_submodule(node.target))
+            cls = type(module)
+            has_state = any(True for _ in _named_tensors(module))
+            array[node] = any_array or has_state
+            if cls in array_classes:
+                data = _DATA_ARGS.get(array_classes[cls].__name__, (0,))
+                args = tuple(
+                    out.call_function(_share, (a, B)) if i in data and isinstance(a, fx.Node)
+                    and not array[node.args[i]] else a
+                    for i, a in enumerate(args))
+                env[node] = out.call_module(node.target, args, kwargs)
+            elif isinstance(module, _ELEMENTWISE_MODULES) and type(module) in _ELEMENTWISE_MODULES:
+                env[node] = out.call_module(node.target, args, kwargs)
+            elif not array[node]:
+                env[node] = out.call_module(node.target, args, kwargs)
+            else:
+                strategy = opaque.get(cls) or next(
+                    (s for c, s in opaque.items() if isinstance(module, c)), "vmap")
+                template = copy.deepcopy(module).to("meta")
+                call = _ModuleCall(template, marks, strategy, f"per_model_{cls.__name__}")
+                owner = out.get_attr(node.target)
+                env[node] = out.call_function(call, (owner, *args), kwargs)
+        else:  # call_function, call_method
+            if not any_array:
+                env[node] = out.node_copy(node, lambda n: env[n])
+                array[node] = False
+                continue
+            method = node.target if node.op == "call_method" else None
+            fn = None if method else node.target
+            label = method or getattr(fn, "__name__", "call")
+            if _is_metadata(node):
+                env[node] = out.call_function(_Metadata(fn, marks, f"one_model_{label}", method),
+                                              args, kwargs)
+                array[node] = False
+            else:
+                env[node] = out.call_function(_ArrayCall(fn, marks, f"per_model_{label}", method),
+                                              args, kwargs)
+                array[node] = True
+        if node.op != "output":
+            env[node].meta.update(node.meta)
+    out.lint()
+    return out
+
+
+def unfuse(array: FusedModel) -> list[nn.Module]:
+    """The B models of a fused model as torch models of the original class.
+
+    Model b's ``state_dict()`` equals the fused entries at index b (copies) and
+    loads into the original model; requires_grad and train/eval modes are kept.
+    """
+    if not isinstance(array, FusedModel):
+        raise TypeError(f"unfuse: expected a FusedModel (from hfkern.fuse), got {type(array).__name__}")
+    return array.to_modules()
+
