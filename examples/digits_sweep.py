@@ -1,8 +1,9 @@
 """A fused learning-rate sweep: 16 small CNNs on scikit-learn's digits, trained as one.
 
 The 16 models differ only in their learning rate (log-spaced from 1e-3 to 1).
-hfkern trains them together as one array model: every layer runs once for all
-16 models, and one optimizer step updates all of them. For comparison the same
+The model is a plain ``torch.nn`` CNN; ``hfkern.fuse`` turns 16 of them into one
+array model, in which every layer runs once for all 16 models, and one
+optimizer step updates all of them. For comparison the same
 16 models (identical initial weights, same batches in the same order, same
 number of steps) are then trained one after another as plain ``torch.nn``
 models with ``torch.optim.SGD``, and the throughputs of the two are printed.
@@ -32,7 +33,6 @@ from torch import nn
 from tqdm import tqdm
 
 import hfkern
-from hfkern.nn import BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d
 from hfkern.nn.functional import cross_entropy
 from hfkern.optim import SGD
 
@@ -80,27 +80,20 @@ def load_data(device: torch.device):
             x[test_idx].to(device), y[test_idx].to(device))
 
 
-def array_cnn(B: int, device: torch.device) -> nn.Sequential:
-    """B CNNs for ``[N, 1, 8, 8]`` images as one array model: ``[B, N, 1, 8, 8]`` -> ``[B, N, 10]``."""
+def cnn() -> nn.Sequential:
+    """One CNN for ``[N, 1, 8, 8]`` images, ``[N, 10]`` logits: plain torch, nothing of hfkern."""
     return nn.Sequential(
-        Conv2d(1, 16, 3, padding=1, B=B),
-        BatchNorm2d(16, B=B),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
         nn.ReLU(),
-        MaxPool2d(2, B=B),                      # 8x8 -> 4x4
-        Conv2d(16, 32, 3, padding=1, B=B),
-        BatchNorm2d(32, B=B),
+        nn.MaxPool2d(2),                        # 8x8 -> 4x4
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
         nn.ReLU(),
-        MaxPool2d(2, B=B),                      # 4x4 -> 2x2
-        Flatten(B=B),
-        Linear(32 * 2 * 2, 10, B=B),
-    ).to(device)
-
-
-def separate_models(array: nn.Sequential) -> list[nn.Sequential]:
-    """The array's models as B plain torch models with the same (copied) weights."""
-    B = array[0].B
-    layers = [m.to_modules() if isinstance(m, hfkern.nn.ArrayModule) else [m] * B for m in array]
-    return [nn.Sequential(*(layer[b] for layer in layers)) for b in range(B)]
+        nn.MaxPool2d(2),                        # 4x4 -> 2x2
+        nn.Flatten(),
+        nn.Linear(32 * 2 * 2, 10),
+    )
 
 
 def batch_plan(n: int, batch_size: int, epochs: int, steps_per_epoch: int | None, seed: int,
@@ -122,7 +115,7 @@ def sync(device: torch.device) -> None:
 
 def train_array(array, opt, x, y, plan, device, bar):
     """Train all models at once. Returns per-epoch seconds and the last epoch's mean losses ``[B]``."""
-    B = array[0].B
+    B = array.B
     times, epoch_loss = [], None
     for batches in plan:
         epoch_loss = torch.zeros(B, device=device)
@@ -163,7 +156,7 @@ def train_one(model, opt, x, y, plan, device, bar):
 @torch.no_grad()
 def array_accuracy(array, x, y) -> torch.Tensor:
     array.eval()
-    logits = array(hfkern.broadcast(x, array[0].B))  # [B, N, 10]
+    logits = array(hfkern.broadcast(x, array.B))  # [B, N, 10]
     return (logits.argmax(-1) == y).float().mean(1)
 
 
@@ -192,8 +185,8 @@ def main(argv=None) -> None:
     steps = sum(len(b) for b in plan)
     lrs = torch.logspace(-3, 0, B).tolist()
 
-    array = array_cnn(B, device)
-    models = separate_models(array)  # same initial weights, taken before any training
+    models = [cnn().to(device) for _ in range(B)]  # B independently initialized torch models
+    array = hfkern.fuse(models)  # copies: the torch models keep their initial weights
     console.print(f"device: {device_name(device)}; {B} models, {args.epochs} epochs, "
                   f"{len(plan[0])} steps/epoch of {args.batch_size} samples "
                   f"({len(y_train)} train / {len(y_test)} test images)")

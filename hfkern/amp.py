@@ -97,6 +97,10 @@ class GradScaler:
     The optimizer must take ``step(..., skip=mask)`` like the ``hfkern.optim``
     optimizers. ``scale``, ``unscale_``, ``step`` and ``update`` never read a
     device value on the host.
+
+    Per-model reset: :meth:`reset_model` ``(b, init_scale=None)`` starts model b
+    over (its scale back to its initial scale, its growth tracker at 0), as a
+    new scaler would for a model replaced in a sweep; the other models keep theirs.
     """
 
     def __init__(
@@ -121,6 +125,8 @@ class GradScaler:
             raise TypeError(f"GradScaler: enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
         self._enabled = enabled
         self._init_scale = self._scale_values(init_scale, "init_scale")
+        # Each model's initial scale, kept for reset_model (``_init_scale`` follows loaded states).
+        self._initial_scale = self._init_scale.clone()
         self._growth_factor = _check_factor("growth_factor", growth_factor, above=1.0)
         self._backoff_factor = _check_factor("backoff_factor", backoff_factor, above=0.0, below=1.0)
         self._growth_interval = _check_interval(growth_interval)
@@ -134,14 +140,14 @@ class GradScaler:
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
 
     # ---- validation -----------------------------------------------------------
-    def _scale_values(self, value: Any, name: str) -> Tensor:
-        """``[B]`` float32 CPU values of a per-model scale (rounded as torch fills its float32 scale).
+    def _scale_values(self, value: Any, name: str, count: int | None = None) -> Tensor:
+        """``[B]`` (or ``[count]``) float32 CPU values of a per-model scale (rounded as torch fills its float32 scale).
 
         A scale of 0 or inf is rejected too: unscaling by it turns every gradient
         into NaN or 0, and backing off or growing never leaves it.
         """
         try:
-            t = hyper(value, self.B, name).to(torch.float32)
+            t = hyper(value, self.B if count is None else count, name).to(torch.float32)
         except (TypeError, ValueError) as e:
             raise type(e)(f"GradScaler: {e}") from None
         bad = (t == 0) | ~torch.isfinite(t)
@@ -451,6 +457,51 @@ class GradScaler:
     def is_enabled(self) -> bool:
         return self._enabled
 
+    def reset_model(self, b: int, init_scale: float | None = None) -> None:
+        """Start model b over: its scale back to its initial scale (or ``init_scale``), its growth tracker 0.
+
+        ``init_scale``: one number (finite and > 0 in float32), which also
+        becomes model b's initial scale for later resets; None uses model b's
+        initial scale (the constructor's, or the last one given here). The other
+        models' scales and trackers are untouched. Works before the first
+        :meth:`scale` too; :meth:`state_dict` shows the new values. Call it at
+        the start of an iteration or after :meth:`update` (not between
+        :meth:`unscale_`/:meth:`step` and :meth:`update`, where model b's
+        gradients are scaled by its old scale). No device value is read. A
+        disabled scaler only checks the arguments.
+        """
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+            raise TypeError(f"GradScaler.reset_model: expected a model index b (an int in [0, {self.B})), "
+                            f"got {type(b).__name__} {b!r}")
+        if not 0 <= b < self.B:
+            raise ValueError(f"GradScaler.reset_model: expected a model index b in [0, {self.B}), got {b}")
+        b = int(b)
+        initial = self._initial_scale.clone()
+        if init_scale is not None:
+            # A 0-d tensor or numpy value counts as one number; a sequence does not.
+            if isinstance(init_scale, (str, bytes, abc.Sequence)) or getattr(init_scale, "ndim", 0) != 0:
+                raise TypeError(
+                    f"GradScaler.reset_model: init_scale must be one number for model {b}, got {init_scale!r}"
+                )
+            initial[b] = self._scale_values(init_scale, f"init_scale of model {b}", count=1)[0]
+        if not self._enabled:
+            return
+        if any(state["stage"] is not OptState.READY for state in self._per_optimizer_states.values()):
+            raise RuntimeError(
+                "GradScaler.reset_model: called between unscale_()/step() and update(); model b's "
+                "gradients of this iteration were scaled by its old scale. Call it after update()."
+            )
+        self._initial_scale = initial
+        value = float(initial[b])
+        if self._scale is None:
+            # Not on a device yet: the values the first scale() starts from.
+            init, tracker = self._init_scale.clone(), self._init_growth_tracker.clone()
+            init[b], tracker[b] = value, 0
+            self._init_scale, self._init_growth_tracker = init, tracker
+        else:
+            self._scale[b].fill_(value)
+            self._growth_tracker[b].fill_(0)
+
     # ---- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's keys with per-model entries stacked: ``scale`` ``[B]`` float32 and
@@ -521,3 +572,5 @@ class GradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if "_initial_scale" not in self.__dict__:  # pickled before reset_model existed
+            self._initial_scale = self._init_scale.clone()

@@ -66,7 +66,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._array import broadcast, check_B, fold
-from .nn._base import ArrayModule
+from .nn._base import ArrayModule, _zero_slot_, seeded
 
 __all__ = ["FuseError", "FusedModel", "fuse", "unfuse"]
 
@@ -786,13 +786,6 @@ class FusedModel(ArrayModule):
         return f"B={self.B}, model_class={self.model_class.__name__}"
 
     # ---- per-slot surgery --------------------------------------------------------------
-    def _check_slot(self, b: Any, who: str) -> int:
-        if isinstance(b, bool) or not isinstance(b, int):
-            raise TypeError(f"{who}: expected the slot b to be an int, got {type(b).__name__} {b!r}")
-        if not 0 <= b < self.B:
-            raise ValueError(f"{who}: expected a slot 0 <= b < B={self.B}, got {b}")
-        return b
-
     def extract_model(self, b: int) -> nn.Module:
         """Model b as a torch model of the original class (copies; same requires_grad and modes)."""
         b = self._check_slot(b, "extract_model")
@@ -809,7 +802,7 @@ class FusedModel(ArrayModule):
                     target.requires_grad_(stacked.requires_grad)
         for path in self._array_leaves:
             owner, name = _parent(model, path)
-            setattr(owner, name, _extract(self.get_submodule(path), b))
+            setattr(owner, name, self.get_submodule(path).extract_model(b))
         self._retie(model)
         for path, module in model.named_modules():
             if path not in self._array_leaves_set and not any(path.startswith(p + ".") for p in self._array_leaves):
@@ -847,27 +840,18 @@ class FusedModel(ArrayModule):
                 raise ValueError(
                     f"{who}: {key!r} is {t.dtype} {list(t.shape)} in the model, the fused "
                     f"architecture has {ref.dtype} {list(ref.shape)}")
-        for path in self._array_leaves:
-            leaf = self.get_submodule(path)
-            sub = model.get_submodule(path)
-            if type(sub) is not leaf._torch_cls:
-                raise TypeError(f"{who}: expected module {path!r} to be a {leaf._torch_cls.__name__}, "
-                                f"got {type(sub).__name__}")
-            ours, theirs = leaf._config_of(leaf), leaf._config_of(sub)
-            for field, value in theirs.items():
-                mine = ours[field]
-                if field in leaf._per_model_fields and isinstance(mine, tuple):
-                    continue
-                if field not in leaf._per_model_fields and value != mine:
-                    raise ValueError(f"{who}: module {path!r} has {field}={value!r}, the fused model "
-                                     f"has {field}={mine!r}")
+        loads = [self.get_submodule(path)._prepare_load(b, model.get_submodule(path), f"{who} ({path!r})")
+                 for path in self._array_leaves]  # every layer checked before any is written
         device = self._factory_kwargs().get("device")
         with torch.no_grad():
             for path, name in self._stacked:
                 full = f"{path}.{name}" if path else name
-                getattr(self.get_submodule(path), name)[b].copy_(got[full].to(device))
-        for path in self._array_leaves:
-            _load(self.get_submodule(path), b, model.get_submodule(path))
+                target = getattr(self.get_submodule(path), name)
+                target[b].copy_(got[full].to(device))
+                if isinstance(target, nn.Parameter) and target.grad is not None:
+                    _zero_slot_(target, b)  # a new model has no gradient yet
+        for load in loads:
+            load()
 
     def reset_model(self, b: int, seed: int | None = None, *,
                     factory: Callable[[], nn.Module] | None = None) -> None:
@@ -878,15 +862,15 @@ class FusedModel(ArrayModule):
         when ``seed`` is given (the global RNG is then untouched), else drawing
         from the global RNG as a new model would. Without a factory, a copy of
         the architecture is re-initialized with each submodule's
-        ``reset_parameters()``; parameters that no submodule initializes (a model's
-        own ``nn.Parameter``) then need a factory, and ValueError says which.
+        ``reset_parameters()``, which is what the constructors of torch's layers
+        draw (a model whose ``__init__`` initializes differently, or clones layers
+        as ``nn.TransformerEncoder`` does, needs its factory for an exact fresh
+        model); parameters that no submodule initializes (a model's own
+        ``nn.Parameter``) need a factory, and ValueError says which.
         """
         b = self._check_slot(b, "reset_model")
         factory = factory or self._factory
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
+        with seeded(seed, self._factory_kwargs().get("device"), "reset_model"):
             fresh = factory() if factory is not None else self._reinitialized()
         self.load_model(b, fresh)
 
@@ -896,8 +880,10 @@ class FusedModel(ArrayModule):
         self._retie(model)
         covered: set[int] = set()
         for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            # reset_parameters, or the private one of torch's MultiheadAttention
+            reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+            if callable(reset):
+                reset()
                 covered.update(id(t) for t in module.parameters())
                 covered.update(id(t) for t in module.buffers())
         left = [n for n, t in _named_tensors(model) if id(t) not in covered]
@@ -906,23 +892,6 @@ class FusedModel(ArrayModule):
                 f"reset_model: {left} are not initialized by any submodule's reset_parameters(); "
                 "pass factory= (or fuse a factory: hfkern.fuse(factory, B)) to make fresh models")
         return model
-
-
-def _extract(leaf: nn.Module, b: int) -> nn.Module:
-    if hasattr(leaf, "extract_model"):
-        return leaf.extract_model(b)
-    return leaf.to_modules()[b]
-
-
-def _load(leaf: nn.Module, b: int, module: nn.Module) -> None:
-    if hasattr(leaf, "load_model"):
-        leaf.load_model(b, module)
-        return
-    # Generic: same keys, stacked; per-model configuration is left as it is.
-    with torch.no_grad():
-        state = leaf.state_dict(keep_vars=True)
-        for key, value in module.state_dict().items():
-            state[key][b].copy_(value)
 
 
 # ---- fuse / unfuse ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from .embedding import Embedding
 from .flatten import Flatten
 from .linear import Linear
 from .normalization import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
-from .transformer import TransformerEncoderLayer
+from .transformer import TransformerEncoder, TransformerEncoderLayer
 from .pooling import (
     AdaptiveAvgPool1d,
     AdaptiveAvgPool2d,
@@ -36,5 +36,5 @@ __all__ = [
     "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
     "Flatten",
     "PReLU",
-    "MultiheadAttention", "TransformerEncoderLayer",
+    "MultiheadAttention", "TransformerEncoderLayer", "TransformerEncoder",
 ]

@@ -2,16 +2,20 @@
 
 An array module holds B models of its ``torch.nn`` namesake. Its ``state_dict``
 has exactly the namesake's keys, each entry the B models' tensors stacked on a
-new leading dim, which is what makes :meth:`ArrayModule.from_modules` and
-:meth:`ArrayModule.to_modules` generic.
+new leading dim, which is what makes :meth:`ArrayModule.from_modules`,
+:meth:`ArrayModule.to_modules` and the per-model surgery
+(:meth:`ArrayModule.load_model`, :meth:`ArrayModule.extract_model`,
+:meth:`ArrayModule.reset_model`) generic.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import numbers
 from collections.abc import Mapping
-from typing import Any, ClassVar, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +41,76 @@ def _read_field(module: nn.Module, field: str) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    """``module.get_submodule(path)``, or None where there is none."""
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _persistent_buffers(module: nn.Module) -> list[str]:
+    """The names of ``module``'s persistent buffers (those its state dict holds)."""
+    return [
+        f"{path}.{k}" if path else k
+        for path, m in module.named_modules()
+        for k, v in m._buffers.items()
+        if v is not None and k not in m._non_persistent_buffers_set
+    ]
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None, device: torch.device | str | None, who: str) -> Iterator[None]:
+    """Run the body with torch's generators for ``device`` seeded by ``seed``, then restore them.
+
+    With ``seed=None`` the body draws from the global RNG as usual. Otherwise it
+    runs under ``torch.random.fork_rng`` with the CPU generator (and, for a CUDA
+    ``device``, that device's) seeded, so a model built in it equals one built
+    after ``torch.manual_seed(seed)`` while the global RNG is left as it was.
+    Only those generators are seeded: ``torch.manual_seed`` would also queue
+    seeds for CUDA devices that ``fork_rng`` does not restore.
+    """
+    if seed is None:
+        yield
+        return
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{who}: seed must be an int or None, got {type(seed).__name__} {seed!r}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"{who}: seed must be in [-2**63, 2**64) as torch.manual_seed takes, got {seed}")
+    device = torch.device(device if device is not None else "cpu")
+    cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+    with torch.random.fork_rng(devices=[index] if cuda else []):
+        torch.random.default_generator.manual_seed(int(seed))
+        if cuda:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(int(seed))
+        yield
+
+
+def _with_slot(value: Any, b: int, new: Any, B: int) -> Any:
+    """A per-model field ``value`` (one value, or a tuple of B) with model b's set to ``new``.
+
+    One value when all B agree, as :meth:`ArrayModule.from_modules` stores it.
+    """
+    values = list(value) if isinstance(value, tuple) else [value] * B
+    values[b] = new
+    return values[0] if all(v == values[0] for v in values) else tuple(values)
+
+
+def _zero_slot_(param: torch.Tensor, b: int) -> None:
+    """Zero model b's part of ``param.grad`` (under no_grad)."""
+    grad = param.grad
+    if grad.is_sparse:
+        grad = grad.coalesce()
+        keep = grad.indices()[0] != b
+        param.grad = torch.sparse_coo_tensor(
+            grad.indices()[:, keep], grad.values()[keep], grad.shape, is_coalesced=True
+        )
+    else:
+        grad[b].zero_()
+
+
 def torch_module(cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
     """``cls(*args, **kwargs)``, also where the installed torch lacks a ``bias`` argument.
 
@@ -59,6 +133,23 @@ class ArrayModule(nn.Module):
     Subclasses set ``_torch_cls`` (the namesake) and ``_config_fields`` (the
     namesake's constructor arguments, read back as attributes of the same name
     from either a torch module or an array module), and accept ``B`` keyword-only.
+
+    Per-model surgery (a sweep replacing one trial while the others train on):
+
+    * :meth:`load_model` ``(b, module)`` copies a torch module of the namesake
+      class into slot b (parameters and buffers, written in place: the
+      parameters stay the same objects, so an optimizer holding them goes on
+      working); the other slots are untouched.
+    * :meth:`extract_model` ``(b)`` returns model b as a torch module (copies);
+      :meth:`to_modules` is it for every b.
+    * :meth:`reset_model` ``(b, seed=None)`` makes slot b a freshly initialized
+      model, exactly the torch module ``torch.manual_seed(seed)`` followed by
+      the namesake's constructor would give.
+
+    They are generic: driven by the parameters and buffers (by name, through
+    submodules), ``_config_of`` and ``_per_model_fields``. A per-model field
+    named like a child module (TransformerEncoderLayer's ``dropout``) is held
+    by the children, which take their torch counterparts' values.
     """
 
     _torch_cls: ClassVar[type[nn.Module]]
@@ -167,33 +258,213 @@ class ArrayModule(nn.Module):
         return array.train(modules[0].training)
 
     def to_modules(self) -> list[nn.Module]:
-        """The B models as torch modules of the namesake class.
+        """The B models as torch modules of the namesake class: ``extract_model(b)`` for every b.
 
         Model b's ``state_dict()`` equals this array's entries at index b
         (copies, not views), its configuration is this array's with model b's
         value of every per-model hyper-parameter, its parameters have this
         array's ``requires_grad``; the modules share this array's train/eval mode.
         """
+        self._check_sized("to_modules")
+        return [self._extract(b) for b in range(self.B)]
+
+    # ---- per-model surgery ------------------------------------------------
+    def extract_model(self, b: int) -> nn.Module:
+        """Model b as a torch module of the namesake class.
+
+        Its parameters and buffers are copies of this array's entries at index b
+        (non-persistent buffers too, where the array holds them); its
+        configuration is this array's with model b's value of every per-model
+        field; its parameters have this array's ``requires_grad`` and its
+        modules this array's train/eval modes.
+        """
+        return self._extract(self._check_slot(b, "extract_model"))
+
+    def _extract(self, b: int) -> nn.Module:
+        module = torch_module(self._torch_cls, **self._model_config(b), **self._factory_kwargs())
+        pairs = self._slot_pairs(module, f"{type(self).__name__}.extract_model", check_dtype=False)
+        with torch.no_grad():
+            for ours, theirs in pairs:
+                theirs.copy_(ours[b])
+        for path, sub, field in self._held_per_model_fields():
+            value = getattr(sub, field)
+            setattr(module.get_submodule(path), field, value[b] if isinstance(value, tuple) else value)
+        requires_grad = {k: p.requires_grad for k, p in self.named_parameters()}
+        for k, p in module.named_parameters():
+            p.requires_grad_(requires_grad[k])
+        module.train(self.training)
+        for path, sub in self.named_modules():
+            counterpart = _submodule(module, path)
+            if counterpart is not None:
+                counterpart.training = sub.training
+        return module
+
+    def load_model(self, b: int, module: nn.Module) -> None:
+        """Copy the torch module ``module`` into slot b; the other slots are untouched.
+
+        ``module`` must be a ``_torch_cls`` (the namesake) with this array's
+        configuration, except the per-model fields (``_per_model_fields``, e.g. a
+        dropout probability), which become model b's values. Its parameters and
+        buffers (and the non-persistent buffers this array holds) are copied
+        into index b of this array's, written in place under no_grad: every
+        parameter stays the same object, so an optimizer holding it goes on
+        working (reset its state for model b with
+        :meth:`hfkern.optim.ArrayOptimizer.reset_state`). A gradient the array
+        holds is zeroed at index b, as a new model has none. ``requires_grad``
+        and the train/eval mode stay this array's.
+
+        Everything is checked before anything is written: ``b`` (an int in
+        ``[0, B)``), the class (TypeError), the configuration, the names, shapes
+        (``[B, *s]`` here, ``s`` there) and dtypes of the parameters and buffers
+        (ValueError / TypeError naming expected and received); a per-model value
+        the array rejects leaves it as it was.
+        """
+        self._prepare_load(self._check_slot(b, "load_model"), module, f"{type(self).__name__}.load_model")()
+
+    def _prepare_load(self, b: int, module: nn.Module, who: str) -> Callable[[], None]:
+        """Check that ``module`` can be loaded into slot b; return the function that loads it.
+
+        Every check runs here, so a caller loading several modules (a fused
+        model's layers) can check them all before writing any.
+        """
+        for path, sub in self.named_modules():
+            if not isinstance(sub, ArrayModule):
+                continue  # the module itself and nested array modules (a container's layers)
+            counterpart = module if not path else _submodule(module, path)
+            if not isinstance(counterpart, sub._torch_cls):
+                where = f" {path!r} to be" if path else ""
+                raise TypeError(f"{who}: expected{where} a torch.nn.{sub._torch_cls.__name__}, "
+                                f"got {type(counterpart).__name__}")
+            mine, given = sub._config_of(sub), sub._config_of(counterpart)
+            for field, value in mine.items():
+                if field not in sub._per_model_fields and given[field] != value:
+                    where = f" of {path!r}" if path else ""
+                    raise ValueError(f"{who}: field {field!r}{where} differs: the array has "
+                                     f"{value!r}, the module has {given[field]!r}")
+        pairs = self._slot_pairs(module, who, check_dtype=True)
+        updates = []
+        for path, sub, field in self._held_per_model_fields():
+            counterpart = _submodule(module, path)
+            if counterpart is None or not hasattr(counterpart, field):
+                raise ValueError(f"{who}: the module has no {'.'.join(filter(None, (path, field)))!r}")
+            old = getattr(sub, field)
+            new = _with_slot(old, b, _read_field(counterpart, field), self.B)
+            if new != old:
+                updates.append((sub, field, old, new))
+
+        def load() -> None:
+            # The fields' own setters validate them; one that refuses undoes the others.
+            done = []
+            try:
+                for sub, field, old, new in updates:
+                    setattr(sub, field, new)
+                    done.append((sub, field, old))
+            except BaseException:
+                for sub, field, old in reversed(done):
+                    setattr(sub, field, old)
+                raise
+            with torch.no_grad():
+                for ours_t, theirs_t in pairs:
+                    ours_t[b].copy_(theirs_t)
+                    grad = ours_t.grad if isinstance(ours_t, nn.Parameter) else None
+                    if grad is not None:
+                        _zero_slot_(ours_t, b)
+
+        return load
+
+    def reset_model(self, b: int, seed: int | None = None) -> None:
+        """Make slot b a freshly initialized model; the other slots are untouched.
+
+        Builds the namesake with model b's configuration (on this array's device
+        and dtype) and :meth:`load_model` s it. Its initialization draws from
+        torch's global RNG; with ``seed`` it runs under
+        ``torch.random.fork_rng`` with the generator of the array's device seeded
+        by ``seed``, so the global RNG is left as it was and slot b equals
+        (``torch.equal``) the module that ``torch.manual_seed(seed)`` followed by
+        the same constructor gives.
+        """
+        b = self._check_slot(b, "reset_model")
+        with seeded(seed, self._factory_kwargs().get("device"), f"{type(self).__name__}.reset_model"):
+            fresh = self._fresh_module(b)
+        self.load_model(b, fresh)
+
+    def _fresh_module(self, b: int) -> nn.Module:
+        """A newly initialized torch module with model b's configuration (containers override it)."""
+        return torch_module(self._torch_cls, **self._model_config(b), **self._factory_kwargs())
+
+    # ---- surgery helpers -------------------------------------------------------
+    def _check_sized(self, who: str) -> int:
         if self.B is None:
             raise ValueError(
-                f"{type(self).__name__}.to_modules: the array size is unknown; construct it with B=..."
+                f"{type(self).__name__}.{who}: the array size is unknown; construct it with B=..."
             )
-        config = self._config_of(self)
-        state = self.state_dict()
-        requires_grad = {k: p.requires_grad for k, p in self.named_parameters()}
-        out = []
-        for b in range(self.B):
-            model_config = {
-                k: (v[b] if k in self._per_model_fields and isinstance(v, tuple) else v)
-                for k, v in config.items()
-            }
-            m = torch_module(self._torch_cls, **model_config, **self._factory_kwargs())
-            with torch.no_grad():
-                m.load_state_dict({k: v[b].clone() for k, v in state.items()})
-            for k, p in m.named_parameters():
-                p.requires_grad_(requires_grad[k])
-            out.append(m.train(self.training))
-        return out
+        return self.B
+
+    def _check_slot(self, b: Any, who: str) -> int:
+        B = self._check_sized(who)
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+            raise TypeError(
+                f"{type(self).__name__}.{who}: expected a model index b (an int in [0, {B})), "
+                f"got {type(b).__name__} {b!r}"
+            )
+        if not 0 <= b < B:
+            raise ValueError(f"{type(self).__name__}.{who}: expected a model index b in [0, {B}), got {b}")
+        return int(b)
+
+    def _model_config(self, b: int) -> dict[str, Any]:
+        """The namesake constructor's keyword arguments for model b."""
+        return {
+            k: (v[b] if k in self._per_model_fields and isinstance(v, tuple) else v)
+            for k, v in self._config_of(self).items()
+        }
+
+    def _held_per_model_fields(self) -> Iterable[tuple[str, "ArrayModule", str]]:
+        """``(path, array module, field)`` for every per-model field stored by a module of this tree.
+
+        A field named like one of the module's children is not stored there but
+        derived from the child (whose own fields are listed).
+        """
+        for path, sub in self.named_modules():
+            if isinstance(sub, ArrayModule):
+                for field in sub._per_model_fields:
+                    if field not in sub._modules:
+                        yield path, sub, field
+
+    def _slot_pairs(
+        self, module: nn.Module, who: str, *, check_dtype: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(array tensor [B, *s], module tensor [*s])`` for every parameter and buffer this array holds.
+
+        Raises unless ``module`` has the same parameters, every buffer this array
+        holds, no persistent buffer this array lacks, each of the per-model shape
+        (and, with ``check_dtype``, dtype).
+        """
+        ours_p, theirs_p = dict(self.named_parameters()), dict(module.named_parameters())
+        if set(ours_p) != set(theirs_p):
+            raise ValueError(
+                f"{who}: expected a module with the parameters {sorted(ours_p)}, got one with "
+                f"{sorted(theirs_p)}"
+            )
+        ours_b, theirs_b = dict(self.named_buffers()), dict(module.named_buffers())
+        missing = [k for k in ours_b if k not in theirs_b]
+        extra = [k for k in _persistent_buffers(module) if k not in ours_b]
+        if missing or extra:
+            raise ValueError(
+                f"{who}: expected a module with the buffers {sorted(ours_b)}, got one with "
+                f"{sorted(theirs_b)}"
+            )
+        pairs = []
+        for name, ours in [*ours_p.items(), *ours_b.items()]:
+            theirs = theirs_p[name] if name in ours_p else theirs_b[name]
+            if tuple(theirs.shape) != tuple(ours.shape[1:]):
+                raise ValueError(
+                    f"{who}: shape of {name!r}: expected {list(ours.shape[1:])} (one model of the "
+                    f"array's {list(ours.shape)}), got {list(theirs.shape)}"
+                )
+            if check_dtype and theirs.dtype != ours.dtype:
+                raise TypeError(f"{who}: dtype of {name!r}: expected {ours.dtype}, got {theirs.dtype}")
+            pairs.append((ours, theirs))
+        return pairs
 
     # ---- loading ----------------------------------------------------------
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):

@@ -1,22 +1,37 @@
-"""Array transformer layers: B ``torch.nn.TransformerEncoderLayer`` models."""
+"""Array transformer modules: B ``torch.nn.TransformerEncoderLayer`` / ``TransformerEncoder`` models."""
 
 from __future__ import annotations
 
+import copy
 import warnings
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._array import check_input
+from .._array import check_B, check_input
 from ._base import ArrayModule
 from .attention import MultiheadAttention, _float_mask, attn_mask_5d, key_padding_mask_5d
 from .dropout import Dropout, dropout_probability
 from .linear import Linear
-from .normalization import LayerNorm
+from .normalization import LayerNorm, RMSNorm
 
-__all__ = ["TransformerEncoderLayer"]
+try:
+    from torch.nn.modules.transformer import _detect_is_causal_mask, _generate_square_subsequent_mask
+except ImportError:  # private torch helpers; their rule, replicated
+    def _generate_square_subsequent_mask(sz, device=None, dtype=None):
+        return torch.triu(torch.full((sz, sz), float("-inf"), dtype=dtype, device=device), diagonal=1)
+
+    def _detect_is_causal_mask(mask, is_causal=None, size=None):
+        make_causal = is_causal is True
+        if is_causal is None and mask is not None:
+            sz = size if size is not None else mask.size(-2)
+            causal = _generate_square_subsequent_mask(sz, device=mask.device, dtype=mask.dtype)
+            make_causal = mask.size() == causal.size() and bool((mask == causal).all())
+        return make_causal
+
+__all__ = ["TransformerEncoderLayer", "TransformerEncoder"]
 
 
 class TransformerEncoderLayer(ArrayModule):
@@ -148,3 +163,311 @@ class TransformerEncoderLayer(ArrayModule):
 
     def _ff_block(self, x):
         return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+
+
+# The final norms an array encoder accepts, and (by their _torch_cls) the torch
+# norms from_modules converts.
+_NORMS = (LayerNorm, RMSNorm)
+
+
+def _check_num_layers(num_layers: object) -> int:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+        raise TypeError(
+            f"TransformerEncoder: expected num_layers to be an int >= 1, got "
+            f"{type(num_layers).__name__} {num_layers!r}"
+        )
+    if num_layers < 1:
+        raise ValueError(f"TransformerEncoder: expected num_layers >= 1, got {num_layers}")
+    return num_layers
+
+
+def _norm_names() -> str:
+    return " or ".join(f"hfkern.nn.{c.__name__}" for c in _NORMS)
+
+
+def _detect_is_causal(mask5: torch.Tensor | None, is_causal: bool | None, S: int) -> bool:
+    """torch's ``_detect_is_causal_mask`` for the B models' masks at once.
+
+    ``mask5`` is the float mask as a ``[1 or B, 1 or N, 1 or H, S, S]`` view.
+    An explicit ``is_causal`` is returned as torch returns it (``is_causal is
+    True``). Otherwise the hint is set when every model's mask is one ``[S, S]``
+    mask equal to ``generate_square_subsequent_mask(S)``; torch never detects a
+    per-(sample, head) mask. Where only some models' masks are causal the hint
+    stays off: it only selects the implementation, the masks give the same result.
+    """
+    if is_causal is not None or mask5 is None:
+        return _detect_is_causal_mask(None, is_causal, S)
+    b, n, h = mask5.shape[:3]
+    if n != 1 or h != 1:
+        return False
+    per_model = mask5.reshape(b, S, S)
+    if b == 1:
+        return _detect_is_causal_mask(per_model[0], None, S)
+    causal = _generate_square_subsequent_mask(S, device=mask5.device, dtype=mask5.dtype)
+    return bool((per_model == causal).all())
+
+
+class TransformerEncoder(ArrayModule):
+    """B ``torch.nn.TransformerEncoder`` models: a stack of array encoder layers and an optional norm.
+
+    ``encoder_layer`` is an :class:`hfkern.nn.TransformerEncoderLayer` (B models);
+    ``layers`` holds ``num_layers`` deep copies of it, so, as in torch, the
+    layers of a model all start from that model's parameters in it. ``norm`` is
+    None or an :class:`hfkern.nn.LayerNorm` / :class:`hfkern.nn.RMSNorm` of the
+    same B (or without parameters), applied after the last layer; it is used as
+    given, not copied. ``B`` may be omitted: it is the layer's. The state_dict
+    keys are torch's (``layers.0.self_attn.in_proj_weight``, ...,
+    ``norm.weight``), each entry stacked on a leading B.
+
+    ``src``: ``[B, S, N, d_model]`` (``[B, N, S, d_model]`` with the layers'
+    ``batch_first``) or unbatched ``[B, S, d_model]``, shared
+    (:func:`hfkern.broadcast`) or per model; the output has the same shape.
+    ``mask`` and ``src_key_padding_mask`` take every form
+    :class:`hfkern.nn.TransformerEncoderLayer` takes for ``src_mask`` and
+    ``src_key_padding_mask``: torch's shared ``[S, S]`` (e.g.
+    ``nn.Transformer.generate_square_subsequent_mask(S)``) and
+    ``[N*nhead, S, S]``; ``[N, S]``; one mask per model ``[B, S, S]``;
+    ``[B, N, S]``; and the 4-D ``[b, h, S, S]`` with ``b`` in (1, B) and ``h``
+    in (1, N*nhead). Bool masks (True = masked) become float masks once, as in
+    torch. ``is_causal=None`` detects a causal ``mask`` by torch's rule (every
+    model's mask equal to ``generate_square_subsequent_mask(S)``); True or False
+    is passed to every layer as torch passes it.
+
+    ``enable_nested_tensor`` and ``mask_check`` are kept for :meth:`to_modules`.
+    In eval mode without grad, torch runs a nested-tensor fast path (when
+    ``src_key_padding_mask`` is given and its conditions hold) and a fused layer
+    kernel; this module always runs the ordinary path, whose outputs match the
+    fast path's to fp32 tolerance at every unpadded position. At padded
+    positions torch's nested path returns zeros (before ``norm``) and this
+    module the ordinary path's values, as torch does in training or with grad.
+    """
+
+    _torch_cls = nn.TransformerEncoder
+    _config_fields = ("num_layers", "enable_nested_tensor", "mask_check")
+
+    def __init__(
+        self,
+        encoder_layer: TransformerEncoderLayer,
+        num_layers: int,
+        norm: LayerNorm | RMSNorm | None = None,
+        enable_nested_tensor: bool = True,
+        mask_check: bool = True,
+        *,
+        B: int | None = None,
+    ):
+        super().__init__()
+        if not isinstance(encoder_layer, TransformerEncoderLayer):
+            if isinstance(encoder_layer, nn.TransformerEncoderLayer):
+                hint = ("use hfkern.nn.TransformerEncoderLayer(..., B=B), or build the array from B "
+                        "torch encoders with hfkern.nn.TransformerEncoder.from_modules(models)")
+            else:
+                hint = "use hfkern.nn.TransformerEncoderLayer(..., B=B)"
+            raise TypeError(
+                f"TransformerEncoder: expected encoder_layer to be an hfkern.nn.TransformerEncoderLayer "
+                f"(B models), got {type(encoder_layer).__module__}.{type(encoder_layer).__name__}; {hint}"
+            )
+        num_layers = _check_num_layers(num_layers)
+        if B is not None and check_B(B) != encoder_layer.B:
+            raise ValueError(
+                f"TransformerEncoder: B={B} but encoder_layer holds B={encoder_layer.B} models"
+            )
+        self._build(encoder_layer.B, [copy.deepcopy(encoder_layer) for _ in range(num_layers)],
+                    norm, enable_nested_tensor, mask_check)
+
+    def _build(self, B: int, layers: list[TransformerEncoderLayer], norm, enable_nested_tensor,
+               mask_check) -> None:
+        self._set_B(B, required=True)
+        if norm is not None:
+            if not isinstance(norm, _NORMS):
+                if isinstance(norm, ArrayModule):
+                    hint = f"use {_norm_names()}"
+                else:
+                    hint = (f"use {_norm_names()} (..., B=B), or build the array from B torch "
+                            "encoders with hfkern.nn.TransformerEncoder.from_modules(models)")
+                raise TypeError(
+                    f"TransformerEncoder: expected norm to be None or {_norm_names()} (B models), "
+                    f"got {type(norm).__module__}.{type(norm).__name__}; {hint}"
+                )
+            if norm.B is not None and norm.B != self.B:
+                raise ValueError(
+                    f"TransformerEncoder: norm holds B={norm.B} models, expected B={self.B} "
+                    "(the encoder layer's)"
+                )
+        self.layers = nn.ModuleList(layers)
+        self.num_layers = len(layers)
+        self.norm = norm
+        self.enable_nested_tensor = enable_nested_tensor
+        self.mask_check = mask_check
+
+    @classmethod
+    def _config_of(cls, module: nn.Module) -> dict:
+        # getattr: torch encoders pickled by older releases lack the last two.
+        return {
+            "num_layers": len(module.layers),
+            "enable_nested_tensor": getattr(module, "enable_nested_tensor", True),
+            "mask_check": getattr(module, "mask_check", True),
+        }
+
+    # ---- conversion -----------------------------------------------------
+    @classmethod
+    def from_modules(cls, modules: Sequence[nn.Module]) -> "TransformerEncoder":
+        """An array of ``len(modules)`` models from torch ``nn.TransformerEncoder`` modules.
+
+        Layer ``i`` of the array is :meth:`TransformerEncoderLayer.from_modules`
+        of the models' layers ``i`` (so the layers' dropout probabilities may
+        differ between models, and the layers of one model may differ from each
+        other); the norm likewise. Parameters are copied with their
+        ``requires_grad``, each submodule keeps its train/eval mode. Models that
+        differ in anything else (``num_layers``, ``enable_nested_tensor``,
+        ``mask_check``, the presence or type of ``norm``, a layer's or the norm's
+        configuration, a mode) raise ValueError naming it.
+        """
+        modules = list(modules)
+        name = cls.__name__
+        if not modules:
+            raise ValueError(f"{name}.from_modules: expected at least one module, got an empty sequence")
+        for i, m in enumerate(modules):
+            if not isinstance(m, nn.TransformerEncoder):
+                raise TypeError(
+                    f"{name}.from_modules: expected torch.nn.TransformerEncoder modules, "
+                    f"got {type(m).__name__} at index {i}"
+                )
+        ref = modules[0]
+        configs = [cls._config_of(m) for m in modules]
+        for i, (m, cfg) in enumerate(zip(modules[1:], configs[1:]), start=1):
+            for field, value in configs[0].items():
+                if cfg[field] != value:
+                    raise ValueError(
+                        f"{name}.from_modules: field {field!r} differs: module 0 has {value!r}, "
+                        f"module {i} has {cfg[field]!r}"
+                    )
+            if type(m.norm) is not type(ref.norm):
+                raise ValueError(
+                    f"{name}.from_modules: field 'norm' differs: module 0 has "
+                    f"{type(ref.norm).__name__}, module {i} has {type(m.norm).__name__}"
+                )
+            for field, a, b in (("training", ref.training, m.training),
+                                ("layers.training", ref.layers.training, m.layers.training)):
+                if a != b:
+                    raise ValueError(
+                        f"{name}.from_modules: field {field!r} differs: module 0 has {a}, "
+                        f"module {i} has {b}"
+                    )
+        if configs[0]["num_layers"] < 1:
+            raise ValueError(f"{name}.from_modules: the modules have no layers (num_layers=0)")
+
+        def convert(array_cls, path, parts):
+            try:
+                return array_cls.from_modules(parts)
+            except (TypeError, ValueError) as ex:
+                raise type(ex)(f"{name}.from_modules: in {path!r}: {ex}") from ex
+
+        layers = [
+            convert(TransformerEncoderLayer, f"layers.{i}", [m.layers[i] for m in modules])
+            for i in range(configs[0]["num_layers"])
+        ]
+        norm = None
+        if ref.norm is not None:
+            array_norm = next((c for c in _NORMS if type(ref.norm) is c._torch_cls), None)
+            if array_norm is None:
+                raise TypeError(
+                    f"{name}.from_modules: expected norm to be None or torch.nn."
+                    f"{' or torch.nn.'.join(c._torch_cls.__name__ for c in _NORMS)}, "
+                    f"got {type(ref.norm).__name__}"
+                )
+            norm = convert(array_norm, "norm", [m.norm for m in modules])
+        array = cls.__new__(cls)
+        ArrayModule.__init__(array)
+        array._build(len(modules), layers, norm, configs[0]["enable_nested_tensor"],
+                     configs[0]["mask_check"])
+        # Each submodule keeps its own mode, as in the models.
+        array.training = ref.training
+        array.layers.training = ref.layers.training
+        return array
+
+    def _extract(self, b: int) -> nn.Module:
+        """Model b as a ``torch.nn.TransformerEncoder`` (what ``extract_model``/``to_modules`` return).
+
+        Its ``state_dict()`` equals this array's entries at index b (copies),
+        its layers and norm are the array layers' and norm's model b (with model
+        b's dropout probabilities), and every submodule has its array
+        counterpart's train/eval mode. ``use_nested_tensor`` is what torch
+        derives from the first layer; torch's warning that it is off is not
+        repeated here.
+        """
+        layers = [layer._extract(b) for layer in self.layers]
+        norm = None
+        if self.norm is not None:
+            norm = self.norm
+            if norm.B is None:  # a norm without parameters: any B will do
+                norm = copy.deepcopy(norm)
+                norm.B = self.B
+            norm = norm._extract(b)
+        return self._torch_encoder(layers, norm)
+
+    def _fresh_module(self, b: int) -> nn.Module:
+        """A new torch encoder for model b, as torch builds one: the layer made once and
+        deep-copied ``num_layers`` times (so every layer starts from the same weights)."""
+        layer = self.layers[0]._fresh_module(b)
+        norm = None if self.norm is None else (
+            self.norm._fresh_module(b) if self.norm.B is not None else copy.deepcopy(self.norm))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+            return nn.TransformerEncoder(layer, self.num_layers, norm, self.enable_nested_tensor,
+                                         self.mask_check)
+
+    def _torch_encoder(self, layers: list[nn.Module], norm: nn.Module | None) -> nn.Module:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+            # num_layers=0: the layers are given, torch's clones would be discarded.
+            m = nn.TransformerEncoder(layers[0], 0, norm, self.enable_nested_tensor, self.mask_check)
+        m.layers = nn.ModuleList(layers)
+        m.num_layers = self.num_layers
+        m.training = self.training
+        m.layers.training = self.layers.training
+        return m
+
+    # ---- forward --------------------------------------------------------
+    def forward(
+        self,
+        src: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        src_key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool | None = None,
+    ) -> torch.Tensor:
+        """The layers in turn, then ``norm``: ``[B, S, N, E]`` (or as in the class docstring), same shape out."""
+        name = "TransformerEncoder"
+        first = self.layers[0]
+        x = check_input(name, src, self.B, (2, 3), first.linear1.weight, "src")
+        d_model = first.self_attn.embed_dim
+        if x.size(-1) != d_model:
+            raise ValueError(
+                f"{name}: expected src with d_model={d_model} features in its last dim, "
+                f"got shape {list(x.shape)}"
+            )
+        if (isinstance(mask, torch.Tensor) and isinstance(src_key_padding_mask, torch.Tensor)
+                and mask.dtype != src_key_padding_mask.dtype):
+            warnings.warn(
+                "Support for mismatched src_key_padding_mask and mask is deprecated. "
+                "Use same type for both instead.",
+                stacklevel=2,
+            )
+        # Converted once here, so the layers see float masks of one kind and do not warn again.
+        src_key_padding_mask = _float_mask(name, src_key_padding_mask, "src_key_padding_mask", x)
+        mask = _float_mask(name, mask, "mask", x)
+        batched = x.dim() == 4
+        batch_first = first.self_attn.batch_first
+        S = x.size(2 if batch_first and batched else 1)
+        N = (x.size(1) if batch_first else x.size(2)) if batched else 1
+        H = first.self_attn.num_heads
+        key_padding_mask_5d(name, "src_key_padding_mask", src_key_padding_mask, self.B, N, S, batched)
+        mask5 = attn_mask_5d(name, "mask", mask, self.B, H, N, S, S)
+        is_causal = _detect_is_causal(mask5, is_causal, S)
+        if mask5 is not None:
+            # The explicit 4-D form: a [B, S, S] mask with B == N*nhead is not ambiguous to the layers.
+            mask = mask5.reshape(mask5.size(0), mask5.size(1) * mask5.size(2), S, S)
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x

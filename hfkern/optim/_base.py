@@ -16,6 +16,9 @@ host sync or any re-validation, and the op reads the whole tensor at once.
 Assigning a new value (float, sequence, tensor or numpy array) to
 ``group[name]`` instead is validated at the next step.
 
+:meth:`ArrayOptimizer.reset_state` and :meth:`ArrayOptimizer.set_hyperparameters`
+restart one model (fresh state, new hyperparameters) while the others go on.
+
 ``load_state_dict`` validates the whole state (parameter groups, their
 hyperparameters and flags, every state tensor's shape and dtype) before it
 changes anything: a state that does not fit raises and leaves the optimizer as
@@ -24,6 +27,7 @@ it was.
 
 from __future__ import annotations
 
+import numbers
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -59,6 +63,14 @@ class _Shielded:
 
     def __init__(self, value: torch.Tensor):
         self.value = value
+
+
+def _stored(group: dict[str, Any], row: str, spec: OptimizerSpec) -> Any:
+    """The stored value of hyperparameter row ``row`` in ``group`` (an entry of a pair for ``beta1``)."""
+    for key, pair in spec.pairs:
+        if row in pair:
+            return group[key][pair.index(row)]
+    return group[row]
 
 
 def _validate_loaded(optimizer: "ArrayOptimizer", state_dict: Any) -> dict[str, Any]:
@@ -121,7 +133,17 @@ class ArrayOptimizer(Optimizer):
 
     Editing a stored hyperparameter in place cannot switch on work that every
     model of the group had off when it was validated (weight decay; momentum
-    of SGD and RMSprop): the step leaves it out. Assign a new value instead.
+    of SGD and RMSprop): the step leaves it out. Assign a new value instead, or
+    use :meth:`set_hyperparameters`.
+
+    Per-model surgery (a sweep replacing model b while the others train on):
+    :meth:`reset_state` ``(b)`` gives model b the state of a new optimizer, and
+    :meth:`set_hyperparameters` ``(b, *, group=None, **values)`` sets model b's
+    hyperparameters (validated as the constructor validates them, written in
+    place, the group re-validated); the other models' state and values stay
+    bit-identical. With the parameters of slot b reset too
+    (:meth:`hfkern.nn.ArrayModule.reset_model`), model b then trains exactly as
+    a new model with a new ``torch.optim`` optimizer would.
     """
 
     _spec: OptimizerSpec
@@ -410,6 +432,153 @@ class ArrayOptimizer(Optimizer):
             if key not in state:
                 state[key] = self._init_state(key, p, group, state)
         return state
+
+    # ---- per-model surgery ------------------------------------------------------
+    def _check_model(self, b: Any, who: str) -> int:
+        name = f"{type(self).__name__}.{who}"
+        if self.B is None:
+            raise ValueError(f"{name}: the optimizer has no parameters, so no models")
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+            raise TypeError(
+                f"{name}: expected a model index b (an int in [0, {self.B})), got {type(b).__name__} {b!r}"
+            )
+        if not 0 <= b < self.B:
+            raise ValueError(f"{name}: expected a model index b in [0, {self.B}), got {b}")
+        return int(b)
+
+    @torch.no_grad()
+    def reset_state(self, b: int) -> None:
+        """Give model b the state a new optimizer has before its first step; other models keep theirs.
+
+        For every parameter with state, model b's entries (step counts, moments,
+        momentum buffers, ``max_exp_avg_sq``, Adagrad's ``sum``...) are written in
+        place to their initial values: zero counts and moments, ``sum`` at model
+        b's ``initial_accumulator_value`` (so set that first, with
+        :meth:`set_hyperparameters`, when it changes). State not created yet is
+        created at the next step as for every model. The other models' state is
+        untouched (bit-identical). Raises before anything changes for a bad ``b``
+        or a group value the next step would reject.
+        """
+        b = self._check_model(b, "reset_state")
+        work = []
+        for group in self.param_groups:
+            checked = self._check_group(group)
+            keys = self._state_keys(group, checked)
+            work += [(p, group, keys) for p in group["params"] if self.state.get(p)]
+        for p, group, keys in work:
+            # Entries the next step would add to a started state (an SGD step count
+            # missing from an older checkpoint) are added first, so that model b's
+            # is reset with the rest.
+            state = self._state_of(p, group, keys)
+            for key, value in state.items():
+                if key in self._state_names and isinstance(value, torch.Tensor):
+                    value[b].copy_(self._init_state(key, p, group, {})[b])
+
+    def set_hyperparameters(self, b: int, *, group: int | None = None, **values: Any) -> None:
+        """Set model b's hyperparameters in every param group (or only in ``param_groups[group]``).
+
+        ``values``: per-model hyperparameters by their argument names (those of
+        the optimizer's spec, e.g. ``lr``, ``momentum``, ``weight_decay``, ``eps``,
+        ``betas`` as a pair, and values that initialize state, such as Adagrad's
+        ``initial_accumulator_value``), each one number for model b. The bool
+        options (``nesterov``, ``amsgrad``...) apply to every model and are not
+        set here. The new values are validated as the constructor validates
+        them, together with the rest of the group (e.g. Nesterov momentum needs
+        a momentum for every model); an unknown name raises TypeError listing
+        the valid ones, a bad value TypeError or ValueError, and nothing is
+        written then.
+
+        The values are written in place into the ``[B]`` hyperparameter rows
+        (the other models' values and the tensors' identities are kept), and the
+        group is re-validated, so that a value switches on work that every
+        model had off (weight decay, momentum). The learning-rate schedulers'
+        records are kept consistent: model b's entry of ``scheduled_lr`` and
+        ``initial_lr`` (where a scheduler recorded them) becomes its new ``lr``,
+        the start of its new schedule.
+        """
+        name = f"{type(self).__name__}.set_hyperparameters"
+        b = self._check_model(b, "set_hyperparameters")
+        valid = self._hypers + self._init_hypers
+        unknown = [k for k in values if k not in valid]
+        if unknown:
+            shared = [k for k in unknown if k in self._flags + self._compat]
+            note = (f"; {shared} apply to every model of a group: assign group[...] instead"
+                    if shared else "")
+            raise TypeError(
+                f"{name}: unknown hyperparameter(s) {unknown}; {type(self).__name__} takes {list(valid)} "
+                f"per model{note}"
+            )
+        if group is None:
+            groups = list(self.param_groups)
+        else:
+            if isinstance(group, bool) or not isinstance(group, numbers.Integral):
+                raise TypeError(f"{name}: group must be a param group index or None, got {type(group).__name__}")
+            if not 0 <= group < len(self.param_groups):
+                raise ValueError(
+                    f"{name}: group must be in [0, {len(self.param_groups)}) (the param groups), got {group}"
+                )
+            groups = [self.param_groups[group]]
+        # Model b's new value of each row, validated as the constructor validates.
+        new_rows: dict[str, float] = {}
+        for k, value in values.items():
+            pair = self._spec.pair(k)
+            if pair:
+                np = sys.modules.get("numpy")
+                one_d = isinstance(value, torch.Tensor) or (np is not None and isinstance(value, np.ndarray))
+                is_pair = isinstance(value, (tuple, list)) or (one_d and value.ndim == 1)
+                if not is_pair or len(value) != 2:
+                    raise ValueError(f"{name}: {k} must be a pair of numbers for model {b}, got {value!r}")
+                for j, row in enumerate(pair):
+                    new_rows[row] = self._one_value(value[j], f"{k}[{j}]", b, name)
+            else:
+                new_rows[k] = self._one_value(value, k, b, name)
+        plans = []
+        for g in groups:
+            checked = self._check_group(g)
+            candidate = dict(g)
+            rows = {
+                r: self._hyper(_stored(g, r, self._spec), r).clone()
+                for r in self._spec.rows + self._init_hypers
+            }
+            for row, v in new_rows.items():
+                rows[row][b] = v
+            for k in valid:
+                pair = self._spec.pair(k)
+                candidate[k] = tuple(rows[r] for r in pair) if pair else rows[k]
+            plans.append((g, checked, self._validate_group(candidate)))
+        # Everything is valid: write.
+        for g, checked, per_model in plans:
+            with torch.no_grad():
+                for row in new_rows:
+                    _stored(g, row, self._spec)[b].fill_(float(per_model[row][b]))
+            # Re-validated: the stored tensors are the same objects, but which work
+            # some model needs (weight decay, momentum) follows the new values.
+            self._checked[id(g)] = (g, _Checked(
+                values=checked.values, hypers=checked.hypers,
+                nonzero={k: bool((v != 0).any()) for k, v in per_model.items()},
+            ))
+            if "lr" in new_rows:
+                # The schedulers use their float64 record only while it rounds to
+                # group["lr"]: model b's entry follows, so the others keep theirs.
+                for record in ("scheduled_lr", "initial_lr"):
+                    old = g.get(record)
+                    if isinstance(old, torch.Tensor) and old.shape == (self.B,) and old.is_floating_point():
+                        new = old.clone()
+                        new[b] = float(per_model["lr"][b])
+                        g[record] = new
+
+    def _one_value(self, value: Any, label: str, b: int, who: str) -> float:
+        """One model's value of a hyperparameter, checked as the constructor checks values."""
+        np = sys.modules.get("numpy")
+        if isinstance(value, torch.Tensor) or (np is not None and isinstance(value, np.ndarray)):
+            if value.ndim > 1 or (value.ndim == 1 and len(value) != 1):
+                raise TypeError(
+                    f"{who}: {label} must be one number for model {b}, got shape {list(value.shape)}"
+                )
+            value = value.reshape(())
+        elif isinstance(value, (list, tuple)):
+            raise TypeError(f"{who}: {label} must be one number for model {b}, got {value!r}")
+        return float(self._hyper(value, label)[b])
 
     # ---- state dict ---------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
