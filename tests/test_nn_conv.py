@@ -69,3 +69,35 @@ def test_output_size_errors(cls, kw, shape):
     # a shared input takes the same forms
     shared = hfkern.broadcast(torch.randn(shape), 2)
     assert list(array(shared, output_size=[2] + model_shape).shape) == [2] + model_shape
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_in_place_ops_on_conv_and_batch_norm_outputs(shared):
+    """nn.ReLU(inplace=True) and `out += identity` on array outputs, as ResNets write them:
+    the same values and gradients as the out-of-place code."""
+    torch.manual_seed(0)
+    B = 3
+    conv, bn = hnn.Conv2d(2, 4, 3, padding=1, B=B), hnn.BatchNorm2d(4, B=B)
+    conv2 = hnn.Conv2d(4, 4, 1, B=B)
+    x = torch.randn(5, 2, 6, 6) if shared else torch.randn(B, 5, 2, 6, 6)
+    x = hfkern.broadcast(x, B) if shared else x
+
+    def run(inplace):
+        for m in (conv, bn, conv2):
+            m.zero_grad()
+        y = conv(x)
+        y = torch.nn.ReLU(inplace=inplace)(y)
+        z = bn(conv2(y))
+        if inplace:
+            z += y
+            z.relu_()
+        else:
+            z = torch.relu(z + y)
+        z.square().sum().backward()
+        return z.detach(), [p.grad.clone() for m in (conv, bn, conv2) for p in m.parameters()]
+
+    out, grads = run(True)
+    ref, ref_grads = run(False)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)

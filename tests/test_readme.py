@@ -24,3 +24,5 @@ def test_readme_examples_run():
         exec(compile(block, "README.md", "exec"), scope)
     assert scope["norms"].shape == (scope["B"],)
     assert scope["opt"].last_skipped.shape == (scope["B"],)
+    assert scope["out"].shape == (4, 32, 10)  # the hfkern.fuse block
+    assert [type(n).__name__ for n in scope["nets"]] == ["Net"] * 4
