@@ -17,7 +17,9 @@ learning rate per model) is timed for:
 The implementations are timed in interleaved rounds (each round times every
 one of them for ``--steps`` steps, after warm-up), so that a drift of the
 machine's speed reaches all alike; the median over rounds is reported, with
-the ratio to ``hand_written``.
+the ratio to ``hand_written``. Denormal numbers are flushed to zero on the CPU:
+many steps on one batch drive gradients towards zero, and denormal arithmetic
+would otherwise slow whichever implementation has run longest.
 
     python bench/bench_fuse.py                         # B = 16, batch 64
     python bench/bench_fuse.py --B 4 16 --rounds 15 --save bench/results/fuse_<device>_<date>.json
@@ -167,6 +169,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
+    # Many steps on one batch drive gradients towards zero; on a CPU, denormal
+    # numbers would then slow whichever implementation has run longest.
+    torch.set_flush_denormal(True)
     results = [measure(B, args.batch_size, args.steps, args.rounds, args.warmup, args.impls, device)
                for B in args.B]
     print(f"digits CNN training step, {device_name(device)}, torch {torch.__version__}, "

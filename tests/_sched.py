@@ -56,6 +56,26 @@ def _m1(e):
     return 0.9 if e % 3 == 0 else 1.0
 
 
+def _f3(e):
+    return 1.0 if e < 4 else 0.5
+
+
+def _f4(e):
+    return 0.9 ** (e // 2)
+
+
+def _m3(e):
+    return 0.93
+
+
+def _m4(e):
+    return 1.05 if e < 3 else 0.9
+
+
+def _m5(e):
+    return 0.98 if e % 2 else 1.0
+
+
 def step_array_and_torch(param, models, opt, refs, sched, scheds) -> None:
     """One step of an array (``param`` ``[B, ...]``, ``opt``, ``sched``) and of the B
     torch models (``models[b]``, ``refs[b]``, ``scheds[b]``) on the same fresh gradient."""

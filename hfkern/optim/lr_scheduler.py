@@ -24,19 +24,50 @@ Every write also records the float64 values in the param group as
 ``state_dict`` saves: after ``optimizer.load_state_dict`` the schedulers go on
 from those exact values, not from their float32 rounding in ``group["lr"]``,
 so a resumed run is bit-identical to an uninterrupted one (torch keeps its
-learning rates as Python floats for the same reason). The record is used only
-while it rounds to the group's learning rate; a learning rate changed outside
-the schedulers wins.
+learning rates as Python floats for the same reason). The record of a model is
+used only while it rounds to the model's learning rate; a learning rate changed
+outside the schedulers wins (for that model: the others keep their exact values).
 
 Values a scheduler keeps itself (``base_lrs``, ``get_last_lr()``, and the
 ``initial_lr``, ``max_lr``, ``min_lr``, ``max_momentum``, ``base_momentum``
 entries it adds to ``param_groups``) are ``[B]`` float64 CPU tensors.
 
-A step, a construction or a ``load_state_dict`` that raises changes nothing:
-values are computed and checked before anything is written (a negative or NaN
-``lr_lambda`` factor raises a ValueError naming the models, as the optimizers
-reject such learning rates), and ``load_state_dict`` checks every entry of the
-state (names, array size, shapes, dtypes, values) first.
+Every model has its own epoch: ``last_epochs`` (and the step counts) are
+``[B]`` int64 CPU tensors, and each formula is written once over them, for
+every model at its own epoch. ``last_epoch`` is an int while every model is at
+the same epoch (as torch code expects) and otherwise a copy of ``last_epochs``;
+``state_dict`` saves it in the same form and ``load_state_dict`` takes either,
+so a state saved before epochs were per model loads. A constructor's
+``last_epoch`` is one int for every model or one per model (a length-B
+sequence of ints, or a 1-D integer tensor or numpy array), each >= -1: model b
+then follows torch's scheduler built with ``last_epoch[b]``, initial step
+included (a model resuming at >= 0 needs ``initial_lr`` in the param groups,
+as in torch). ``step(epoch)`` (deprecated, closed form) sets every model to
+``epoch``.
+
+``reset_model(b, **kwargs)`` refills slot b (a sweep pruning a trial and
+starting a new one in its place): model b's schedule restarts as a scheduler
+built now on an optimizer holding model b's current learning rate would start
+it (set that first, e.g. with ``optimizer.set_hyperparameters(b, lr=...)``):
+its ``initial_lr`` / ``base_lrs`` become that learning rate (``CyclicLR`` and
+``OneCycleLR`` set their own, as their constructors do), its epoch and step
+count restart, every per-model state is reset for model b (``T_cur``/``T_i``,
+the plateau counters, the cycled momentum, the schedulers inside
+``SequentialLR`` and ``ChainedScheduler``), and model b takes the initial
+step. ``kwargs`` give model b new values of the per-model constructor
+arguments (``reset_model(2, T_max=50, eta_min=1e-4)``), checked as the
+constructor checks them; an unknown name raises TypeError. The other models'
+learning rates, epochs and state stay bit-identical: every update computes
+all models and writes only those it updates. Models at different epochs, or a
+``SequentialLR`` whose models are in different schedulers, step together.
+
+A step, a construction, a ``reset_model`` or a ``load_state_dict`` that raises
+changes nothing: values are computed and checked before anything is written (a
+negative or NaN ``lr_lambda`` factor raises a ValueError naming the models, as
+the optimizers reject such learning rates), what a failing ``reset_model`` (or
+a step of several chained schedulers) already changed is restored, and
+``load_state_dict`` checks every entry of the state (names, array size, shapes,
+dtypes, values) first.
 """
 
 from __future__ import annotations
@@ -113,10 +144,33 @@ def _array_size(optimizer: object, who: str) -> int:
     raise ValueError(f"{who}: the optimizer has no [B, ...] parameter to take the array size B from")
 
 
-def _last_epoch(value: object) -> int:
-    if not _is_int(value) or value < -1:
-        raise ValueError(f"last_epoch must be an int >= -1, got {value!r}")
-    return int(value)
+_Epochs = int | Sequence[int] | torch.Tensor  # a last_epoch argument: one int for every model, or one per model
+
+
+def _epochs(value: object, B: int) -> torch.Tensor:
+    """A ``last_epoch`` argument (one int for every model, or one per model) as ``[B]`` int64."""
+    return _ints(value, B, "last_epoch", minimum=-1)
+
+
+def _model_index(b: object, B: int, who: str) -> int:
+    """``b`` checked as a model index (an int in [0, B))."""
+    if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+        raise TypeError(f"{who}: expected a model index b (an int in [0, {B})), got {type(b).__name__} {b!r}")
+    if not 0 <= b < B:
+        raise ValueError(f"{who}: expected a model index b in [0, {B}), got {b}")
+    return int(b)
+
+
+def _one_hot(b: int, B: int) -> torch.Tensor:
+    models = torch.zeros(B, dtype=torch.bool)
+    models[b] = True
+    return models
+
+
+def _uniform(t: torch.Tensor) -> int | torch.Tensor:
+    """An int while every model has the same value, else (a copy of) the ``[B]`` tensor."""
+    first = int(t[0])
+    return first if bool((t == first).all()) else t.clone()
 
 
 def _floats(value: object, B: int, name: str) -> torch.Tensor:
@@ -132,7 +186,7 @@ def _read(value: object, B: int, name: str) -> torch.Tensor:
     return hyper(value, B, name)
 
 
-def _ints(value: object, B: int, name: str, *, minimum: int) -> torch.Tensor:
+def _ints(value: object, B: int, name: str, *, minimum: int | None) -> torch.Tensor:
     """A per-model integer argument (int, length-B sequence of ints, 1-D integer tensor or numpy
     array) as a fresh ``[B]`` int64 CPU tensor."""
     np = _numpy()
@@ -165,7 +219,7 @@ def _ints(value: object, B: int, name: str, *, minimum: int) -> torch.Tensor:
         )
     if t.dim() != 1 or t.numel() != B:
         raise ValueError(f"{name} must have one value per model (length B={B}), got shape {list(t.shape)}")
-    if (t < minimum).any():
+    if minimum is not None and (t < minimum).any():
         raise ValueError(f"{name} must be >= {minimum} for every model, got {t.tolist()}")
     return t
 
@@ -266,16 +320,55 @@ def _factors(out: object, B: int, who: str, *, number: bool = False) -> torch.Te
     return t
 
 
-def _check_factors(t: torch.Tensor, who: str, epoch: object, group: int) -> torch.Tensor:
-    """Reject negative and NaN factors, as the optimizers reject such learning rates."""
+def _check_factors(t: torch.Tensor, who: str, epochs: torch.Tensor, group: int,
+                   models: torch.Tensor | None) -> torch.Tensor:
+    """Reject negative and NaN factors of ``models`` (None: every model), as the optimizers reject such
+    learning rates."""
     bad = torch.isnan(t) | (t < 0)
+    if models is not None:
+        bad &= models
     if bad.any():
-        models = bad.nonzero().flatten().tolist()
+        at = epochs[bad].tolist()
+        at = f"epoch {at[0]}" if len(set(at)) == 1 else f"epochs {at}"
         raise ValueError(
-            f"{who}: factors must be >= 0 and not NaN (they scale learning rates); at epoch {epoch} "
-            f"models {models} of param group {group} got {t[bad].tolist()}"
+            f"{who}: factors must be >= 0 and not NaN (they scale learning rates); at {at} "
+            f"models {bad.nonzero().flatten().tolist()} of param group {group} got {t[bad].tolist()}"
         )
     return t
+
+
+def _call_per_model(fns: Callable | list[Callable], args: torch.Tensor, models: torch.Tensor | None, B: int,
+                    who: str) -> torch.Tensor:
+    """User functions at each model's own argument, as ``[B]`` float64, for ``models`` (None: every
+    model; the others get 1).
+
+    ``fns``: a list of B callables (model b's called with ``args[b]``, returning
+    a number), or one callable shared by every model, called once per distinct
+    argument (returning a number, or one value per model).
+    """
+    chosen = list(range(B)) if models is None else models.nonzero().flatten().tolist()
+    values = args.tolist()
+    if isinstance(fns, list):
+        out = torch.ones(B, dtype=_F64)
+        for b in chosen:
+            out[b] = _factors(fns[b](_number(values[b])), 1, f"{who} of model {b}", number=True)[0]
+        return out
+    distinct = sorted({values[b] for b in chosen})
+    if len(distinct) == 1 and models is None:
+        return _factors(fns(_number(distinct[0])), B, who)
+    out = torch.ones(B, dtype=_F64)
+    for v in distinct:
+        at = args == v
+        if models is not None:
+            at &= models
+        out = torch.where(at, _factors(fns(_number(v)), B, who), out)
+    return out
+
+
+def _number(v: object) -> int | float:
+    """A host value as the Python number torch's schedulers pass to user functions."""
+    v = float(v)
+    return int(v) if v.is_integer() else v
 
 
 # ---- the host copy of the learning rates ----------------------------------
@@ -323,10 +416,10 @@ def _current_lr(optimizer: Optimizer, group: dict, B: int) -> torch.Tensor:
     if isinstance(record, torch.Tensor) and record.dtype == _F64 and record.shape == (B,) \
             and record.device.type == "cpu":
         # The exact values the schedulers last wrote (e.g. restored by the optimizer's
-        # load_state_dict), as long as the learning rate is still their rounding.
+        # load_state_dict), for every model whose learning rate is still their rounding:
+        # a new learning rate for one model (a refilled slot) leaves the others exact.
         rounded = record.to(lr.dtype) if isinstance(lr, torch.Tensor) and lr.is_floating_point() else record
-        if torch.equal(rounded.to(_F64), values):
-            values = record.clone()
+        values = torch.where(rounded.to(_F64) == values, record, values)
     live = {id(g) for g in optimizer.param_groups}
     for k in [k for k in entries if k not in live]:
         del entries[k]
@@ -368,27 +461,33 @@ def _set_lr(optimizer: Optimizer, group: dict, values: torch.Tensor, B: int) -> 
     entries[id(group)] = _HostLR(group, lr, values)
 
 
-def _set_value(group: dict, key: str, values: torch.Tensor, B: int) -> None:
-    """Set a per-model hyperparameter other than lr (momentum), in place where it is a [B] tensor."""
-    if _is_array_tensor(group[key], B):
-        _copy_into(group[key], values)
-    else:
-        group[key] = values.clone()
+def _copy_models_into(dst: torch.Tensor, values: torch.Tensor, models: torch.Tensor) -> None:
+    """Write host ``values`` into ``dst`` in place for ``models`` only ([B] bool), without a host sync."""
+    src = values.to(dst.dtype)
+    with torch.no_grad():
+        if dst.device.type == "cuda":
+            src = src.pin_memory().to(dst.device, non_blocking=True)
+            models = models.pin_memory().to(dst.device, non_blocking=True)
+        dst.copy_(torch.where(models, src, dst))
 
 
-def _set_beta1(group: dict, values: torch.Tensor, B: int) -> None:
-    betas = group["betas"]
-    if _is_array_tensor(betas[0], B):
-        _copy_into(betas[0], values)
-    else:
-        group["betas"] = (values.clone(), *betas[1:])
-
-
-def _set_momentum(group: dict, values: torch.Tensor, B: int, use_beta1: bool) -> None:
+def _set_momentum(group: dict, values: torch.Tensor, B: int, use_beta1: bool,
+                  models: torch.Tensor | None = None) -> None:
+    """Set the cycled momentum (``momentum``, or ``betas[0]``) of every model, or of ``models`` only;
+    in place where it is a [B] tensor."""
+    current = group["betas"][0] if use_beta1 else group["momentum"]
+    if _is_array_tensor(current, B):
+        if models is None:
+            _copy_into(current, values)
+        else:
+            _copy_models_into(current, values, models)
+        return
+    if models is not None:  # not validated yet (a number): the other models keep its value
+        values = torch.where(models, values, hyper(current, B, "momentum"))
     if use_beta1:
-        _set_beta1(group, values, B)
+        group["betas"] = (values.clone(), *group["betas"][1:])
     else:
-        _set_value(group, "momentum", values, B)
+        group["momentum"] = values.clone()
 
 
 @contextlib.contextmanager
@@ -469,16 +568,6 @@ def _spec_group_floats(value: object, sched: Any, name: str) -> list[torch.Tenso
         got = f"{len(value)} entries" if isinstance(value, (list, tuple)) else type(value).__name__
         raise ValueError(f"{name} must hold one [B] tensor per param group ({n}), got {got}")
     return [_floats(v, sched.B, f"{name}[{i}]") for i, v in enumerate(value)]
-
-
-def _spec_int(minimum: int):
-    def check(value: object, sched: Any, name: str) -> int:
-        if not _is_int(value):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-        return int(value)
-    return check
 
 
 def _spec_bool(value: object, sched: Any, name: str) -> bool:
@@ -613,11 +702,16 @@ def _spec_mode_worse(value: object, sched: Any, name: str) -> float:
 _BASE_SPEC: dict[str, Callable] = {
     "B": _spec_same_B,
     "base_lrs": _spec_group_floats,
-    "last_epoch": _spec_int(-1),
-    "_step_count": _spec_int(0),
+    "last_epoch": _spec_ints(-1),
+    "_step_count": _spec_ints(0),
     "_last_lr": _spec_group_floats,
     "_is_initial": _spec_bool,
 }
+
+# State entries kept in another attribute: the per-model epochs and step counts are
+# [B] int64 tensors, saved under torch's names (an int while every model agrees).
+_HELD_IN = {"last_epoch": "last_epochs", "_step_count": "_step_counts"}
+_SAVED_AS = {attr: entry for entry, attr in _HELD_IN.items()}
 
 
 class _Loadable:
@@ -641,8 +735,30 @@ class _Loadable:
         return self._full_spec()[name](value, self, name)
 
     def state_dict(self) -> dict[str, Any]:
-        """The scheduler's state: every attribute but the optimizer."""
-        return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
+        """The scheduler's state: every attribute but the optimizer.
+
+        The per-model epochs (and step counts) are saved under torch's names
+        ``last_epoch`` (and ``_step_count``): an int while every model agrees,
+        else the ``[B]`` int64 tensor. Loading takes either form, so a state
+        saved before epochs were per model loads too.
+        """
+        return self._state_entries()
+
+    def _state_entries(self, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        out = {}
+        for k, v in self.__dict__.items():
+            if k == "optimizer" or k in skip:
+                continue
+            entry = _SAVED_AS.get(k)
+            if entry is None:
+                out[k] = v
+            else:
+                out[entry] = _uniform(v)
+        return out
+
+    def _store(self, new: Mapping[str, Any]) -> None:
+        """Set checked state entries as attributes."""
+        self.__dict__.update({_HELD_IN.get(k, k): v for k, v in new.items()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict` of a scheduler of this class with the same B.
@@ -680,60 +796,241 @@ class _Loadable:
         """Checks across entries, after each entry has been checked on its own."""
 
     def _apply_state(self, new: dict[str, Any]) -> None:
-        self.__dict__.update(new)
+        self._store(new)
+
+
+# ---- per-model epochs and restarts ----------------------------------------------
+class _At:
+    """What one update computes: each model's epoch, and which models it updates how."""
+
+    __slots__ = ("epoch", "only", "initial", "_e")
+
+    def __init__(self, epoch: torch.Tensor, only: torch.Tensor | None, initial: torch.Tensor | None) -> None:
+        self.epoch = epoch  # [B] int64: every model's epoch (after the update's increment)
+        self.only = only  # [B] bool: the models this update sets (the others' values are not used); None: all
+        self.initial = initial  # [B] bool: models taking a constructor's initial step; None: no model
+        self._e: torch.Tensor | None = None
+
+    @property
+    def e(self) -> torch.Tensor:
+        """``epoch`` as float64, for the formulas (the arithmetic torch does with Python numbers)."""
+        if self._e is None:
+            self._e = self.epoch.to(_F64)
+        return self._e
+
+    def unless_initial(self, lr: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``value``, but ``lr`` for models taking the initial step (which keeps the learning rate)."""
+        return value if self.initial is None else torch.where(self.initial, lr, value)
+
+
+class _Restart:
+    """What one :meth:`reset_model` shares among the schedulers it restarts in order (those of a
+    ChainedScheduler or SequentialLR), as torch's constructors share the optimizer on which
+    they run one after another."""
+
+    def __init__(self) -> None:
+        # A fresh optimizer has no initial_lr: the first scheduler to start sets it.
+        self.initial_lr_set = False
+
+
+def _single(value: object, who: str, name: str, b: int) -> None:
+    """Reject a per-model value where one model's value is expected."""
+    if _is_per_model(value):
+        raise TypeError(f"{who}: {name} must be one value, model {b}'s, got {value!r}")
+
+
+def _per_group_values(value: object, n_groups: int, who: str, name: str, b: int) -> list[torch.Tensor]:
+    """Model b's value of an argument torch takes per param group: one number for every group, or a
+    list of one number per group. Returns, per group, the number as a ``[1]`` float64 tensor."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n_groups:
+            raise ValueError(
+                f"{who}: {name} must be one number (model {b}'s) or one per param group ({n_groups}), "
+                f"got {len(value)} values"
+            )
+        items = list(value)
+    else:
+        items = [value] * n_groups
+    out = []
+    for i, v in enumerate(items):
+        _single(v, who, f"{name}[{i}]" if isinstance(value, (list, tuple)) else name, b)
+        out.append(_floats(v, 1, name))
+    return out
+
+
+def _with(t: torch.Tensor, b: int, value: torch.Tensor | float) -> torch.Tensor:
+    """A copy of ``t`` with model b's entry set to ``value``."""
+    out = t.clone()
+    out[b] = value
+    return out
+
+
+class _PerModel(_Loadable):
+    """Per-model epochs and :meth:`reset_model`, shared by every scheduler."""
+
+    B: int
+    _model_args: tuple[str, ...] = ()  # constructor arguments reset_model takes (one model's value)
+
+    @property
+    def last_epoch(self) -> int | torch.Tensor:
+        """The epoch: an int while every model is at the same epoch, else a copy of the ``[B]`` int64
+        tensor of every model's epoch (``last_epochs``). Assigning an int sets every model's epoch,
+        a per-model value each model's."""
+        return _uniform(self.last_epochs)
+
+    @last_epoch.setter
+    def last_epoch(self, value: object) -> None:
+        self.last_epochs = _ints(value, self.B, "last_epoch", minimum=None)
+
+    @property
+    def _step_count(self) -> int | torch.Tensor:
+        return _uniform(self._step_counts)
+
+    @_step_count.setter
+    def _step_count(self, value: object) -> None:
+        self._step_counts = _ints(value, self.B, "_step_count", minimum=None)
+
+    def reset_model(self, b: int, **kwargs: Any) -> None:
+        """Restart model b's schedule as a scheduler built now would start it; the other models go on.
+
+        Model b's base learning rate (``initial_lr``, ``base_lrs``) becomes the
+        optimizer's current learning rate of model b (set it first, e.g. with
+        ``optimizer.set_hyperparameters(b, lr=...)``; ``CyclicLR`` and
+        ``OneCycleLR`` set their own, as their constructors do), its epoch restarts, and
+        every per-model state of the scheduler is reset for model b; then model
+        b takes the constructor's initial step. ``kwargs`` give model b new values
+        of the scheduler's per-model constructor arguments (one value each, checked
+        as the constructor checks them; e.g. ``reset_model(2, T_max=50)``); the
+        others keep model b's values. The other models' learning rates, epochs and
+        state stay bit-identical.
+
+        Raises TypeError for an unknown argument name or a ``b`` that is not an
+        int, ValueError for a ``b`` out of [0, B) or a bad value; a reset that
+        raises changes nothing.
+        """
+        who = f"{type(self).__name__}.reset_model"
+        b = _model_index(b, self.B, who)
+        with _kept_on_error(*_nested(self), optimizer=self.optimizer):
+            self._restart(b, _Restart(), kwargs)
+
+    def _restart(self, b: int, ctx: _Restart, kwargs: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _check_arg_names(self, kwargs: Mapping[str, Any]) -> None:
+        unknown = [k for k in kwargs if k not in self._model_args]
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.reset_model: unknown argument(s) {unknown}; the per-model arguments "
+                f"of {type(self).__name__} are {list(self._model_args)}"
+            )
+
+    def _set_model_args(self, b: int, kwargs: Mapping[str, Any]) -> None:
+        """Set model b's values of the per-model constructor arguments in ``kwargs``."""
+        who = f"{type(self).__name__}.reset_model"
+        self._check_arg_names(kwargs)
+        for name, value in kwargs.items():
+            try:
+                self._set_model_arg(b, name, value)
+            except (TypeError, ValueError) as e:
+                if str(e).startswith(who):
+                    raise
+                raise type(e)(f"{who}: model {b}'s {name}: {e}") from None
+
+    def _set_model_arg(self, b: int, name: str, value: object) -> None:
+        """One argument: by default an attribute of that name holding a ``[B]`` tensor, checked as
+        the constructor checks it."""
+        _single(value, f"{type(self).__name__}.reset_model", name, b)
+        one = self._full_spec()[name](value, types.SimpleNamespace(B=1), name)
+        setattr(self, name, _with(getattr(self, name), b, one[0]))
 
 
 # ---- schedulers -----------------------------------------------------------
-class LRScheduler(_Loadable, _torch.LRScheduler):
+class LRScheduler(_PerModel, _torch.LRScheduler):
     """Base class of the array schedulers: torch's ``LRScheduler`` with ``[B]`` learning rates.
 
     Subclasses set their per-model arguments, then call ``super().__init__``,
     which records ``initial_lr`` (``[B]`` float64 CPU) in every param group that
     has none, sets ``base_lrs`` from it and takes the initial step.
-    :meth:`get_lr` returns one ``[B]`` float64 CPU tensor per param group.
+    :meth:`_lr_at` computes one ``[B]`` float64 CPU tensor per param group for
+    every model at its own epoch (``_At``), and ``_closed_form_at`` the closed
+    form of ``step(epoch)`` where the scheduler has one.
     """
 
     _is_initial: bool = False
     _spec = _BASE_SPEC
+    _closed_form_at: Callable[[_At], list[torch.Tensor]] | None = None
 
-    def __init__(self, optimizer: Optimizer, last_epoch: int = -1) -> None:
+    def __init__(self, optimizer: Optimizer, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, type(self).__name__)
         self.optimizer = optimizer
-        last_epoch = _last_epoch(last_epoch)
-        if last_epoch != -1:
-            for i, group in enumerate(optimizer.param_groups):
-                if "initial_lr" not in group:
-                    raise KeyError(
-                        f"param 'initial_lr' is not specified in param_groups[{i}] when resuming a "
-                        "scheduler with last_epoch >= 0"
-                    )
+        epochs = _epochs(last_epoch, self.B)
+        _require_initial_lr(optimizer, epochs)
         with _kept_on_error(optimizer=optimizer):
-            if last_epoch == -1:
-                for group in optimizer.param_groups:
-                    if "initial_lr" not in group:
-                        group["initial_lr"] = _current_lr(optimizer, group, self.B).clone()
+            for group in optimizer.param_groups:
+                if "initial_lr" not in group:  # only when every model starts afresh
+                    group["initial_lr"] = _current_lr(optimizer, group, self.B).clone()
             self.base_lrs: list[torch.Tensor] = [
                 _read(group["initial_lr"], self.B, f"param_groups[{i}]['initial_lr']").clone()
                 for i, group in enumerate(optimizer.param_groups)
             ]
-            self.last_epoch = last_epoch
+            self.last_epochs = epochs
             self._initial_step()
 
-    def _initial_step(self) -> None:
-        self._step_count = 0
+    def _initial_step(self, models: torch.Tensor | None = None) -> None:
+        """The constructor's step, for every model or for ``models`` ([B] bool) only."""
+        counts = self.__dict__.get("_step_counts")
+        if models is None or counts is None:
+            self._step_counts = torch.zeros(self.B, dtype=torch.int64)
+        else:
+            self._step_counts = torch.where(models, 0, counts)
         self._is_initial = True
         try:
-            self.step()
+            self._step_models(models)
         finally:
             self._is_initial = False
+
+    def _start(self, models: torch.Tensor, ctx: _Restart) -> None:
+        """Start ``models`` afresh, as a constructor with ``last_epoch=-1`` starts every model on an
+        optimizer without ``initial_lr`` (set by the first scheduler of a restart, ``ctx``)."""
+        groups = self.optimizer.param_groups
+        if not ctx.initial_lr_set:
+            for i, group in enumerate(groups):
+                current = _current_lr(self.optimizer, group, self.B)
+                old = group.get("initial_lr")
+                old = current if old is None else _read(old, self.B, f"param_groups[{i}]['initial_lr']")
+                group["initial_lr"] = torch.where(models, current, old)
+            ctx.initial_lr_set = True
+        self.base_lrs = [
+            torch.where(models, _read(group["initial_lr"], self.B, f"param_groups[{i}]['initial_lr']"), base)
+            for i, (group, base) in enumerate(zip(groups, self.base_lrs, strict=True))
+        ]
+        self.last_epochs = torch.where(models, -1, self.last_epochs)
+        self._initial_step(models)
+
+    def _restart(self, b: int, ctx: _Restart, kwargs: Mapping[str, Any]) -> None:
+        self._set_model_args(b, kwargs)
+        self._start(_one_hot(b, self.B), ctx)
 
     def _lrs(self) -> list[torch.Tensor]:
         """The optimizer's current learning rates, one ``[B]`` float64 host tensor per group."""
         return [_current_lr(self.optimizer, g, self.B) for g in self.optimizer.param_groups]
 
+    def _at(self, models: torch.Tensor | None = None) -> _At:
+        initial = None
+        if self._is_initial:
+            initial = torch.ones(self.B, dtype=torch.bool) if models is None else models
+        return _At(self.last_epochs, models, initial)
+
     def get_lr(self) -> list[torch.Tensor]:
-        """The learning rates for the current ``last_epoch``: one ``[B]`` float64 tensor per group."""
-        raise NotImplementedError
+        """The learning rates at every model's ``last_epoch``: one ``[B]`` float64 tensor per group."""
+        return self._lr_at(self._at())
+
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
+        """The chained update at ``at``: one ``[B]`` float64 tensor per group (of which only the
+        models ``at.only`` updates are used)."""
+        if type(self).get_lr is LRScheduler.get_lr:
+            raise NotImplementedError(f"{type(self).__name__} implements neither _lr_at nor get_lr")
+        return self.get_lr()  # a subclass written the torch way (one epoch for every model)
 
     def get_last_lr(self) -> list[torch.Tensor]:
         """The learning rates the last step set: one ``[B]`` float64 CPU tensor per param group."""
@@ -742,28 +1039,47 @@ class LRScheduler(_Loadable, _torch.LRScheduler):
     def step(self, epoch: int | None = None) -> None:
         """Advance every model's schedule by one step (call after ``optimizer.step()``).
 
-        ``epoch`` (deprecated, as in torch) jumps to that epoch with the closed
-        form where the scheduler has one. A step that raises changes nothing.
+        ``epoch`` (deprecated, as in torch) sets every model to that epoch, with
+        the closed form where the scheduler has one. A step that raises changes
+        nothing.
         """
         if epoch is not None:
             warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
-        with _kept_on_error(self):
-            self._step_count += 1
-            self._update_lr(epoch)
+        self._step_models(None, epoch)
 
-    def _update_lr(self, epoch: int | None = None) -> None:
+    def _step_models(self, models: torch.Tensor | None = None, epoch: int | None = None) -> None:
+        """``step(epoch)`` for every model, or for ``models`` ([B] bool) only."""
         with _kept_on_error(self):
+            counts = self._step_counts + 1
+            self._step_counts = counts if models is None else torch.where(models, counts, self._step_counts)
+            self._update_lr(epoch, models)
+
+    def _update_lr(self, epoch: int | None = None, models: torch.Tensor | None = None) -> None:
+        with _kept_on_error(self):
+            old = self.last_epochs
             if epoch is None:
-                self.last_epoch += 1
-                values = self.get_lr()
+                new = old + 1
             else:
-                self.last_epoch = epoch
-                closed_form = getattr(self, "_get_closed_form_lr", None)
-                values = closed_form() if closed_form is not None else self.get_lr()
-            self._write(values)
+                if not _is_int(epoch):
+                    raise TypeError(f"{type(self).__name__}.step: epoch must be an int, got {epoch!r}")
+                new = torch.full((self.B,), int(epoch), dtype=torch.int64)
+            self.last_epochs = new if models is None else torch.where(models, new, old)
+            at = self._at(models)
+            if epoch is not None and self._closed_form_at is not None:
+                values = self._closed_form_at(at)
+            else:
+                values = self._lr_at(at)
+            self._write(values, models)
 
-    def _write(self, values: Sequence[torch.Tensor]) -> None:
-        """Set the computed learning rates (the only write of a step, after everything is computed)."""
+    def _get_closed_form_lr(self) -> list[torch.Tensor]:
+        """The closed form at every model's ``last_epoch`` (schedulers that have one)."""
+        if self._closed_form_at is None:
+            raise AttributeError(f"{type(self).__name__} has no closed form")
+        return self._closed_form_at(self._at())
+
+    def _write(self, values: Sequence[torch.Tensor], models: torch.Tensor | None = None) -> None:
+        """Set the computed learning rates of every model, or of ``models`` only (the only write
+        of a step, after everything is computed)."""
         groups = self.optimizer.param_groups
         if len(values) != len(groups):
             raise ValueError(
@@ -771,8 +1087,27 @@ class LRScheduler(_Loadable, _torch.LRScheduler):
                 f"{len(groups)} param groups (was a group added after the scheduler?)"
             )
         for group, v in zip(groups, values):
+            if models is not None:
+                v = torch.where(models, v, _current_lr(self.optimizer, group, self.B))
             _set_lr(self.optimizer, group, v, self.B)
-        self._last_lr = [v.clone() for v in self._lrs()]
+        last = self.__dict__.get("_last_lr")
+        if models is None or last is None or len(last) != len(groups):
+            self._last_lr = [v.clone() for v in self._lrs()]
+        else:
+            self._last_lr = [torch.where(models, v, old) for v, old in zip(self._lrs(), last)]
+
+
+def _require_initial_lr(optimizer: Optimizer, epochs: torch.Tensor) -> None:
+    """A model resuming at last_epoch >= 0 needs initial_lr, as torch's does."""
+    resuming = epochs >= 0
+    if not resuming.any():
+        return
+    for i, group in enumerate(optimizer.param_groups):
+        if "initial_lr" not in group:
+            raise KeyError(
+                f"param 'initial_lr' is not specified in param_groups[{i}] when resuming a scheduler with "
+                f"last_epoch >= 0 (models {resuming.nonzero().flatten().tolist()} of last_epoch {epochs.tolist()})"
+            )
 
 
 class StepLR(LRScheduler):
@@ -782,28 +1117,26 @@ class StepLR(LRScheduler):
         optimizer: array optimizer with ``[B]`` learning rates.
         step_size: period of decay, int >= 1, per model.
         gamma: multiplicative decay, per model. Default 0.1.
-        last_epoch: index of the last epoch; -1 starts the schedule.
+        last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
     _spec = {"step_size": _spec_ints(1), "gamma": _spec_floats()}
+    _model_args = ("step_size", "gamma")
 
     def __init__(self, optimizer: Optimizer, step_size: int | Sequence[int] | torch.Tensor,
-                 gamma: float | Sequence[float] | torch.Tensor = 0.1, last_epoch: int = -1) -> None:
+                 gamma: float | Sequence[float] | torch.Tensor = 0.1, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "StepLR")
         self.step_size = self._arg("step_size", step_size)
         self.gamma = self._arg("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[torch.Tensor]:
-        lrs = self._lrs()
-        e = self.last_epoch
-        if e == 0:
-            return lrs
-        decay = torch.remainder(torch.full_like(self.step_size, e), self.step_size) == 0
-        return [torch.where(decay, lr * self.gamma, lr) for lr in lrs]
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
+        e = at.epoch
+        decay = (e != 0) & (torch.remainder(e, self.step_size) == 0)
+        return [torch.where(decay, lr * self.gamma, lr) for lr in self._lrs()]
 
-    def _get_closed_form_lr(self) -> list[torch.Tensor]:
-        n = torch.div(torch.full_like(self.step_size, self.last_epoch), self.step_size, rounding_mode="floor")
+    def _closed_form_at(self, at: _At) -> list[torch.Tensor]:
+        n = torch.div(at.epoch, self.step_size, rounding_mode="floor")
         return [base * self.gamma ** n for base in self.base_lrs]
 
 
@@ -815,26 +1148,37 @@ class MultiStepLR(LRScheduler):
         milestones: one list of epochs for every model, or one list per model
             (B lists, of any lengths). An epoch listed n times decays by gamma**n.
         gamma: multiplicative decay, per model. Default 0.1.
-        last_epoch: index of the last epoch; -1 starts the schedule.
+        last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
     _spec = {"milestones": _spec_milestones, "gamma": _spec_floats()}
+    _model_args = ("milestones", "gamma")
 
     def __init__(self, optimizer: Optimizer, milestones: Iterable[int] | Sequence[Iterable[int]],
-                 gamma: float | Sequence[float] | torch.Tensor = 0.1, last_epoch: int = -1) -> None:
+                 gamma: float | Sequence[float] | torch.Tensor = 0.1, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "MultiStepLR")
         self.milestones = _milestones(milestones, self.B)
         self.gamma = self._arg("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[torch.Tensor]:
-        lrs = self._lrs()
-        counts = torch.tensor([m[self.last_epoch] for m in self.milestones], dtype=_F64)
-        return [torch.where(counts > 0, lr * self.gamma ** counts, lr) for lr in lrs]
+    def _set_model_arg(self, b: int, name: str, value: object) -> None:
+        if name != "milestones":
+            return super()._set_model_arg(b, name, value)
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or any(
+                isinstance(v, Iterable) and not isinstance(v, (str, bytes)) for v in list(value)):
+            raise TypeError(f"milestones must be one list of ints (model {b}'s), got {value!r}")
+        milestones = list(self.milestones)
+        milestones[b] = _milestones(value, 1)[0]
+        self.milestones = milestones
 
-    def _get_closed_form_lr(self) -> list[torch.Tensor]:
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
+        counts = torch.tensor([m[e] for m, e in zip(self.milestones, at.epoch.tolist())], dtype=_F64)
+        return [torch.where(counts > 0, lr * self.gamma ** counts, lr) for lr in self._lrs()]
+
+    def _closed_form_at(self, at: _At) -> list[torch.Tensor]:
         n = torch.tensor(
-            [bisect_right(sorted(m.elements()), self.last_epoch) for m in self.milestones], dtype=_F64
+            [bisect_right(sorted(m.elements()), e) for m, e in zip(self.milestones, at.epoch.tolist())],
+            dtype=_F64,
         )
         return [base * self.gamma ** n for base in self.base_lrs]
 
@@ -848,36 +1192,37 @@ class ConstantLR(LRScheduler):
             undone by multiplying with ``1 / factor`` (a factor of 0 then raises
             ZeroDivisionError, as torch does).
         total_iters: epochs of the scaled phase, int >= 0, per model. Default 5.
-        last_epoch: index of the last epoch; -1 starts the schedule.
+        last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
     _spec = {"factor": _spec_floats(0.0, 1.0), "total_iters": _spec_ints(0)}
+    _model_args = ("factor", "total_iters")
 
     def __init__(self, optimizer: Optimizer, factor: float | Sequence[float] | torch.Tensor = 1.0 / 3,
-                 total_iters: int | Sequence[int] | torch.Tensor = 5, last_epoch: int = -1) -> None:
+                 total_iters: int | Sequence[int] | torch.Tensor = 5, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "ConstantLR")
         self.factor = self._arg("factor", factor)
         self.total_iters = self._arg("total_iters", total_iters)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[torch.Tensor]:
-        lrs = self._lrs()
-        e = self.last_epoch
-        if e == 0:
-            return [lr * self.factor for lr in lrs]
-        end = self.total_iters == e
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
+        e = at.epoch
+        start = e == 0
+        end = ~start & (self.total_iters == e)
         undo = end & (self.factor == 0)
+        if at.only is not None:
+            undo &= at.only
         if undo.any():
             raise ZeroDivisionError(
-                f"ConstantLR: models {undo.nonzero().flatten().tolist()} reach total_iters at epoch {e} "
-                "with factor 0, and undoing the factor divides by it"
+                f"ConstantLR: models {undo.nonzero().flatten().tolist()} reach total_iters at epochs "
+                f"{e[undo].tolist()} with factor 0, and undoing the factor divides by it"
             )
         # torch multiplies by 1.0 / factor; the division's rounding is part of the schedule.
         inverse = 1.0 / torch.where(end, self.factor, torch.ones_like(self.factor))
-        return [torch.where(end, lr * inverse, lr) for lr in lrs]
+        return [torch.where(start, lr * self.factor, torch.where(end, lr * inverse, lr)) for lr in self._lrs()]
 
-    def _get_closed_form_lr(self) -> list[torch.Tensor]:
-        done = (self.total_iters <= self.last_epoch).to(_F64)
+    def _closed_form_at(self, at: _At) -> list[torch.Tensor]:
+        done = (self.total_iters <= at.epoch).to(_F64)
         return [base * (self.factor + done * (1 - self.factor)) for base in self.base_lrs]
 
 
@@ -889,36 +1234,33 @@ class LinearLR(LRScheduler):
         start_factor: factor at epoch 0, in (0, 1], per model. Default 1/3.
         end_factor: factor from ``total_iters`` on, in [0, 1], per model. Default 1.
         total_iters: epochs of the ramp, int >= 1, per model. Default 5.
-        last_epoch: index of the last epoch; -1 starts the schedule.
+        last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
     _spec = {"start_factor": _spec_floats(0.0, 1.0, lo_open=True), "end_factor": _spec_floats(0.0, 1.0),
              "total_iters": _spec_ints(1)}
+    _model_args = ("start_factor", "end_factor", "total_iters")
 
     def __init__(self, optimizer: Optimizer, start_factor: float | Sequence[float] | torch.Tensor = 1.0 / 3,
                  end_factor: float | Sequence[float] | torch.Tensor = 1.0,
-                 total_iters: int | Sequence[int] | torch.Tensor = 5, last_epoch: int = -1) -> None:
+                 total_iters: int | Sequence[int] | torch.Tensor = 5, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "LinearLR")
         self.start_factor = self._arg("start_factor", start_factor)
         self.end_factor = self._arg("end_factor", end_factor)
         self.total_iters = self._arg("total_iters", total_iters)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[torch.Tensor]:
-        lrs = self._lrs()
-        e = self.last_epoch
-        if e == 0:
-            return [lr * self.start_factor for lr in lrs]
-        if self._is_initial:
-            return lrs
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
         s, t = self.start_factor, self.end_factor
-        factor = 1.0 + (t - s) / (self.total_iters.to(_F64) * s + (e - 1) * (t - s))
-        ramping = self.total_iters >= e
-        return [torch.where(ramping, lr * factor, lr) for lr in lrs]
+        factor = 1.0 + (t - s) / (self.total_iters.to(_F64) * s + (at.e - 1) * (t - s))
+        ramping = self.total_iters >= at.epoch
+        start = at.epoch == 0
+        return [torch.where(start, lr * s, at.unless_initial(lr, torch.where(ramping, lr * factor, lr)))
+                for lr in self._lrs()]
 
-    def _get_closed_form_lr(self) -> list[torch.Tensor]:
+    def _closed_form_at(self, at: _At) -> list[torch.Tensor]:
         s, t, n = self.start_factor, self.end_factor, self.total_iters
-        done = torch.clamp(n, max=self.last_epoch).to(_F64)
+        done = torch.minimum(n, at.epoch).to(_F64)
         return [base * (s + (t - s) * done / n.to(_F64)) for base in self.base_lrs]
 
 
@@ -926,21 +1268,19 @@ class ExponentialLR(LRScheduler):
     """Decay each model's learning rate by ``gamma`` (per model) every epoch."""
 
     _spec = {"gamma": _spec_floats()}
+    _model_args = ("gamma",)
 
     def __init__(self, optimizer: Optimizer, gamma: float | Sequence[float] | torch.Tensor,
-                 last_epoch: int = -1) -> None:
+                 last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "ExponentialLR")
         self.gamma = self._arg("gamma", gamma)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[torch.Tensor]:
-        lrs = self._lrs()
-        if self._is_initial:
-            return lrs
-        return [lr * self.gamma for lr in lrs]
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
+        return [at.unless_initial(lr, lr * self.gamma) for lr in self._lrs()]
 
-    def _get_closed_form_lr(self) -> list[torch.Tensor]:
-        return [base * self.gamma ** self.last_epoch for base in self.base_lrs]
+    def _closed_form_at(self, at: _At) -> list[torch.Tensor]:
+        return [base * self.gamma ** at.epoch for base in self.base_lrs]
 
 
 class PolynomialLR(LRScheduler):
@@ -953,30 +1293,28 @@ class PolynomialLR(LRScheduler):
         optimizer: array optimizer with ``[B]`` learning rates.
         total_iters: T, epochs of the decay, int >= 1, per model. Default 5.
         power: the polynomial's power, >= 0, per model. Default 1.
-        last_epoch: index of the last epoch; -1 starts the schedule.
+        last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
     _spec = {"total_iters": _spec_ints(1), "power": _spec_floats()}
+    _model_args = ("total_iters", "power")
 
     def __init__(self, optimizer: Optimizer, total_iters: int | Sequence[int] | torch.Tensor = 5,
-                 power: float | Sequence[float] | torch.Tensor = 1.0, last_epoch: int = -1) -> None:
+                 power: float | Sequence[float] | torch.Tensor = 1.0, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "PolynomialLR")
         self.total_iters = self._arg("total_iters", total_iters)
         self.power = self._arg("power", power)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[torch.Tensor]:
-        lrs = self._lrs()
-        if self._is_initial:
-            return lrs
-        e, T = self.last_epoch, self.total_iters.to(_F64)
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
+        e, T = at.e, self.total_iters.to(_F64)
         decay = ((1.0 - e / T) / (1.0 - (e - 1) / T)) ** self.power
-        decaying = self.total_iters >= e
-        return [torch.where(decaying, lr * decay, lr) for lr in lrs]
+        decaying = self.total_iters >= at.epoch
+        return [at.unless_initial(lr, torch.where(decaying, lr * decay, lr)) for lr in self._lrs()]
 
-    def _get_closed_form_lr(self) -> list[torch.Tensor]:
+    def _closed_form_at(self, at: _At) -> list[torch.Tensor]:
         T = self.total_iters.to(_F64)
-        done = torch.clamp(self.total_iters, max=self.last_epoch).to(_F64)
+        done = torch.minimum(self.total_iters, at.epoch).to(_F64)
         return [base * (1.0 - done / T) ** self.power for base in self.base_lrs]
 
 
@@ -990,37 +1328,40 @@ class CosineAnnealingLR(LRScheduler):
         optimizer: array optimizer with ``[B]`` learning rates.
         T_max: half period in epochs, int >= 1, per model.
         eta_min: minimum learning rate, per model. Default 0.
-        last_epoch: index of the last epoch; -1 starts the schedule.
+        last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
     _spec = {"T_max": _spec_ints(1), "eta_min": _spec_floats()}
+    _model_args = ("T_max", "eta_min")
 
     def __init__(self, optimizer: Optimizer, T_max: int | Sequence[int] | torch.Tensor,
-                 eta_min: float | Sequence[float] | torch.Tensor = 0.0, last_epoch: int = -1) -> None:
+                 eta_min: float | Sequence[float] | torch.Tensor = 0.0, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "CosineAnnealingLR")
         self.T_max = self._arg("T_max", T_max)
         self.eta_min = self._arg("eta_min", eta_min)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[torch.Tensor]:
-        lrs = self._lrs()
-        if self._is_initial:
-            return lrs
-        e, eta, T = self.last_epoch, self.eta_min, self.T_max.to(_F64)
-        if self._step_count == 1 and e > 0:
-            cos = torch.cos(e * math.pi / T)
-            return [eta + (base - eta) * (1 + cos) / 2 for base in self.base_lrs]
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
+        e, eta, T = at.e, self.eta_min, self.T_max.to(_F64)
+        # torch's closed form for an update before the first step() after a (resuming) start:
+        # only where _update_lr is called without step().
+        first = self._step_counts == 1
+        resumed = first & (at.epoch > 0) if first.any() else None
+        cos = torch.cos(e * math.pi / T) if resumed is not None else None
         # At the bottom of the cosine the ratio below is 0/0; torch steps up by the closed-form increment.
-        bottom = torch.remainder(e - 1 - self.T_max, 2 * self.T_max) == 0
+        bottom = torch.remainder(at.epoch - 1 - self.T_max, 2 * self.T_max) == 0
         rise = (1 - torch.cos(math.pi / T))
         ratio = (1 + torch.cos(math.pi * e / T)) / (1 + torch.cos(math.pi * (e - 1) / T))
-        return [
-            torch.where(bottom, lr + (base - eta) * rise / 2, ratio * (lr - eta) + eta)
-            for lr, base in zip(lrs, self.base_lrs, strict=True)
-        ]
+        out = []
+        for lr, base in zip(self._lrs(), self.base_lrs, strict=True):
+            value = torch.where(bottom, lr + (base - eta) * rise / 2, ratio * (lr - eta) + eta)
+            if resumed is not None:
+                value = torch.where(resumed, eta + (base - eta) * (1 + cos) / 2, value)
+            out.append(at.unless_initial(lr, value))
+        return out
 
-    def _get_closed_form_lr(self) -> list[torch.Tensor]:
-        cos = torch.cos(math.pi * self.last_epoch / self.T_max.to(_F64))
+    def _closed_form_at(self, at: _At) -> list[torch.Tensor]:
+        cos = torch.cos(math.pi * at.e / self.T_max.to(_F64))
         return [self.eta_min + (base - self.eta_min) * (1 + cos) / 2 for base in self.base_lrs]
 
 
@@ -1039,43 +1380,64 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         T_0: epochs until the first restart, int >= 1, per model.
         T_mult: factor by which the period grows at each restart, int >= 1, per model. Default 1.
         eta_min: minimum learning rate, per model. Default 0.
-        last_epoch: index of the last epoch; -1 starts the schedule.
+        last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
     _spec = {"T_0": _spec_ints(1), "T_i": _spec_ints(1), "T_mult": _spec_ints(1), "eta_min": _spec_floats(),
              "T_cur": _spec_any_floats}
+    _model_args = ("T_0", "T_mult", "eta_min")
 
     def __init__(self, optimizer: Optimizer, T_0: int | Sequence[int] | torch.Tensor,
                  T_mult: int | Sequence[int] | torch.Tensor = 1,
-                 eta_min: float | Sequence[float] | torch.Tensor = 0.0, last_epoch: int = -1) -> None:
+                 eta_min: float | Sequence[float] | torch.Tensor = 0.0, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "CosineAnnealingWarmRestarts")
         self.T_0 = self._arg("T_0", T_0)
         self.T_i = self.T_0.clone()
         self.T_mult = self._arg("T_mult", T_mult)
         self.eta_min = self._arg("eta_min", eta_min)
-        self.T_cur = torch.full((self.B,), float(_last_epoch(last_epoch)), dtype=_F64)
+        self.T_cur = _epochs(last_epoch, self.B).to(_F64)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[torch.Tensor]:
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
         cos = torch.cos(math.pi * self.T_cur / self.T_i.to(_F64))
         return [self.eta_min + (base - self.eta_min) * (1 + cos) / 2 for base in self.base_lrs]
 
     def step(self, epoch: float | None = None) -> None:
-        """Advance every model by one epoch, or (``epoch`` given) jump to that epoch in closed form.
+        """Advance every model by one epoch, or (``epoch`` given) set every model to that epoch, in
+        closed form.
 
         ``epoch`` may be fractional (e.g. ``epoch + i / iters`` within an epoch),
         as in torch. A step that raises changes nothing.
         """
+        self._step_models(None, epoch)
+
+    def _step_models(self, models: torch.Tensor | None = None, epoch: float | None = None) -> None:
         with _kept_on_error(self):
-            if epoch is None and self.last_epoch < 0:
-                epoch = 0
+            e = self.last_epochs
             if epoch is None:
-                epoch = self.last_epoch + 1
+                # A model not started yet (last_epoch -1: built, or restarted by reset_model) goes to
+                # epoch 0, torch's closed form there (T_cur 0, T_i = T_0); ``advance`` (None: every
+                # model) are the others that step.
+                start = e < 0
+                if models is not None:
+                    start &= models
+                advance = models
+                if start.any():
+                    advance = ~start if advance is None else advance & ~start
                 T_cur = self.T_cur + 1
                 restart = T_cur >= self.T_i
-                self.T_cur = torch.where(restart, torch.remainder(T_cur, self.T_i.to(_F64)), T_cur)
-                self.T_i = torch.where(restart, self.T_i * self.T_mult, self.T_i)
+                if advance is not None:
+                    restart &= advance
+                T_cur = torch.where(restart, torch.remainder(T_cur, self.T_i.to(_F64)), T_cur)
+                T_i = torch.where(restart, self.T_i * self.T_mult, self.T_i)
+                epochs = e + 1
+                if advance is not None:
+                    T_cur = torch.where(start, 0.0, torch.where(advance, T_cur, self.T_cur))
+                    T_i = torch.where(start, self.T_0, T_i)
+                    epochs = torch.where(start, 0, torch.where(advance, epochs, e))
+                self.T_cur, self.T_i, self.last_epochs = T_cur, T_i, epochs
             else:
+                chosen = torch.ones(self.B, dtype=torch.bool) if models is None else models
                 if not isinstance(epoch, numbers.Real) or isinstance(epoch, bool) or epoch < 0:
                     raise ValueError(f"Expected non-negative epoch, but got {epoch!r}")
                 T_cur, T_i = [], []
@@ -1092,10 +1454,11 @@ class CosineAnnealingWarmRestarts(LRScheduler):
                     else:
                         T_cur.append(epoch)
                         T_i.append(T_0)
-                self.T_cur = torch.tensor([float(t) for t in T_cur], dtype=_F64)
-                self.T_i = torch.tensor(T_i, dtype=torch.int64)
-            self.last_epoch = math.floor(epoch)
-            self._write(self.get_lr())
+                T_cur = torch.tensor([float(t) for t in T_cur], dtype=_F64)
+                self.T_cur = torch.where(chosen, T_cur, self.T_cur)
+                self.T_i = torch.where(chosen, torch.tensor(T_i, dtype=torch.int64), self.T_i)
+                self.last_epochs = torch.where(chosen, math.floor(epoch), e)
+            self._write(self._lr_at(self._at(models)), models)
 
 
 class LambdaLR(LRScheduler):
@@ -1116,28 +1479,51 @@ class LambdaLR(LRScheduler):
     """
 
     _spec = {"lr_lambdas": _spec_callables("lr_lambdas")}
+    _model_args = ("lr_lambda",)
 
-    def __init__(self, optimizer: Optimizer, lr_lambda: Callable | Sequence, last_epoch: int = -1) -> None:
+    def __init__(self, optimizer: Optimizer, lr_lambda: Callable | Sequence, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "LambdaLR")
         self.lr_lambdas = _lambdas(lr_lambda, len(optimizer.param_groups), self.B)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[torch.Tensor]:
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
         return [
-            base * _lambda_factors(fns, self.last_epoch, self.B, "LambdaLR", g)
+            base * _lambda_factors(fns, at, at.only, self.B, "LambdaLR", g)
             for g, (fns, base) in enumerate(zip(self.lr_lambdas, self.base_lrs, strict=True))
         ]
+
+    def _set_model_arg(self, b: int, name: str, value: object) -> None:
+        """``lr_lambda``: model b's callable for every param group, or a list of one per group; each
+        group must hold one callable per model (a shared one may return every model's factor)."""
+        n = len(self.optimizer.param_groups)
+        if callable(value):
+            fns = [value] * n
+        elif isinstance(value, (list, tuple)) and len(value) == n and all(callable(f) for f in value):
+            fns = list(value)
+        else:
+            raise TypeError(
+                f"{name} must be a callable (model {b}'s) or one callable per param group ({n}), got {value!r}"
+            )
+        new = []
+        for g, (current, f) in enumerate(zip(self.lr_lambdas, fns, strict=True)):
+            if not isinstance(current, list):
+                raise TypeError(
+                    f"{name}: param group {g} has one lr_lambda shared by every model; to give model {b} "
+                    f"its own, build the scheduler with a list of B={self.B} callables"
+                )
+            new.append(current[:b] + [f] + current[b + 1:])
+        self.lr_lambdas = new
 
     def state_dict(self) -> dict[str, Any]:
         """Every attribute but the optimizer; of the callables, torch's choice: the ``__dict__``
         of callable objects, None for plain functions and lambdas."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
+        state = self._state_entries(skip=("lr_lambdas",))
         state["lr_lambdas"] = _saved_callables(self.lr_lambdas)
         return state
 
     def _apply_state(self, new: dict[str, Any]) -> None:
         saved = new.pop("lr_lambdas")
-        self.__dict__.update(new)
+        self._store(new)
         _restore_callables(self.lr_lambdas, saved)
 
 
@@ -1170,13 +1556,11 @@ def _lambdas(lr_lambda: object, n_groups: int, B: int, name: str = "lr_lambda") 
     return [fns] * n_groups
 
 
-def _lambda_factors(fns: Callable | list[Callable], epoch: int, B: int, who: str, group: int) -> torch.Tensor:
-    if isinstance(fns, list):
-        t = torch.cat([_factors(f(epoch), 1, f"{who}: lr_lambda of model {b}", number=True)
-                       for b, f in enumerate(fns)])
-    else:
-        t = _factors(fns(epoch), B, f"{who}: lr_lambda")
-    return _check_factors(t, who, epoch, group)
+def _lambda_factors(fns: Callable | list[Callable], at: _At, models: torch.Tensor | None, B: int, who: str,
+                    group: int) -> torch.Tensor:
+    """The lr_lambda factors of ``models`` (None: every model) at their epochs, checked (the others get 1)."""
+    t = _call_per_model(fns, at.epoch, models, B, f"{who}: lr_lambda")
+    return _check_factors(t, who, at.epoch, group, models)
 
 
 class MultiplicativeLR(LRScheduler):
@@ -1188,21 +1572,22 @@ class MultiplicativeLR(LRScheduler):
     """
 
     _spec = {"lr_lambdas": _spec_callables("lr_lambdas")}
+    _model_args = ("lr_lambda",)
 
-    def __init__(self, optimizer: Optimizer, lr_lambda: Callable | Sequence, last_epoch: int = -1) -> None:
+    def __init__(self, optimizer: Optimizer, lr_lambda: Callable | Sequence, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "MultiplicativeLR")
         self.lr_lambdas = _lambdas(lr_lambda, len(optimizer.param_groups), self.B)
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[torch.Tensor]:
-        lrs = self._lrs()
-        if self._is_initial:
-            return lrs
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
+        if at.initial is not None:  # the models of an initial step keep their learning rate (no factor)
+            return self._lrs()
         return [
-            lr * _lambda_factors(fns, self.last_epoch, self.B, "MultiplicativeLR", g)
-            for g, (fns, lr) in enumerate(zip(self.lr_lambdas, lrs, strict=True))
+            lr * _lambda_factors(fns, at, at.only, self.B, "MultiplicativeLR", g)
+            for g, (fns, lr) in enumerate(zip(self.lr_lambdas, self._lrs(), strict=True))
         ]
 
+    _set_model_arg = LambdaLR._set_model_arg
     state_dict = LambdaLR.state_dict
     _apply_state = LambdaLR._apply_state
 
@@ -1222,6 +1607,59 @@ def _check_cycled_momentum(optimizer: Optimizer, who: str, use_beta1: bool, max_
             )
 
 
+def _put(group: dict, key: str, values: torch.Tensor, models: torch.Tensor, B: int) -> None:
+    """Set ``models``' entries of the per-model param-group entry ``key`` (a new ``[B]`` float64 tensor)."""
+    if key not in group or bool(models.all()):
+        group[key] = values
+    else:
+        group[key] = torch.where(models, values, _read(group[key], B, key))
+
+
+def _require_entries(groups: list[dict], keys: Iterable[str], epochs: torch.Tensor) -> None:
+    """A model resuming at last_epoch >= 0 reads these entries from the param groups, as torch's does."""
+    resuming = epochs >= 0
+    if not resuming.any():
+        return
+    for i, group in enumerate(groups):
+        for key in keys:
+            if key not in group:
+                raise KeyError(
+                    f"param {key!r} is not specified in param_groups[{i}] when resuming a scheduler with "
+                    f"last_epoch >= 0 (models {resuming.nonzero().flatten().tolist()})"
+                )
+
+
+def _new_momentum(group: dict, values: torch.Tensor, fresh: torch.Tensor, B: int, use_beta1: bool) -> None:
+    """The constructor's momentum for the ``fresh`` models: a new object, not an in-place write, so
+    that the optimizer re-validates it (which matters when it had every model's momentum at zero)."""
+    if not bool(fresh.all()):
+        current = group["betas"][0] if use_beta1 else group["momentum"]
+        values = torch.where(fresh, values, hyper(current, B, "momentum"))
+    if use_beta1:
+        group["betas"] = (values.clone(), *group["betas"][1:])
+    else:
+        group["momentum"] = values.clone()
+
+
+def _one_cycle_phases(pct: torch.Tensor, total_steps: torch.Tensor, three_phase: bool) -> list[dict[str, Any]]:
+    total = total_steps.to(_F64)
+    if three_phase:
+        return [
+            dict(end_step=pct * total - 1, start_lr="initial_lr", end_lr="max_lr",
+                 start_momentum="max_momentum", end_momentum="base_momentum"),
+            dict(end_step=2 * pct * total - 2, start_lr="max_lr", end_lr="initial_lr",
+                 start_momentum="base_momentum", end_momentum="max_momentum"),
+            dict(end_step=total - 1, start_lr="initial_lr", end_lr="min_lr",
+                 start_momentum="max_momentum", end_momentum="max_momentum"),
+        ]
+    return [
+        dict(end_step=pct * total - 1, start_lr="initial_lr", end_lr="max_lr",
+             start_momentum="max_momentum", end_momentum="base_momentum"),
+        dict(end_step=total - 1, start_lr="max_lr", end_lr="min_lr",
+             start_momentum="base_momentum", end_momentum="max_momentum"),
+    ]
+
+
 class OneCycleLR(LRScheduler):
     """The 1cycle policy per model: warm up to ``max_lr``, then anneal far below the start.
 
@@ -1233,12 +1671,23 @@ class OneCycleLR(LRScheduler):
     optimizer's ``momentum`` (or ``betas[0]``) is cycled inversely, written in
     place like the learning rate (a second small copy per group and step); the
     constructor sets it anew, so the optimizer re-validates it at its next step.
+
+    As torch's, the schedule ignores the optimizer's learning rate: a model's
+    start is ``max_lr / div_factor``, also after :meth:`reset_model`, which
+    takes ``max_lr``, ``total_steps`` (or ``epochs`` with ``steps_per_epoch``),
+    ``pct_start``, ``div_factor``, ``final_div_factor``, ``base_momentum`` and
+    ``max_momentum`` (the last three: one number, or one per param group).
     """
 
     _spec = {"total_steps": _spec_ints(1), "_schedule_phases": _spec_phases,
              "_anneal_func_type": _spec_choice("cos", "linear"), "cycle_momentum": _spec_bool,
-             "use_beta1": _spec_bool}
-    _optional = _Loadable._optional | {"use_beta1"}
+             "use_beta1": _spec_bool, "pct_start": _spec_floats(0.0, 1.0),
+             "div_factor": _spec_floats(0.0, math.inf, lo_open=True),
+             "final_div_factor": _spec_floats(0.0, math.inf, lo_open=True)}
+    # A state saved before reset_model existed lacks the arguments it keeps.
+    _optional = _Loadable._optional | {"use_beta1", "pct_start", "div_factor", "final_div_factor"}
+    _model_args = ("max_lr", "total_steps", "epochs", "steps_per_epoch", "pct_start", "div_factor",
+                   "final_div_factor", "base_momentum", "max_momentum")
 
     def __init__(
         self,
@@ -1255,11 +1704,12 @@ class OneCycleLR(LRScheduler):
         div_factor: float | Sequence[float] | torch.Tensor = 25.0,
         final_div_factor: float | Sequence[float] | torch.Tensor = 1e4,
         three_phase: bool = False,
-        last_epoch: int = -1,
+        last_epoch: _Epochs = -1,
     ) -> None:
         B = self.B = _array_size(optimizer, "OneCycleLR")
         self.optimizer = optimizer
-        last_epoch = _last_epoch(last_epoch)
+        last_epochs = _epochs(last_epoch, B)
+        fresh = last_epochs == -1
         if total_steps is not None:
             self.total_steps = self._arg("total_steps", total_steps)
         elif epochs is not None and steps_per_epoch is not None:
@@ -1267,37 +1717,18 @@ class OneCycleLR(LRScheduler):
             self.total_steps = epochs * _ints(steps_per_epoch, B, "steps_per_epoch", minimum=1)
         else:
             raise ValueError("OneCycleLR: define either total_steps or (epochs and steps_per_epoch)")
-        pct = _floats(pct_start, B, "pct_start")
-        _check_range(pct, "pct_start", 0.0, 1.0)
-        total = self.total_steps.to(_F64)
+        self.pct_start = self._arg("pct_start", pct_start)
         if not isinstance(three_phase, bool):
             raise TypeError(f"three_phase must be a bool, got {type(three_phase).__name__}")
-        if three_phase:
-            self._schedule_phases = [
-                dict(end_step=pct * total - 1, start_lr="initial_lr", end_lr="max_lr",
-                     start_momentum="max_momentum", end_momentum="base_momentum"),
-                dict(end_step=2 * pct * total - 2, start_lr="max_lr", end_lr="initial_lr",
-                     start_momentum="base_momentum", end_momentum="max_momentum"),
-                dict(end_step=total - 1, start_lr="initial_lr", end_lr="min_lr",
-                     start_momentum="max_momentum", end_momentum="max_momentum"),
-            ]
-        else:
-            self._schedule_phases = [
-                dict(end_step=pct * total - 1, start_lr="initial_lr", end_lr="max_lr",
-                     start_momentum="max_momentum", end_momentum="base_momentum"),
-                dict(end_step=total - 1, start_lr="max_lr", end_lr="min_lr",
-                     start_momentum="base_momentum", end_momentum="max_momentum"),
-            ]
+        self._schedule_phases = _one_cycle_phases(self.pct_start, self.total_steps, three_phase)
         if anneal_strategy not in ("cos", "linear"):
             raise ValueError(f"anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}")
         self._anneal_func_type = anneal_strategy
 
         groups = optimizer.param_groups
         max_lrs = _per_group(max_lr, len(groups), B, "max_lr")
-        div = _floats(div_factor, B, "div_factor")
-        _check_range(div, "div_factor", 0.0, math.inf, lo_open=True)
-        final_div = _floats(final_div_factor, B, "final_div_factor")
-        _check_range(final_div, "final_div_factor", 0.0, math.inf, lo_open=True)
+        self.div_factor = self._arg("div_factor", div_factor)
+        self.final_div_factor = self._arg("final_div_factor", final_div_factor)
         if not isinstance(cycle_momentum, bool):
             raise TypeError(f"cycle_momentum must be a bool, got {type(cycle_momentum).__name__}")
         self.cycle_momentum = cycle_momentum
@@ -1310,37 +1741,77 @@ class OneCycleLR(LRScheduler):
             max_ms = _per_group(max_momentum, len(groups), B, "max_momentum")
             base_ms = _per_group(base_momentum, len(groups), B, "base_momentum")
             _check_cycled_momentum(optimizer, "OneCycleLR", self.use_beta1, max_ms, base_ms)
+        _require_initial_lr(optimizer, last_epochs)
+        _require_entries(groups, ("max_lr", "min_lr") + (("max_momentum", "base_momentum") if cycle_momentum else ()),
+                         last_epochs)
         with _kept_on_error(optimizer=optimizer):
-            if last_epoch == -1:
+            if fresh.any():
                 for group, m in zip(groups, max_lrs):
-                    group["initial_lr"] = m / div
-                    group["max_lr"] = m
-                    group["min_lr"] = group["initial_lr"] / final_div
+                    initial = m / self.div_factor
+                    _put(group, "initial_lr", initial, fresh, B)
+                    _put(group, "max_lr", m, fresh, B)
+                    _put(group, "min_lr", initial / self.final_div_factor, fresh, B)
                 if cycle_momentum:
                     for group, m, b in zip(groups, max_ms, base_ms):
-                        # A new object (not an in-place write): the optimizer re-validates it,
-                        # which matters when it had every model's momentum at zero.
-                        if self.use_beta1:
-                            group["betas"] = (m.clone(), *group["betas"][1:])
-                        else:
-                            group["momentum"] = m.clone()
-                        group["max_momentum"] = m
-                        group["base_momentum"] = b
-            super().__init__(optimizer, last_epoch)
+                        _new_momentum(group, m, fresh, B, self.use_beta1)
+                        _put(group, "max_momentum", m, fresh, B)
+                        _put(group, "base_momentum", b, fresh, B)
+            super().__init__(optimizer, last_epochs)
+
+    def _restart(self, b: int, ctx: _Restart, kwargs: Mapping[str, Any]) -> None:
+        who = "OneCycleLR.reset_model"
+        self._check_arg_names(kwargs)
+        kwargs = dict(kwargs)
+        if "epochs" in kwargs or "steps_per_epoch" in kwargs:
+            if "total_steps" in kwargs or "epochs" not in kwargs or "steps_per_epoch" not in kwargs:
+                raise TypeError(f"{who}: give total_steps, or epochs and steps_per_epoch, got {sorted(kwargs)}")
+            for name in ("epochs", "steps_per_epoch"):
+                _single(kwargs[name], who, name, b)
+            kwargs["total_steps"] = int(_ints(kwargs.pop("epochs"), 1, "epochs", minimum=1)[0]
+                                        * _ints(kwargs.pop("steps_per_epoch"), 1, "steps_per_epoch", minimum=1)[0])
+        self._set_model_args(b, kwargs)
+        B, one = self.B, _one_hot(b, self.B)
+        groups = self.optimizer.param_groups
+        phases = _one_cycle_phases(self.pct_start, self.total_steps, len(self._schedule_phases) == 3)
+        self._schedule_phases = [{**old, "end_step": torch.where(one, new["end_step"], old["end_step"])}
+                                 for old, new in zip(self._schedule_phases, phases, strict=True)]
+        # The constructor's start: initial_lr = max_lr / div_factor (whatever the optimizer's lr).
+        for i, group in enumerate(groups):
+            initial = _read(group["max_lr"], B, f"param_groups[{i}]['max_lr']") / self.div_factor
+            _put(group, "initial_lr", initial, one, B)
+            _put(group, "min_lr", initial / self.final_div_factor, one, B)
+        ctx.initial_lr_set = True
+        self._start(one, ctx)  # the initial step sets model b's momentum too
+
+    def _set_model_arg(self, b: int, name: str, value: object) -> None:
+        if name not in ("max_lr", "base_momentum", "max_momentum"):
+            return super()._set_model_arg(b, name, value)
+        if name != "max_lr" and not self.cycle_momentum:
+            raise TypeError(f"{name}: this scheduler does not cycle momentum (cycle_momentum=False)")
+        groups = self.optimizer.param_groups
+        values = _per_group_values(value, len(groups), f"{type(self).__name__}.reset_model", name, b)
+        for i, (group, v) in enumerate(zip(groups, values)):
+            group[name] = _with(_read(group[name], self.B, f"param_groups[{i}]['{name}']"), b, v[0])
+        if name != "max_lr":
+            _check_cycled_momentum(self.optimizer, "OneCycleLR", self.use_beta1,
+                                   [_read(g["max_momentum"], self.B, "max_momentum") for g in groups],
+                                   [_read(g["base_momentum"], self.B, "base_momentum") for g in groups])
 
     def _anneal(self, start: torch.Tensor, end: torch.Tensor, pct: torch.Tensor) -> torch.Tensor:
         if self._anneal_func_type == "cos":
             return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
         return (end - start) * pct + start
 
-    def get_lr(self) -> list[torch.Tensor]:
-        """The learning rates at ``last_epoch``; also sets the cycled momentum, as torch does."""
-        step = self.last_epoch
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
+        """The learning rates at each model's step; also sets the cycled momentum, as torch does."""
+        step = at.epoch
         over = self.total_steps < step
+        if at.only is not None:
+            over &= at.only
         if over.any():
             raise ValueError(
-                f"OneCycleLR: tried to step {step} times; models {over.nonzero().flatten().tolist()} "
-                f"have total_steps {self.total_steps[over].tolist()}"
+                f"OneCycleLR: tried to step {step[over].tolist()} times; models "
+                f"{over.nonzero().flatten().tolist()} have total_steps {self.total_steps[over].tolist()}"
             )
         B = self.B
         # Which phase each model is in, and how far through it.
@@ -1353,6 +1824,8 @@ class OneCycleLR(LRScheduler):
             sel = ~chosen & ((step <= end) if i < last else torch.ones(B, dtype=torch.bool))
             width = end - start
             empty = sel & (width == 0)
+            if at.only is not None:
+                empty &= at.only
             if empty.any():
                 raise ZeroDivisionError(
                     f"OneCycleLR: phase {i} of models {empty.nonzero().flatten().tolist()} has no steps "
@@ -1380,7 +1853,7 @@ class OneCycleLR(LRScheduler):
             momenta.append(momentum)
         if self.cycle_momentum:
             for group, momentum in zip(self.optimizer.param_groups, momenta):
-                _set_momentum(group, momentum, B, self.use_beta1)
+                _set_momentum(group, momentum, B, self.use_beta1, at.only)
         return lrs
 
     def _check_loaded(self, new: dict[str, Any]) -> None:
@@ -1415,7 +1888,7 @@ class CyclicLR(LRScheduler):
             (Adagrad, Adadelta) raises a ValueError, as torch does. Default True.
         base_momentum: lower momentum boundary, per model or per param group. Default 0.8.
         max_momentum: upper momentum boundary, per model or per param group. Default 0.9.
-        last_epoch: index of the last batch; -1 starts the schedule.
+        last_epoch: index of the last batch, one int or one per model; -1 starts the schedule.
     """
 
     _spec = {"max_lrs": _spec_group_floats, "total_size": _spec_floats(0.0, math.inf, lo_open=True),
@@ -1424,6 +1897,8 @@ class CyclicLR(LRScheduler):
              "scale_mode": _spec_choice("cycle", "iterations"), "cycle_momentum": _spec_bool,
              "use_beta1": _spec_bool, "base_momentums": _spec_group_floats, "max_momentums": _spec_group_floats}
     _optional = _Loadable._optional | {"use_beta1", "base_momentums", "max_momentums"}
+    _model_args = ("base_lr", "max_lr", "step_size_up", "step_size_down", "gamma", "scale_fn", "base_momentum",
+                   "max_momentum")
 
     def __init__(
         self,
@@ -1439,11 +1914,12 @@ class CyclicLR(LRScheduler):
         cycle_momentum: bool = True,
         base_momentum: float | Sequence | torch.Tensor = 0.8,
         max_momentum: float | Sequence | torch.Tensor = 0.9,
-        last_epoch: int = -1,
+        last_epoch: _Epochs = -1,
     ) -> None:
         B = self.B = _array_size(optimizer, "CyclicLR")
         self.optimizer = optimizer
-        last_epoch = _last_epoch(last_epoch)
+        last_epochs = _epochs(last_epoch, B)
+        fresh = last_epochs == -1
         groups = optimizer.param_groups
         base_lrs = _per_group(base_lr, len(groups), B, "base_lr")
         self.max_lrs = _per_group(max_lr, len(groups), B, "max_lr")
@@ -1471,20 +1947,78 @@ class CyclicLR(LRScheduler):
             _check_cycled_momentum(optimizer, "CyclicLR", self.use_beta1, self.max_momentums,
                                    self.base_momentums)
         with _kept_on_error(optimizer=optimizer):
-            if last_epoch == -1:
+            if fresh.any():
+                every = bool(fresh.all())
                 for group, lr in zip(groups, base_lrs):
+                    if not every:
+                        lr = torch.where(fresh, lr, _current_lr(optimizer, group, B))
                     _set_lr(optimizer, group, lr, B)
                 if cycle_momentum:
                     for group, m, b in zip(groups, self.max_momentums, self.base_momentums):
-                        # A new object: the optimizer re-validates it at its next step.
-                        if self.use_beta1:
-                            group["betas"] = (m.clone(), *group["betas"][1:])
-                        else:
-                            group["momentum"] = m.clone()
-                        group["max_momentum"] = m
-                        group["base_momentum"] = b
-            super().__init__(optimizer, last_epoch)
+                        _new_momentum(group, m, fresh, B, self.use_beta1)
+                        _put(group, "max_momentum", m, fresh, B)
+                        _put(group, "base_momentum", b, fresh, B)
+            super().__init__(optimizer, last_epochs)
         self.base_lrs = base_lrs
+
+    def _restart(self, b: int, ctx: _Restart, kwargs: Mapping[str, Any]) -> None:
+        who = "CyclicLR.reset_model"
+        self._check_arg_names(kwargs)
+        kwargs = dict(kwargs)
+        B, one = self.B, _one_hot(b, self.B)
+        groups = self.optimizer.param_groups
+        bases = self.base_lrs  # CyclicLR keeps base_lr as its base_lrs
+        if "base_lr" in kwargs:
+            values = _per_group_values(kwargs.pop("base_lr"), len(groups), who, "base_lr", b)
+            bases = [_with(t, b, v[0]) for t, v in zip(bases, values, strict=True)]
+        up, down = kwargs.pop("step_size_up", None), kwargs.pop("step_size_down", None)
+        if down is not None and up is None:
+            raise TypeError(f"{who}: step_size_down needs step_size_up with it (alone, step_size_up sets both)")
+        if up is not None:
+            _single(up, who, "step_size_up", b)
+            up = _floats(up, 1, "step_size_up")
+            _check_range(up, "step_size_up", 0.0, math.inf, lo_open=True)
+            if down is not None:
+                _single(down, who, "step_size_down", b)
+            down = up.clone() if down is None else _floats(down, 1, "step_size_down")
+            total = up + down
+            self.total_size = _with(self.total_size, b, total[0])
+            self.step_ratio = _with(self.step_ratio, b, (up / total)[0])
+        self._set_model_args(b, kwargs)
+        # The constructor's start: the learning rate becomes base_lr, the momentum entries max/base_momentum
+        # (the momentum itself is set by the initial step).
+        for group, lr in zip(groups, bases):
+            _set_lr(self.optimizer, group, torch.where(one, lr, _current_lr(self.optimizer, group, B)), B)
+        if self.cycle_momentum:
+            for group, m, bm in zip(groups, self.max_momentums, self.base_momentums):
+                _put(group, "max_momentum", m, one, B)
+                _put(group, "base_momentum", bm, one, B)
+        self._start(one, ctx)
+        self.base_lrs = [torch.where(one, new, current) for new, current in zip(bases, self.base_lrs, strict=True)]
+
+    def _set_model_arg(self, b: int, name: str, value: object) -> None:
+        who = f"{type(self).__name__}.reset_model"
+        groups = self.optimizer.param_groups
+        if name == "scale_fn":
+            if not isinstance(self._scale_fn_custom, list):
+                raise TypeError(
+                    f"scale_fn: model {b} can get its own scale_fn only when the scheduler was built "
+                    f"with one per model (a list of B={self.B} callables)"
+                )
+            if not callable(value):
+                raise TypeError(f"scale_fn must be a callable (model {b}'s), got {type(value).__name__}")
+            self._scale_fn_custom = self._scale_fn_custom[:b] + [value] + self._scale_fn_custom[b + 1:]
+            return
+        attr = {"max_lr": "max_lrs", "base_momentum": "base_momentums", "max_momentum": "max_momentums"}.get(name)
+        if attr is None:
+            return super()._set_model_arg(b, name, value)
+        if attr != "max_lrs" and not self.cycle_momentum:
+            raise TypeError(f"{name}: this scheduler does not cycle momentum (cycle_momentum=False)")
+        values = _per_group_values(value, len(groups), who, name, b)
+        setattr(self, attr, [_with(t, b, v[0]) for t, v in zip(getattr(self, attr), values, strict=True)])
+        if attr != "max_lrs":
+            _check_cycled_momentum(self.optimizer, "CyclicLR", self.use_beta1, self.max_momentums,
+                                   self.base_momentums)
 
     _MODES = ("triangular", "triangular2", "exp_range")
 
@@ -1502,7 +2036,7 @@ class CyclicLR(LRScheduler):
         if self._scale_fn_custom is None:
             self.scale_mode = "iterations" if self.mode == "exp_range" else "cycle"
 
-    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+    def _scale(self, x: torch.Tensor, models: torch.Tensor | None) -> torch.Tensor:
         """The amplitude scale of each model at its cycle number or iteration ``x`` (``[B]`` float64)."""
         fn = self._scale_fn_custom
         if fn is None:
@@ -1511,30 +2045,21 @@ class CyclicLR(LRScheduler):
             if self.mode == "triangular2":
                 return 1 / (2.0 ** (x - 1))
             return self.gamma ** x
-        if isinstance(fn, list):
-            out = [_factors(f(_number(x[b])), 1, f"CyclicLR: scale_fn of model {b}", number=True)
-                   for b, f in enumerate(fn)]
-            return torch.cat(out)
-        # A shared function, called once per distinct argument (the models' arguments may differ).
-        out = torch.empty_like(x)
-        for v in torch.unique(x).tolist():
-            at = x == v
-            out[at] = _factors(fn(_number(v)), self.B, "CyclicLR: scale_fn")[at]
-        return out
+        return _call_per_model(fn, x, models, self.B, "CyclicLR: scale_fn")
 
-    def get_lr(self) -> list[torch.Tensor]:
-        """The learning rates at ``last_epoch``; also sets the cycled momentum, as torch does."""
-        e = self.last_epoch
+    def _lr_at(self, at: _At) -> list[torch.Tensor]:
+        """The learning rates at each model's step; also sets the cycled momentum, as torch does."""
+        e = at.e
         cycle = torch.floor(1 + e / self.total_size)
         x = 1.0 + e / self.total_size - cycle
         scale_factor = torch.where(x <= self.step_ratio, x / self.step_ratio, (x - 1) / (self.step_ratio - 1))
-        scale = self._scale(cycle if self.scale_mode == "cycle" else torch.full_like(cycle, e))
+        scale = self._scale(cycle if self.scale_mode == "cycle" else e, at.only)
         lrs = [base + (top - base) * scale_factor * scale for base, top in zip(self.base_lrs, self.max_lrs)]
         if self.cycle_momentum:
             momenta = [top - (top - base) * scale_factor * scale
                        for base, top in zip(self.base_momentums, self.max_momentums)]
             for group, momentum in zip(self.optimizer.param_groups, momenta):
-                _set_momentum(group, momentum, self.B, self.use_beta1)
+                _set_momentum(group, momentum, self.B, self.use_beta1, at.only)
         return lrs
 
     def state_dict(self) -> dict[str, Any]:
@@ -1545,15 +2070,9 @@ class CyclicLR(LRScheduler):
 
     def _apply_state(self, new: dict[str, Any]) -> None:
         saved = new.pop("_scale_fn_custom")
-        self.__dict__.update(new)
+        self._store(new)
         _restore_callables(self._scale_fn_custom, saved)
         self._init_scale_fn()
-
-
-def _number(v: object) -> int | float:
-    """A host value as the Python number torch's schedulers pass to user functions."""
-    v = float(v)
-    return int(v) if v.is_integer() else v
 
 
 def _check_children(who: str, optimizer: Optimizer, schedulers: object) -> list[LRScheduler]:
@@ -1579,8 +2098,37 @@ def _check_children(who: str, optimizer: Optimizer, schedulers: object) -> list[
     return schedulers
 
 
+def _child_kwargs(sched: Any, b: int, kwargs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A container's reset_model arguments: ``schedulers``, one dict of arguments (or None) per scheduler."""
+    sched._check_arg_names(kwargs)
+    n = len(sched._schedulers)
+    given = kwargs.get("schedulers")
+    if given is None:
+        return [{} for _ in range(n)]
+    if not isinstance(given, (list, tuple)) or len(given) != n \
+            or not all(k is None or isinstance(k, Mapping) for k in given):
+        raise TypeError(
+            f"{type(sched).__name__}.reset_model: schedulers must be a list of one dict of model {b}'s "
+            f"arguments (or None) per scheduler ({n}), got {given!r}"
+        )
+    return [dict(k or {}) for k in given]
+
+
+def _step_child(child: LRScheduler, models: torch.Tensor) -> None:
+    """Step ``child`` for ``models``: through its public step() when that is every model."""
+    if bool(models.all()):
+        child.step()
+    else:
+        child._step_models(models)
+
+
 class SequentialLR(LRScheduler):
     """Run hfkern schedulers one after another, switching at shared ``milestones`` (e.g. warm-up, then decay).
+
+    Every model has its own epoch, so after :meth:`reset_model` models may be in
+    different schedulers of the sequence at once: each scheduler steps the
+    models in its stretch, and a model reaching a milestone restarts the next
+    scheduler at its epoch 0 for itself.
 
     Args:
         optimizer: the optimizer every scheduler in ``schedulers`` drives.
@@ -1588,18 +2136,23 @@ class SequentialLR(LRScheduler):
         milestones: ``len(schedulers) - 1`` epochs (ints, the same for every
             model) at which the next scheduler takes over, restarting at its
             epoch 0.
-        last_epoch: index of the last epoch; -1 starts the schedule.
+        last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
+
+    ``reset_model(b, schedulers=None)`` restarts model b in every scheduler, as
+    building them and this SequentialLR anew would; ``schedulers`` gives model
+    b new arguments: one dict (or None) per scheduler, passed to its reset.
     """
 
     _spec = {"B": _spec_same_B, "_schedulers": _spec_children, "_milestones": _spec_milestone_list,
-             "last_epoch": _spec_int(0), "_last_lr": _spec_group_floats}
+             "last_epoch": _spec_ints(0), "_last_lr": _spec_group_floats}
     _spec_replaces = True
     _optional = frozenset()
+    _model_args = ("schedulers",)
 
     def __init__(self, optimizer: Optimizer, schedulers: Sequence[LRScheduler], milestones: Sequence[int],
-                 last_epoch: int = -1) -> None:
+                 last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "SequentialLR")
-        last_epoch = _last_epoch(last_epoch)
+        last_epochs = _epochs(last_epoch, self.B)
         schedulers = _check_children("SequentialLR", optimizer, schedulers)
         milestones = list(milestones)
         for m in milestones:
@@ -1614,7 +2167,7 @@ class SequentialLR(LRScheduler):
             )
         self._schedulers = schedulers
         self._milestones = [int(m) for m in milestones]
-        self.last_epoch = last_epoch + 1
+        self.last_epochs = last_epochs + 1
         self.optimizer = optimizer
 
         nested = [s for c in schedulers for s in _nested(c)]
@@ -1637,30 +2190,70 @@ class SequentialLR(LRScheduler):
         elif hasattr(scheds, "last_epoch"):
             scheds.last_epoch -= 1
 
+    def _undo(self, sched: Any, models: torch.Tensor) -> None:
+        """:meth:`recursive_undo` for ``models`` only."""
+        if hasattr(sched, "_schedulers"):
+            for s in sched._schedulers:
+                self._undo(s, models)
+        elif hasattr(sched, "last_epochs"):
+            sched.last_epochs = torch.where(models, sched.last_epochs - 1, sched.last_epochs)
+
+    def _restart(self, b: int, ctx: _Restart, kwargs: Mapping[str, Any]) -> None:
+        kids = _child_kwargs(self, b, kwargs)
+        one = _one_hot(b, self.B)
+        # As the constructors run: every scheduler starts model b, then this one takes over.
+        for child, kw in zip(self._schedulers, kids, strict=True):
+            child._restart(b, ctx, kw)
+        for i, group in enumerate(self.optimizer.param_groups):
+            initial = _read(group["initial_lr"], self.B, f"param_groups[{i}]['initial_lr']")
+            current = _current_lr(self.optimizer, group, self.B)
+            _set_lr(self.optimizer, group, torch.where(one, initial, current), self.B)
+        self._undo(self, one)
+        first = self._schedulers[bisect_right(self._milestones, 0)]
+        first._initial_step(one)
+        self.last_epochs = torch.where(one, 0, self.last_epochs)
+        self._last_lr = [torch.where(one, v, old) for v, old in zip(first.get_last_lr(), self._last_lr)]
+
     def step(self) -> None:  # type: ignore[override]
-        """Step the scheduler in charge at the next epoch; at a milestone, restart the next one.
+        """Step the scheduler in charge of each model at its next epoch; at a milestone, restart the next one.
 
         A step that raises changes nothing.
         """
-        with _kept_on_error(self):
-            self.last_epoch += 1
-            idx = bisect_right(self._milestones, self.last_epoch)
-            scheduler = self._schedulers[idx]
-            if idx > 0 and self._milestones[idx - 1] == self.last_epoch:
-                scheduler._update_lr(0)
-            else:
-                scheduler.step()
-            self._last_lr = scheduler.get_last_lr()
+        self._step_models(None)
+
+    def _step_models(self, models: torch.Tensor | None = None, epoch: int | None = None) -> None:
+        chosen = torch.ones(self.B, dtype=torch.bool) if models is None else models
+        epochs = torch.where(chosen, self.last_epochs + 1, self.last_epochs)
+        idx = torch.tensor([bisect_right(self._milestones, e) for e in epochs.tolist()])
+        parts = [(k, chosen & (idx == k)) for k in range(len(self._schedulers))]
+        parts = [(k, sel) for k, sel in parts if sel.any()]
+        # One scheduler in charge restores itself if it raises; with several, all are restored.
+        kept = [self] if len(parts) == 1 else [self, *(s for c in self._schedulers for s in _nested(c))]
+        with _kept_on_error(*kept, optimizer=None if len(parts) == 1 else self.optimizer):
+            self.last_epochs = epochs
+            last = self._last_lr
+            for k, sel in parts:
+                scheduler = self._schedulers[k]
+                restart = sel & (epochs == self._milestones[k - 1]) if k > 0 else torch.zeros_like(sel)
+                if restart.any():
+                    scheduler._update_lr(0, None if bool(restart.all()) else restart)
+                if (sel & ~restart).any():
+                    _step_child(scheduler, sel & ~restart)
+                if bool(sel.all()):
+                    last = scheduler.get_last_lr()
+                else:
+                    last = [torch.where(sel, v, old) for v, old in zip(scheduler.get_last_lr(), last)]
+            self._last_lr = last
 
     def state_dict(self) -> dict[str, Any]:
         """Every attribute but the optimizer, with each scheduler's own state under ``_schedulers``."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_schedulers")}
+        state = self._state_entries(skip=("_schedulers",))
         state["_schedulers"] = [s.state_dict() for s in self._schedulers]
         return state
 
     def _apply_state(self, new: dict[str, Any]) -> None:
         loads = new.pop("_schedulers")
-        self.__dict__.update(new)
+        self._store(new)
         for load in loads:
             load()
 
@@ -1673,6 +2266,13 @@ class ChainedScheduler(LRScheduler):
     changes nothing: the schedulers and the optimizer's learning rates (and
     cycled momentum) are restored.
 
+    ``reset_model(b, schedulers=None)`` restarts model b in every scheduler in
+    order, as building them anew on one optimizer would (the first sets
+    ``initial_lr``, the next ones start from the learning rate it leaves);
+    ``schedulers`` gives model b new arguments: one dict (or None) per scheduler.
+    Reset schedulers that share an optimizer through this class: resetting them
+    one by one would give each the learning rate the previous left as its base.
+
     Args:
         schedulers: hfkern schedulers (not :class:`ReduceLROnPlateau`), all of one optimizer.
         optimizer: that optimizer; default: the first scheduler's.
@@ -1681,6 +2281,7 @@ class ChainedScheduler(LRScheduler):
     _spec = {"B": _spec_same_B, "_schedulers": _spec_children, "_last_lr": _spec_group_floats}
     _spec_replaces = True
     _optional = frozenset()
+    _model_args = ("schedulers",)
 
     def __init__(self, schedulers: Sequence[LRScheduler], optimizer: Optimizer | None = None) -> None:
         if not isinstance(schedulers, Iterable):
@@ -1697,17 +2298,30 @@ class ChainedScheduler(LRScheduler):
 
     def step(self) -> None:  # type: ignore[override]
         """Step every chained scheduler once, in order."""
+        self._step_models(None)
+
+    def _step_models(self, models: torch.Tensor | None = None, epoch: int | None = None) -> None:
         nested = [s for c in self._schedulers for s in _nested(c)]
         with _kept_on_error(self, *nested, optimizer=self.optimizer):
             for scheduler in self._schedulers:
-                scheduler.step()
-            self._last_lr = [v.clone() for v in self._lrs()]
+                _step_child(scheduler, torch.ones(self.B, dtype=torch.bool) if models is None else models)
+            if models is None:
+                self._last_lr = [v.clone() for v in self._lrs()]
+            else:
+                self._last_lr = [torch.where(models, v, old) for v, old in zip(self._lrs(), self._last_lr)]
+
+    def _restart(self, b: int, ctx: _Restart, kwargs: Mapping[str, Any]) -> None:
+        kids = _child_kwargs(self, b, kwargs)
+        for child, kw in zip(self._schedulers, kids, strict=True):
+            child._restart(b, ctx, kw)
+        one = _one_hot(b, self.B)
+        self._last_lr = [torch.where(one, v, old) for v, old in zip(self._lrs(), self._last_lr)]
 
     state_dict = SequentialLR.state_dict
     _apply_state = SequentialLR._apply_state
 
 
-class ReduceLROnPlateau(_Loadable, _torch.ReduceLROnPlateau):
+class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):
     """Reduce each model's learning rate when its own metric stops improving.
 
     ``step(metrics)`` takes one metric per model (a length-B sequence, a
@@ -1725,16 +2339,22 @@ class ReduceLROnPlateau(_Loadable, _torch.ReduceLROnPlateau):
         min_lr: lower bound, per model; or per param group as a list of
             per-model values (e.g. ``[[0.0, 1e-4, 1e-3], 1e-5]``). Default 0.
         eps: reductions smaller than this are skipped, per model. Default 1e-8.
+
+    ``reset_model(b, **kwargs)`` forgets model b's best value, bad epochs and
+    cooldown and restarts its epoch count; ``kwargs``: model b's new ``factor``,
+    ``patience``, ``threshold``, ``cooldown``, ``min_lr`` (one number, or one per
+    param group) or ``eps``.
     """
 
     _spec = {"B": _spec_same_B, "factor": _spec_floats(0.0, 1.0, hi_open=True), "min_lrs": _spec_group_floats,
              "default_min_lr": _spec_optional_floats, "patience": _spec_ints(0), "cooldown": _spec_ints(0),
-             "eps": _spec_floats(), "last_epoch": _spec_int(0), "_last_lr": _spec_group_floats,
+             "eps": _spec_floats(), "last_epoch": _spec_ints(0), "_last_lr": _spec_group_floats,
              "mode_worse": _spec_mode_worse, "mode": _spec_choice("min", "max"), "threshold": _spec_floats(),
              "threshold_mode": _spec_choice("rel", "abs"), "best": _spec_any_floats,
              "cooldown_counter": _spec_ints(0), "num_bad_epochs": _spec_ints(0)}
     _spec_replaces = True
     _optional = frozenset()
+    _model_args = ("factor", "patience", "threshold", "cooldown", "min_lr", "eps")
 
     def __init__(
         self,
@@ -1757,7 +2377,7 @@ class ReduceLROnPlateau(_Loadable, _torch.ReduceLROnPlateau):
         self.patience = self._arg("patience", patience)
         self.cooldown = self._arg("cooldown", cooldown)
         self.eps = self._arg("eps", eps)
-        self.last_epoch = 0
+        self.last_epochs = torch.zeros(B, dtype=torch.int64)
         self._last_lr = [_current_lr(optimizer, g, B).clone() for g in groups]
         self._init_is_better(mode=mode, threshold=threshold, threshold_mode=threshold_mode)
         self._reset()
@@ -1767,6 +2387,24 @@ class ReduceLROnPlateau(_Loadable, _torch.ReduceLROnPlateau):
         self.best = torch.full((self.B,), self.mode_worse, dtype=_F64)
         self.cooldown_counter = torch.zeros(self.B, dtype=torch.int64)
         self.num_bad_epochs = torch.zeros(self.B, dtype=torch.int64)
+
+    def _restart(self, b: int, ctx: _Restart, kwargs: Mapping[str, Any]) -> None:
+        self._set_model_args(b, kwargs)
+        self.best = _with(self.best, b, self.mode_worse)
+        self.cooldown_counter = _with(self.cooldown_counter, b, 0)
+        self.num_bad_epochs = _with(self.num_bad_epochs, b, 0)
+        self.last_epochs = _with(self.last_epochs, b, 0)
+        one = _one_hot(b, self.B)
+        self._last_lr = [torch.where(one, _current_lr(self.optimizer, g, self.B), old)
+                         for g, old in zip(self.optimizer.param_groups, self._last_lr)]
+
+    def _set_model_arg(self, b: int, name: str, value: object) -> None:
+        if name != "min_lr":
+            return super()._set_model_arg(b, name, value)
+        values = _per_group_values(value, len(self.min_lrs), f"{type(self).__name__}.reset_model", name, b)
+        self.min_lrs = [_with(t, b, v[0]) for t, v in zip(self.min_lrs, values, strict=True)]
+        if self.default_min_lr is not None and not isinstance(value, (list, tuple)):
+            self.default_min_lr = _with(self.default_min_lr, b, values[0][0])
 
     def _metrics(self, metrics: object) -> torch.Tensor:
         B = self.B
@@ -1807,11 +2445,14 @@ class ReduceLROnPlateau(_Loadable, _torch.ReduceLROnPlateau):
         """Record one epoch's metrics, ``[B]`` (one per model), and reduce where a plateau is reached."""
         current = self._metrics(metrics)
         if epoch is None:
-            epoch = self.last_epoch + 1
+            epochs = self.last_epochs + 1
         else:
             warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
+            if not _is_int(epoch):
+                raise TypeError(f"ReduceLROnPlateau.step: epoch must be an int, got {epoch!r}")
+            epochs = torch.full((self.B,), int(epoch), dtype=torch.int64)
         with _kept_on_error(self):
-            self.last_epoch = epoch
+            self.last_epochs = epochs
 
             better = self._is_better(current, self.best)
             self.best = torch.where(better, current, self.best)
@@ -1824,7 +2465,7 @@ class ReduceLROnPlateau(_Loadable, _torch.ReduceLROnPlateau):
 
             reduce = self.num_bad_epochs > self.patience
             if reduce.any():
-                self._reduce_lr(epoch, reduce)
+                self._reduce_lr(self.last_epoch, reduce)
             self.cooldown_counter = torch.where(reduce, self.cooldown, self.cooldown_counter)
             self.num_bad_epochs = torch.where(reduce, 0, self.num_bad_epochs)
             self._last_lr = [_current_lr(self.optimizer, g, self.B).clone() for g in self.optimizer.param_groups]
@@ -1880,5 +2521,5 @@ class ReduceLROnPlateau(_Loadable, _torch.ReduceLROnPlateau):
         return self._last_lr
 
     def _apply_state(self, new: dict[str, Any]) -> None:
-        self.__dict__.update(new)
+        self._store(new)
         self.mode_worse = math.inf if self.mode == "min" else -math.inf
