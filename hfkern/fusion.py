@@ -1078,8 +1078,11 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
         forwards[mode] = namespace["forward"]
     object.__setattr__(fused, "_graphs", rewritten)
     object.__setattr__(fused, "_forwards", forwards)
+    # The modules whose `self.training` the captured code may have read: not the
+    # leaves (they read their own mode when they run) nor anything inside them.
     object.__setattr__(fused, "_mode_paths", tuple(
-        p for p, _ in first.named_modules() if not in_array_leaf(p) and p not in leaves))
+        p for p, _ in first.named_modules()
+        if not any(p == leaf or p.startswith(leaf + ".") for leaf in leaves)))
     return fused.train(first.training)
 
 
