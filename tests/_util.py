@@ -107,3 +107,32 @@ def assert_state_equal(array: nn.Module, modules: Sequence[nn.Module]) -> None:
         assert type(m) is type(modules[b])
         for k, v in m.state_dict().items():
             assert torch.equal(v, sd[k][b])
+
+
+def check_against_modules(array, modules, x, xs, leaf, akw, mkws, *, shared=False, grads=True, fwd_tol=None):
+    """Forward, input and per-parameter (by name) gradients of ``array(x, **akw)`` against the B
+    torch modules' ``modules[b](xs[b], **mkws[b])`` (``leaf``: the tensor ``x`` was made from, as
+    :func:`array_input` returns it; ``shared``: the input gradient is the sum over the models)."""
+    y = array(x, **akw)
+    ys = [m(xs[b], **mkws[b]) for b, m in enumerate(modules)]
+    torch.testing.assert_close(y, torch.stack(ys), **(fwd_tol or {}))
+    if not grads:
+        return y
+    g = torch.randn_like(y)
+    names, params = zip(*array.named_parameters())
+    got = torch.autograd.grad(y, [leaf, *params], g)
+    got_p = dict(zip(names, got[1:]))
+    gsum = 0
+    for b, m in enumerate(modules):
+        m_names, m_params = zip(*m.named_parameters())
+        assert sorted(m_names) == sorted(names)
+        ref = torch.autograd.grad(ys[b], [xs[b], *m_params], g[b])
+        if shared:
+            gsum = gsum + ref[0]
+        else:
+            torch.testing.assert_close(got[0][b], ref[0], **GRAD_TOL)
+        for n, gr in zip(m_names, ref[1:]):
+            torch.testing.assert_close(got_p[n][b], gr, **GRAD_TOL, msg=lambda s: f"{n}: {s}")
+    if shared:
+        torch.testing.assert_close(got[0], gsum, **GRAD_TOL)
+    return y

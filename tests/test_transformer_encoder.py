@@ -9,7 +9,7 @@ from torch import nn
 import hfkern
 import hfkern.nn as hnn
 from hfkern.nn import StateDictError
-from _util import GRAD_TOL, array_input
+from _util import array_input, check_against_modules
 
 E, S, N, FF = 12, 5, 4, 20
 FWD_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -53,31 +53,9 @@ def _src_shape(batch_first, batched=True):
     return (N, S, E) if batch_first else (S, N, E)
 
 
-def _check(array, modules, x, xs, leaf, akw, mkws, *, shared=False, grads=True, fwd_tol=FWD_TOL):
-    """Forward, input and per-parameter (by name) gradients against the B torch encoders."""
-    y = array(x, **akw)
-    ys = [m(xs[b], **mkws[b]) for b, m in enumerate(modules)]
-    torch.testing.assert_close(y, torch.stack(ys), **fwd_tol)
-    if not grads:
-        return y
-    g = torch.randn_like(y)
-    names, params = zip(*array.named_parameters())
-    got = torch.autograd.grad(y, [leaf, *params], g)
-    got_p = dict(zip(names, got[1:]))
-    gsum = 0
-    for b, m in enumerate(modules):
-        m_names, m_params = zip(*m.named_parameters())
-        assert sorted(m_names) == sorted(names)
-        ref = torch.autograd.grad(ys[b], [xs[b], *m_params], g[b])
-        if shared:
-            gsum = gsum + ref[0]
-        else:
-            torch.testing.assert_close(got[0][b], ref[0], **GRAD_TOL)
-        for n, gr in zip(m_names, ref[1:]):
-            torch.testing.assert_close(got_p[n][b], gr, **GRAD_TOL, msg=lambda s: f"{n}: {s}")
-    if shared:
-        torch.testing.assert_close(got[0], gsum, **GRAD_TOL)
-    return y
+def _check(*args, fwd_tol=FWD_TOL, **kwargs):
+    """Forward, input and per-parameter gradients against the B torch encoders."""
+    return check_against_modules(*args, fwd_tol=fwd_tol, **kwargs)
 
 
 def _state_matches(array, modules):

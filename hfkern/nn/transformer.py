@@ -34,6 +34,43 @@ except ImportError:  # private torch helpers; their rule, replicated
 __all__ = ["TransformerEncoderLayer", "TransformerEncoder"]
 
 
+def _prepare_src(name: str, layer: "TransformerEncoderLayer", src: torch.Tensor,
+                 mask: torch.Tensor | None, mask_name: str, key_padding_mask: torch.Tensor | None):
+    """Check ``src`` and the masks of an encoder (layer), under their names, as torch does.
+
+    Returns ``(x, mask, key_padding_mask, mask5)``: both masks float (as torch
+    converts them, so attention sees one kind), the attention mask in the
+    explicit 4-D form ``[1 or B, 1 or N*nhead, S, S]`` that self_attn cannot
+    misread (a ``[B, S, S]`` mask with ``B == N*nhead`` is otherwise ambiguous),
+    and ``mask5``, its ``[1 or B, 1 or N, 1 or H, S, S]`` view (None without a mask).
+    """
+    x = check_input(name, src, layer.B, (2, 3), layer.linear1.weight, "src")
+    d_model = layer.self_attn.embed_dim
+    if x.size(-1) != d_model:
+        raise ValueError(
+            f"{name}: expected src with d_model={d_model} features in its last dim, "
+            f"got shape {list(x.shape)}"
+        )
+    if (isinstance(mask, torch.Tensor) and isinstance(key_padding_mask, torch.Tensor)
+            and mask.dtype != key_padding_mask.dtype):
+        warnings.warn(
+            f"Support for mismatched src_key_padding_mask and {mask_name} is deprecated. "
+            "Use same type for both instead.",
+            stacklevel=4,
+        )
+    key_padding_mask = _float_mask(name, key_padding_mask, "src_key_padding_mask", x)
+    mask = _float_mask(name, mask, mask_name, x)
+    batched = x.dim() == 4
+    batch_first = layer.self_attn.batch_first
+    S = x.size(2 if batch_first and batched else 1)
+    N = (x.size(1) if batch_first else x.size(2)) if batched else 1
+    key_padding_mask_5d(name, "src_key_padding_mask", key_padding_mask, layer.B, N, S, batched)
+    mask5 = attn_mask_5d(name, mask_name, mask, layer.B, layer.self_attn.num_heads, N, S, S)
+    if mask5 is not None:
+        mask = mask5.reshape(mask5.size(0), mask5.size(1) * mask5.size(2), S, S)
+    return x, mask, key_padding_mask, mask5
+
+
 class TransformerEncoderLayer(ArrayModule):
     """B ``torch.nn.TransformerEncoderLayer`` models.
 
@@ -120,34 +157,8 @@ class TransformerEncoderLayer(ArrayModule):
         is_causal: bool = False,
     ) -> torch.Tensor:
         """One encoder layer per model: ``[B, S, N, E]`` (or as in the class docstring) to the same shape."""
-        name = "TransformerEncoderLayer"
-        x = check_input(name, src, self.B, (2, 3), self.linear1.weight, "src")
-        d_model = self.self_attn.embed_dim
-        if x.size(-1) != d_model:
-            raise ValueError(
-                f"{name}: expected src with d_model={d_model} features in its last dim, "
-                f"got shape {list(x.shape)}"
-            )
-        if (isinstance(src_mask, torch.Tensor) and isinstance(src_key_padding_mask, torch.Tensor)
-                and src_mask.dtype != src_key_padding_mask.dtype):
-            warnings.warn(
-                "Support for mismatched src_key_padding_mask and src_mask is deprecated. "
-                "Use same type for both instead.",
-                stacklevel=2,
-            )
-        # As torch does, both masks become float here so attention sees one kind.
-        src_key_padding_mask = _float_mask(name, src_key_padding_mask, "src_key_padding_mask", x)
-        src_mask = _float_mask(name, src_mask, "src_mask", x)
-        # The masks are checked here, under their names, and the attention mask
-        # is handed on in an explicit 4-D form that self_attn cannot misread.
-        batched = x.dim() == 4
-        S = x.size(2 if self.self_attn.batch_first and batched else 1)
-        N = (x.size(1) if self.self_attn.batch_first else x.size(2)) if batched else 1
-        H = self.self_attn.num_heads
-        key_padding_mask_5d(name, "src_key_padding_mask", src_key_padding_mask, self.B, N, S, batched)
-        mask5 = attn_mask_5d(name, "src_mask", src_mask, self.B, H, N, S, S)
-        if mask5 is not None:
-            src_mask = mask5.reshape(mask5.size(0), mask5.size(1) * mask5.size(2), S, S)
+        x, src_mask, src_key_padding_mask, _ = _prepare_src(
+            "TransformerEncoderLayer", self, src, src_mask, "src_mask", src_key_padding_mask)
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
             x = x + self._ff_block(self.norm2(x))
@@ -436,36 +447,10 @@ class TransformerEncoder(ArrayModule):
         is_causal: bool | None = None,
     ) -> torch.Tensor:
         """The layers in turn, then ``norm``: ``[B, S, N, E]`` (or as in the class docstring), same shape out."""
-        name = "TransformerEncoder"
-        first = self.layers[0]
-        x = check_input(name, src, self.B, (2, 3), first.linear1.weight, "src")
-        d_model = first.self_attn.embed_dim
-        if x.size(-1) != d_model:
-            raise ValueError(
-                f"{name}: expected src with d_model={d_model} features in its last dim, "
-                f"got shape {list(x.shape)}"
-            )
-        if (isinstance(mask, torch.Tensor) and isinstance(src_key_padding_mask, torch.Tensor)
-                and mask.dtype != src_key_padding_mask.dtype):
-            warnings.warn(
-                "Support for mismatched src_key_padding_mask and mask is deprecated. "
-                "Use same type for both instead.",
-                stacklevel=2,
-            )
-        # Converted once here, so the layers see float masks of one kind and do not warn again.
-        src_key_padding_mask = _float_mask(name, src_key_padding_mask, "src_key_padding_mask", x)
-        mask = _float_mask(name, mask, "mask", x)
-        batched = x.dim() == 4
-        batch_first = first.self_attn.batch_first
-        S = x.size(2 if batch_first and batched else 1)
-        N = (x.size(1) if batch_first else x.size(2)) if batched else 1
-        H = first.self_attn.num_heads
-        key_padding_mask_5d(name, "src_key_padding_mask", src_key_padding_mask, self.B, N, S, batched)
-        mask5 = attn_mask_5d(name, "mask", mask, self.B, H, N, S, S)
+        x, mask, src_key_padding_mask, mask5 = _prepare_src(
+            "TransformerEncoder", self.layers[0], src, mask, "mask", src_key_padding_mask)
+        S = x.size(2 if self.layers[0].self_attn.batch_first and x.dim() == 4 else 1)
         is_causal = _detect_is_causal(mask5, is_causal, S)
-        if mask5 is not None:
-            # The explicit 4-D form: a [B, S, S] mask with B == N*nhead is not ambiguous to the layers.
-            mask = mask5.reshape(mask5.size(0), mask5.size(1) * mask5.size(2), S, S)
         for layer in self.layers:
             x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
         if self.norm is not None:
