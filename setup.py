@@ -306,7 +306,8 @@ def main() -> None:
         extras_require={
             "triton": ["triton>=3.6,<3.10"],
             "demo": ["scikit-learn", "tqdm", "rich"],
-            "test": ["pytest", "scikit-learn", "tqdm", "rich", "triton>=3.6,<3.10"],
+            "bench": ["matplotlib", "tqdm"],
+            "test": ["pytest", "scikit-learn", "tqdm", "rich", "matplotlib", "triton>=3.6,<3.10"],
         },
         zip_safe=False,
     )

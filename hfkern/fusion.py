@@ -245,7 +245,14 @@ def _flatten(x, start_dim=0, end_dim=-1):
 
 
 def _view(x, *shape):
-    return x.view(x.size(0), *_shape(shape))
+    shape = (x.size(0), *_shape(shape))
+    try:
+        return x.view(shape)
+    except RuntimeError:
+        # A view torch allows on one model's contiguous tensor can fail on the
+        # array, whose layout is the array ops' business (a linear on a shared
+        # input returns a [B, N, ...] view of [N, B, ...] memory): copy instead.
+        return x.reshape(shape)
 
 
 def _reshape(x, *shape):

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The repository root: tests import the benchmark workloads (bench.models).
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It
 # must be chosen before triton is first imported (hfkern imports it lazily).

@@ -348,3 +348,50 @@ def test_compile_matches_eager():
     assert_close(out, ref, **TOL)
     for p, g in zip(fused.parameters(), grads):
         assert_close(p.grad, g, **GRAD_TOL)
+
+
+class _ViewAfterSharedLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3 * 8)
+        self.conv = nn.Conv1d(3, 4, 3)
+
+    def forward(self, x):
+        # .view of the linear's output: contiguous for one torch model, a [B, N, ...]
+        # view of [N, B, ...] memory for the array on a shared input
+        return self.conv(self.fc(x).view(-1, 3, 8))
+
+
+def test_view_of_an_array_whose_layout_is_not_viewable():
+    torch.manual_seed(0)
+    models = [_ViewAfterSharedLinear() for _ in range(3)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(5, 6)
+    out = fused(hfkern.broadcast(x, 3))
+    assert_close(out, torch.stack([m(x) for m in models]), **TOL)
+
+
+def test_bert_with_padding_mask_and_tied_decoder():
+    """BERT-small's code: three shared inputs, ``src_key_padding_mask`` built from one of
+    them, GELU layers and a decoder tied to the word embedding; forward, gradients and
+    the tie through an optimizer step."""
+    from bench.models import WORKLOADS, BertSmall
+
+    torch.manual_seed(0)
+    B = 3
+    models = [BertSmall(vocab=29, hidden=8, num_layers=2, nhead=2, dim_ff=12, max_len=9, dropout=0.0)
+              for _ in range(B)]
+    fused = hfkern.fuse(models)
+    ids, types, attention, labels = WORKLOADS["bert_small"].batch("smoke", seed=1)
+    assert not attention.bool().all()                  # some positions are padding
+    out = fused(*(hfkern.broadcast(t, B) for t in (ids, types, attention)))
+    ref = torch.stack([m(ids, types, attention) for m in models])
+    assert_close(out, ref, **TOL)
+    loss = lambda o: F.cross_entropy(o.reshape(-1, o.size(-1)), labels.reshape(-1))  # noqa: E731
+    sum(loss(out[b]) for b in range(B)).backward()
+    sum(loss(ref[b]) for b in range(B)).backward()
+    for key, p in fused.named_parameters():
+        for b, m in enumerate(models):
+            assert_grad_close(p.grad[b], m.get_parameter(key).grad, key)
+    hfkern.optim.AdamW(fused.parameters(), lr=[1e-2, 1e-3, 1e-4]).step()
+    assert fused.get_parameter("decoder.weight") is fused.get_parameter("word.weight")

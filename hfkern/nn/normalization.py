@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn import init
 
 from .._array import check_channels, check_input, is_shared, per_model_memory_first
+from .._dtypes import acc_dtype
 from ..ops.batch_norm import array_batch_norm
 from ..ops.layer_norm import array_layer_norm, array_rms_norm
 from ._base import ArrayModule, torch_module
@@ -122,7 +123,9 @@ class RMSNorm(ArrayModule):
     def forward(self, input: Tensor) -> Tensor:
         x = _check_trailing("RMSNorm", input, self.B, self.normalized_shape, self.weight)
         n = len(self.normalized_shape)
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        # torch's default is the epsilon of the dtype it computes in (float32 for
+        # bfloat16 and float16 input), not of the input's dtype.
+        eps = torch.finfo(acc_dtype(x.dtype)).eps if self.eps is None else self.eps
         if is_shared(x) and self.weight is None:
             return array_rms_norm(x[:1], None, n, eps)[0].expand(x.shape)
         return array_rms_norm(x, self.weight, n, eps)[0]

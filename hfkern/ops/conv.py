@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
+from . import _autocast
 from .._array import check_conv_args, conv_output_size, from_grouped, new_batch_major, op_result, to_grouped
 
 __all__ = ["array_conv", "array_conv_input_grad", "array_conv_weight_grad"]
@@ -332,3 +333,6 @@ def _weight_grad_backward(ctx, grad_grad_w):
 
 
 array_conv_weight_grad.register_autograd(_weight_grad_backward, setup_context=_weight_grad_setup_context)
+
+# Under torch.autocast a convolution runs in the region's dtype on every device, as torch's does.
+_autocast.register("hfkern::array_conv", "lower")

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
+from . import _autocast
 from .._dtypes import acc_dtype
 
 __all__ = [
@@ -537,3 +538,8 @@ array_rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup_context
 array_rms_norm_backward.register_autograd(
     _norm_backward_backward, setup_context=_norm_backward_setup_context
 )
+
+# torch runs layer norm in float32 under CUDA autocast and in its input's dtype on the CPU;
+# RMS norm follows it.
+_autocast.register("hfkern::array_layer_norm", "fp32", ("cuda",))
+_autocast.register("hfkern::array_rms_norm", "fp32", ("cuda",))
