@@ -1,10 +1,24 @@
 #!/usr/bin/env bash
-# One GPU session in one command, run from the repository root of a checkout on
-# a CUDA machine with torch and Triton installed (nothing is downloaded):
+# One GPU session in two commands (each within one command's time limit), run
+# from the repository root of a checkout on a CUDA machine with torch and Triton
+# installed (nothing is downloaded):
 #
-#     bash bench/gpu_run.sh
+#     bash bench/gpu_run.sh          # part "kernels": tests, kernel and optimizer benchmarks
+#     bash bench/gpu_run.sh train    # part "train": end-to-end training throughput
 #
-# Stages (each one's exit status is recorded; a failing stage never stops the next):
+# Part "train" (after the build and environment stages below):
+#   train        bench/train_throughput.py at the published sizes (bench/models, size
+#                "full"): serial, concurrent, vmap and the array per backend, with and
+#                without torch.compile, fp32 and bf16, B over TRAIN_B with --bisect for
+#                the largest array that fits, the workloads with the published targets
+#                first, within the part's budget less the convergence check's
+#   convergence  bench/convergence.py: the ResNet-18 array with three learning rates
+#                against three torch models, 50 steps (HFKERN_CONVERGENCE_SECONDS, 120)
+#   Results in $OUT: train_<device>_<date>.json / .md (and the plots where matplotlib is
+#   installed; else `python bench/train_throughput.py --report FILE.json` draws them),
+#   convergence_resnet18_<device>_<date>.json, gpu_run_train.log.
+#
+# Part "kernels" stages (each one's exit status is recorded; a failing stage never stops the next):
 #   1. build        the CUDA extension hfkern._C in place (python setup.py build_ext
 #                   --inplace: HFKERN_BUILD_CUDA=1, HFKERN_BUILD_EMU=0, for
 #                   HFKERN_CUDA_ARCHS, default 90), with the machine's nvcc, cmake,
@@ -46,6 +60,9 @@
 #   HFKERN_OPTIM_SECONDS cap on the optimizer benchmark's time budget (default 75)
 #   HFKERN_GRAPH_SECONDS cap on the graph-timed benchmark's time budget (default 90)
 #   HFKERN_CUDA_ARCHS    the architectures hfkern._C is built for (default 90: H100/H200)
+#   TRAIN_B              the array sizes of part "train" (default "1 4 16 32 64")
+#   TRAIN_ARGS           extra options for train_throughput.py, e.g. "--workloads resnet18"
+#   HFKERN_CONVERGENCE_SECONDS  cap on the convergence check (default 120)
 #   PYTHON               the interpreter (default python3)
 #
 # hfkern is used in place through PYTHONPATH (no pip install, so no dependency
@@ -64,6 +81,17 @@ OPTIM_ARGS=${OPTIM_ARGS:-}
 OPTIM_SECONDS=${HFKERN_OPTIM_SECONDS:-75}
 GRAPH_SECONDS=${HFKERN_GRAPH_SECONDS:-90}
 XDIST_WORKERS=${HFKERN_TEST_WORKERS:-8}
+TRAIN_B=${TRAIN_B:-1 4 16 32 64}
+TRAIN_ARGS=${TRAIN_ARGS:-}
+CONVERGENCE_SECONDS=${HFKERN_CONVERGENCE_SECONDS:-120}
+PART=${1:-kernels}
+case $PART in
+kernels | train) ;;
+*)
+    echo "usage: bash bench/gpu_run.sh [kernels|train] (got '$PART')" >&2
+    exit 2
+    ;;
+esac
 PY=${PYTHON:-python3}
 START=$(date +%s)
 
@@ -256,6 +284,39 @@ report() {
     fi
 }
 
+# train: the end-to-end benchmark, the workloads with published targets first; the
+# time budget stops new cells, SIGINT after a grace period makes it write what it has.
+train() {
+    local budget
+    budget=$(max 60 $(($(left) - RESERVE - CONVERGENCE_SECONDS)))
+    echo "train_throughput.py: time budget ${budget} s, B = $TRAIN_B"
+    # shellcheck disable=SC2086  # TRAIN_B and TRAIN_ARGS are lists
+    timeout -s INT -k 30 $((budget + 90)) "$PY" bench/train_throughput.py --size full \
+        --workloads resnet18 pointnet mobilenet_v2 dcgan transformer_lm bert_small \
+        --B $TRAIN_B --bisect --rounds 3 --steps 3 --time-budget "$budget" --out "$OUT" $TRAIN_ARGS
+}
+
+convergence() {
+    timeout -k 10 "$(max 30 "$(min "$CONVERGENCE_SECONDS" $(($(left) - 10)))")" \
+        "$PY" bench/convergence.py --steps 50 --out "$OUT"
+}
+
+main_train() {
+    : >"$STAGES"
+    echo "hfkern GPU run, part train: results in $OUT, target ${RUN_SECONDS} s"
+    run_stage build build_extension
+    run_stage environment environment
+    run_stage train train
+    run_stage convergence convergence
+    echo
+    echo "=== stages (exit status, seconds) ==="
+    cat "$STAGES"
+    echo "total: $(($(date +%s) - START)) s; files in $OUT:"
+    ls -l "$OUT"
+    rm -rf "$WORK"
+    return $FAILED
+}
+
 main() {
     : >"$STAGES"
     echo "hfkern GPU run: results in $OUT, target ${RUN_SECONDS} s"
@@ -288,9 +349,14 @@ for n, fam in sorted(f.discover().items(), key=lambda kv: (len(kv[1].shapes), kv
     cat "$STAGES"
     echo "total: $(($(date +%s) - START)) s; files in $OUT:"
     ls -l "$OUT"
+    echo "next: the end-to-end part, bash bench/gpu_run.sh train"
     rm -rf "$WORK"
     return $FAILED
 }
 
-main 2>&1 | tee "$OUT/gpu_run.log"
+if [[ $PART == train ]]; then
+    main_train 2>&1 | tee "$OUT/gpu_run_train.log"
+else
+    main 2>&1 | tee "$OUT/gpu_run.log"
+fi
 exit "${PIPESTATUS[0]}"

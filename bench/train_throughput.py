@@ -1,0 +1,878 @@
+"""End-to-end training throughput of the published workloads (bench/models): B
+models trained as one hfkern array against what a user would do instead.
+
+Modes (``--modes``):
+
+* ``serial``: the B torch models one after another in one process, each with
+  its own ``torch.optim`` optimizer;
+* ``concurrent``: B processes sharing the device, one model each (on a CPU,
+  each process gets ``threads // B`` threads, at least one);
+* ``vmap``: one model's code over the stacked parameters
+  (``torch.func.stack_module_state`` + ``functional_call`` under ``torch.vmap``),
+  stepped by the hfkern array optimizer (torch.optim cannot give stacked
+  parameters a learning rate per model);
+* ``array``: ``hfkern.fuse`` of the B models with the hfkern array optimizer,
+  once per backend (``--backends``; by default those available on the device:
+  ``torch`` is the original paper's method, cuDNN grouped conv and batched
+  GEMM; ``triton`` and ``cuda`` are hfkern's kernels);
+* ``array+compile``: the same with the fused model under ``torch.compile``
+  (forward and backward; compile time is reported, not timed).
+
+Every mode trains the same networks from the same initial weights (model b of
+every mode is built under the same seed) on the same synthetic batch, with the
+learning rates of ``Workload.learning_rates(B)``. Precisions (``--precisions``):
+``fp32`` and ``bf16`` (the forward under ``torch.autocast``, losses in fp32).
+
+Each mode runs in processes of its own (a forkserver with torch preloaded), so
+that peak memory is the mode's own: on CUDA ``torch.cuda.max_memory_allocated``
+(summed over the processes of ``concurrent``; the per-process CUDA contexts
+come on top), on a CPU the peak resident memory above the process's resident
+memory after its imports. The modes of one cell (workload, precision, B) run
+interleaved: each round times ``--steps`` steps of every mode in turn after an
+untimed step, and the median over ``--rounds`` rounds is reported, so that a
+drift of the machine's speed reaches all modes alike.
+
+B sweeps 1, 2, 4, ... up to ``--max-B``; a mode that runs out of memory (or
+whose step exceeds ``--max-step-seconds``) is dropped for larger B. With
+``--bisect``, the largest B that fits the array modes is then found by
+bisection between the last B that fitted and the first that did not.
+
+At ``--profile-B`` each mode's step is profiled with ``torch.profiler`` (top ops
+by self time, device time on CUDA); the summary names, for each mode slower
+than the best, the op whose time grows most against the best mode.
+
+Outputs in ``--out`` (default bench/results), named ``train_<device>_<date>``:
+``.json`` (rows: workload, mode, backend, B, precision, samples/s, step time,
+peak MB, speedups, device, versions, date; profiles; gaps), ``.md`` (the
+summary) and ``_<workload>.png`` (throughput against B; needs matplotlib).
+
+    python bench/train_throughput.py --smoke                     # tiny, every mode, seconds
+    python bench/train_throughput.py                             # CPU: size "cpu", B up to 16
+    python bench/train_throughput.py --workloads resnet18 --B 1 2 4 8 16 --precisions fp32
+    python bench/train_throughput.py --report bench/results/train_<device>_<date>.json  # summary, plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+MODES = ("serial", "concurrent", "vmap", "array", "array+compile")
+PRECISIONS = ("fp32", "bf16")
+ARRAY_MODES = ("array", "array+compile")
+
+
+# ==== the worker side: one mode's models, optimizers and data in one process ====================
+def _optimizer_class(package, name: str):
+    return getattr(package, {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[name])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Memory:
+    """Peak memory of this process from now on: CUDA's allocator peak, or on a CPU
+    the peak resident set (reset through /proc/self/clear_refs) above the
+    resident set at construction."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = 0
+            return
+        self.base = self._status("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")                      # resets VmHWM to the current resident set
+        except OSError:
+            self.base = None
+
+    @staticmethod
+    def _status(key: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+    def peak_bytes(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        hwm = self._status("VmHWM")
+        return None if self.base is None or hwm is None else max(hwm - self.base, 0)
+
+
+class Runner:
+    """One mode's training state for models ``indices`` of an array of B, and its step.
+
+    ``spec``: workload, size, mode, backend, precision, B, indices, device, seed.
+    """
+
+    def __init__(self, spec: dict):
+        import hfkern
+        from bench.models import WORKLOADS
+
+        self.hfkern = hfkern
+        self.spec = spec
+        self.w = WORKLOADS[spec["workload"]]
+        self.device = torch.device(spec["device"])
+        self.mode = spec["mode"]
+        self.B = spec["B"]
+        self.indices = list(spec["indices"])
+        self.autocast = spec["precision"] == "bf16"
+        lrs = self.w.learning_rates(self.B)
+        opt_name, opt_kwargs = self.w.optimizer
+        self.batch = tuple(t.to(self.device) for t in self.w.batch(spec["size"], seed=spec["seed"]))
+        self.backend = spec.get("backend")
+
+        # model b of net n: the same initial weights in every mode and process
+        def build(net: str, b: int):
+            torch.manual_seed(spec["seed"] * 7919 + 1000 * self.w.nets.index(net) + b)
+            return self.w.build(net, spec["size"]).to(self.device)
+
+        if self.mode in ("serial", "concurrent"):
+            self.models = {n: [build(n, b) for b in self.indices] for n in self.w.nets}
+            self.opts = {n: [_optimizer_class(torch.optim, opt_name)(m.parameters(), lr=lrs[b], **opt_kwargs)
+                             for m, b in zip(self.models[n], self.indices)] for n in self.w.nets}
+            return
+        models = {n: [build(n, b) for b in range(self.B)] for n in self.w.nets}
+        array_opt = _optimizer_class(hfkern.optim, opt_name)
+        if self.mode == "vmap":
+            self._vmapped: dict = {}
+            self.stacked = {}
+            for n, ms in models.items():
+                params, buffers = torch.func.stack_module_state(ms)
+                # Model 0 lends its code; a meta copy would not do: functional_call
+                # re-ties tied weights (BERT's decoder) through the module's own tensors.
+                self.stacked[n] = (ms[0], params, buffers)
+            self.opts = {n: array_opt(list(self.stacked[n][1].values()), lr=lrs, **opt_kwargs) for n in self.w.nets}
+            return
+        self.arrays = {n: hfkern.fuse(ms) for n, ms in models.items()}
+        self.opts = {n: array_opt(a.parameters(), lr=lrs, **opt_kwargs) for n, a in self.arrays.items()}
+        self.forward = dict(self.arrays)
+        if self.mode == "array+compile":
+            self.forward = {n: torch.compile(a, backend=spec["compile_backend"]) for n, a in self.arrays.items()}
+
+    # -- one step ----------------------------------------------------------------------------
+    def _autocast(self):
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _one_model(self, k: int):
+        def apply(net, *inputs, per_model=False):
+            if per_model:
+                inputs = tuple(x.squeeze(0) for x in inputs)
+            with self._autocast():
+                out = self.models[net][k](*inputs)
+            return out.float().unsqueeze(0)
+
+        def update(net, losses):
+            opt = self.opts[net][k]
+            opt.zero_grad()
+            losses.sum().backward()
+            opt.step()
+        return apply, update
+
+    def _array_apply(self, net, *inputs, per_model=False):
+        if not per_model:
+            inputs = tuple(self.hfkern.broadcast(x, self.B) for x in inputs)
+        with self._autocast():
+            out = self.forward[net](*inputs)
+        return out.float()
+
+    def _vmap_apply(self, net, *inputs, per_model=False):
+        base, params, buffers = self.stacked[net]
+        key = (net, len(inputs), per_model)
+        if key not in self._vmapped:
+            def one(p, b, *xs):
+                return torch.func.functional_call(base, (p, b), xs)
+            dims = (0, 0) + ((0 if per_model else None),) * len(inputs)
+            self._vmapped[key] = torch.vmap(one, in_dims=dims, randomness="different")
+        with self._autocast():
+            out = self._vmapped[key](params, buffers, *inputs)
+        return out.float()
+
+    def _array_update(self, net, losses):
+        opt = self.opts[net]
+        opt.zero_grad()
+        losses.sum().backward()
+        opt.step()
+
+    def step(self) -> torch.Tensor:
+        if self.mode in ("serial", "concurrent"):
+            return torch.cat([self.w.step(*self._one_model(k), self.batch) for k in range(len(self.indices))])
+        apply = self._vmap_apply if self.mode == "vmap" else self._array_apply
+        if self.backend is None:
+            return self.w.step(apply, self._array_update, self.batch)
+        with self.hfkern.use_backend(self.backend):
+            return self.w.step(apply, self._array_update, self.batch)
+
+    def run(self, steps: int) -> tuple[float, float]:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        _sync(self.device)
+        return t0, time.perf_counter()
+
+    def profile(self, steps: int, top: int) -> dict:
+        """Top ops by self time over ``steps`` steps, per step (microseconds)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self.run(1)
+        with profile(activities=acts) as prof:
+            self.run(steps)
+        rows = []
+        for e in prof.key_averages():
+            dev = getattr(e, "self_device_time_total", None)
+            if dev is None:
+                dev = getattr(e, "self_cuda_time_total", 0)
+            rows.append({"op": e.key, "calls": e.count / steps, "self_cpu_us": e.self_cpu_time_total / steps,
+                         "self_device_us": dev / steps})
+        by = "self_device_us" if self.device.type == "cuda" else "self_cpu_us"
+        rows.sort(key=lambda r: -r[by])
+        return {"steps": steps, "models_in_process": len(self.indices) if self.mode in ("serial", "concurrent")
+                else self.B, "time": by, "total_us": sum(r[by] for r in rows), "ops": rows[:top]}
+
+
+def _describe(e: BaseException) -> dict:
+    text = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    return {"error": text, "oom": oom, "traceback": traceback.format_exc(limit=6)}
+
+
+def _worker(conn, spec: dict, barrier) -> None:
+    """A mode's process: build, warm up, then answer the coordinator's commands."""
+    try:
+        torch.set_num_threads(spec["threads"])
+        if spec["device"] == "cpu":
+            torch.set_flush_denormal(True)      # denormal arithmetic would slow late steps on a CPU
+        device = torch.device(spec["device"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        memory = _Memory(device)
+        t0 = time.perf_counter()
+        runner = Runner(spec)
+        t1 = time.perf_counter()
+        for _ in range(spec["warmup"]):
+            runner.step()
+        _sync(device)
+        conn.send(("ready", {"build_s": t1 - t0, "warmup_s": time.perf_counter() - t1}))
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "run":
+                runner.run(1)                       # untimed: caches and allocator warm again
+                if barrier is not None:
+                    barrier.wait()
+                conn.send(("ok", runner.run(arg)))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()        # idle modes hold parameters and state only
+            elif cmd == "memory":
+                conn.send(("ok", memory.peak_bytes()))
+            elif cmd == "profile":
+                conn.send(("ok", runner.profile(*arg)))
+            else:
+                break
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the coordinator
+        with contextlib.suppress(Exception):
+            if barrier is not None:
+                barrier.abort()
+            conn.send(("error", _describe(e)))
+
+
+# ==== the coordinator: cells, interleaved rounds, rows ==========================================
+@dataclass
+class Group:
+    """The processes of one mode (one, or B for ``concurrent``)."""
+
+    key: str                                   # "serial", "array[torch]", ...
+    mode: str
+    backend: str | None
+    procs: list = field(default_factory=list)
+    conns: list = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    times: list = field(default_factory=list)
+    error: dict | None = None
+    barrier: Any = None                        # kept alive until the processes have unpickled it
+
+    def send(self, cmd, arg=None) -> None:
+        for c in self.conns:
+            c.send((cmd, arg))
+
+    def gather(self, timeout: float) -> list:
+        out = []
+        for c in self.conns:
+            if not c.poll(timeout):
+                raise TimeoutError(f"{self.key}: no answer within {timeout:.0f} s")
+            kind, payload = c.recv()
+            if kind == "error":
+                raise _WorkerError(payload)
+            out.append(payload)
+        return out
+
+    def close(self) -> None:
+        for c in self.conns:
+            with contextlib.suppress(Exception):
+                c.send(("stop", None))
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class _WorkerError(Exception):
+    def __init__(self, payload: dict):
+        super().__init__(payload["error"])
+        self.payload = payload
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    # The server imports these once; each worker forks from it with them loaded.
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.optim", "hfkern", "bench.models"])
+    return ctx
+
+
+def available_backends(device: torch.device) -> list[str]:
+    import hfkern
+
+    info = hfkern.backend_info()["backends"]
+    names = [n for n, b in info.items() if b["available"]]
+    if device.type != "cuda":
+        names = [n for n in names if n == "torch"]    # Triton's interpreter is a test tool, not a backend to time
+    return names
+
+
+def _group_keys(modes, backends) -> list[tuple[str, str, str | None]]:
+    keys = []
+    for mode in modes:
+        if mode in ARRAY_MODES:
+            keys += [(f"{mode}[{b}]", mode, b) for b in backends]
+        else:
+            keys.append((mode, mode, None))
+    return keys
+
+
+@dataclass
+class Settings:
+    size: str
+    device: str
+    threads: int
+    steps: int
+    rounds: int
+    warmup: int
+    timeout: float
+    max_procs: int
+    compile_backend: str = "inductor"
+    seed: int = 0
+
+
+def start_group(ctx, key, mode, backend, workload, precision, B, s: Settings) -> Group:
+    g = Group(key, mode, backend)
+    if mode == "concurrent":
+        parts = [[b] for b in range(B)]
+        threads = max(1, s.threads // B)
+    else:
+        parts = [list(range(B))]
+        threads = s.threads
+    barrier = g.barrier = ctx.Barrier(len(parts)) if len(parts) > 1 else None
+    for idx in parts:
+        spec = {"workload": workload, "size": s.size, "mode": mode, "backend": backend, "precision": precision,
+                "B": B, "indices": idx, "device": s.device, "seed": s.seed, "threads": threads,
+                "warmup": s.warmup, "compile_backend": s.compile_backend}
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(child, spec, barrier), daemon=True)
+        p.start()
+        child.close()
+        g.procs.append(p)
+        g.conns.append(parent)
+    return g
+
+
+def run_cell(ctx, workload: str, precision: str, B: int, keys, s: Settings, profile: tuple[int, int] | None,
+             progress=None) -> tuple[list[dict], dict]:
+    """Time every mode of one (workload, precision, B) in interleaved rounds."""
+    groups: list[Group] = []
+    try:
+        return _run_cell(ctx, workload, precision, B, keys, s, profile, progress, groups)
+    finally:
+        for g in groups:
+            g.close()
+
+
+def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress, groups: list[Group]):
+    for key, mode, backend in keys:
+        if mode == "concurrent" and B > s.max_procs:
+            g = Group(key, mode, backend)
+            g.error = {"error": f"skipped: B = {B} processes exceeds --max-procs {s.max_procs}", "oom": False}
+            groups.append(g)
+            continue
+        groups.append(start_group(ctx, key, mode, backend, workload, precision, B, s))
+    live = []
+    for g in groups:                    # every group builds and warms up at once; gather in turn
+        if g.error:
+            continue
+        try:
+            infos = g.gather(s.timeout * 4)
+            g.info = {"build_s": max(i["build_s"] for i in infos), "warmup_s": max(i["warmup_s"] for i in infos)}
+            live.append(g)
+        except (_WorkerError, TimeoutError, EOFError, OSError) as e:
+            g.error = e.payload if isinstance(e, _WorkerError) else {"error": f"{type(e).__name__}: {e}", "oom": False}
+            g.close()
+    for _ in range(s.rounds):
+        for g in list(live):
+            try:
+                g.send("run", s.steps)
+                spans = g.gather(s.timeout)
+                g.times.append((max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)) / s.steps)
+            except (_WorkerError, TimeoutError, EOFError, OSError) as e:
+                g.error = e.payload if isinstance(e, _WorkerError) else {"error": f"{type(e).__name__}: {e}", "oom": False}
+                live.remove(g)
+                g.close()
+        if progress is not None:
+            progress()
+    profiles = {}
+    for g in live:
+        with contextlib.suppress(_WorkerError, TimeoutError, EOFError, OSError):
+            g.send("memory")
+            peaks = g.gather(s.timeout)
+            g.info["peak_bytes"] = None if any(p is None for p in peaks) else sum(peaks)
+        if profile is not None:
+            try:
+                g.conns[0].send(("profile", profile))
+                kind, payload = g.conns[0].recv()
+                if kind == "ok":
+                    profiles[g.key] = payload
+            except (EOFError, OSError):
+                pass
+    rows = []
+    for g in groups:
+        row = {"workload": workload, "mode": g.mode, "backend": g.backend, "key": g.key, "B": B,
+               "precision": precision}
+        if g.error or not g.times:
+            row.update(error=(g.error or {}).get("error", "no time"), oom=(g.error or {}).get("oom", False))
+        else:
+            med = statistics.median(g.times)
+            row.update(step_ms=1e3 * med, min_step_ms=1e3 * min(g.times), rounds=len(g.times),
+                       peak_mb=None if g.info.get("peak_bytes") is None else g.info["peak_bytes"] / 2**20,
+                       build_s=g.info["build_s"], warmup_s=g.info["warmup_s"])
+        rows.append(row)
+    return rows, profiles
+
+
+# ==== results: rows, gaps, summary, plots ========================================================
+def environment(device: torch.device, threads: int) -> dict:
+    import hfkern
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu ({platform.processor() or platform.machine()}, {threads} threads)"
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    return {"device": name, "python": platform.python_version(), "torch": torch.__version__,
+            "triton": triton, "hfkern": hfkern.__version__, "date": datetime.date.today().isoformat()}
+
+
+def finish_rows(rows: list[dict], workloads, size: str, env: dict) -> None:
+    """Samples/s and speedups over serial, vmap and concurrent at equal B; device and versions."""
+    from bench.models import WORKLOADS
+
+    by_cell: dict = {}
+    for r in rows:
+        r.update(env)
+        r["size"] = size
+        if "step_ms" in r:
+            w = WORKLOADS[r["workload"]]
+            r["samples_per_s"] = r["B"] * w.samples(size) / (r["step_ms"] / 1e3)
+            by_cell.setdefault((r["workload"], r["precision"], r["B"]), {})[r["mode"] + (
+                f"[{r['backend']}]" if r["backend"] else "")] = r["samples_per_s"]
+    for r in rows:
+        if "samples_per_s" not in r:
+            continue
+        cell = by_cell[(r["workload"], r["precision"], r["B"])]
+        for ref in ("serial", "vmap", "concurrent"):
+            r[f"vs_{ref}"] = r["samples_per_s"] / cell[ref] if ref in cell else None
+
+
+def gaps(rows: list[dict], profiles: dict) -> list[dict]:
+    """For each profiled cell, the op that grows most from the best mode to each slower one."""
+    out = []
+    for cell_key, per_mode in profiles.items():
+        workload, precision, B = cell_key.split("|")
+        B = int(B)
+        cell = [r for r in rows if r["workload"] == workload and r["precision"] == precision and r["B"] == B
+                and "samples_per_s" in r and r["key"] in per_mode]
+        if len(cell) < 2:
+            continue
+        best = max(cell, key=lambda r: r["samples_per_s"])
+
+        def per_step(key):
+            p = per_mode[key]
+            scale = B / p["models_in_process"]        # a concurrent profile covers one model of B
+            return {o["op"]: o[p["time"]] * scale for o in p["ops"]}
+
+        ref = per_step(best["key"])
+        for r in cell:
+            if r is best:
+                continue
+            mine = per_step(r["key"])
+            deltas = {op: t - ref.get(op, 0.0) for op, t in mine.items()}
+            op, delta = max(deltas.items(), key=lambda kv: kv[1])
+            out.append({"workload": workload, "precision": precision, "B": B, "mode": r["key"],
+                        "best": best["key"], "gap_ms": r["step_ms"] - best["step_ms"], "op": op,
+                        "op_delta_ms": delta / 1e3, "op_ms": mine[op] / 1e3, "op_best_ms": ref.get(op, 0.0) / 1e3})
+    return out
+
+
+def _fmt(x, spec=".2f", suffix=""):
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def summary(record: dict) -> str:
+    rows = [r for r in record["rows"] if "samples_per_s" in r]
+    env = record["environment"]
+    lines = [f"# End-to-end training throughput: {env['device']}, {env['date']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, Python {env['python']}, hfkern {env['hfkern']}; "
+             f"workload size `{record['settings']['size']}`; median of {record['settings']['rounds']} interleaved "
+             f"rounds of {record['settings']['steps']} steps; command: `{record['command']}`", "",
+             "Samples/s are of all B models together; `xS`, `xV`, `xC`: speedup over serial, vmap and "
+             "concurrent at the same B; peak MB: the mode's own peak memory (bench/train_throughput.py).", ""]
+    errors = [r for r in record["rows"] if "error" in r]
+    for workload in dict.fromkeys(r["workload"] for r in record["rows"]):
+        for precision in dict.fromkeys(r["precision"] for r in record["rows"] if r["workload"] == workload):
+            mine = [r for r in rows if r["workload"] == workload and r["precision"] == precision]
+            if not mine:
+                continue
+            lines += [f"## {workload}, {precision}", ""]
+            keys = list(dict.fromkeys(r["key"] for r in mine))
+            Bs = sorted({r["B"] for r in mine})
+            lines.append("| B | " + " | ".join(keys) + " |")
+            lines.append("| --- |" + " --- |" * len(keys))
+            for B in Bs:
+                cells = []
+                for k in keys:
+                    r = next((r for r in mine if r["B"] == B and r["key"] == k), None)
+                    if r is None:
+                        e = next((e for e in errors if e["workload"] == workload and e["precision"] == precision
+                                  and e["B"] == B and e["key"] == k), None)
+                        cells.append("OOM" if e and e.get("oom") else ("failed" if e else ""))
+                        continue
+                    extra = [f"x{r['vs_serial']:.2f}S" if r.get("vs_serial") and r["mode"] != "serial" else ""]
+                    if r["mode"] in ARRAY_MODES:
+                        extra += [_fmt(r.get("vs_vmap"), ".2f") + "V" if r.get("vs_vmap") else "",
+                                  _fmt(r.get("vs_concurrent"), ".2f") + "C" if r.get("vs_concurrent") else ""]
+                    cells.append(f"{r['samples_per_s']:,.0f} {' '.join(x for x in extra if x)}"
+                                 f" ({_fmt(r.get('peak_mb'), '.0f')} MB)")
+                lines.append(f"| {B} | " + " | ".join(cells) + " |")
+            best = max(mine, key=lambda r: r["samples_per_s"])
+            serial_best = max((r["samples_per_s"] for r in mine if r["mode"] == "serial"), default=None)
+            lines += ["", f"Best: {best['key']} at B = {best['B']}, {best['samples_per_s']:,.0f} samples/s"
+                      + (f", {best['samples_per_s'] / serial_best:.2f}x the best serial rate" if serial_best else "")
+                      + ".", ""]
+            gs = [g for g in record.get("gaps", []) if g["workload"] == workload and g["precision"] == precision]
+            if gs:
+                lines.append(f"Profile at B = {gs[0]['B']} (best there: {gs[0]['best']}); the op that grows most "
+                             "in each slower mode, per step of all B models:")
+                lines.append("")
+                for g in gs:
+                    lines.append(f"- {g['mode']}: {g['gap_ms']:.2f} ms/step slower; `{g['op']}` "
+                                 f"{g['op_ms']:.2f} ms against {g['op_best_ms']:.2f} ms (+{g['op_delta_ms']:.2f} ms)")
+                lines.append("")
+    if record.get("skipped"):
+        lines += ["## Not run (time budget)", "", *[f"- {x}" for x in record["skipped"]], ""]
+    if errors:
+        lines += ["## Failures", ""]
+        for e in errors:
+            lines.append(f"- {e['workload']} {e['precision']} B={e['B']} {e['key']}: {e['error']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(record: dict, stem: str) -> list[str]:
+    """One PNG per workload: samples/s against B, one line per mode and precision."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (render them later with --report FILE.json)")
+        return []
+    rows = [r for r in record["rows"] if "samples_per_s" in r]
+    files = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        mine = [r for r in rows if r["workload"] == workload]
+        for (key, precision) in dict.fromkeys((r["key"], r["precision"]) for r in mine):
+            pts = sorted((r["B"], r["samples_per_s"]) for r in mine if r["key"] == key and r["precision"] == precision)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    linestyle="-" if precision == "fp32" else "--", label=f"{key} {precision}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("B (models trained together)")
+        ax.set_ylabel("samples/s, all models")
+        env = record["environment"]
+        ax.set_title(f"{workload} ({record['settings']['size']}), {env['device']}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = f"{stem}_{workload}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(path)
+    return files
+
+
+def merge(records: list[dict]) -> dict:
+    """One result of several runs (say one per precision) of the same size and device."""
+    first = records[0]
+    for r in records[1:]:
+        if r["settings"]["size"] != first["settings"]["size"] or r["environment"]["device"] != first["environment"]["device"]:
+            raise ValueError("merge: expected results of one size and device, got "
+                             f"{first['settings']['size']}/{first['environment']['device']} and "
+                             f"{r['settings']['size']}/{r['environment']['device']}")
+    out = {**first, "command": " ; ".join(r["command"] for r in records),
+           "seconds": sum(r["seconds"] for r in records), "rows": [], "profiles": {}, "gaps": [], "skipped": []}
+    for r in records:
+        out["rows"] += r["rows"]
+        out["profiles"].update(r["profiles"])
+        out["gaps"] += r["gaps"]
+        out["skipped"] += r["skipped"]
+    return out
+
+
+def write_outputs(record: dict, stem: str, plots: bool = True) -> list[str]:
+    tmp = stem + ".json.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, stem + ".json")
+    with open(stem + ".md", "w") as f:
+        f.write(summary(record))
+    files = [stem + ".json", stem + ".md"]
+    if plots:
+        files += plot(record, stem)
+    return files
+
+
+# ==== the sweep ==================================================================================
+def _powers(max_B: int) -> list[int]:
+    return [1 << i for i in range(int(math.log2(max_B)) + 1)]
+
+
+class _Progress:
+    def __init__(self, total: int):
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="round", dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+        self.done, self.total = 0, total
+
+    def __call__(self, n: int = 1) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def note(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+        else:
+            print(f"[{self.done}/{self.total}] {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def sweep(args, s: Settings, keys, env: dict) -> dict:
+    ctx = _context()
+    rows: list[dict] = []
+    profiles: dict = {}
+    Bs = args.B or _powers(args.max_B)
+    profile_B = args.profile_B if args.profile_B in Bs else max((b for b in Bs if b <= args.profile_B), default=Bs[0])
+    plan = [(w, p) for w in args.workloads for p in args.precisions]
+    progress = _Progress(len(plan) * len(Bs) * s.rounds)
+    start = time.perf_counter()
+    skipped = []
+    try:
+        _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, profiles, skipped)
+    except KeyboardInterrupt:
+        skipped.append("interrupted: the cells after the last one reported")
+    progress.close()
+    finish_rows(rows, args.workloads, s.size, env)
+    return {"rows": rows, "profiles": profiles, "gaps": gaps(rows, profiles), "skipped": skipped}
+
+
+def _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, profiles, skipped) -> None:
+    for workload, precision in plan:
+        dropped: dict[str, str] = {}               # group key -> why it stopped
+        last_fit = first_fail = None
+        for B in Bs:
+            if args.time_budget and time.perf_counter() - start > args.time_budget:
+                skipped.append(f"{workload} {precision} B={B}")
+                progress(s.rounds)
+                continue
+            cell_keys = [k for k in keys if k[0] not in dropped
+                         and not (k[1] == "array+compile" and args.compile_B and B not in args.compile_B)]
+            if not cell_keys:
+                progress(s.rounds)
+                continue
+            progress.note(f"{workload} {precision} B={B}")
+            prof = (args.profile_steps, args.profile_top) if B == profile_B and precision in args.profile_precisions \
+                else None
+            cell_rows, cell_prof = run_cell(ctx, workload, precision, B, cell_keys, s, prof, progress)
+            rows += cell_rows
+            if cell_prof:
+                profiles[f"{workload}|{precision}|{B}"] = cell_prof
+            for r in cell_rows:
+                if "error" in r and r["mode"] != "concurrent":
+                    dropped[r["key"]] = r["error"]
+                elif r.get("step_ms", 0) / 1e3 > args.max_step_seconds:
+                    dropped[r["key"]] = f"step over {args.max_step_seconds} s at B = {B}"
+            arr = [r for r in cell_rows if r["mode"] == "array"]
+            if arr and all("error" not in r for r in arr):
+                last_fit = B
+            elif arr and any(r.get("oom") for r in arr) and first_fail is None:
+                first_fail = B
+        if args.bisect and last_fit and first_fail:
+            akeys = [k for k in keys if k[1] in ARRAY_MODES or k[1] == "serial"]
+            lo, hi = last_fit, first_fail
+            while hi - lo > max(1, lo // 8):
+                mid = (lo + hi) // 2
+                progress.note(f"{workload} {precision} bisect B={mid}")
+                cell_rows, _ = run_cell(ctx, workload, precision, mid, akeys, s, None)
+                rows += cell_rows
+                arr = [r for r in cell_rows if r["mode"] == "array"]
+                lo, hi = (mid, hi) if all("error" not in r for r in arr) else (lo, mid)
+
+
+def main(argv=None) -> int:
+    from bench.models import WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--backends", nargs="+", help="array backends (default: those available on the device)")
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--size", choices=("full", "cpu", "smoke"), help="workload sizes (default: full on CUDA, cpu otherwise)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--B", type=int, nargs="+", help="array sizes (default: 1, 2, 4, ... up to --max-B)")
+    p.add_argument("--max-B", type=int, default=16)
+    p.add_argument("--bisect", action="store_true", help="bisect for the largest B the array fits after an OOM")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after building (compiles, autotunes)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads per mode")
+    p.add_argument("--max-procs", type=int, default=32, help="largest B the concurrent mode runs")
+    p.add_argument("--max-step-seconds", type=float, default=30.0, help="drop a mode for larger B past this")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a mode may take for one round")
+    p.add_argument("--profile-B", type=int, default=16)
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--profile-precisions", nargs="+", default=["fp32"], choices=PRECISIONS)
+    p.add_argument("--time-budget", type=float, default=0, help="start no cell after this many seconds")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--name", help="file stem (default train_<device>_<date>)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--compile-B", type=int, nargs="+", help="the B values array+compile runs at (default: all)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of array+compile")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, B = 2, one round, compile with aot_eager: the harness's own check")
+    p.add_argument("--report", metavar="JSON", nargs="+",
+                   help="only write the summary and plots of saved results (several: merged into --name)")
+    args = p.parse_args(argv)
+
+    if args.report:
+        records = []
+        for path in args.report:
+            with open(path) as f:
+                records.append(json.load(f))
+        if len(records) == 1:
+            record = records[0]
+            stem = args.report[0][:-5] if args.report[0].endswith(".json") else args.report[0]
+            files = [stem + ".md"]
+        else:
+            if not args.name:
+                p.error("--report with several files: --name STEM names the merged result")
+            record = merge(records)
+            stem = os.path.join(args.out, args.name)
+            files = write_outputs(record, stem, plots=False)
+        with open(stem + ".md", "w") as f:
+            f.write(summary(record))
+        print("\n".join(files + ([] if args.no_plots else plot(record, stem))))
+        return 0
+    if args.smoke:
+        args.size = "smoke"
+        args.B = args.B or [2]
+        args.compile_backend = "aot_eager"          # the compile path without inductor's C++ builds
+        args.rounds, args.steps, args.warmup, args.profile_steps = 1, 1, 1, 1
+        args.profile_B = max(args.B)
+    device = torch.device(args.device)
+    size = args.size or ("full" if device.type == "cuda" else "cpu")
+    for B in args.B or []:
+        if B < 1:
+            p.error(f"--B: expected array sizes >= 1, got {B}")
+    if args.max_B < 1:
+        p.error(f"--max-B: expected >= 1, got {args.max_B}")
+    backends = args.backends or available_backends(device)
+    import hfkern
+
+    for b in backends:
+        if b not in hfkern.backend_info()["backends"]:
+            p.error(f"--backends: unknown backend {b!r}; expected some of {tuple(hfkern.backend_info()['backends'])}")
+    keys = _group_keys(args.modes, backends)
+    s = Settings(size=size, device=str(device), threads=args.threads, steps=args.steps, rounds=args.rounds,
+                 warmup=args.warmup, timeout=args.timeout, max_procs=args.max_procs,
+                 compile_backend=args.compile_backend)
+    env = environment(device, args.threads)
+    t0 = time.perf_counter()
+    result = sweep(args, s, keys, env)
+    record = {"benchmark": "bench/train_throughput.py", "environment": env,
+              "command": "python bench/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "settings": {"size": size, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+                           "threads": args.threads, "modes": list(args.modes), "backends": backends,
+                           "precisions": list(args.precisions), "profile_B": args.profile_B,
+                           "compile_backend": args.compile_backend},
+              "seconds": time.perf_counter() - t0, **result}
+    os.makedirs(args.out, exist_ok=True)
+    dev = "cpu" if device.type != "cuda" else env["device"].replace("NVIDIA ", "").split()[0].lower()
+    stem = os.path.join(args.out, args.name or f"train_{dev}_{env['date']}")
+    files = write_outputs(record, stem, plots=not args.no_plots)
+    print(summary(record))
+    print("written: " + ", ".join(files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The end-to-end benchmark harness (bench/train_throughput.py) and the convergence
+check (bench/convergence.py) run end to end at tiny sizes, so that they never rot.
+
+The numbers mean nothing at these sizes; the tests check that every workload
+trains in every mode, and that the results, profiles, summary and plots come
+out complete.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.models import WORKLOADS  # noqa: E402
+
+
+def _run(script, *args, timeout=900):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, os.path.join("bench", script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_smoke_every_workload_in_every_mode(tmp_path):
+    proc = _run("train_throughput.py", "--smoke", "--precisions", "fp32", "--out", str(tmp_path), "--name", "t")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    record = json.loads((tmp_path / "t.json").read_text())
+    keys = ["serial", "concurrent", "vmap", "array[torch]", "array+compile[torch]"]
+    rows = record["rows"]
+    assert {(r["workload"], r["key"]) for r in rows} == {(w, k) for w in WORKLOADS for k in keys}
+    for r in rows:
+        assert "error" not in r, r
+        assert r["B"] == 2 and r["precision"] == "fp32" and r["size"] == "smoke"
+        assert r["samples_per_s"] > 0 and r["step_ms"] > 0 and r["torch"] and r["device"].startswith("cpu")
+        assert r["peak_mb"] is None or r["peak_mb"] >= 0
+        if r["mode"] != "serial":
+            assert r["vs_serial"] > 0
+    # a profile of every mode of every workload at the profiled B, and the gap of each slower mode
+    assert set(record["profiles"]) == {f"{w}|fp32|2" for w in WORKLOADS}
+    for per_mode in record["profiles"].values():
+        assert set(per_mode) == set(keys)
+        for p in per_mode.values():
+            assert p["ops"] and all(o["calls"] > 0 for o in p["ops"])
+    assert len(record["gaps"]) == len(WORKLOADS) * (len(keys) - 1)
+    summary = (tmp_path / "t.md").read_text()
+    for w in WORKLOADS:
+        assert f"## {w}, fp32" in summary
+        assert (tmp_path / f"t_{w}.png").stat().st_size > 0
+    # the summary and plots are rendered again from the saved JSON alone
+    (tmp_path / "t.md").unlink()
+    proc = _run("train_throughput.py", "--report", str(tmp_path / "t.json"), "--no-plots")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "t.md").read_text() == summary
+
+
+def test_smoke_bf16_autocast(tmp_path):
+    proc = _run("train_throughput.py", "--smoke", "--precisions", "bf16", "--workloads", "resnet18",
+                "transformer_lm", "--modes", "serial", "array", "--out", str(tmp_path), "--name", "t",
+                "--no-plots")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert len(rows) == 4 and all("error" not in r and r["precision"] == "bf16" for r in rows), rows
+
+
+def test_bad_arguments_are_reported():
+    proc = _run("train_throughput.py", "--B", "0", "--smoke")
+    assert proc.returncode != 0 and "expected array sizes >= 1, got 0" in proc.stderr
+    proc = _run("train_throughput.py", "--smoke", "--backends", "nope")
+    assert proc.returncode != 0 and "unknown backend 'nope'" in proc.stderr
+
+
+@pytest.mark.parametrize("steps", [3])
+def test_convergence_check_smoke(tmp_path, steps):
+    proc = _run("convergence.py", "--size", "smoke", "--steps", str(steps), "--out", str(tmp_path),
+                "--name", "c", "--device", "cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((tmp_path / "c.json").read_text())
+    assert record["passed"] and len(record["serial"]) == len(record["array"]) == steps
+    assert all(len(r) == 3 for r in record["array"])
+    assert (tmp_path / "c.png").stat().st_size > 0
