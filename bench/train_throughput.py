@@ -63,6 +63,7 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -611,7 +612,7 @@ def summary(record: dict) -> str:
                                  f"{g['op_ms']:.2f} ms against {g['op_best_ms']:.2f} ms (+{g['op_delta_ms']:.2f} ms)")
                 lines.append("")
     if record.get("skipped"):
-        lines += ["## Not run (time budget)", "", *[f"- {x}" for x in record["skipped"]], ""]
+        lines += ["## Not run (time budget or interrupted)", "", *[f"- {x}" for x in record["skipped"]], ""]
     if errors:
         lines += ["## Failures", ""]
         for e in errors:
@@ -812,6 +813,10 @@ def main(argv=None) -> int:
     p.add_argument("--report", metavar="JSON", nargs="+",
                    help="only write the summary and plots of saved results (several: merged into --name)")
     args = p.parse_args(argv)
+    # A time limit's SIGINT or SIGTERM stops the sweep and writes what it has; a
+    # process started in the background by a shell inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     if args.report:
         records = []
