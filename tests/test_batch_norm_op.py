@@ -219,6 +219,34 @@ def test_input_and_grad_are_never_copied(layout):
     assert gx.stride() == y.stride()
 
 
+class _ZerosSpy(TorchDispatchMode):
+    """Records every tensor of zeros made outside the ops (autograd materializing a gradient)."""
+
+    ZEROS = {torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default, torch.ops.aten.new_zeros.default}
+
+    def __init__(self):
+        super().__init__()
+        self.zeros = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.ZEROS:
+            self.zeros.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_gets_no_zero_gradients_for_the_statistics():
+    """mean and rstd take no gradient: the backward is handed None for them, not [B, C] zeros
+    that autograd would allocate and fill at every step."""
+    B = 3
+    x = make_x(B, (4, 5, 3, 6), "batch_major", requires_grad=True)
+    w, b = params(B, 5, True, True, requires_grad=True)
+    y, _, _ = array_batch_norm(x, w, b, None, None, None, True, None, EPS)
+    with _ZerosSpy() as spy:
+        y.backward(torch.randn_like(y))
+    assert spy.zeros == []
+    assert x.grad is not None and w.grad is not None and b.grad is not None
+
+
 def test_running_statistics_updated_in_place():
     B, C = 2, 3
     rm, rv, nbt = running(B, C)

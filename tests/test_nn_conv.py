@@ -101,3 +101,49 @@ def test_in_place_ops_on_conv_and_batch_norm_outputs(shared):
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r)
+
+
+class _LayoutSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the layout of the operands of ReLU and its backward (strides, and whether they are
+    [N, B, ...] memory), and every copy of a tensor of one of the ``sizes`` (numel)."""
+
+    ELEMENTWISE = {torch.ops.aten.relu.default, torch.ops.aten.clamp_min.default,
+                   torch.ops.aten.threshold_backward.default}
+    COPIES = {torch.ops.aten.clone.default, torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default,
+              torch.ops.aten.contiguous.default}
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.sizes, self.elementwise, self.copies = set(sizes), [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func in self.ELEMENTWISE:
+            self.elementwise.append((func, [(t.stride(), t.transpose(0, 1).is_contiguous()) for t in tensors]))
+        if func in self.COPIES and any(t.numel() in self.sizes for t in tensors):
+            self.copies.append((func, [t.shape for t in tensors]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_conv_norm_relu_pool_chain_keeps_one_layout():
+    """Conv, batch norm, ReLU and max-pool keep the conv's [N, B, C, H, W] memory forward and
+    backward: ReLU and its backward see operands of one layout (TensorIterator's dense loop,
+    as on [N, B*C, H, W] memory), and no activation or gradient is copied between the ops."""
+    B, N = 3, 5
+    model = torch.nn.Sequential(
+        hnn.Conv2d(2, 4, 3, padding=1, B=B), hnn.BatchNorm2d(4, B=B), torch.nn.ReLU(), hnn.MaxPool2d(2, B=B),
+        hnn.Conv2d(4, 6, 3, padding=1, B=B), hnn.BatchNorm2d(6, B=B), torch.nn.ReLU(), hnn.MaxPool2d(2, B=B),
+    )
+    x = hfkern.broadcast(torch.randn(N, 2, 8, 8), B)
+    # the gradient a next array conv (or a pooled layer's view) hands back: [N, B, ...] memory
+    grad = torch.randn(N, B, 6, 2, 2).transpose(0, 1)
+    spy = _LayoutSpy(B * N * c * s * s for c, s in ((4, 8), (4, 4), (6, 4), (6, 2)))
+    with spy:
+        y = model(x)
+        y.backward(grad)
+    assert y.transpose(0, 1).is_contiguous()
+    assert [f for f, _ in spy.elementwise] == [torch.ops.aten.relu.default] * 2 + \
+        [torch.ops.aten.threshold_backward.default] * 2
+    for func, operands in spy.elementwise:
+        assert len(set(operands)) == 1 and operands[0][1], (func, operands)  # one layout: [N, B, ...] memory
+    assert spy.copies == []

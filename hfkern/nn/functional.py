@@ -206,7 +206,8 @@ def _class_index_loss(fn: str, x: torch.Tensor, target: torch.Tensor, weight: to
     C = x.size(2)
     t = t.long()
     valid = t != ignore_index  # [1|B, N, *d]
-    t_safe = t.masked_fill(~valid, 0)
+    # the class index of every target, ignored ones as class 0: only class weights read it
+    t_safe = None if weight is None else t.masked_fill(~valid, 0)
 
     if weight is None or weight.dim() == 1:
         # torch's own kernel on the folded array: each element exactly torch's.
@@ -237,8 +238,11 @@ def _class_index_loss(fn: str, x: torch.Tensor, target: torch.Tensor, weight: to
         return total
     # torch divides by the summed class weights of the non-ignored targets
     # (their count without weights), for the smoothing term too; 0/0 gives NaN.
-    denom = _per_model_sum(valid if w_t is None else w_t)
-    return total / denom
+    if w_t is None and valid.size(0) == 1:
+        # A shared target's count is one number for every model: counted once
+        # (an all-element count, without a per-model reduction over a bool tensor).
+        return total / valid.count_nonzero()
+    return total / _per_model_sum(valid if w_t is None else w_t)
 
 
 def _class_prob_loss(fn: str, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,

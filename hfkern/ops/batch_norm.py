@@ -467,6 +467,9 @@ class _ArrayBatchNorm(torch.autograd.Function):
         ctx.training = training
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.mark_non_differentiable(mean, rstd)
+        # No gradient flows into mean and rstd: autograd would otherwise hand the
+        # backward two [B, C] zero tensors it allocates and fills every step.
+        ctx.set_materialize_grads(False)
         # The backward runs pinned to the forward's backend, whatever thread runs
         # it; a compiled graph resolves its ops when it runs instead.
         ctx.backend = None if torch.compiler.is_compiling() else _backend.current(_FWD, x.device, x.dtype)
@@ -477,7 +480,7 @@ class _ArrayBatchNorm(torch.autograd.Function):
         needs = ctx.needs_input_grad
         mask = [needs[0], weight is not None and needs[1], ctx.bias_dtype is not None and needs[2]]
         none = (None,) * 6
-        if not any(mask):
+        if not any(mask) or grad_y is None:
             return (None, None, None) + none
         if ctx.backend is None:
             gx, gw, gb = array_batch_norm_backward(grad_y, x, weight, mean, rstd, ctx.training, mask)

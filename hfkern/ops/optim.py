@@ -206,6 +206,9 @@ def _step(spec: OptimizerSpec, *args: Any) -> None:
 # (same operands, same order), so that a model's trajectory matches torch's to
 # rounding; the Triton kernels follow this order too.
 
+_ONE = torch.ones((), dtype=torch.float32, device="cpu")  # the increment of the float32 step counts
+
+
 def _rows(spec: OptimizerSpec, hypers: Tensor) -> SimpleNamespace:
     """The ``[B]`` rows of ``hypers`` by name (``h.lr``, ``h.beta1``, ...)."""
     return SimpleNamespace(**dict(zip(spec.rows, hypers.unbind(0))))
@@ -216,14 +219,23 @@ def _col(h: Tensor, like: Tensor) -> Tensor:
     return h.view(h.shape[0], *([1] * (like.dim() - 1)))
 
 
-def _cols(h: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
-    return [_col(h, t) for t in tensors]
+# A step passes a dozen lists of such columns, and on the CPU every view is a
+# dispatched op that costs about what a small parameter's update costs: the
+# lists share one view per rank (and dtype) instead of making one per tensor.
 
-
-def _lerp_weights(h: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``_cols`` in each tensor's dtype: foreach lerp wants its weight in the tensor's
-    dtype, and one group may mix float64 state with float32 hyperparameters."""
-    return [_col(h.to(t.dtype), t) for t in tensors]
+def _cols(h: Tensor, tensors: Sequence[Tensor], *, match_dtype: bool = False) -> list[Tensor]:
+    """``_col(h, t)`` for every ``t`` in ``tensors``; with ``match_dtype`` each in its
+    tensor's dtype (foreach lerp wants its weight in the tensor's dtype, and one
+    group may mix float64 state with float32 hyperparameters)."""
+    made: dict[tuple, Tensor] = {}
+    out = []
+    for t in tensors:
+        key = (t.dim(), t.dtype if match_dtype else None)
+        col = made.get(key)
+        if col is None:
+            col = made[key] = _col(h.to(t.dtype) if match_dtype else h, t)
+        out.append(col)
+    return out
 
 
 def _per_tensor(x: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -272,11 +284,11 @@ def _advance(steps: list[Tensor], skip: Tensor | None) -> None:
     """Count one update for every model that is not skipped."""
     if not steps:
         return
-    if skip is None:
-        torch._foreach_add_(steps, 1.0)
-    else:
-        inc = (~skip).to(steps[0].dtype)
-        torch._foreach_add_(steps, [inc] * len(steps))
+    # A tensor increment: a Python number would be wrapped into a new tensor for
+    # every count (on the CPU, three dispatched ops each). A 0-d host tensor adds
+    # to counts on any device.
+    inc = _ONE if skip is None else (~skip).to(steps[0].dtype)
+    torch._foreach_add_(steps, [inc] * len(steps))
 
 
 def _direction(
@@ -284,7 +296,8 @@ def _direction(
 ) -> list[Tensor]:
     """The gradient the update follows: in the math dtype, negated to maximize, plus
     ``weight_decay * param`` when given. May alias ``grads``: read only."""
-    d = [g.to(acc_dtype(g.dtype)) for g in grads]
+    # g.to(g.dtype) would return g, but through a dispatched op per tensor
+    d = [g if g.dtype == acc_dtype(g.dtype) else g.to(acc_dtype(g.dtype)) for g in grads]
     if maximize:
         d = torch._foreach_neg(d)
     if weight_decay is not None:
@@ -411,7 +424,7 @@ def adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
     if has_weight_decay and decoupled_weight_decay:
         torch._foreach_mul_(p, _cols(1 - h.lr * h.weight_decay, p))
     m, v = targets(exp_avgs), targets(exp_avg_sqs)
-    torch._foreach_lerp_(m, d, _lerp_weights(1 - h.beta1, m))
+    torch._foreach_lerp_(m, d, _cols(1 - h.beta1, m, match_dtype=True))
     _ema_sq_(v, d, h.beta2)
     if amsgrad:
         v_max = targets(max_exp_avg_sqs)
@@ -549,7 +562,7 @@ def rmsprop_step_torch(params, grads, square_avgs, grad_avgs, momentum_buffers, 
     _ema_sq_(sq, d, h.alpha)
     if centered:
         g_avg = targets(grad_avgs)
-        torch._foreach_lerp_(g_avg, d, _lerp_weights(1 - h.alpha, g_avg))
+        torch._foreach_lerp_(g_avg, d, _cols(1 - h.alpha, g_avg, match_dtype=True))
         avg = torch._foreach_addcmul(sq, g_avg, g_avg, value=-1)
         torch._foreach_sqrt_(avg)
     else:
