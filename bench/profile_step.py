@@ -44,8 +44,12 @@ longest), and torch runs ``--threads`` threads.
 ``--save PATH`` writes the run (profile, comparison, device, versions, date,
 ``--label``) as JSON; a record already at PATH gets the run added, so the runs
 of two checkouts (before and after a change) land in one file.
-``--summarize PATH`` pools such a record's runs by label, prints the table and
-stores it in the record.
+``--steps 0`` skips the profile (a comparison alone). ``--summarize PATH``
+pools such a record's runs by label: per variant the median step time with its
+quartiles, the median over quiet rounds, the median ratio to the baseline's
+step of the same round (a machine's drift cancels in it), the optimizer step,
+and the profiled calls per step of the ops that differ between the variants; it
+prints the table and stores it in the record.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -257,8 +262,8 @@ def profile_variant(variant: str, optim: str, B: int, batch: int, steps: int, wa
     ]
     ops.sort(key=lambda o: -o["self_cpu_us_per_step"])
     return {"variant": variant, "optim": optim, "B": B, "batch": batch, "steps": steps,
-            "profiled_step_ms": 1e3 * wall, "ops": ops,
-            "all_ops_self_cpu_us_per_step": sum(o["self_cpu_us_per_step"] for o in ops)}
+            "profiled_step_ms": round(1e3 * wall, 3), "ops": ops,
+            "all_ops_self_cpu_us_per_step": round(sum(o["self_cpu_us_per_step"] for o in ops), 1)}
 
 
 def listed(p: dict, top: int, show) -> list[dict]:
@@ -318,15 +323,15 @@ def compare(optim: str, B: int, batch: int, rounds: int, steps: int, warmup: int
             samples[v]["optimizer"].append(_timed(runners[v][1].step, steps)[0])
 
     def ms(values):
-        return 1e3 * statistics.median(values) if values else None
+        return round(1e3 * statistics.median(values), 3) if values else None
 
     rows = []
     for v, s in samples.items():
         calm = [t for t, o in zip(s["step"], s["others"]) if o is not None and o <= quiet]
         rows.append({
             "variant": v, "optim": optim, "B": B, "batch": batch,
-            "median_step_ms": ms(s["step"]), "min_step_ms": 1e3 * min(s["step"]),
-            "max_step_ms": 1e3 * max(s["step"]),
+            "median_step_ms": ms(s["step"]), "min_step_ms": round(1e3 * min(s["step"]), 3),
+            "max_step_ms": round(1e3 * max(s["step"]), 3),
             "quiet_rounds": len(calm), "median_quiet_step_ms": ms(calm),
             "median_optimizer_step_ms": ms(s["optimizer"]),
             "step_ms": [round(1e3 * t, 3) for t in s["step"]],
@@ -335,8 +340,8 @@ def compare(optim: str, B: int, batch: int, rounds: int, steps: int, warmup: int
         })
     base = next(r for r in rows if r["variant"] == "baseline")
     for r in rows:
-        r["step_vs_baseline"] = r["median_step_ms"] / base["median_step_ms"]
-        r["optimizer_vs_baseline"] = r["median_optimizer_step_ms"] / base["median_optimizer_step_ms"]
+        r["step_vs_baseline"] = round(r["median_step_ms"] / base["median_step_ms"], 4)
+        r["optimizer_vs_baseline"] = round(r["median_optimizer_step_ms"] / base["median_optimizer_step_ms"], 4)
     return rows
 
 
@@ -383,8 +388,18 @@ def save(path: str, run: dict) -> None:
             raise SystemExit(f"{path} holds no bench/profile_step.py record; not overwriting it")
         record = old
     record["runs"].append(run)
+    write(path, record)
+
+
+# A list or object holding no list or object (an op's row, per-round samples)
+_LEAF = re.compile(r"[\[{][^\[\]{}]*[\]}]")
+
+
+def write(path: str, record: dict) -> None:
+    """``record`` as indented JSON, every innermost list or object on one line."""
+    text = _LEAF.sub(lambda m: " ".join(m.group(0).split()), json.dumps(record, indent=1))
     with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+        f.write(text + "\n")
 
 
 def summarize(record: dict) -> dict:
@@ -396,12 +411,18 @@ def summarize(record: dict) -> dict:
     profiles: dict[tuple, dict] = {}
     for run in record["runs"]:
         label = run["label"]
-        for r in run.get("compare", ()):
-            acc = steps.setdefault((label, r["optim"], r["variant"]), {"step": [], "quiet": [], "optimizer": []})
+        rows = run.get("compare", [])
+        base = next((r for r in rows if r["variant"] == "baseline"), None)
+        for r in rows:
+            acc = steps.setdefault((label, r["optim"], r["variant"]),
+                                   {"step": [], "quiet": [], "optimizer": [], "ratio": []})
             acc["step"] += r["step_ms"]
             acc["optimizer"] += r["optimizer_step_ms"]
             acc["quiet"] += [t for t, o in zip(r["step_ms"], r["others_cpus"])
                              if o is not None and o <= run["args"]["quiet"]]
+            acc["ratio"] += [t / b for t, b in zip(r["step_ms"], base["step_ms"])]  # same round: drift cancels
+        if "profile" not in run:
+            continue
         prof = run["profile"]
         ops = {o["name"]: o for o in prof["ops"]}
         acc = profiles.setdefault((label, prof["optim"], prof["variant"]), {"counts": {}, "us_per_call": {}})
@@ -411,28 +432,42 @@ def summarize(record: dict) -> dict:
                 acc["us_per_call"].setdefault(name, []).append(
                     ops[name]["self_cpu_us_per_step"] / ops[name]["calls_per_step"])
 
+    labels = list(dict.fromkeys(run["label"] for run in record["runs"]))
+
+    def order(item):  # labels as they first come, optimizers and variants as this script lists them
+        (label, optim, variant), _ = item
+        return labels.index(label), OPTIMS.index(optim), VARIANTS.index(variant)
+
     def med(values):
         return round(statistics.median(values), 3) if values else None
 
+    def quantile(values, q):
+        return round(statistics.quantiles(values, n=4)[round(q * 4) - 1], 3) if len(values) > 1 else None
+
     return {
         "steps": [{"label": k[0], "optim": k[1], "variant": k[2], "samples": len(v["step"]),
-                   "median_step_ms": med(v["step"]), "quiet_samples": len(v["quiet"]),
-                   "median_quiet_step_ms": med(v["quiet"]), "median_optimizer_step_ms": med(v["optimizer"])}
-                  for k, v in steps.items()],
+                   "median_step_ms": med(v["step"]), "p25_step_ms": quantile(v["step"], 0.25),
+                   "p75_step_ms": quantile(v["step"], 0.75), "median_vs_baseline": med(v["ratio"]),
+                   "quiet_samples": len(v["quiet"]), "median_quiet_step_ms": med(v["quiet"]),
+                   "median_optimizer_step_ms": med(v["optimizer"])}
+                  for k, v in sorted(steps.items(), key=order)],
         "profiles": [{"label": k[0], "optim": k[1], "variant": k[2], "calls_per_step": v["counts"],
                       "median_self_us_per_call": {n: med(t) for n, t in v["us_per_call"].items()}}
-                     for k, v in profiles.items()],
+                     for k, v in sorted(profiles.items(), key=order)],
     }
 
 
 def format_summary(summary: dict) -> str:
-    lines = ["step times pooled over the runs, ms (median of all rounds; of the quiet ones)",
-             f"  {'label':<10} {'optim':<5} {'variant':<13} {'step':>8} {'(n)':>5} {'quiet':>8} {'(n)':>5} "
-             f"{'optimizer':>10}"]
+    lines = ["step times pooled over the runs, ms: median [quartiles] of all rounds, median of the quiet "
+             "ones, median ratio to the baseline's step in the same round; the optimizer step alone",
+             f"  {'label':<10} {'optim':<5} {'variant':<13} {'step':>8} {'[p25, p75]':>16} {'(n)':>4} "
+             f"{'quiet':>7} {'(n)':>4} {'vs base':>8} {'optimizer':>10}"]
     for r in summary["steps"]:
         quiet = "-" if r["median_quiet_step_ms"] is None else f"{r['median_quiet_step_ms']:.2f}"
+        spread = "-" if r["p25_step_ms"] is None else f"[{r['p25_step_ms']:.2f}, {r['p75_step_ms']:.2f}]"
         lines.append(f"  {r['label']:<10} {r['optim']:<5} {r['variant']:<13} {r['median_step_ms']:>8.2f} "
-                     f"{r['samples']:>5} {quiet:>8} {r['quiet_samples']:>5} {r['median_optimizer_step_ms']:>10.3f}")
+                     f"{spread:>16} {r['samples']:>4} {quiet:>7} {r['quiet_samples']:>4} "
+                     f"{r['median_vs_baseline']:>7.3f}x {r['median_optimizer_step_ms']:>10.3f}")
     lines += ["profiles: calls per step; self us per call of ReLU and its backward (median over runs)",
               f"  {'label':<10} {'optim':<5} {'variant':<13} {'sum':>4} {'fill_':>6} {'clamp_min':>10} "
               f"{'thr_bwd':>8}"]
@@ -451,7 +486,7 @@ def main(argv=None) -> dict:
     p.add_argument("--optim", choices=OPTIMS, default="sgd")
     p.add_argument("--model", choices=MODELS, default="hand_written", help="the array to profile")
     p.add_argument("--baseline", action="store_true", help="profile the HFTA-style reference instead")
-    p.add_argument("--steps", type=int, default=20, help="profiled steps (default 20)")
+    p.add_argument("--steps", type=int, default=20, help="profiled steps (default 20; 0: no profile)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--top", type=int, default=25, help="ops listed, by self CPU time (default 25)")
     p.add_argument("--show", nargs="*", default=list(SHOW), help="ops listed whatever their time")
@@ -473,22 +508,23 @@ def main(argv=None) -> dict:
             record = json.load(f)
         record["summary"] = summarize(record)
         print(format_summary(record["summary"]))
-        with open(args.summarize, "w") as f:
-            json.dump(record, f, indent=1)
+        write(args.summarize, record)
         return record
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
-    variant = "baseline" if args.baseline else args.model
-    prof = profile_variant(variant, args.optim, args.B, args.batch, args.steps, args.warmup)
     print(f"digits CNN training step, {device_name()}, torch {torch.__version__}, "
           f"hfkern {hfkern.__version__}, backend {hfkern.get_backend()}")
-    print(format_profile(prof, args.top, set(args.show)))
     run = {
         "label": args.label, "date": datetime.date.today().isoformat(), "device": device_name(),
         "python": platform.python_version(), "torch": torch.__version__, "hfkern": hfkern.__version__,
-        "backend": hfkern.get_backend(), "args": {k: v for k, v in vars(args).items() if k != "save"},
-        "profile": {**prof, "ops": listed(prof, args.top, set(args.show))},  # what the table lists
+        "backend": hfkern.get_backend(),
+        "args": {k: v for k, v in vars(args).items() if k not in ("save", "summarize")},
     }
+    if args.steps > 0:
+        variant = "baseline" if args.baseline else args.model
+        prof = profile_variant(variant, args.optim, args.B, args.batch, args.steps, args.warmup)
+        print(format_profile(prof, args.top, set(args.show)))
+        run["profile"] = {**prof, "ops": listed(prof, args.top, set(args.show))}  # what the table lists
     if args.compare:
         rows = compare(args.optim, args.B, args.batch, args.rounds, args.steps_per_round, args.warmup,
                        args.quiet)

@@ -147,3 +147,27 @@ def test_conv_norm_relu_pool_chain_keeps_one_layout():
     for func, operands in spy.elementwise:
         assert len(set(operands)) == 1 and operands[0][1], (func, operands)  # one layout: [N, B, ...] memory
     assert spy.copies == []
+
+
+@pytest.mark.parametrize("n_first", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_bias_gradient_accumulates_in_float32(dtype, n_first):
+    """The bias gradient of a low-precision conv rounds once, as torch's does: per-sample
+    sums that cancel (a conv before batch norm) leave no per-sample round-off behind."""
+    B, N, C = 2, 8, 3
+    torch.manual_seed(0)
+    big = 100 * torch.randn(B, 1, C, 1, 1).expand(B, N, C, 5, 5).clone()
+    big[:, N // 2:] *= -1                                   # per-sample sums of 2500, totals near 0
+    grad = (big + torch.randn(B, N, C, 5, 5)).to(dtype)
+    if n_first:                                             # [N, B, ...] memory, as an array conv's
+        grad = grad.transpose(0, 1).contiguous().transpose(0, 1)
+    x = torch.randn(B, N, 4, 7, 7, dtype=dtype)
+    w = torch.randn(B, C, 4, 3, 3, dtype=dtype, requires_grad=True)
+    b = torch.zeros(B, C, dtype=dtype, requires_grad=True)
+    out = torch.ops.hfkern.array_conv(x, w, b, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    out.backward(grad)
+    want = grad.double().sum(dim=(1, 3, 4))
+    assert b.grad.dtype == dtype
+    # one rounding of the exact sum (float32 accumulation adds far less than that)
+    atol = 2 * torch.finfo(dtype).eps * want.abs().max().item()
+    torch.testing.assert_close(b.grad.double(), want.to(dtype).double(), rtol=0, atol=atol)

@@ -36,4 +36,20 @@ def test_profile_step_prints_and_saves_profile_and_comparison(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert [(r["label"], r["variant"], r["samples"]) for r in summary["steps"]] == \
         [("smoke", v, 2) for v in ("hand_written", "fused", "baseline")]
+    assert summary["steps"][-1]["median_vs_baseline"] == 1.0
     assert summary["profiles"][0]["calls_per_step"]["aten::clamp_min"] == 2
+    # --steps 0: the comparison alone, appended to the record; the summary pools both runs
+    proc = subprocess.run(
+        [sys.executable, os.path.join("bench", "profile_step.py"), "--B", "2", "--batch", "8", "--optim", "adam",
+         "--steps", "0", "--warmup", "1", "--compare", "--rounds", "1", "--steps-per-round", "1",
+         "--label", "smoke", "--save", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 2 and "profile" not in runs[1] and len(runs[1]["compare"]) == 3
+    proc = subprocess.run([sys.executable, os.path.join("bench", "profile_step.py"), "--summarize", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert [r["samples"] for r in summary["steps"]] == [3, 3, 3] and len(summary["profiles"]) == 1

@@ -288,8 +288,14 @@ def _bias_grad(grad_out: Tensor) -> Tensor:
     runs at a third to half that speed (bench/profile_step.py's digits CNN).
     """
     n_first = per_model_memory_first(grad_out)
-    per_sample = (grad_out.transpose(0, 1) if n_first else grad_out).sum(dim=list(range(3, grad_out.dim())))
-    return per_sample.sum(dim=0 if n_first else 1)
+    # Both sums accumulate in float32 at least: a low-precision intermediate
+    # would round every per-sample sum, and those round-offs survive the
+    # cancellation of the second sum (a conv followed by batch norm has a bias
+    # gradient near zero made of per-sample terms that are not).
+    acc = torch.promote_types(grad_out.dtype, torch.float32)
+    per_sample = (grad_out.transpose(0, 1) if n_first else grad_out).sum(
+        dim=list(range(3, grad_out.dim())), dtype=acc)
+    return per_sample.sum(dim=0 if n_first else 1).to(grad_out.dtype)
 
 
 array_conv.register_autograd(_backward, setup_context=_setup_context)
