@@ -20,6 +20,7 @@ from . import amp, nn, optim, utils  # noqa: E402, F401
 from ._array import broadcast, is_shared  # noqa: E402
 from ._backend import backend_info, get_backend, set_backend, use_backend  # noqa: E402
 from .fusion import FusedModel, FuseError, fuse, unfuse  # noqa: E402
+from .ops.topk import TopK, topk_capacity, topk_select  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -34,5 +35,8 @@ __all__ = [
     "get_backend",
     "use_backend",
     "backend_info",
+    "TopK",
+    "topk_select",
+    "topk_capacity",
     "__version__",
 ]
