@@ -110,6 +110,35 @@ def keys_of(bits: Tensor, spec: KeySpec) -> Tensor:
     return keys.clamp_max_(spec.nan_key)
 
 
+def row_bits(x: Tensor, spec: KeySpec) -> Tensor:
+    """``x`` (``[n]`` or ``[R, n]``) as ``[R, n]`` contiguous bit patterns
+    (``spec.bits_dtype``); a copy only if ``x`` is strided."""
+    rows = x if x.dim() == 2 else x.unsqueeze(0)
+    return rows.contiguous().view(spec.bits_dtype)
+
+
+def shape_outputs(x: Tensor, values: Tensor, indices: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``[R, ...]`` results in the op's shapes for ``x`` (one row: no row dim)."""
+    if x.dim() == 1:
+        return values[0], indices[0], count[0]
+    return values, indices, count
+
+
+def compaction_offsets(gt: Tensor, eq: Tensor, quota: Tensor) -> tuple[Tensor, Tensor]:
+    """Where each block of a row starts writing, for a kernel that compacts in blocks.
+
+    ``gt``/``eq``: ``[R, P]`` counts of each block's keys above / equal to the
+    threshold; ``quota``: ``[R]``. Returns ``(tie_offset, out_offset)``, ``[R, P]``
+    int64: how many keys equal to the threshold, and how many selected entries,
+    precede the block in its row (exclusive scans, so the result does not depend
+    on how a kernel orders its blocks).
+    """
+    gt, eq = gt.to(torch.int64), eq.to(torch.int64)
+    tie_offset = eq.cumsum(1) - eq
+    taken = gt + (quota.unsqueeze(1) - tie_offset).clamp(min=0).minimum(eq)
+    return tie_offset, taken.cumsum(1) - taken
+
+
 def capacity(k: int, exact: bool = False) -> int:
     """The buffer length of a selection of ``k``: ``k`` if exact, else ``ceil(1.25 * k)``."""
     return k if exact else (5 * k + 3) // 4

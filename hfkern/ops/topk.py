@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend, _topk
-from .._topk import KeySpec, capacity, key_spec, keys_of
+from .._topk import KeySpec, capacity, key_spec, keys_of, row_bits, shape_outputs
 
 __all__ = ["TopK", "topk_select", "topk_capacity", "check_topk_args"]
 
@@ -93,12 +93,6 @@ def check_topk_args(x: Tensor, k: int, exact: bool, seed: int) -> KeySpec:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"topk_select: expected seed to be an int, got {type(seed).__name__} {seed!r}")
     return spec
-
-
-def row_bits(x: Tensor, spec: KeySpec) -> Tensor:
-    """``x`` as ``[R, n]`` contiguous bit patterns (``spec.bits_dtype``), copied only if strided."""
-    rows = x if x.dim() == 2 else x.unsqueeze(0)
-    return rows.contiguous().view(spec.bits_dtype)
 
 
 # ---- the torch implementation (CPU path and oracle) -----------------------------
@@ -172,13 +166,7 @@ def topk_select_torch(x: Tensor, k: int, exact: bool, seed: int) -> tuple[Tensor
     else:
         threshold, quota, count = _topk.find_threshold(bits, spec, k, cap, seed, count_ge_torch)
     values, indices = compact_torch(bits, x.dtype, spec, threshold, quota, cap)
-    return _shape_outputs(x, values, indices, count)
-
-
-def _shape_outputs(x: Tensor, values: Tensor, indices: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    if x.dim() == 1:
-        return values[0], indices[0], count[0]
-    return values, indices, count
+    return shape_outputs(x, values, indices, count)
 
 
 # ---- the op ----------------------------------------------------------------------
