@@ -325,6 +325,12 @@ def test_backward_op_masks_and_layouts():
     assert gx.stride() == x.stride() and gw.shape == (0,)
     assert gb.shape == (B, C) and gb.is_contiguous()
     torch.testing.assert_close(gb, gy.sum(dim=(1, 3, 4)))
+    # gy in [B, N, ...] memory, x in [N, B, ...]: the documented training formula
+    n, view = 5 * 2 * 3, (B, 1, C, 1, 1)
+    xhat = (x - mean.view(view)) * rstd.view(view)
+    want = (w * rstd).view(view) * (gy - gy.sum(dim=(1, 3, 4)).view(view) / n
+                                    - xhat * (gy * xhat).sum(dim=(1, 3, 4)).view(view) / n)
+    torch.testing.assert_close(gx, want, **GRAD_TOL)
     gx2, gw2, gb2 = array_batch_norm_backward(gy, x, w, mean, rstd, True, [False, True, False])
     assert gx2.shape == (0,) and gb2.shape == (0,) and gw2.shape == (B, C)
     xhat = (x - mean.view(B, 1, C, 1, 1)) * rstd.view(B, 1, C, 1, 1)

@@ -26,6 +26,10 @@ CASES = [
                                padding=(1, 1), dilation=(2, 1), bias=False), (2, 3, 5, 4)),
     (hnn.ConvTranspose1d, dict(in_channels=4, out_channels=4, kernel_size=3, stride=3, padding=1,
                                output_padding=2, groups=4), (2, 4, 5)),
+    # 1x1 convs: a batched matmul on the CPU's torch path (hfkern/ops/conv.py, _pointwise)
+    (hnn.Conv1d, dict(in_channels=3, out_channels=7, kernel_size=1), (5, 3, 9)),
+    (hnn.Conv2d, dict(in_channels=5, out_channels=4, kernel_size=1, bias=False), (3, 5, 4, 7)),
+    (hnn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=(1, 1)), (4, 5, 3)),
 ]
 
 

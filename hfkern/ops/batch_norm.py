@@ -226,8 +226,13 @@ def array_batch_norm_backward_torch(
     output_mask: Sequence[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias); an output whose mask entry is False is ``[0]``."""
-    if training and _grouped_ok(x, grad_y, weight, mean) and per_model_memory_first(grad_y):
+    if training and _grouped_ok(x, grad_y, weight, mean):
         B, N, C = x.shape[:3]
+        if not per_model_memory_first(grad_y):
+            # e.g. the gradient of a max over points (PointNet), in [B, N, ...]
+            # memory: one copy into x's layout costs less than the strided
+            # reductions of the general path (several passes over x and grad_y).
+            grad_y = grad_y.transpose(0, 1).contiguous().transpose(0, 1)
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
             to_grouped(grad_y), to_grouped(x), _flat(weight), None, None, mean.view(-1), rstd.view(-1),
             True, 0.0, list(output_mask),

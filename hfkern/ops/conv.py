@@ -97,12 +97,35 @@ def _swap_channel_blocks(y: Tensor, outer: int, inner: int) -> Tensor:
     return y.reshape(N, outer, inner, C // (outer * inner), *y.shape[2:]).transpose(1, 2).reshape(y.shape)
 
 
+def _pointwise(x: Tensor, weight: Tensor, stride, padding, dilation, transposed: bool, groups: int) -> bool:
+    """Whether a per-model conv is a 1x1 conv that the CPU runs faster as a batched
+    matmul ``[B, C_out, C_in] @ [N, B, C_in, prod(s)]`` than as a grouped conv:
+    oneDNN has no fast kernel for many small groups, and torch's fallback loops
+    over them (PointNet's 1x1 Conv1d stack: 2-2.6x forward, up to 3x for the
+    input gradient, on 2 cores with torch 2.13; bench/profile_case.py)."""
+    return (x.device.type == "cpu" and x.dim() == weight.dim() and not transposed and groups == 1
+            and all(k == 1 for k in weight.shape[3:]) and all(v == 1 for v in stride)
+            and all(v == 0 for v in padding) and all(v == 1 for v in dilation))
+
+
+def _pointwise_matmul(w: Tensor, x: Tensor) -> Tensor:
+    """``[B, O, I] @ x [B, N, I, *s]`` -> ``[B, N, O, *s]``, a view of ``[N, B, O, *s]`` memory."""
+    B, N, _, *s = x.shape
+    y = torch.matmul(w, x.transpose(0, 1).reshape(N, B, x.shape[2], -1))
+    return y.view(N, B, w.shape[1], *s).transpose(0, 1)
+
+
 @_backend.implements(_FWD, "torch")
 def array_conv_torch(
     x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
 ) -> Tensor:
     B = weight.shape[0]
+    if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
+        y = _pointwise_matmul(weight.flatten(2), x)
+        if bias is not None:
+            y = y.add_(bias.view(B, 1, -1, *([1] * (x.dim() - 3))))
+        return op_result(y)
     if x.dim() == weight.dim():  # per-model input
         y = aten.convolution(
             to_grouped(x), _flat_weight(weight), None if bias is None else bias.reshape(-1),
@@ -129,6 +152,8 @@ def array_conv_input_grad_torch(
     """d(loss)/dx: the adjoint convolution of grad_out (a transposed conv for a conv)."""
     B = weight.shape[0]
     shared = len(input_size) == weight.dim() - 1
+    if not shared and _pointwise(grad_out, weight, stride, padding, dilation, transposed, groups):
+        return op_result(_pointwise_matmul(weight.flatten(2).transpose(1, 2), grad_out))
     if shared:  # the sum over the B models falls out of the dense conv
         gy = _swap_channel_blocks(to_grouped(grad_out), B, groups)
         w, g = _dense_weight(weight, transposed, groups), groups
