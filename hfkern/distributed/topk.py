@@ -1,0 +1,577 @@
+"""Top-k sparse gradient all-reduce with error feedback, as a DDP communication hook.
+
+Use::
+
+    state = TopKState(model, density=0.01, warmup_steps=100)       # flat exchange
+    state = TopKState(model, nodes=node_groups(8), density=0.01)    # hierarchical
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(state, topk_hook)
+
+What one bucket computes (W ranks, the bucket's flat gradient ``g_r`` on rank r,
+its residual ``e_r``, ``S_k(x)`` the top-k selection of :func:`hfkern.ops.topk.topk_select`
+written densely: x at the selected positions, 0 elsewhere):
+
+* **flat**: every rank selects ``S_k(g_r + e_r)``, all-gathers the values and
+  int32 indices (fixed-size buffers of ``topk_capacity(k)`` entries per row, so
+  all ranks send equal sizes; padding entries hold value 0 at index 0 and add
+  nothing), and scatter-adds them in rank order:
+  ``result = (1 / W) * sum_r S_k(g_r + e_r)``; new residual
+  ``e_r <- (g_r + e_r) - S_k(g_r + e_r)`` (the selected entries set to zero,
+  the rest kept bit for bit).
+* **hierarchical** (``nodes=``: N nodes of L ranks, :func:`~hfkern.distributed.node_groups`):
+  a dense reduce-scatter inside each node gives local rank l the node's sum of
+  shard l, ``h = shard_l(sum_{r in node} (g_r + e_r))``; local rank l selects
+  ``S_{k_s}(h)`` with ``k_s`` from the density and the shard length, all-gathers
+  it with the rank l of every other node, scatter-adds, and an all-gather inside
+  the node assembles the shards:
+  ``result = (1 / W) * concat_l sum_nodes S_{k_s}(shard_l of the node sum)``;
+  the residual keeps ``h - S_{k_s}(h)`` at shard l's positions (zero elsewhere)
+  and is added to this rank's gradient before the next intra-node reduce, so
+  it enters the node sum exactly once.
+  Flat and hierarchical modes agree (up to the order of the float additions)
+  whenever nothing is left behind: when each rank's nonzeros fit in ``k`` and
+  each node's nonzeros per shard fit in ``k_s``, both equal the dense mean.
+* **dense**: ``g_r + e_r`` divided by W and all-reduced, as torch's
+  ``allreduce_hook`` does, and the residual is cleared (everything was sent).
+  A bucket goes dense during the warm-up (``step < warmup_steps``) and, when
+  ``fallback`` is on, whenever the sparse message would be larger than the
+  dense one: ``W * R * cap * (itemsize + 4) > n * itemsize`` for the flat
+  all-gather, ``N * R * cap_s * (itemsize + 4) > R * s * itemsize`` for the
+  inter-node all-gather of a shard (``R`` rows, ``s`` the shard length). With no
+  residual yet this is bit for bit DDP's own all-reduce.
+
+Arrays of models (``per_model=B``): every parameter is ``[B, ...]``, model-major,
+so model b's part of a bucket is the concatenation of ``param[b]`` over the
+bucket's parameters. The bucket is gathered into a ``[B, m]`` view (an index map
+built once per bucket) and each model's row is selected on its own (the ``[R, n]``
+form of the selection), so a model with large gradients does not take the
+others' share of the message: every model sends its own k.
+
+Error feedback state is per bucket, one flat residual in the bucket's layout.
+DDP rebuilds its buckets after the first iteration, and a restarted job starts
+from the initial layout again, so residuals are also addressed per parameter
+(its position in ``model.parameters()``): a bucket whose parameters changed
+takes over their residual segments. :meth:`TopKState.state_dict` holds the
+residuals per parameter, the step and the seed; every rank saves and loads its
+own (residuals differ between ranks).
+
+The step counter advances after the last bucket of a backward pass
+(``bucket.is_last()``); the selection's seed of a bucket is a function of
+``(seed, step, bucket index)``, so a restart reproduces the same selections.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ops.topk import topk_capacity, topk_select
+from .groups import NodeGroups
+
+__all__ = ["TopKState", "topk_hook"]
+
+logger = logging.getLogger("hfkern")
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_INDEX_BYTES = 4  # int32 indices
+_MODES = ("dense", "flat", "hierarchical")
+
+
+def _select(x: torch.Tensor, k: int, exact: bool, seed: int):
+    return topk_select(x, k, exact=exact, seed=seed)
+
+
+def _capacity(k: int, exact: bool) -> int:
+    return topk_capacity(k, exact)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+def _check_density(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: density must be a float in (0, 1], got {type(value).__name__}")
+    value = float(value)
+    if not (0.0 < value <= 1.0):
+        raise ValueError(f"{where}: density must be in (0, 1], got {value}")
+    return value
+
+
+def _check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"TopKState: {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"TopKState: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def k_for(density: float, m: int) -> int:
+    """Entries a row of length ``m`` sends at ``density``: ``round(density * m)``, in [1, m]."""
+    return max(1, min(m, round(density * m)))
+
+
+@dataclass
+class _BucketPlan:
+    """What a bucket looks like, computed once per (bucket index, parameters)."""
+
+    keys: tuple[int, ...]        # parameter positions in model.parameters()
+    numels: tuple[int, ...]
+    n: int                       # elements in the bucket
+    rows: int                    # R: models (per_model) or 1
+    m: int                       # elements per row
+    perm: torch.Tensor | None    # [R * m] int64: bucket position of each row-major element (rows
+                                 # list parameters in model order); None: identity
+    shard_pos: dict              # L -> (s, [R, s] int64 bucket positions of this rank's shard, padded with -1)
+
+
+@dataclass
+class BucketStats:
+    """The last decision for one bucket: ``mode`` (dense / flat / hierarchical),
+    ``density``, ``k`` per row (per shard row in hierarchical mode), ``capacity`` per
+    row, ``rows`` and ``payload_bytes`` this rank handed to collectives for it."""
+
+    mode: str
+    density: float
+    k: int
+    capacity: int
+    rows: int
+    payload_bytes: int
+
+
+class TopKState:
+    """State of :func:`topk_hook`: configuration, step counter and residuals.
+
+    Args:
+        model: the module DDP wraps (or the DDP module itself); its parameter
+            order names the residuals in :meth:`state_dict`.
+        process_group: the data-parallel group (None: the world).
+        density: fraction of each row (each model's part of a bucket, or the
+            whole bucket) that is sent, in (0, 1]. Default 0.01 unless
+            ``density_schedule`` is given.
+        density_schedule: instead of ``density``: a callable ``step -> density``,
+            or a list of ``(step, density)`` pairs with increasing steps, the first
+            at step 0; the density at step t is the last pair's with ``step <= t``.
+        warmup_steps: the first ``warmup_steps`` steps all-reduce densely.
+        nodes: :class:`~hfkern.distributed.NodeGroups` of ``process_group``: the
+            hierarchical exchange (dense inside a node, sparse between nodes).
+            None: the flat exchange.
+        exact: select with ``torch.topk`` semantics (k entries exactly) instead of
+            the approximate threshold selection (between k and 1.25k entries).
+        seed: base seed of the approximate selection.
+        per_model: B for an array of B models (every parameter ``[B, ...]``):
+            each model's part of a bucket is selected on its own. None: one row.
+        fallback: go dense when the sparse message would be larger (see the
+            module docstring). False forces the sparse exchange after warm-up
+            (used to test it at density 1).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        density: float | None = None,
+        density_schedule: Callable[[int], float] | Sequence[tuple[int, float]] | None = None,
+        warmup_steps: int = 0,
+        nodes: NodeGroups | None = None,
+        exact: bool = False,
+        seed: int = 0,
+        per_model: int | None = None,
+        fallback: bool = True,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"TopKState: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TopKState: torch.distributed is not initialized; "
+                               "call torch.distributed.init_process_group first")
+        self.process_group = dist.group.WORLD if process_group is None else process_group
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+
+        if density is not None and density_schedule is not None:
+            raise ValueError("TopKState: give density or density_schedule, not both")
+        self._schedule_fn: Callable[[int], float] | None = None
+        self._schedule: list[tuple[int, float]] | None = None
+        if density_schedule is None:
+            self.density = _check_density(0.01 if density is None else density, "TopKState")
+        elif callable(density_schedule):
+            self.density = None
+            self._schedule_fn = density_schedule
+        else:
+            pairs = list(density_schedule)
+            if not pairs:
+                raise ValueError("TopKState: density_schedule is empty; expected (step, density) pairs")
+            checked = []
+            for i, pair in enumerate(pairs):
+                if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                    raise TypeError(f"TopKState: density_schedule[{i}] must be a (step, density) pair, got {pair!r}")
+                step = _check_int(pair[0], f"density_schedule[{i}] step", 0)
+                if checked and step <= checked[-1][0]:
+                    raise ValueError(f"TopKState: density_schedule steps must increase; entry {i} has step "
+                                     f"{step} after {checked[-1][0]}")
+                checked.append((step, _check_density(pair[1], f"TopKState: density_schedule[{i}]")))
+            if checked[0][0] != 0:
+                raise ValueError(f"TopKState: density_schedule must start at step 0, got {checked[0][0]}")
+            self.density = None
+            self._schedule = checked
+        self.warmup_steps = _check_int(warmup_steps, "warmup_steps", 0)
+        self.seed = _check_int(seed, "seed", 0)
+        if not isinstance(exact, bool):
+            raise TypeError(f"TopKState: exact must be a bool, got {type(exact).__name__}")
+        if not isinstance(fallback, bool):
+            raise TypeError(f"TopKState: fallback must be a bool, got {type(fallback).__name__}")
+        self.exact, self.fallback = exact, fallback
+
+        if nodes is not None:
+            if not isinstance(nodes, NodeGroups):
+                raise TypeError(f"TopKState: nodes must be NodeGroups (from node_groups), "
+                                f"got {type(nodes).__name__}")
+            pg_ranks = tuple(dist.get_process_group_ranks(self.process_group))
+            if nodes.ranks != pg_ranks:
+                raise ValueError(f"TopKState: nodes split the ranks {nodes.ranks}, but the process "
+                                 f"group holds {pg_ranks}")
+        self.nodes = nodes
+
+        params = list(model.parameters())
+        self._keys = {id(p): i for i, p in enumerate(params)}
+        if per_model is not None:
+            per_model = _check_int(per_model, "per_model", 1)
+            for i, p in enumerate(params):
+                if p.requires_grad and (p.dim() == 0 or p.size(0) != per_model):
+                    raise ValueError(f"TopKState: per_model={per_model} needs every parameter shaped "
+                                     f"[{per_model}, ...]; parameter {i} has shape {tuple(p.shape)}")
+        self.per_model = per_model
+
+        self.step = 0
+        self._plans: dict[int, _BucketPlan] = {}
+        # bucket index -> (parameter keys, numels, flat residual in the bucket's layout)
+        self._residuals: dict[int, tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] = {}
+        # parameter key -> flat residual segment not yet claimed by a bucket
+        self._loose: dict[int, torch.Tensor] = {}
+        self._last_mode: dict[int, str] = {}
+        self.bucket_stats: dict[int, BucketStats] = {}
+        self.payload_bytes = 0  # total over the run, this rank
+
+    # ---- schedule --------------------------------------------------------------------------
+    def density_at(self, step: int) -> float:
+        """The density the schedule gives at ``step``."""
+        if self._schedule_fn is not None:
+            return _check_density(self._schedule_fn(step), f"TopKState: density_schedule({step})")
+        if self._schedule is not None:
+            d = self._schedule[0][1]
+            for s, v in self._schedule:
+                if s > step:
+                    break
+                d = v
+            return d
+        return self.density
+
+    def seed_for(self, step: int, bucket_index: int) -> int:
+        """The selection seed of one bucket at one step (a restart reproduces it)."""
+        return (self.seed * 0x9E3779B1 + step * 1_000_003 + bucket_index) % (2 ** 31 - 1)
+
+    # ---- bucket layout and residuals -------------------------------------------------------
+    def _plan(self, index: int, params: list[torch.Tensor], buffer: torch.Tensor) -> _BucketPlan:
+        try:
+            keys = tuple(self._keys[id(p)] for p in params)
+        except KeyError:
+            raise ValueError("topk_hook: a bucket holds a parameter that is not among the model's "
+                             "parameters; pass TopKState the module that DDP wraps") from None
+        plan = self._plans.get(index)
+        if plan is not None and plan.keys == keys and plan.n == buffer.numel():
+            return plan
+        numels = tuple(p.numel() for p in params)
+        n = buffer.numel()
+        if sum(numels) != n:
+            raise ValueError(f"topk_hook: bucket {index} holds {n} elements but its parameters hold "
+                             f"{sum(numels)}; sparse buckets must be dense and unpadded")
+        if n >= 2 ** 31:
+            raise ValueError(f"topk_hook: bucket {index} has {n} elements; int32 indices need fewer "
+                             f"than 2**31 (lower bucket_cap_mb)")
+        # Rows list the parameters in model order, whatever order DDP put them in
+        # the bucket (it reorders them when it rebuilds its buckets after the
+        # first iteration), so a bucket's selection does not depend on it.
+        offsets = [0]
+        for numel in numels[:-1]:
+            offsets.append(offsets[-1] + numel)
+        order = sorted(range(len(params)), key=lambda i: keys[i])
+        rows = 1 if self.per_model is None else self.per_model
+        m = n // rows
+        perm = torch.empty(rows, m, dtype=torch.int64)
+        col = 0
+        for i in order:
+            p, numel = params[i], numels[i]
+            if rows > 1 and (p.dim() == 0 or p.size(0) != rows):
+                raise ValueError(f"topk_hook: per_model={rows} needs every parameter shaped "
+                                 f"[{rows}, ...]; parameter {keys[i]} has shape {tuple(p.shape)}")
+            mp = numel // rows
+            perm[:, col:col + mp] = torch.arange(numel, dtype=torch.int64).view(rows, mp) + offsets[i]
+            col += mp
+        perm = perm.view(-1)
+        perm = None if torch.equal(perm, torch.arange(n)) else perm.to(buffer.device)
+        plan = _BucketPlan(keys=keys, numels=numels, n=n, rows=rows, m=m, perm=perm, shard_pos={})
+        self._plans[index] = plan
+        return plan
+
+    def _shard(self, plan: _BucketPlan, device) -> tuple[int, torch.Tensor]:
+        """(s, [R, s] bucket positions of this rank's shard, -1 past the row's end)."""
+        L, l = self.nodes.node_size, self.nodes.local_rank
+        if L not in plan.shard_pos:
+            s = -(-plan.m // L)
+            cols = torch.arange(l * s, (l + 1) * s, dtype=torch.int64)
+            valid = cols < plan.m
+            flat = torch.arange(plan.rows, dtype=torch.int64)[:, None] * plan.m + cols.clamp(max=plan.m - 1)
+            pos = flat if plan.perm is None else plan.perm.cpu()[flat]
+            pos = torch.where(valid, pos, torch.full_like(pos, -1))
+            plan.shard_pos[L] = (s, pos.to(device))
+        return plan.shard_pos[L]
+
+    def _residual(self, index: int, plan: _BucketPlan, like: torch.Tensor, create: bool):
+        """This bucket's flat residual ([n], bucket layout), taking over the segments of
+        its parameters from other layouts; None while there is none and not ``create``."""
+        entry = self._residuals.get(index)
+        if entry is not None and entry[0] == plan.keys:
+            return entry[2]
+        # The layout changed (DDP rebuilt its buckets, or the state was loaded):
+        # release every stored bucket that holds one of these parameters, or this
+        # index. None of them was touched in this step (buckets already handled
+        # in this step have the new layout, whose parameters are disjoint from
+        # this bucket's), so nothing in flight is affected.
+        mine = set(plan.keys)
+        for j, (keys, numels, t) in list(self._residuals.items()):
+            if j == index or mine.intersection(keys):
+                del self._residuals[j]
+                for key, seg in zip(keys, t.split(list(numels))):
+                    self._loose[key] = seg
+        if not create and not any(k in self._loose for k in plan.keys):
+            return None
+        res = torch.zeros(plan.n, dtype=like.dtype, device=like.device)
+        off = 0
+        for key, numel in zip(plan.keys, plan.numels):
+            seg = self._loose.pop(key, None)
+            if seg is not None:
+                if seg.numel() != numel:
+                    raise ValueError(f"TopKState: residual of parameter {key} has {seg.numel()} "
+                                     f"elements, the parameter {numel}")
+                res[off:off + numel].copy_(seg)
+            off += numel
+        self._residuals[index] = (plan.keys, plan.numels, res)
+        return res
+
+    # ---- decisions ------------------------------------------------------------------------
+    def _decide(self, step: int, plan: _BucketPlan, itemsize: int) -> tuple[str, float, int, int]:
+        """(mode, density, k per row, capacity per row) of one bucket at ``step``."""
+        density = self.density_at(step)
+        if step < self.warmup_steps:
+            return "dense", density, plan.m, plan.m
+        if self.nodes is None:
+            k = k_for(density, plan.m)
+            cap = _capacity(k, self.exact)
+            sparse = self.world_size * plan.rows * cap * (itemsize + _INDEX_BYTES)
+            dense = plan.n * itemsize
+            mode = "flat"
+        else:
+            s = -(-plan.m // self.nodes.node_size)
+            k = k_for(density, s)
+            cap = _capacity(k, self.exact)
+            sparse = self.nodes.num_nodes * plan.rows * cap * (itemsize + _INDEX_BYTES)
+            dense = plan.rows * s * itemsize
+            mode = "hierarchical"
+        if self.fallback and sparse > dense:
+            return "dense", density, k, cap
+        return mode, density, k, cap
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Step, seed and this rank's residuals per parameter (copies); what a restart needs."""
+        residuals = {key: seg.clone() for key, seg in self._loose.items()}
+        for keys, numels, t in self._residuals.values():
+            for key, seg in zip(keys, t.split(list(numels))):
+                residuals[key] = seg.clone()
+        return {"step": self.step, "seed": self.seed, "world_size": self.world_size, "rank": self.rank,
+                "hierarchical": self.nodes is not None, "per_model": self.per_model,
+                "residuals": residuals}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` of this rank; the configuration must match."""
+        for name, mine in (("world_size", self.world_size), ("rank", self.rank),
+                           ("hierarchical", self.nodes is not None), ("per_model", self.per_model)):
+            if state.get(name) != mine:
+                raise ValueError(f"TopKState.load_state_dict: the state was saved with {name}="
+                                 f"{state.get(name)!r}, this state has {mine!r}")
+        n_params = len(self._keys)
+        for key in state["residuals"]:
+            if not (isinstance(key, int) and 0 <= key < n_params):
+                raise ValueError(f"TopKState.load_state_dict: residual key {key!r} is not a parameter "
+                                 f"position in [0, {n_params})")
+        self.step = int(state["step"])
+        self.seed = int(state["seed"])
+        self._residuals.clear()
+        self._loose = {key: t.detach().clone() for key, t in state["residuals"].items()}
+
+
+def _pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """One uint8 message of values then int32 indices (one collective instead of two)."""
+    return torch.cat([values.reshape(-1).view(torch.uint8), indices.reshape(-1).view(torch.uint8)])
+
+
+def _scatter_add(gathered: torch.Tensor, ranks: int, entries: int, dtype, length: int) -> torch.Tensor:
+    """Sum of ``ranks`` packed messages of ``entries`` (value, index) pairs into ``[length]``.
+
+    One ``index_add_`` per rank, in rank order: within one rank's message the
+    indices are distinct except for zero-valued padding, so each call is
+    order-independent (also with atomics on a GPU), and every rank computes the
+    same bits, which keeps the replicas identical.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    msg = gathered.view(ranks, -1)
+    vals = msg[:, :entries * itemsize].contiguous().view(dtype)
+    idx = msg[:, entries * itemsize:].contiguous().view(torch.int32).long()
+    acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    total = torch.zeros(length, dtype=acc_dtype, device=gathered.device)
+    for r in range(ranks):
+        total.index_add_(0, idx[r], vals[r].to(acc_dtype))
+    return total
+
+
+def _selected_mask(flat_idx: torch.Tensor, count: torch.Tensor, cap: int, length: int) -> torch.Tensor:
+    """[length] bool: which row-major positions the selection kept (padding excluded,
+    without reading ``count`` on the host)."""
+    valid = (torch.arange(cap, device=count.device)[None, :] < count.reshape(-1, 1)).to(torch.int32)
+    hits = torch.zeros(length, dtype=torch.int32, device=flat_idx.device)
+    hits.index_add_(0, flat_idx.reshape(-1).long(), valid.reshape(-1))
+    return hits > 0
+
+
+def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the top-k sparse mean of the bucket over ``state.process_group``.
+
+    Register with ``ddp.register_comm_hook(state, topk_hook)``. Returns a future
+    of the bucket's averaged gradient ``[n]`` (the bucket's own buffer, written in
+    place), as torch's ``allreduce_hook`` does. What is computed: see the module
+    docstring of :mod:`hfkern.distributed.topk`.
+    """
+    buf = bucket.buffer()
+    if buf.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"topk_hook: bucket dtype must be one of {_FLOAT_DTYPES}, got {buf.dtype}")
+    index = bucket.index()
+    plan = state._plan(index, list(bucket.parameters()), buf)
+    step = state.step
+    if bucket.is_last():
+        state.step += 1
+    mode, density, k, cap = state._decide(step, plan, buf.element_size())
+    if state._last_mode.get(index) != mode:
+        logger.debug("topk_hook: bucket %d (%d elements) goes %s at step %d (density %g)",
+                     index, plan.n, mode, step, density)
+        state._last_mode[index] = mode
+
+    if mode == "dense":
+        res = state._residual(index, plan, buf, create=False)
+        if res is not None:
+            buf.add_(res)
+            res.zero_()
+        state.bucket_stats[index] = BucketStats(mode, density, k, cap, plan.rows, buf.numel() * buf.element_size())
+        state.payload_bytes += buf.numel() * buf.element_size()
+        buf.div_(state.world_size)
+        work = dist.all_reduce(buf, group=state.process_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    res = state._residual(index, plan, buf, create=True)
+    buf.add_(res)
+    seed = state.seed_for(step, index)
+    if mode == "flat":
+        return _flat(state, index, plan, buf, res, k, cap, seed, density)
+    return _hierarchical(state, index, plan, buf, res, k, cap, seed, density)
+
+
+def _rows(plan: _BucketPlan, flat: torch.Tensor) -> torch.Tensor:
+    """[R, m] row-major view (per-model gather) of a bucket-layout ``[n]`` tensor."""
+    return (flat if plan.perm is None else flat[plan.perm]).view(plan.rows, plan.m)
+
+
+def _unrows(plan: _BucketPlan, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write row-major ``[R * m]`` into the bucket-layout ``out``."""
+    if plan.perm is None:
+        return out.copy_(rows.reshape(-1))
+    return out.index_copy_(0, plan.perm, rows.reshape(-1).to(out.dtype))
+
+
+def _flat(state, index, plan, buf, res, k, cap, seed, density):
+    R, m = plan.rows, plan.m
+    acc = _rows(plan, buf)
+    sel = _select(acc, k, state.exact, seed)
+    base = torch.arange(R, device=buf.device, dtype=torch.int64)[:, None] * m
+    flat_idx = (sel.indices.long() + base).to(torch.int32)
+    kept = _selected_mask(flat_idx, sel.count, cap, R * m).view(R, m)
+    _unrows(plan, torch.where(kept, torch.zeros_like(acc), acc), res)
+
+    packed = _pack(sel.values, flat_idx)
+    W = state.world_size
+    gathered = torch.empty(W * packed.numel(), dtype=torch.uint8, device=buf.device)
+    state.bucket_stats[index] = BucketStats("flat", density, k, cap, R, packed.numel())
+    state.payload_bytes += packed.numel()
+    work = _all_gather(gathered, packed, state.process_group)
+
+    def finish(fut):
+        total = _scatter_add(gathered, W, R * cap, buf.dtype, R * m)
+        total.div_(W)
+        return _unrows(plan, total, buf)
+
+    return work.get_future().then(finish)
+
+
+def _hierarchical(state, index, plan, buf, res, k, cap, seed, density):
+    nodes: NodeGroups = state.nodes
+    L, N, l = nodes.node_size, nodes.num_nodes, nodes.local_rank
+    R, m = plan.rows, plan.m
+    s, shard_pos = state._shard(plan, buf.device)
+    acc = _rows(plan, buf)
+    padded = torch.zeros(R, L * s, dtype=buf.dtype, device=buf.device)
+    padded[:, :m] = acc
+    chunks = padded.view(R, L, s).transpose(0, 1).contiguous()      # [L, R, s]: chunk l to local rank l
+    shard = torch.empty(R * s, dtype=buf.dtype, device=buf.device)  # flat: Gloo checks dim 0
+    # Payload this rank hands to the three collectives (known before they run).
+    itemsize = buf.element_size()
+    payload = L * R * s * itemsize + R * cap * (itemsize + _INDEX_BYTES) + R * s * itemsize
+    state.bucket_stats[index] = BucketStats("hierarchical", density, k, cap, R, payload)
+    state.payload_bytes += payload
+    # The selection needs the node's sum: wait for the reduce-scatter here. On
+    # NCCL, wait() only orders the streams (the host goes on); Gloo's
+    # reduce-scatter has no future to chain on.
+    _reduce_scatter(shard, chunks.view(-1), nodes.intra).wait()
+    shard_rows = shard.view(R, s)
+    sel = _select(shard_rows, k, state.exact, seed)
+    base = torch.arange(R, device=buf.device, dtype=torch.int64)[:, None] * s
+    flat_idx = (sel.indices.long() + base).to(torch.int32)
+    kept = _selected_mask(flat_idx, sel.count, cap, R * s).view(R, s)
+    # The residual lives at this rank's shard positions only; the rest of the
+    # node's error was sent or is held by the other local ranks.
+    res.zero_()
+    valid = shard_pos >= 0
+    left = torch.where(kept, torch.zeros_like(shard_rows), shard_rows)
+    res.index_copy_(0, shard_pos[valid], left[valid])
+    packed = _pack(sel.values, flat_idx)
+    gathered = torch.empty(N * packed.numel(), dtype=torch.uint8, device=buf.device)
+    work = _all_gather(gathered, packed, nodes.inter)
+
+    def assemble(fut):
+        total = _scatter_add(gathered, N, R * cap, buf.dtype, R * s).to(buf.dtype)
+        full = torch.empty(L * R * s, dtype=buf.dtype, device=buf.device)
+        _all_gather(full, total, nodes.intra).wait()
+        rows = full.view(L, R, s).transpose(0, 1).reshape(R, L * s)[:, :m]
+        out = rows.to(torch.float32 if buf.dtype in (torch.float16, torch.bfloat16) else buf.dtype)
+        out = out / state.world_size
+        return _unrows(plan, out, buf)
+
+    return work.get_future().then(assemble)
