@@ -1,0 +1,237 @@
+"""The byte format of one cached sample, shared by the memory and the disk tier.
+
+An entry is one contiguous buffer::
+
+    offset 0   prefix  "<8sIIQQ": magic, format version, 0, header length H, total length T
+    offset 32  header  H bytes of UTF-8 JSON: the cache identity and the sample's tree
+    align(32 + H, 64)  data: every array leaf's bytes, each at a 64-byte aligned offset
+
+The tree mirrors the sample: ``tuple``/``list``/``dict`` nodes hold their
+children; array leaves (``torch.Tensor``, ``numpy.ndarray``, numpy scalars,
+``bytes``) name a dtype, a shape and a byte range of the data area; plain
+Python scalars (``int``, ``float``, ``complex``, ``bool``, ``str``, ``None``)
+live in the JSON itself (Python's JSON writes floats with ``repr``, so they
+round-trip exactly, ``nan``, ``inf`` and ``-0.0`` included).
+
+Decoding builds the leaves with ``torch.frombuffer`` / ``numpy.frombuffer``
+over the buffer: over a private (copy-on-write) memory map of a disk entry they
+share the mapped pages until written; over a memory-tier entry they are copied,
+so a caller that modifies a sample in place cannot change the cache. Leaves
+come back contiguous; strides are not kept.
+
+The 64-byte alignment keeps every leaf aligned for any dtype (and a cache line
+apart), so a leaf read from the mapping is as good as a freshly allocated one.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+MAGIC = b"HFKCACHE"
+FORMAT = 1
+_PREFIX = struct.Struct("<8sIIQQ")
+ALIGN = 64
+# A sample nested deeper than this is refused rather than recursed into (a list
+# that contains itself would otherwise recurse until Python's limit).
+MAX_DEPTH = 64
+
+SUPPORTED = (
+    "torch.Tensor (CPU, dense, any dtype, not requiring grad), numpy.ndarray and numpy "
+    "scalars (any dtype without Python objects or fields), bytes, int, float, complex, "
+    "bool, str, None, and tuple / list / dict (keys: str, int, float, bool or None) of these"
+)
+
+_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+class CorruptEntry(ValueError):
+    """A buffer that is not a complete entry of this format (or not the one asked for)."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _unsupported(obj: Any, where: str, why: str = "") -> TypeError:
+    what = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    return TypeError(f"cannot cache sample{where}: {what}{why}; supported: {SUPPORTED}")
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.leaves: list[tuple[int, Any]] = []  # (offset in the data area, contiguous array)
+        self.size = 0
+
+    def _leaf(self, data: Any, nbytes: int) -> int:
+        off = self.size
+        self.leaves.append((off, data))
+        self.size = _align(off + nbytes)
+        return off
+
+    def node(self, obj: Any, where: str, depth: int) -> dict:
+        if depth > MAX_DEPTH:
+            raise ValueError(f"cannot cache sample{where}: nested deeper than {MAX_DEPTH} levels")
+        t = type(obj)
+        if t is torch.Tensor:
+            if obj.layout != torch.strided or obj.is_nested or obj.is_quantized:
+                raise _unsupported(obj, where, f" with layout {obj.layout}"
+                                   f"{' (nested)' if obj.is_nested else ''}{' (quantized)' if obj.is_quantized else ''}")
+            if obj.device.type != "cpu":
+                raise _unsupported(obj, where, f" on device {obj.device} (expected a CPU tensor)")
+            if obj.requires_grad:
+                raise _unsupported(obj, where, " that requires grad (its autograd graph cannot be cached; "
+                                   "return a detached tensor)")
+            data = obj.resolve_conj().resolve_neg().contiguous()
+            n = data.numel() * data.element_size()
+            return {"t": "tensor", "dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
+                    "off": self._leaf(data, n), "n": n}
+        if t is np.ndarray or isinstance(obj, np.generic):  # ndarray subclasses (matrix, masked) are refused
+            dt = obj.dtype
+            if dt.hasobject or dt.fields is not None:
+                raise _unsupported(obj, where, f" of dtype {dt} (Python objects or fields)")
+            data = np.asarray(obj, order="C")  # not ascontiguousarray: it makes a scalar 1-d
+            kind = "ndarray" if t is np.ndarray else "npscalar"
+            return {"t": kind, "dtype": dt.str, "shape": list(data.shape), "off": self._leaf(data, data.nbytes),
+                    "n": data.nbytes}
+        if t is bytes:
+            return {"t": "bytes", "off": self._leaf(obj, len(obj)), "n": len(obj)}
+        if t is bool or t is int or t is str or obj is None:
+            return {"t": "v", "v": obj}
+        if t is float:
+            return {"t": "float", "v": obj}
+        if t is complex:
+            return {"t": "complex", "v": [obj.real, obj.imag]}
+        if t is tuple or t is list:
+            return {"t": t.__name__, "items": [self.node(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(obj)]}
+        if t is dict:
+            keys = []
+            for k in obj:
+                if type(k) not in (str, int, float, bool) and k is not None:
+                    raise _unsupported(k, f"{where} (a dict key)")
+                keys.append(self.node(k, where, depth + 1))
+            return {"t": "dict", "keys": keys,
+                    "items": [self.node(v, f"{where}[{k!r}]", depth + 1) for k, v in obj.items()]}
+        raise _unsupported(obj, where)
+
+
+def encode(sample: Any, ident: dict) -> bytearray:
+    """The entry for ``sample``; ``ident`` (JSON values) is stored with it and checked by :func:`decode`.
+
+    Raises a TypeError naming the offending part of ``sample`` before anything is written.
+    """
+    enc = _Encoder()
+    tree = enc.node(sample, "", 0)
+    header = json.dumps({"ident": ident, "tree": tree}, separators=(",", ":")).encode()
+    start = _align(_PREFIX.size + len(header))
+    total = start + enc.size
+    buf = bytearray(total)
+    _PREFIX.pack_into(buf, 0, MAGIC, FORMAT, 0, len(header), total)
+    buf[_PREFIX.size:_PREFIX.size + len(header)] = header
+    for off, data in enc.leaves:
+        off += start
+        if isinstance(data, torch.Tensor):
+            n = data.numel() * data.element_size()
+            if n:
+                dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off)
+                dst.copy_(data.reshape(-1).view(torch.uint8))
+        elif isinstance(data, np.ndarray):
+            if data.nbytes:
+                np.frombuffer(buf, np.uint8, data.nbytes, off)[:] = data.reshape(-1).view(np.uint8)
+        else:  # bytes
+            buf[off:off + len(data)] = data
+    return buf
+
+
+def entry_size(buf) -> int:
+    """The total length recorded in an entry's prefix (raises CorruptEntry when it is not one)."""
+    if len(buf) < _PREFIX.size:
+        raise CorruptEntry(f"entry of {len(buf)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+    magic, fmt, _, _, total = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC or fmt != FORMAT:
+        raise CorruptEntry(f"expected magic {MAGIC!r} format {FORMAT}, got {magic!r} format {fmt}")
+    return total
+
+
+def decode(buf, ident: dict, *, copy: bool) -> Any:
+    """The sample stored in ``buf`` (a bytearray or a writable memory map).
+
+    ``copy=True`` gives leaves that own their memory; ``copy=False`` leaves that
+    view ``buf`` (keeping it alive). Raises CorruptEntry when ``buf`` is not a
+    complete entry or its identity is not ``ident``.
+    """
+    total = entry_size(buf)
+    _, _, _, hlen, _ = _PREFIX.unpack_from(buf, 0)
+    if total != len(buf) or _PREFIX.size + hlen > total:
+        raise CorruptEntry(f"entry records {total} bytes (header {hlen}), buffer holds {len(buf)}")
+    try:
+        header = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + hlen]))
+        if header["ident"] != ident:
+            raise CorruptEntry(f"entry belongs to {header['ident']}, expected {ident}")
+        start = _align(_PREFIX.size + hlen)
+        return _Decoder(buf, start, copy).node(header["tree"], 0)
+    except CorruptEntry:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
+        # Malformed JSON or a tree of the wrong shape: the entry is damaged, not the caller.
+        raise CorruptEntry(f"malformed entry header: {type(e).__name__}: {e}") from None
+
+
+class _Decoder:
+    def __init__(self, buf, start: int, copy: bool) -> None:
+        self.buf, self.start, self.copy = buf, start, copy
+
+    def _range(self, node: dict, nbytes: int) -> int:
+        off, n = node["off"], node["n"]
+        if type(off) is not int or off < 0 or n != nbytes or self.start + off + n > len(self.buf):
+            raise CorruptEntry(f"leaf of {n} bytes at {off} does not fit the entry (expected {nbytes} bytes)")
+        return self.start + off
+
+    def node(self, node: dict, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise CorruptEntry(f"tree deeper than {MAX_DEPTH}")
+        t = node["t"]
+        if t == "tensor":
+            dtype = _TORCH_DTYPES[node["dtype"]]
+            shape = [int(s) for s in node["shape"]]
+            numel = int(np.prod(shape, dtype=np.int64))
+            off = self._range(node, numel * dtype.itemsize)
+            if numel == 0:
+                return torch.empty(shape, dtype=dtype)
+            out = torch.frombuffer(self.buf, dtype=dtype, count=numel, offset=off).view(shape)
+            return out.clone() if self.copy else out
+        if t in ("ndarray", "npscalar"):
+            dtype = np.dtype(node["dtype"])
+            shape = tuple(int(s) for s in node["shape"])
+            numel = int(np.prod(shape, dtype=np.int64))
+            off = self._range(node, numel * dtype.itemsize)
+            if numel == 0:
+                out = np.empty(shape, dtype=dtype)
+                return out[()] if t == "npscalar" else out
+            out = np.frombuffer(self.buf, dtype=dtype, count=numel, offset=off).reshape(shape)
+            if self.copy:
+                out = out.copy()
+            return out[()] if t == "npscalar" else out
+        if t == "bytes":
+            off = self._range(node, node["n"])
+            return bytes(self.buf[off:off + node["n"]])
+        if t == "v":
+            return node["v"]
+        if t == "float":
+            return float(node["v"])
+        if t == "complex":
+            return complex(*node["v"])
+        if t == "tuple":
+            return tuple(self.node(x, depth + 1) for x in node["items"])
+        if t == "list":
+            return [self.node(x, depth + 1) for x in node["items"]]
+        if t == "dict":
+            keys, items = node["keys"], node["items"]
+            if len(keys) != len(items):
+                raise CorruptEntry(f"dict with {len(keys)} keys and {len(items)} values")
+            return {self.node(k, depth + 1): self.node(v, depth + 1) for k, v in zip(keys, items)}
+        raise CorruptEntry(f"unknown node type {t!r}")

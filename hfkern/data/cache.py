@@ -1,0 +1,619 @@
+"""A two-tier cache of decoded samples: a per-process memory LRU in front of a shared disk directory.
+
+:class:`CachedDataset` wraps a map-style dataset. ``ds[i]`` looks in
+
+1. the **memory tier**: this process's LRU of encoded entries, bounded by
+   ``memory_bytes`` (the bytes of the entries, exactly), then in
+2. the **disk tier**: one file per sample in ``disk_dir``, read through a
+   private memory map, shared by every process on the machine that opens the
+   same directory (the DataLoader workers of one run, the trials of a sweep),
+   bounded by ``disk_bytes`` with least-recently-used eviction,
+
+and only then calls the wrapped dataset, storing what it returns in both tiers.
+
+Disk protocol (POSIX; one machine):
+
+* An entry is written to ``.hfc-tmp.<pid>.<random>`` in its final directory,
+  flushed with ``fsync``, then renamed over the entry with ``os.replace``, so a
+  reader opens either nothing or a complete entry. Readers take no lock.
+* The writer holds an ``flock`` on its temp file while it writes; the kernel
+  drops it when the writer dies, so a stray temp file whose lock can be taken
+  belongs to a dead writer and is removed (when a dataset is constructed, when
+  the tier evicts, on :meth:`CachedDataset.clear`).
+* Renames, removals and the byte count (``.hfc-usage``) change only under an
+  exclusive ``flock`` on ``.hfc-lock``. When a write takes the count above
+  ``disk_bytes``, the writer lists the directory and removes the entries with
+  the oldest access time until the total fits. An entry's access time is its
+  modification time, which the cache sets itself (to ``time.time_ns()``) when
+  it writes or reads the entry, so it does not depend on the mount's atime policy.
+  A process killed between a rename and the count update leaves the count short
+  by one entry until the next listing recomputes it.
+* Every entry records its dataset key, version and index, checked on read. An
+  entry that fails the check (or is not a complete entry) is counted as
+  ``corrupt``, removed, and loaded again.
+
+Identity: the disk tier needs ``key``, a string that names the dataset
+(its source and its transform) and is the same in every process that should
+share entries; ``version`` (int or str) separates entries made by different
+code. The cache never derives either from the dataset object.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import hashlib
+import mmap
+import operator
+import os
+import re
+import secrets
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from . import _codec
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: the disk tier refuses to start (CachedDataset checks os.name)
+    fcntl = None
+
+__all__ = ["CachedDataset"]
+
+_ENTRY_SUFFIX = ".hfc"
+_TMP_PREFIX = ".hfc-tmp."
+_LOCK_NAME = ".hfc-lock"
+_USAGE_NAME = ".hfc-usage"
+# Only names the cache makes are ever removed from the directory.
+_SUBDIR_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,39}-[0-9a-f]{16}")
+_ENTRY_RE = re.compile(r"[0-9a-f]{12}-[0-9]+\.hfc")
+
+# Counter columns; one row per process (row 0: the process that built the
+# dataset, row 1 + w: its DataLoader worker w).
+_FIELDS = (
+    "memory_hits", "memory_misses", "memory_evictions", "memory_too_large",
+    "disk_hits", "disk_misses", "disk_writes", "disk_evictions", "disk_too_large", "disk_corrupt",
+    "loads",
+)
+_COL = {name: i for i, name in enumerate(_FIELDS)}
+
+
+def _int_arg(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _slug(key: str) -> str:
+    """A directory name for ``key``: a readable prefix and a hash that makes it unique."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", key).lstrip(".-")[:40] or "_"
+    return f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+class _MemoryTier:
+    """An LRU of encoded entries bounded by their total length."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: collections.OrderedDict[int, bytearray] = collections.OrderedDict()
+        self.bytes = 0
+
+    def get(self, index: int) -> bytearray | None:
+        blob = self.entries.get(index)
+        if blob is not None:
+            self.entries.move_to_end(index)
+        return blob
+
+    def put(self, index: int, blob: bytearray) -> tuple[bool, int]:
+        """Store ``blob``; (whether it was stored, how many entries were evicted for it)."""
+        self.pop(index)
+        if len(blob) > self.capacity:
+            return False, 0
+        evicted = 0
+        while self.bytes + len(blob) > self.capacity:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= len(old)
+            evicted += 1
+        self.entries[index] = blob
+        self.bytes += len(blob)
+        return True, evicted
+
+    def pop(self, index: int) -> None:
+        old = self.entries.pop(index, None)
+        if old is not None:
+            self.bytes -= len(old)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+
+class _DiskTier:
+    """The shared directory: entries, the byte count, eviction and cleanup (see the module docstring)."""
+
+    def __init__(self, root: str, capacity: int, key: str, version: int | str) -> None:
+        self.root = root
+        self.capacity = capacity
+        self.dir = os.path.join(root, _slug(key))
+        self.prefix = hashlib.sha256(repr((key, version)).encode()).hexdigest()[:12]
+        self._last_ns = 0
+
+    # -- paths and time ---------------------------------------------------------------
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.dir, f"{self.prefix}-{index}{_ENTRY_SUFFIX}")
+
+    def _now_ns(self) -> int:
+        # Strictly increasing within a process, so two accesses in one clock tick keep their order.
+        self._last_ns = max(time.time_ns(), self._last_ns + 1)
+        return self._last_ns
+
+    @contextlib.contextmanager
+    def _locked(self):
+        fd = os.open(os.path.join(self.root, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    # -- the byte count (under the lock) ----------------------------------------------
+
+    def _read_usage(self) -> int | None:
+        try:
+            with open(os.path.join(self.root, _USAGE_NAME), "rb") as f:
+                value = int(f.read().decode("ascii").strip())
+        except (FileNotFoundError, ValueError, UnicodeDecodeError):
+            return None  # missing or torn by a killed writer: the caller lists the directory
+        return value if value >= 0 else None
+
+    def _write_usage(self, total: int) -> None:
+        with open(os.path.join(self.root, _USAGE_NAME), "wb") as f:
+            f.write(b"%d\n" % total)
+
+    def _scan(self) -> tuple[list[tuple[int, str, str, int]], int]:
+        """Every entry of the directory as (access ns, subdir, path, size), and the total;
+        removes the temp files of dead writers on the way."""
+        entries, total = [], 0
+        with os.scandir(self.root) as top:
+            subdirs = [d.path for d in top if _SUBDIR_RE.fullmatch(d.name) and d.is_dir(follow_symlinks=False)]
+        for sub in subdirs:
+            try:
+                it = os.scandir(sub)
+            except FileNotFoundError:
+                continue
+            with it:
+                for e in it:
+                    if e.name.startswith(_TMP_PREFIX):
+                        _remove_if_dead(e.path)
+                    elif _ENTRY_RE.fullmatch(e.name):
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        entries.append((st.st_mtime_ns, sub, e.path, st.st_size))
+                        total += st.st_size
+        return entries, total
+
+    def _evict_to_fit(self) -> tuple[int, int]:
+        """(entries removed, total after) so that the directory holds at most ``capacity`` bytes."""
+        entries, total = self._scan()
+        removed = 0
+        if total > self.capacity:
+            entries.sort()
+            for _, _, path, size in entries:
+                if total <= self.capacity:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed += 1
+                total -= size
+        return removed, total
+
+    # -- operations -------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """Remove the temp files of dead writers under this key (all keys, and recount, when the
+        byte count is missing or damaged)."""
+        os.makedirs(self.dir, exist_ok=True)
+        with self._locked():
+            if self._read_usage() is None:
+                self._write_usage(self._scan()[1])
+            else:
+                with os.scandir(self.dir) as it:
+                    for e in it:
+                        if e.name.startswith(_TMP_PREFIX):
+                            _remove_if_dead(e.path)
+
+    def get(self, index: int) -> tuple[mmap.mmap | bytearray, int] | None:
+        """A private (copy-on-write) map of entry ``index`` and the file's inode, or None when
+        there is no entry."""
+        try:
+            fd = os.open(self.path(index), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if st.st_size == 0:
+                return bytearray(), st.st_ino  # decodes as corrupt (an empty file cannot be mapped)
+            buf = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
+            t = self._now_ns()
+            os.utime(fd, ns=(t, t))  # through the descriptor: valid even if evicted meanwhile
+            return buf, st.st_ino
+        finally:
+            os.close(fd)
+
+    def put(self, index: int, blob: bytearray) -> tuple[bool, int]:
+        """Write entry ``index``; (whether it landed, entries evicted for it)."""
+        os.makedirs(self.dir, exist_ok=True)
+        final = self.path(index)
+        tmp = os.path.join(self.dir, f"{_TMP_PREFIX}{os.getpid()}.{secrets.token_hex(6)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        renamed = False
+        try:
+            # Held until we close the file: a cleaner that can take it knows we are dead.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            view = memoryview(blob)
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+            os.fsync(fd)
+            t = self._now_ns()
+            os.utime(fd, ns=(t, t))
+            with self._locked():
+                try:
+                    old = os.stat(final).st_size
+                except FileNotFoundError:
+                    old = 0
+                try:
+                    os.replace(tmp, final)
+                except FileNotFoundError:
+                    # A cleaner took our lock in the instant between open and flock and removed
+                    # the temp as a dead writer's: this write is lost, nothing else is affected.
+                    return False, 0
+                renamed = True
+                total = self._read_usage()
+                evicted = 0
+                if total is None or total + len(blob) - old > self.capacity:
+                    evicted, total = self._evict_to_fit()
+                else:
+                    total += len(blob) - old
+                self._write_usage(total)
+                return True, evicted
+        finally:
+            os.close(fd)
+            if not renamed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+
+    def remove(self, index: int, only_inode: int | None = None) -> None:
+        """Remove entry ``index`` (only if it is still the file ``only_inode``, when given)."""
+        path = self.path(index)
+        with self._locked():
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return
+            if only_inode is not None and st.st_ino != only_inode:
+                return  # replaced by a new write since we read it
+            os.unlink(path)
+            total = self._read_usage()
+            self._write_usage(max(total - st.st_size, 0) if total is not None else self._scan()[1])
+
+    def remove_all(self) -> None:
+        """Remove every entry of this key (all versions)."""
+        with self._locked():
+            with contextlib.suppress(FileNotFoundError), os.scandir(self.dir) as it:
+                for e in it:
+                    if _ENTRY_RE.fullmatch(e.name):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(e.path)
+            self._write_usage(self._scan()[1])
+
+    def usage(self) -> dict:
+        with self._locked():
+            entries, total = self._scan()
+        mine = [size for _, sub, _, size in entries if sub == self.dir]
+        return {"entries": len(entries), "bytes": total, "key_entries": len(mine), "key_bytes": sum(mine)}
+
+
+def _remove_if_dead(path: str) -> None:
+    """Remove a temp file unless a live writer still holds its lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return  # a live writer
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    finally:
+        os.close(fd)
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """``dataset`` with its samples cached in memory and on a local disk shared by processes.
+
+    Args:
+        dataset: a map-style dataset (``dataset[i]`` for ints ``i``; ``len`` if
+            negative indices or ``len(cached)`` are used).
+        memory_bytes: bound of this process's memory tier, in bytes of encoded
+            entries; 0 disables it. Every DataLoader worker has its own tier of
+            this size (a worker started by ``fork`` begins with a copy of the
+            parent's, one started by ``spawn`` empty).
+        disk_dir: directory of the disk tier (created if missing), or None. Use
+            a local file system: the tier relies on ``flock``, ``os.replace``
+            and memory maps behaving as they do on one machine.
+        disk_bytes: bound of everything the cache stores in ``disk_dir`` (all
+            datasets sharing it), in bytes; required with ``disk_dir``. Each
+            writer enforces its own value, so give every user of a directory the same.
+        key: the dataset's identity in ``disk_dir``; required with ``disk_dir``.
+            Processes that pass the same key (and version) share entries, so
+            the key must change whenever the samples would (another source,
+            another transform, other parameters).
+        version: int or str stored with each entry; bump it when the code that
+            makes samples changes. Entries of other versions are never read and
+            age out of the disk tier (or go with :meth:`clear`).
+        max_workers: DataLoader workers whose counters :meth:`stats` adds up
+            (a worker with a higher id keeps them to itself).
+
+    Samples may be: ``torch.Tensor`` (CPU, dense, any dtype, not requiring
+    grad), ``numpy.ndarray`` and numpy scalars (dtypes without Python objects
+    or fields), ``bytes``, ``int``, ``float``, ``complex``, ``bool``, ``str``,
+    ``None``, and tuples, lists and dicts of these (dict keys: plain scalars).
+    Anything else raises a TypeError naming the offending part. Cached
+    samples come back equal in type, dtype, shape and bits, contiguous; each
+    call returns arrays of its own (a memory hit copies, a disk hit maps the
+    entry copy-on-write), so modifying a sample never changes the cache. A
+    miss returns the wrapped dataset's own object.
+
+    The wrapper pickles (DataLoader workers by ``fork`` or ``spawn``, sweep
+    trials in other processes): the memory tier stays behind, the disk tier
+    and the counters (shared memory) travel.
+    """
+
+    def __init__(self, dataset, *, memory_bytes: int = 0, disk_dir: str | os.PathLike | None = None,
+                 disk_bytes: int | None = None, key: str | None = None, version: int | str = 0,
+                 max_workers: int = 64) -> None:
+        if not hasattr(dataset, "__getitem__"):
+            raise TypeError(f"dataset must be a map-style dataset (with __getitem__), got {type(dataset).__name__}")
+        memory_bytes = _int_arg("memory_bytes", memory_bytes, 0)
+        max_workers = _int_arg("max_workers", max_workers, 0)
+        if isinstance(version, bool) or not isinstance(version, (int, str)):
+            raise TypeError(f"version must be an int or a str, got {type(version).__name__} {version!r}")
+        if disk_dir is None:
+            if disk_bytes is not None:
+                raise ValueError(f"disk_bytes={disk_bytes!r} needs a disk_dir (got disk_dir=None)")
+            if memory_bytes == 0:
+                raise ValueError("nothing to cache: expected memory_bytes > 0 or a disk_dir, got memory_bytes=0 "
+                                 "and disk_dir=None")
+        else:
+            if not isinstance(disk_dir, (str, os.PathLike)):
+                raise TypeError(f"disk_dir must be a path (str or os.PathLike), got {type(disk_dir).__name__}")
+            if disk_bytes is None:
+                raise ValueError("disk_dir needs disk_bytes, the bound of the directory in bytes (got None)")
+            disk_bytes = _int_arg("disk_bytes", disk_bytes, 1)
+            if key is None:
+                raise ValueError("disk_dir needs key, a string naming the dataset and its transform (got None); "
+                                 "the cache does not guess a dataset's identity")
+            if os.name != "posix":
+                raise OSError(f"the disk tier needs a POSIX system (flock, memory maps), got os.name={os.name!r}")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise TypeError(f"key must be a non-empty str, got {type(key).__name__} {key!r}")
+
+        self.dataset = dataset
+        self.memory_bytes = memory_bytes
+        self.disk_dir = None if disk_dir is None else os.path.abspath(os.fspath(disk_dir))
+        self.disk_bytes = disk_bytes
+        self.key = key
+        self.version = version
+        self._ident_base = {"key": key, "version": version}
+        self._memory = _MemoryTier(memory_bytes) if memory_bytes else None
+        self._disk = None
+        if self.disk_dir is not None:
+            os.makedirs(self.disk_dir, exist_ok=True)
+            self._disk = _DiskTier(self.disk_dir, disk_bytes, key, version)
+            self._disk.cleanup()
+        # One row of counters per process, in shared memory so that the workers' rows are
+        # readable here (fork keeps the shared mapping; spawn pickles it by handle).
+        self._counts_shared = torch.zeros(1 + max_workers, len(_FIELDS), dtype=torch.int64).share_memory_()
+        self._creator_pid = os.getpid()
+        self._pid = None
+        self._lock = threading.Lock()
+        self._ensure_process()
+
+    # -- per-process state ----------------------------------------------------------------
+
+    def _ensure_process(self) -> None:
+        """Choose this process's counter row and lock, once per process: at its first use,
+        since a DataLoader worker learns its id only after it unpickled the dataset."""
+        pid = os.getpid()
+        if self._pid == pid:
+            return
+        self._lock = threading.Lock()  # a forked copy of a lock may be held by a thread that is not here
+        table = self._counts_shared.numpy()
+        info = torch.utils.data.get_worker_info()
+        self._private = False
+        if pid == self._creator_pid:
+            self._row = table[0]
+        elif info is not None and info.id + 1 < table.shape[0]:
+            self._row = table[1 + info.id]
+        else:
+            self._row = np.zeros(len(_FIELDS), dtype=np.int64)
+            self._private = True
+        self._pid = pid
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for name in ("_lock", "_row", "_private"):
+            state.pop(name, None)
+        state["_pid"] = None
+        if self._memory is not None:
+            state["_memory"] = _MemoryTier(self.memory_bytes)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # -- the dataset ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _index(self, index: Any) -> int:
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(f"CachedDataset indices must be integers, got {type(index).__name__} {index!r}") from None
+        if i < 0:
+            n = len(self.dataset)
+            if i + n < 0:
+                raise IndexError(f"index {i} out of range for a dataset of length {n}")
+            i += n
+        return i
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._row[_COL[name]] += n
+
+    def __getitem__(self, index: Any) -> Any:
+        i = self._index(index)
+        self._ensure_process()
+        ident = dict(self._ident_base, index=i)
+        memory, disk = self._memory, self._disk
+        if memory is not None:
+            with self._lock:
+                blob = memory.get(i)
+                self._count("memory_hits" if blob is not None else "memory_misses")
+            if blob is not None:
+                return _codec.decode(blob, ident, copy=True)
+        if disk is not None:
+            found = disk.get(i)
+            if found is not None:
+                buf, inode = found
+                try:
+                    sample = _codec.decode(buf, ident, copy=False)
+                except _codec.CorruptEntry:
+                    # Counted as corrupt and as a miss: removed, then loaded and written again.
+                    self._count("disk_corrupt")
+                    disk.remove(i, only_inode=inode)
+                else:
+                    self._count("disk_hits")
+                    if memory is not None:
+                        self._remember(i, bytearray(buf))
+                    return sample
+            self._count("disk_misses")
+        sample = self.dataset[i]
+        self._count("loads")
+        blob = _codec.encode(sample, ident)
+        if memory is not None:
+            self._remember(i, blob)
+        if disk is not None:
+            if len(blob) > disk.capacity:
+                self._count("disk_too_large")
+            else:
+                landed, evicted = disk.put(i, blob)
+                self._count("disk_writes", int(landed))
+                self._count("disk_evictions", evicted)
+        return sample
+
+    def _remember(self, i: int, blob: bytearray) -> None:
+        with self._lock:
+            stored, evicted = self._memory.put(i, blob)
+            self._count("memory_evictions", evicted)
+            if not stored:
+                self._count("memory_too_large")
+
+    # -- management -----------------------------------------------------------------------
+
+    def invalidate(self, index: Any) -> None:
+        """Forget sample ``index`` in this process's memory tier and in the disk tier
+        (other processes' memory tiers keep their copies)."""
+        i = self._index(index)
+        if self._memory is not None:
+            with self._lock:
+                self._memory.pop(i)
+        if self._disk is not None:
+            self._disk.remove(i)
+
+    def clear(self) -> None:
+        """Forget every sample of this key: this process's memory tier, and the disk tier's
+        entries of this key in every version (other keys in ``disk_dir`` stay); removes the
+        temp files of dead writers."""
+        if self._memory is not None:
+            with self._lock:
+                self._memory.clear()
+        if self._disk is not None:
+            self._disk.remove_all()
+
+    def stats(self, *, per_process: bool = False) -> dict | list[dict]:
+        """Counters, summed over this process and its DataLoader workers (those with
+        ``id < max_workers``), as ``{"memory": {...}, "disk": {...}, "loads": n}``:
+
+        * memory: ``hits``, ``misses``, ``evictions``, ``too_large`` (entries larger than the tier);
+        * disk: ``hits``, ``misses``, ``writes``, ``evictions`` (done by these processes, of any
+          key), ``too_large``, ``corrupt`` (entries found damaged and removed);
+        * ``loads``: calls of the wrapped dataset.
+
+        A tier that is off counts nothing. ``per_process=True`` returns one such dict per row
+        instead: ``[creating process, worker 0, worker 1, ...]`` (a process that is neither
+        reports its own counters here, in row 0).
+        """
+        self._ensure_process()
+        table = self._row[None] if self._private else self._counts_shared.numpy()
+        rows = [self._format(r) for r in table] if per_process else [self._format(table.sum(0))]
+        return rows if per_process else rows[0]
+
+    @staticmethod
+    def _format(row: np.ndarray) -> dict:
+        out: dict = {"memory": {}, "disk": {}}
+        for name, value in zip(_FIELDS, row.tolist()):
+            tier, _, what = name.partition("_")
+            if tier in out:
+                out[tier][what] = value
+            else:
+                out[name] = value
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero the counters of this process and its workers."""
+        self._ensure_process()
+        self._counts_shared.zero_()
+        self._row[:] = 0
+
+    def memory_usage(self) -> dict:
+        """This process's memory tier: ``{"entries": n, "bytes": b}`` (b <= memory_bytes)."""
+        if self._memory is None:
+            return {"entries": 0, "bytes": 0}
+        with self._lock:
+            return {"entries": len(self._memory.entries), "bytes": self._memory.bytes}
+
+    def disk_usage(self) -> dict:
+        """The disk tier, listed now: ``{"entries", "bytes"}`` of the whole directory (what
+        ``disk_bytes`` bounds) and ``{"key_entries", "key_bytes"}`` of this key (all versions)."""
+        if self._disk is None:
+            return {"entries": 0, "bytes": 0, "key_entries": 0, "key_bytes": 0}
+        return self._disk.usage()
+
+    def __repr__(self) -> str:
+        tiers = []
+        if self._memory is not None:
+            tiers.append(f"memory_bytes={self.memory_bytes}")
+        if self._disk is not None:
+            tiers.append(f"disk_dir={self.disk_dir!r}, disk_bytes={self.disk_bytes}, key={self.key!r}, "
+                         f"version={self.version!r}")
+        return f"CachedDataset({type(self.dataset).__name__}, {', '.join(tiers)})"
+
