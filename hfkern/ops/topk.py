@@ -133,16 +133,16 @@ def compact_torch(bits: Tensor, dtype: torch.dtype, spec: KeySpec, threshold: Te
     for start in range(0, n, _CHUNK):
         keys = keys_of(bits[:, start:start + _CHUNK], spec)
         eq = keys == threshold
-        tie_rank = ties + eq.cumsum(1) - 1
+        tie_rank = eq.cumsum(1).add_(ties - 1)
         keep = (keys > threshold) | (eq & (tie_rank < quota))
-        slot = taken + keep.cumsum(1) - 1
+        slot = keep.cumsum(1).add_(taken - 1)
+        # the running counts of the next chunk: the last inclusive ranks of this one
+        taken, ties = slot[:, -1:] + 1, tie_rank[:, -1:] + 1
         slot = torch.where(keep, slot, cap)
         width = keys.shape[1]
         values.scatter_(1, slot, bits[:, start:start + width])
         where = torch.arange(start, start + width, dtype=torch.int32, device=device).expand(R, width)
         indices.scatter_(1, slot, where)
-        taken = taken + keep.sum(1, keepdim=True)
-        ties = ties + eq.sum(1, keepdim=True)
     return values[:, :cap].contiguous().view(dtype), indices[:, :cap].contiguous()
 
 
