@@ -77,12 +77,16 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
   columns["model"] = int(hfkern::kColModel);
   columns["length"] = int(hfkern::kColLength);
   columns["aligned"] = int(hfkern::kColAligned);
+  columns["first"] = int(hfkern::kColFirst);
+  columns["tiles"] = int(hfkern::kColTiles);
   columns["columns"] = int(hfkern::kTileColumns);
   m.attr("TILE_COLUMNS") = columns;
   // The hyperparameter rows the kernels read, in order (hfkern._optim_specs declares them).
   py::dict rows;
   rows["sgd"] = py::make_tuple("lr", "momentum", "dampening", "weight_decay");
   rows["adam"] = py::make_tuple("lr", "beta1", "beta2", "eps", "weight_decay");
+  rows["lars"] = py::make_tuple("lr", "momentum", "weight_decay", "trust_coefficient", "eps");
+  rows["lamb"] = py::make_tuple("lr", "beta1", "beta2", "eps", "weight_decay", "norm_min", "norm_max");
   m.attr("OPTIMIZER_ROWS") = rows;
 
   m.def(
@@ -112,7 +116,8 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
       py::arg("steps"), py::arg("offsets"), py::arg("n"), py::arg("B"), py::arg("skip"), py::arg("threads"),
       py::arg("stream"));
 
-  // sgd_step / adam_step: one launch over one dtype group's tile table.
+  // sgd_step / adam_step / lars_step / lamb_step: one dtype group's tile table (a
+  // trust-ratio step with `trust` runs its norm pass into `partials` first).
   auto def_step = [&m](const char* name, void (*step)(const hfkern::StepGroup&, const hfkern::StepOptions&, int,
                                                      void*)) {
     m.def(
@@ -121,10 +126,11 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
                uintptr_t state0, uintptr_t state1, uintptr_t state2, uintptr_t steps, uintptr_t hypers,
                int64_t hyper_row_stride, int64_t hyper_model_stride, uintptr_t skip,
                bool maximize, bool has_weight_decay, bool decoupled_weight_decay, bool momentum, bool nesterov,
-               bool amsgrad, int threads, uintptr_t stream) {
-          const hfkern::StepGroup group =
+               bool amsgrad, int threads, uintptr_t stream, uintptr_t partials, bool trust, bool bias_correction) {
+          hfkern::StepGroup group =
               make_group(tiles, n_tiles, param_dtype, params, grads, state0, state1, state2, steps, hypers,
                          hyper_row_stride, hyper_model_stride, skip);
+          group.partials = ptr<float>(partials);
           hfkern::StepOptions options;
           options.maximize = maximize;
           options.has_weight_decay = has_weight_decay;
@@ -132,6 +138,8 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
           options.momentum = momentum;
           options.nesterov = nesterov;
           options.amsgrad = amsgrad;
+          options.trust = trust;
+          options.bias_correction = bias_correction;
           py::gil_scoped_release release;
           step(group, options, threads, ptr<void>(stream));
         },
@@ -139,10 +147,13 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
         py::arg("state0"), py::arg("state1"), py::arg("state2"), py::arg("steps"), py::arg("hypers"),
         py::arg("hyper_row_stride"), py::arg("hyper_model_stride"), py::arg("skip"),
         py::arg("maximize"), py::arg("has_weight_decay"), py::arg("decoupled_weight_decay"),
-        py::arg("momentum"), py::arg("nesterov"), py::arg("amsgrad"), py::arg("threads"), py::arg("stream"));
+        py::arg("momentum"), py::arg("nesterov"), py::arg("amsgrad"), py::arg("threads"), py::arg("stream"),
+        py::arg("partials") = 0, py::arg("trust") = false, py::arg("bias_correction") = false);
   };
   def_step("sgd_step", &hfkern::sgd_step);
   def_step("adam_step", &hfkern::adam_step);
+  def_step("lars_step", &hfkern::lars_step);
+  def_step("lamb_step", &hfkern::lamb_step);
 
   // topk_select's passes over the data (csrc/topk/topk_select.cu; hfkern/cuda/topk.py).
   m.attr("TOPK_CANDIDATES") = py::int_(hfkern::kTopkCandidates);

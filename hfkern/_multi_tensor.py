@@ -8,7 +8,12 @@ order. Every slice is cut into tiles of at most ``chunk`` elements, and each
 tile is one int64 row of a small device table (columns ``COL_*``): the element
 offset of the tile's first element in the parameter, the gradient and each state
 list, the offset of the step count ``steps[i][b]``, the model b, the tile's
-length and whether the tile is 16-byte aligned in every list. Offsets count
+length, whether the tile is 16-byte aligned in every list, and where the tiles
+of its (tensor, model) pair lie in the table (the first one's row and their
+number: the tiles of a pair are consecutive rows). A kernel that needs a
+reduction over a whole slice (the trust ratios of LARS and LAMB) writes
+per-tile partials in a first pass, and each program of the second pass sums
+its pair's partials in row order: deterministic, without atomics. Offsets count
 from the *first* tensor of each list, which the kernel receives as an ordinary
 typed pointer, so every other tensor is plain pointer arithmetic from it. An
 aligned tile's offsets and length are multiples of ``LEN_ALIGN`` elements, so
@@ -40,8 +45,10 @@ from .utils import _host_to_device as to_device
 __all__ = ["Planner", "Plan", "Group", "build_tiles", "model_major", "traced", "to_device"]
 
 # Columns of a step tile row: element offsets in the parameter, the gradient and
-# the three state lists, the step count's offset, the model, the length, aligned.
-COL_P, COL_G, COL_S0, COL_S1, COL_S2, COL_STEP, COL_MODEL, COL_LEN, COL_ALIGNED, COLS = range(10)
+# the three state lists, the step count's offset, the model, the length, aligned,
+# the row of the first tile of the tile's (tensor, model) pair and their number.
+(COL_P, COL_G, COL_S0, COL_S1, COL_S2, COL_STEP, COL_MODEL, COL_LEN, COL_ALIGNED, COL_FIRST, COL_TILES,
+ COLS) = range(12)
 OFFSET_COLS = (COL_P, COL_G, COL_S0, COL_S1, COL_S2)
 N_STATES = len(OFFSET_COLS) - 2
 # Columns of a non-finite check tile row: gradient offset, partial index, length, aligned.
@@ -177,6 +184,12 @@ def build_tiles(
             per_model[b].append(rows)
         col += nch
     flat = [r for rows in per_model for r in rows]
+    if part is None:
+        first = 0
+        for rows in flat:  # one (tensor, model) pair's consecutive tiles
+            rows[:, COL_FIRST] = first
+            rows[:, COL_TILES] = rows.size(0)
+            first += rows.size(0)
     return torch.cat(flat) if flat else torch.zeros(0, n_cols, dtype=torch.int64)
 
 

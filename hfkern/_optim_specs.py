@@ -10,9 +10,11 @@ hyperparameter table (hfkern/optim/).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 __all__ = ["OptimizerSpec", "OPTIMIZER_SPECS", "SGD_SPEC", "ADAM_SPEC", "ADAGRAD_SPEC", "ADADELTA_SPEC",
-            "RMSPROP_SPEC"]
+            "RMSPROP_SPEC", "LARS_SPEC", "LAMB_SPEC", "TRUST_RATIO_SPECS", "excluded",
+           "trust_subsets"]
 
 
 @dataclass(frozen=True)
@@ -112,4 +114,45 @@ RMSPROP_SPEC = OptimizerSpec(
             ("momentum_buffers", "momentum_buffer", "momentum")),
     flags=("centered", "maximize", "has_weight_decay"),
 )
-OPTIMIZER_SPECS = (SGD_SPEC, ADAM_SPEC, ADAGRAD_SPEC, ADADELTA_SPEC, RMSPROP_SPEC)
+# Layer-wise adaptive optimizers: each (tensor, model) update is scaled by a trust
+# ratio of two norms over that model's slice of the tensor, so a kernel makes a
+# norm pass over every tile before the update (see hfkern/ops/optim.py).
+LARS_SPEC = OptimizerSpec(
+    "lars", rows=("lr", "momentum", "weight_decay", "trust_coefficient", "eps"),
+    states=(("momentum_buffers", "momentum_buffer", "momentum"),),
+    flags=("exclude_1d", "maximize", "has_weight_decay"),
+)
+LAMB_SPEC = OptimizerSpec(
+    "lamb", rows=("lr", "beta1", "beta2", "eps", "weight_decay", "norm_min", "norm_max"),
+    states=(("exp_avgs", "exp_avg", ""), ("exp_avg_sqs", "exp_avg_sq", "")),
+    flags=("bias_correction", "exclude_1d", "maximize", "has_weight_decay"),
+    pairs=(("betas", ("beta1", "beta2")), ("norm_bounds", ("norm_min", "norm_max"))),
+)
+TRUST_RATIO_SPECS = (LARS_SPEC, LAMB_SPEC)
+OPTIMIZER_SPECS = (SGD_SPEC, ADAM_SPEC, ADAGRAD_SPEC, ADADELTA_SPEC, RMSPROP_SPEC, LARS_SPEC, LAMB_SPEC)
+
+
+def excluded(p, exclude_1d: bool) -> bool:
+    """Whether parameter ``p`` (``[B, ...]``) of a trust-ratio step is excluded from the
+    ratio and weight decay: with ``exclude_1d``, when each model's slice has at most one
+    dim (``[B]`` or ``[B, n]``: biases, normalization weights)."""
+    return bool(exclude_1d) and p.dim() <= 2
+
+
+def trust_subsets(spec: OptimizerSpec, args: Sequence[Any]) -> list[tuple[tuple, bool]]:
+    """A trust-ratio op's arguments split into the parameters it adapts and those that
+    ``exclude_1d`` excludes (each with its own lists), with whether the subset is adapted."""
+    n = len(spec.states)
+    flags = dict(zip(spec.flags, args[4 + n : -1]))
+    params = args[0]
+    out = []
+    for trust in (True, False):
+        index = [i for i, p in enumerate(params) if excluded(p, flags["exclude_1d"]) != trust]
+        if not index:
+            continue
+        if len(index) == len(params):
+            out.append((tuple(args), trust))
+            continue
+        lists = [[lst[i] for i in index] if lst else [] for lst in (args[0], args[1], *args[2 : 3 + n])]
+        out.append(((*lists, *args[3 + n :]), trust))
+    return out

@@ -17,7 +17,13 @@ from hfkern._dtypes import acc_dtype
 # Per-model shapes: a [B] bias, a small odd matrix, a 16-multiple (aligned tiles) over
 # several tiles, and an odd one over several tiles (interpreter tiles are 64 elements).
 SHAPES = [(), (5, 3), (16, 9), (37, 11)]
-NAMES = ["sgd", "adam", "adagrad", "adadelta", "rmsprop"]
+NAMES = ["sgd", "adam", "adagrad", "adadelta", "rmsprop", "lars", "lamb"]
+# Options that switch on every branch of each optimizer (for tests of one case per optimizer).
+FULL_OPTS = {"sgd": dict(momentum=True, nesterov=True, wd=True), "adam": dict(amsgrad=True, wd=True),
+             "adagrad": dict(wd=True), "adadelta": dict(wd=True),
+             "rmsprop": dict(centered=True, momentum=True, wd=True),
+             "lars": dict(momentum=True, wd=True, exclude_1d=True),
+             "lamb": dict(bias_correction=True, wd=True, exclude_1d=True, bounds=True)}
 
 
 def spread(lo, hi, B):
@@ -70,6 +76,18 @@ class Case:
             self.states = [zeros(), zeros() if opts["centered"] else [],
                            zeros() if opts["momentum"] else []]
             self.steps = steps
+        elif name == "lars":
+            momentum = s(0.0, 0.9) if opts["momentum"] else torch.zeros(B, dtype=hdt, device=dev)
+            self.hypers = torch.stack([s(0.5, 2.0), momentum, wd, s(1e-3, 2e-2), s(1e-8, 1e-6)])
+            self.states = [zeros() if opts["momentum"] else []]
+            self.steps = steps
+        elif name == "lamb":
+            bounded = opts.get("bounds")
+            low = s(0.0, 0.5) if bounded else torch.zeros(B, dtype=hdt, device=dev)
+            high = s(2.0, 20.0) if bounded else torch.full((B,), math.inf, dtype=hdt, device=dev)
+            self.hypers = torch.stack([s(0.01, 0.03), s(0.8, 0.9), s(0.95, 0.999), s(1e-6, 1e-4), wd, low, high])
+            self.states = [zeros(), zeros()]
+            self.steps = steps
         else:
             raise AssertionError(name)
 
@@ -98,6 +116,12 @@ class Case:
             return (p, grads, st[0], self.steps, self.hypers, o.get("maximize", False), wd, skip)
         if self.name == "adadelta":
             return (p, grads, st[0], st[1], self.steps, self.hypers, o.get("maximize", False), wd, skip)
+        if self.name == "lars":
+            return (p, grads, st[0], self.steps, self.hypers, o.get("exclude_1d", False), o.get("maximize", False),
+                    wd, skip)
+        if self.name == "lamb":
+            return (p, grads, st[0], st[1], self.steps, self.hypers, o.get("bias_correction", False),
+                    o.get("exclude_1d", False), o.get("maximize", False), wd, skip)
         return (p, grads, st[0], st[1], st[2], self.steps, self.hypers, o["centered"],
                 o.get("maximize", False), wd, skip)
 
@@ -146,6 +170,11 @@ CASES = [
     ("rmsprop", dict(centered=True, momentum=False, wd=True)),
     ("rmsprop", dict(centered=False, momentum=True, maximize=True)),
     ("rmsprop", dict(centered=True, momentum=True, maximize=True, wd=True)),
+    ("lars", dict(momentum=False)),
+    ("lars", dict(momentum=True, wd=True, exclude_1d=True, maximize=True)),
+    ("lamb", dict(bias_correction=True)),
+    ("lamb", dict(bias_correction=True, wd=True, bounds=True)),
+    ("lamb", dict(bias_correction=False, wd=True, exclude_1d=True, maximize=True)),
 ]
 
 

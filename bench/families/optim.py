@@ -1,5 +1,5 @@
 """Array optimizer steps (``hfkern::sgd_step_``, ``adam_step_``, ``adagrad_step_``,
-``adadelta_step_``, ``rmsprop_step_``) and ``nonfinite_models``.
+``adadelta_step_``, ``rmsprop_step_``, ``lars_step_``, ``lamb_step_``) and ``nonfinite_models``.
 
 No kernel-benchmark suite: bench/bench_optim.py benchmarks the optimizers on
 whole models' parameter lists.
@@ -45,6 +45,11 @@ def compile_calls():
         "adadelta_step_": [dict(maximize=m, has_weight_decay=wd) for m, wd in [(False, False), (True, True)]],
         "rmsprop_step_": [dict(centered=c, maximize=m, has_weight_decay=wd, momentum=mo)
                           for c, m, wd, mo in [(False, False, False, False), (True, True, True, True)]],
+        # exclude_1d: the [B] parameter is launched apart, without the norm pass
+        "lars_step_": [dict(exclude_1d=e, maximize=m, has_weight_decay=wd, momentum=mo)
+                       for e, m, wd, mo in [(False, False, False, False), (True, True, True, True)]],
+        "lamb_step_": [dict(bias_correction=bc, exclude_1d=e, maximize=m, has_weight_decay=wd)
+                       for bc, e, m, wd in [(False, False, False, False), (True, True, True, True)]],
     }
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         state = torch.float64 if dtype == torch.float64 else torch.float32
@@ -103,7 +108,7 @@ def samples(device):
 
 FAMILY = Family(
     name="optim",
-    summary="array optimizer steps (SGD, Adam/AdamW, Adagrad, Adadelta, RMSprop) and the non-finite check",
+    summary="array optimizer steps (SGD, Adam/AdamW, Adagrad, Adadelta, RMSprop, LARS, LAMB) and the non-finite check",
     compile_calls=compile_calls,
     samples=samples,
 )

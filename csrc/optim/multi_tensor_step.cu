@@ -16,7 +16,12 @@
 //     parameters (float32 state) and rounds into the parameter once.
 //
 // The math follows hfkern/ops/optim.py's torch implementation operation by
-// operation (its docstrings have the formulas). Options that change what is
+// operation (its docstrings have the formulas).
+//
+// Trust-ratio steps (LARS, LAMB) with options.trust run two launches: norm_kernel
+// writes each tile's two sums of squares into group.partials (LAMB's also updates
+// the moments), then every thread of step_kernel sums its (tensor, model) pair's
+// partials in row order (the same order everywhere, no atomics) before the scalars. Options that change what is
 // read and written (momentum buffers, amsgrad) and the parameter dtype are
 // template parameters; the other flags are uniform branches.
 #include <cmath>
@@ -53,10 +58,17 @@ __device__ __forceinline__ double one_minus_pow(double beta, float t) {
 
 // ---- the optimizers: per-model scalars and the element update -------------------------
 //
-// scalars<H>(h, rs, t): h points at model b's column of hypers (float32: the
-// op's contract for non-float64 parameters), rs is the row stride, t the step
-// count; the arithmetic is in H, as the torch path's. update(c, o, p, g, s):
-// one element, s the optimizer's state values (in registers), returns the new p.
+// scalars<H>(h, rs, t, norms, o): h points at model b's column of hypers (float32:
+// the op's contract for non-float64 parameters), rs is the row stride, t the step
+// count, norms the pair's sums of squares (trust-ratio steps with o.trust); the
+// arithmetic is in H, as the torch path's. update(c, o, p, g, s): one element, s
+// the optimizer's state values (in registers), returns the new p. A trust-ratio
+// optimizer also has norm_terms(c, o, p, g, s, w, x): the two values whose squares
+// the norm pass sums (it may update s).
+
+struct Norms {
+  float w_sq = 0.0f, x_sq = 0.0f;
+};
 
 template <bool MOMENTUM>
 struct Sgd {
@@ -67,7 +79,7 @@ struct Sgd {
   };
 
   template <typename H>
-  __device__ static Scalars scalars(const H* h, int64_t rs, float t) {
+  __device__ static Scalars scalars(const H* h, int64_t rs, float t, const Norms&, const StepOptions&) {
     const H lr = h[kSgdLr * rs], momentum = h[kSgdMomentum * rs];
     const H dampening = h[kSgdDampening * rs], weight_decay = h[kSgdWeightDecay * rs];
     // torch ignores dampening for a model without momentum.
@@ -103,7 +115,7 @@ struct Adam {
   };
 
   template <typename H>
-  __device__ static Scalars scalars(const H* h, int64_t rs, float t) {
+  __device__ static Scalars scalars(const H* h, int64_t rs, float t, const Norms&, const StepOptions&) {
     const H lr = h[kAdamLr * rs], beta1 = h[kAdamBeta1 * rs], beta2 = h[kAdamBeta2 * rs];
     const H eps = h[kAdamEps * rs], weight_decay = h[kAdamWeightDecay * rs];
     const H bc1 = static_cast<H>(one_minus_pow(beta1, t));
@@ -147,7 +159,135 @@ struct Adam {
   }
 };
 
+template <bool MOMENTUM>
+struct Lars {
+  static constexpr int kStates = MOMENTUM ? 1 : 0;
+  static constexpr bool kReadsSteps = false;
+  static constexpr bool kNormWritesState = false;
+  struct Scalars {
+    float scale, momentum, weight_decay;  // scale = lr * local_lr
+  };
+
+  template <typename H>
+  __device__ static Scalars scalars(const H* h, int64_t rs, float, const Norms& n, const StepOptions& o) {
+    const H lr = h[kLarsLr * rs], momentum = h[kLarsMomentum * rs], weight_decay = h[kLarsWeightDecay * rs];
+    H scale = lr;
+    if (o.trust) {
+      const H trust = h[kLarsTrustCoefficient * rs], eps = h[kLarsEps * rs];
+      const H w_norm = static_cast<H>(sqrt_rn(n.w_sq)), g_norm = static_cast<H>(sqrt_rn(n.x_sq));
+      const bool ok = w_norm > H(0) && g_norm > H(0);
+      scale = lr * (ok ? trust * w_norm / (g_norm + weight_decay * w_norm + eps) : H(1));
+    }
+    return {static_cast<float>(scale), static_cast<float>(momentum), static_cast<float>(weight_decay)};
+  }
+
+  __device__ static void norm_terms(const Scalars&, const StepOptions&, float p, float g, float*, float& w,
+                                    float& x) {
+    w = p;
+    x = g;  // ||grad||: maximize's sign does not change it
+  }
+
+  __device__ static float update(const Scalars& c, const StepOptions& o, float p, float g, float* s) {
+    float d = o.maximize ? -g : g;
+    if (o.has_weight_decay) d = d + p * c.weight_decay;
+    if (MOMENTUM) {
+      s[0] = s[0] * c.momentum + d * c.scale;
+      return p - s[0];
+    }
+    return p + d * -c.scale;
+  }
+};
+
+struct Lamb {
+  static constexpr int kStates = 2;
+  static constexpr bool kReadsSteps = true;
+  static constexpr bool kNormWritesState = true;  // the norm pass updates the moments
+  struct Scalars {
+    float scale, bc1, bc2_sqrt, eps, weight_decay, beta2, w1, w2;  // scale = lr * ratio
+    bool w1_small;
+  };
+
+  template <typename H>
+  __device__ static Scalars scalars(const H* h, int64_t rs, float t, const Norms& n, const StepOptions& o) {
+    const H lr = h[kLambLr * rs], beta1 = h[kLambBeta1 * rs], beta2 = h[kLambBeta2 * rs];
+    H bc1 = H(1), bc2_sqrt = H(1);  // dividing by 1 is exact: one code path for both
+    if (o.bias_correction) {
+      bc1 = static_cast<H>(one_minus_pow(beta1, t));
+      bc2_sqrt = sqrt_rn(static_cast<H>(one_minus_pow(beta2, t)));
+    }
+    H scale = lr;
+    if (o.trust) {
+      const H lo = h[kLambNormMin * rs], hi = h[kLambNormMax * rs];
+      const H w_norm = static_cast<H>(sqrt_rn(n.w_sq)), r_norm = static_cast<H>(sqrt_rn(n.x_sq));
+      const H phi = fminf(fmaxf(w_norm, lo), hi);
+      scale = lr * ((w_norm > H(0) && r_norm > H(0)) ? phi / r_norm : H(1));
+    }
+    const H w1 = H(1) - beta1;
+    Scalars c;
+    c.scale = static_cast<float>(scale);
+    c.bc1 = static_cast<float>(bc1);
+    c.bc2_sqrt = static_cast<float>(bc2_sqrt);
+    c.eps = static_cast<float>(h[kLambEps * rs]);
+    c.weight_decay = static_cast<float>(h[kLambWeightDecay * rs]);
+    c.beta2 = static_cast<float>(beta2);
+    c.w1 = static_cast<float>(w1);
+    c.w2 = static_cast<float>(H(1) - beta2);
+    c.w1_small = (w1 < H(0) ? -w1 : w1) < H(0.5);
+    return c;
+  }
+
+  __device__ static void moments(const Scalars& c, const StepOptions& o, float g, float* s) {
+    const float d = o.maximize ? -g : g;
+    float& m = s[0];
+    float& v = s[1];
+    const float diff = d - m;  // torch.lerp's formula for m = lerp(m, d, 1 - beta1)
+    m = c.w1_small ? m + c.w1 * diff : d - diff * (1.0f - c.w1);
+    v = v * c.beta2 + (d * c.w2) * d;
+  }
+
+  // r = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) [+ weight_decay * p]
+  __device__ static float direction(const Scalars& c, const StepOptions& o, float p, const float* s) {
+    const float denom = sqrt_rn(s[1]) / c.bc2_sqrt + c.eps;
+    float r = (s[0] / c.bc1) / denom;
+    if (o.has_weight_decay) r = r + p * c.weight_decay;
+    return r;
+  }
+
+  __device__ static void norm_terms(const Scalars& c, const StepOptions& o, float p, float g, float* s, float& w,
+                                    float& x) {
+    moments(c, o, g, s);
+    w = p;
+    x = direction(c, o, p, s);
+  }
+
+  __device__ static float update(const Scalars& c, const StepOptions& o, float p, float g, float* s) {
+    if (!o.trust) moments(c, o, g, s);  // with trust the norm pass has updated them
+    return p + direction(c, o, p, s) * -c.scale;
+  }
+};
+
 // ---- the driver ---------------------------------------------------------------------
+
+// Whether Opt is a trust-ratio optimizer (has norm_terms).
+template <class Opt, class = void>
+struct HasNorms {
+  static constexpr bool value = false;
+};
+template <class Opt>
+struct HasNorms<Opt, decltype(void(&Opt::norm_terms))> {
+  static constexpr bool value = true;
+};
+
+// The pair's two sums of squares: its tiles' partials in row order.
+__device__ __forceinline__ Norms pair_norms(const float* partials, const int64_t* row) {
+  Norms n;
+  const int64_t first = row[kColFirst], count = row[kColTiles];
+  for (int64_t k = 0; k < count; ++k) {
+    n.w_sq += partials[2 * (first + k)];
+    n.x_sq += partials[2 * (first + k) + 1];
+  }
+  return n;
+}
 
 template <class Opt, typename P>
 __global__ void __launch_bounds__(kMaxThreads) step_kernel(StepGroup group, StepOptions options) {
@@ -157,7 +297,8 @@ __global__ void __launch_bounds__(kMaxThreads) step_kernel(StepGroup group, Step
 
   const float t = Opt::kReadsSteps ? group.steps[row[kColStep]] : 0.0f;
   const int64_t rs = group.hyper_row_stride;
-  const typename Opt::Scalars c = Opt::scalars(group.hypers + b * group.hyper_model_stride, rs, t);
+  const Norms norms = HasNorms<Opt>::value && options.trust ? pair_norms(group.partials, row) : Norms{};
+  const typename Opt::Scalars c = Opt::scalars(group.hypers + b * group.hyper_model_stride, rs, t, norms, options);
 
   P* __restrict__ p = static_cast<P*>(group.params) + row[kColParam];
   const P* __restrict__ g = static_cast<const P*>(group.grads) + row[kColGrad];
@@ -192,6 +333,54 @@ HFKERN_UNROLL
   }
 }
 
+// The first pass of a trust-ratio step: each tile's sums of squares of Opt::norm_terms,
+// per thread in element order, then a tree over the block (fixed shape: deterministic).
+template <class Opt, typename P>
+__global__ void __launch_bounds__(kMaxThreads) norm_kernel(StepGroup group, StepOptions options) {
+  __shared__ float sums[2][kMaxThreads];
+  const int64_t* row = group.tiles + static_cast<int64_t>(blockIdx.x) * kTileColumns;
+  const int64_t b = row[kColModel];
+  if (group.skip != nullptr && group.skip[b] != 0) return;  // no update of this model reads its partials
+
+  const float t = Opt::kReadsSteps ? group.steps[row[kColStep]] : 0.0f;
+  const typename Opt::Scalars c =
+      Opt::scalars(group.hypers + b * group.hyper_model_stride, group.hyper_row_stride, t, Norms{}, options);
+  const P* __restrict__ p = static_cast<const P*>(group.params) + row[kColParam];
+  const P* __restrict__ g = static_cast<const P*>(group.grads) + row[kColGrad];
+  float* s[Opt::kStates > 0 ? Opt::kStates : 1];
+  for (int j = 0; j < Opt::kStates; ++j) s[j] = group.state[j] + row[kColState0 + j];
+  const int64_t n = row[kColLength];
+
+  float w_sq = 0.0f, x_sq = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    float st[Opt::kStates > 0 ? Opt::kStates : 1];
+    for (int j = 0; j < Opt::kStates; ++j) st[j] = s[j][i];
+    float w, x;
+    Opt::norm_terms(c, options, to_float(p[i]), to_float(g[i]), st, w, x);
+    if (Opt::kNormWritesState)
+      for (int j = 0; j < Opt::kStates; ++j) s[j][i] = st[j];
+    w_sq += w * w;
+    x_sq += x * x;
+  }
+  const int tid = threadIdx.x;
+  sums[0][tid] = w_sq;
+  sums[1][tid] = x_sq;
+  __syncthreads();
+  for (int live = blockDim.x; live > 1;) {  // any block size: fold the upper half onto the lower
+    const int half = (live + 1) / 2;
+    if (tid < live - half) {
+      sums[0][tid] += sums[0][tid + half];
+      sums[1][tid] += sums[1][tid + half];
+    }
+    __syncthreads();
+    live = half;
+  }
+  if (tid == 0) {
+    group.partials[2 * static_cast<int64_t>(blockIdx.x)] = sums[0][0];
+    group.partials[2 * static_cast<int64_t>(blockIdx.x) + 1] = sums[1][0];
+  }
+}
+
 __global__ void __launch_bounds__(kMaxThreads)
     count_kernel(float* steps, const int64_t* offsets, int64_t n, int64_t B, const uint8_t* skip) {
   const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -206,23 +395,33 @@ void check_threads(int threads) {
                                 std::to_string(kMaxThreads) + "], got " + std::to_string(threads));
 }
 
+template <class Opt, typename P>
+void launch_passes(const StepGroup& group, const StepOptions& options, dim3 grid, dim3 block, cudaStream_t s) {
+  if constexpr (HasNorms<Opt>::value) {
+    if (options.trust) HFKERN_LAUNCH((norm_kernel<Opt, P>), grid, block, 0, s, group, options);
+  }
+  HFKERN_LAUNCH((step_kernel<Opt, P>), grid, block, 0, s, group, options);
+}
+
 template <class Opt>
 void launch_group(const StepGroup& group, const StepOptions& options, int threads, void* stream) {
   check_threads(threads);
   if (group.n_tiles < 0 || group.n_tiles > 0x7fffffff)
     throw std::invalid_argument("hfkern: expected 0 <= n_tiles < 2**31, got " + std::to_string(group.n_tiles));
   if (group.n_tiles == 0) return;
+  if (HasNorms<Opt>::value && options.trust && group.partials == nullptr)
+    throw std::invalid_argument("hfkern: a trust-ratio step needs partials (2 floats per tile)");
   const dim3 grid(static_cast<unsigned>(group.n_tiles)), block(static_cast<unsigned>(threads));
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   switch (group.param_dtype) {
     case DType::Float32:
-      HFKERN_LAUNCH((step_kernel<Opt, float>), grid, block, 0, s, group, options);
+      launch_passes<Opt, float>(group, options, grid, block, s);
       break;
     case DType::BFloat16:
-      HFKERN_LAUNCH((step_kernel<Opt, BFloat16>), grid, block, 0, s, group, options);
+      launch_passes<Opt, BFloat16>(group, options, grid, block, s);
       break;
     case DType::Float16:
-      HFKERN_LAUNCH((step_kernel<Opt, Half>), grid, block, 0, s, group, options);
+      launch_passes<Opt, Half>(group, options, grid, block, s);
       break;
     default:
       throw std::invalid_argument("hfkern: the CUDA optimizer steps take float32, bfloat16 or float16 "
@@ -256,6 +455,21 @@ void adam_step(const StepGroup& group, const StepOptions& options, int threads, 
     launch_group<Adam<true>>(group, options, threads, stream);
   else
     launch_group<Adam<false>>(group, options, threads, stream);
+}
+
+void lars_step(const StepGroup& group, const StepOptions& options, int threads, void* stream) {
+  if (!options.trust && options.has_weight_decay)
+    throw std::invalid_argument("hfkern: an excluded parameter (trust false) takes no weight decay");
+  if (options.momentum)
+    launch_group<Lars<true>>(group, options, threads, stream);
+  else
+    launch_group<Lars<false>>(group, options, threads, stream);
+}
+
+void lamb_step(const StepGroup& group, const StepOptions& options, int threads, void* stream) {
+  if (!options.trust && options.has_weight_decay)
+    throw std::invalid_argument("hfkern: an excluded parameter (trust false) takes no weight decay");
+  launch_group<Lamb>(group, options, threads, stream);
 }
 
 }  // namespace hfkern

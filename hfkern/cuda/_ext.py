@@ -27,7 +27,7 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.floa
 _TILE_COLUMNS = {
     "param": mt.COL_P, "grad": mt.COL_G, "state0": mt.COL_S0, "state1": mt.COL_S1, "state2": mt.COL_S2,
     "step": mt.COL_STEP, "model": mt.COL_MODEL, "length": mt.COL_LEN, "aligned": mt.COL_ALIGNED,
-    "columns": mt.COLS,
+    "first": mt.COL_FIRST, "tiles": mt.COL_TILES, "columns": mt.COLS,
 }
 
 _BUILD_HINT = (

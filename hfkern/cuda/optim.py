@@ -1,4 +1,4 @@
-"""hfkern::sgd_step_ and hfkern::adam_step_ on the CUDA kernels (csrc/optim/multi_tensor_step.cu).
+"""hfkern::sgd_step_, adam_step_, lars_step_ and lamb_step_ on the CUDA kernels (csrc/optim/multi_tensor_step.cu).
 
 Each launcher implements the hfkern op of the same name (hfkern/ops/optim.py
 documents the arguments and the math; its torch implementation is the oracle
@@ -11,9 +11,15 @@ count from device memory, so a step never synchronizes with the host, and the
 table is cached per set of tensors, so a training loop's steady-state step is a
 dict lookup and two launches.
 
+A trust-ratio step (LARS, LAMB) launches its norm pass before the update (per-tile
+partial sums of squares into a scratch buffer, summed per (tensor, model) by
+the update's threads in row order); the parameters that ``exclude_1d`` excludes
+are launched apart, without it.
+
 Served: float32, bfloat16 and float16 parameters with float32 state, every
-option of the two ops (momentum, dampening, nesterov, weight decay, maximize;
-Adam's amsgrad and AdamW's decoupled weight decay) and the skip mask. float64
+option of the four ops (momentum, dampening, nesterov, weight decay, maximize;
+Adam's amsgrad and AdamW's decoupled weight decay; LARS/LAMB's exclusion,
+bias correction and norm bounds) and the skip mask. float64
 parameters are refused (TypeError); the torch and triton backends serve them.
 
 ``emulated(op)`` runs the same launcher on CPU tensors through
@@ -31,10 +37,10 @@ from torch import Tensor
 
 from .. import _backend, _multi_tensor as mt
 from .._device import sm_count
-from .._optim_specs import ADAM_SPEC, SGD_SPEC, OptimizerSpec
+from .._optim_specs import ADAM_SPEC, LAMB_SPEC, LARS_SPEC, SGD_SPEC, TRUST_RATIO_SPECS, OptimizerSpec, trust_subsets
 from . import _ext
 
-__all__ = ["sgd_step_", "adam_step_", "emulated", "PARAM_DTYPES"]
+__all__ = ["sgd_step_", "adam_step_", "lars_step_", "lamb_step_", "emulated", "PARAM_DTYPES"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _THREADS = 256  # threads per block on a GPU: 1024 elements per loop iteration
@@ -84,8 +90,23 @@ def _run(spec: OptimizerSpec, args: Sequence[Any], emulate: bool) -> None:
     if not params or mt.traced(params[0], "cuda"):
         return
     steps, hypers, skip = args[2 + n], args[3 + n], args[-1]
-    flags = dict(zip(spec.flags, args[4 + n : -1]))
     _check(spec, params, hypers, skip, "cpu" if emulate else "cuda")
+    if spec not in TRUST_RATIO_SPECS:
+        return _launch(spec, args, emulate, trust=False)
+    for sub, trust in trust_subsets(spec, args):
+        _launch(spec, sub, emulate, trust=trust)
+
+
+_LAUNCHERS = {"sgd": "sgd_step", "adam": "adam_step", "lars": "lars_step", "lamb": "lamb_step"}
+
+
+def _launch(spec: OptimizerSpec, args: Sequence[Any], emulate: bool, trust: bool) -> None:
+    """The launches of one (checked) step; with ``trust`` a trust-ratio step's norm pass
+    first, without it a trust-ratio step's parameters are excluded ones."""
+    n = len(spec.states)
+    params, grads = args[0], args[1]
+    steps, hypers, skip = args[2 + n], args[3 + n], args[-1]
+    flags = dict(zip(spec.flags, args[4 + n : -1]))
     ext = _ext.load(emulated=emulate)
     absent = mt.N_STATES - n
     states = [*args[2 : 2 + n], *([[]] * absent)]
@@ -102,9 +123,11 @@ def _run(spec: OptimizerSpec, args: Sequence[Any], emulate: bool) -> None:
     skip_ptr = skip.data_ptr() if skip is not None else 0
     if plan.step_offs is not None and plan.n_steps:
         ext.count_steps(steps[0].data_ptr(), plan.step_offs.data_ptr(), plan.n_steps, B, skip_ptr, threads, stream)
-    launch = ext.sgd_step if spec is SGD_SPEC else ext.adam_step
+    launch = getattr(ext, _LAUNCHERS[spec.name])
     for group in plan.groups:
         first = group.index[0]
+        # the norm pass's two sums of squares per tile (float32: the backend's math dtype)
+        partials = torch.empty(2 * group.n_tiles, dtype=torch.float32, device=device) if trust else None
         launch(
             tiles=group.tiles.data_ptr(), n_tiles=group.n_tiles, param_dtype=_ext.DTYPE_CODES[group.dtype],
             params=params[first].data_ptr(), grads=grads[first].data_ptr(),
@@ -114,10 +137,14 @@ def _run(spec: OptimizerSpec, args: Sequence[Any], emulate: bool) -> None:
             steps=steps[first].data_ptr() if steps else 0,
             hypers=hypers.data_ptr(), hyper_row_stride=hypers.stride(0), hyper_model_stride=hypers.stride(1),
             skip=skip_ptr,
-            maximize=bool(flags["maximize"]), has_weight_decay=bool(flags["has_weight_decay"]),
+            maximize=bool(flags["maximize"]),
+            # an excluded parameter of a trust-ratio step gets no weight decay
+            has_weight_decay=bool(flags["has_weight_decay"]) and (trust or spec not in TRUST_RATIO_SPECS),
             decoupled_weight_decay=bool(flags.get("decoupled_weight_decay", False)),
-            momentum=spec is SGD_SPEC and bool(states[0]), nesterov=bool(flags.get("nesterov", False)),
+            momentum=spec in (SGD_SPEC, LARS_SPEC) and bool(states[0]), nesterov=bool(flags.get("nesterov", False)),
             amsgrad=spec is ADAM_SPEC and bool(states[2]), threads=threads, stream=stream,
+            partials=partials.data_ptr() if partials is not None else 0, trust=trust,
+            bias_correction=bool(flags.get("bias_correction", False)),
         )
 
 
@@ -141,7 +168,7 @@ def _launcher(spec: OptimizerSpec, *, emulate: bool) -> Callable[..., None]:
     return launch
 
 
-_SPECS = {spec.op: spec for spec in (SGD_SPEC, ADAM_SPEC)}
+_SPECS = {spec.op: spec for spec in (SGD_SPEC, ADAM_SPEC, LARS_SPEC, LAMB_SPEC)}
 
 # auto never picks these until a committed GPU benchmark shows them faster
 # (no GPU has measured them yet); backend="cuda" selects them.
@@ -149,10 +176,14 @@ sgd_step_ = _backend.implements(SGD_SPEC.op, "cuda", device_types=("cuda",), aut
     _launcher(SGD_SPEC, emulate=False))
 adam_step_ = _backend.implements(ADAM_SPEC.op, "cuda", device_types=("cuda",), auto=False)(
     _launcher(ADAM_SPEC, emulate=False))
+lars_step_ = _backend.implements(LARS_SPEC.op, "cuda", device_types=("cuda",), auto=False)(
+    _launcher(LARS_SPEC, emulate=False))
+lamb_step_ = _backend.implements(LAMB_SPEC.op, "cuda", device_types=("cuda",), auto=False)(
+    _launcher(LAMB_SPEC, emulate=False))
 
 
 def emulated(op: str) -> Callable[..., None]:
-    """The cuda launcher of ``op`` (``"sgd_step_"``, ``"adam_step_"``) on CPU tensors,
+    """The cuda launcher of ``op`` (``"sgd_step_"``, ``"adam_step_"``, ``"lars_step_"``, ``"lamb_step_"``) on CPU tensors,
     running the same kernel sources in the host grid emulator (hfkern._C_emu)."""
     if op not in _SPECS:
         raise ValueError(f"the cuda backend implements {sorted(_SPECS)}, got {op!r}")

@@ -12,6 +12,10 @@ Ops (registered with torch.library, implementations chosen by the registry)::
                    has_weight_decay, skip) -> ()
     rmsprop_step_(params, grads, square_avgs, grad_avgs, momentum_buffers, steps, hypers,
                   centered, maximize, has_weight_decay, skip) -> ()
+    lars_step_(params, grads, momentum_buffers, steps, hypers, exclude_1d, maximize,
+               has_weight_decay, skip) -> ()
+    lamb_step_(params, grads, exp_avgs, exp_avg_sqs, steps, hypers, bias_correction,
+               exclude_1d, maximize, has_weight_decay, skip) -> ()
     nonfinite_models(grads) -> Tensor  # [B] bool
 
 Conventions shared by every ``*_step_`` op (model b is index b of every dim 0):
@@ -58,6 +62,16 @@ In the formulas below every operation is element-wise on model b's slice and
 scalar names are model b's entries of ``hypers``; ``t`` is the incremented step
 count of that parameter and model.
 
+Layer-wise adaptive steps (``lars_step_``, ``lamb_step_``) scale the update of
+each (parameter i, model b) by a *trust ratio* made of two Euclidean norms over
+model b's whole slice of parameter i (``||x||`` below: over every element of the
+slice, accumulated in float32, float64 for float64 parameters). Such a ratio
+couples the elements of a slice but never two slices: models and tensors stay
+independent. With ``exclude_1d`` a parameter whose per-model shape has at most
+one dim (``[B]`` or ``[B, n]``: biases, norm weights) is *excluded*: its ratio
+is 1 and it gets no weight decay. The ratio is computed in ``hypers.dtype``
+from the norms, which are computed in the math dtype.
+
 ``nonfinite_models(grads)``: ``[B]`` bool, True for every model with an inf or
 NaN in any of the n ``[B, ...]`` gradients (on grads[0]'s device).
 """
@@ -75,12 +89,13 @@ from torch import Tensor
 from .. import _backend
 from .._dtypes import FLOAT_DTYPES, acc_dtype
 from .._optim_specs import (
-    ADADELTA_SPEC, ADAGRAD_SPEC, ADAM_SPEC, RMSPROP_SPEC, SGD_SPEC, OptimizerSpec,
+    ADADELTA_SPEC, ADAGRAD_SPEC, ADAM_SPEC, LAMB_SPEC, LARS_SPEC, RMSPROP_SPEC, SGD_SPEC, OptimizerSpec,
+    excluded,
 )
 
 __all__ = [
-    "sgd_step_", "adam_step_", "adagrad_step_", "adadelta_step_", "rmsprop_step_",
-    "nonfinite_models",
+    "sgd_step_", "adam_step_", "adagrad_step_", "adadelta_step_", "rmsprop_step_", "lars_step_",
+    "lamb_step_", "excluded", "nonfinite_models",
 ]
 
 
@@ -577,6 +592,155 @@ def rmsprop_step_torch(params, grads, square_avgs, grad_avgs, momentum_buffers, 
         update = torch._foreach_div(d, avg)
     del avg
     torch._foreach_addcmul_(p, update, _cols(-h.lr, p))
+    targets.commit()
+
+
+# ---- layer-wise adaptive steps: LARS and LAMB -------------------------------------
+
+def _model_norms(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """``[n, B]``: the Euclidean norm of every model's slice of every tensor, each computed
+    in its tensor's dtype (float32 or float64: the math dtype), then cast to ``dtype``."""
+    return torch.stack([
+        torch.linalg.vector_norm(t.reshape(t.size(0), -1), dim=1).to(dtype) for t in tensors
+    ])
+
+
+def _trust_ratio(w_norm: Tensor, x_norm: Tensor, num: Tensor, den: Tensor) -> Tensor:
+    """``num / den`` where both norms are > 0, else 1 (``[n, B]``)."""
+    return torch.where((w_norm > 0) & (x_norm > 0), num / den, 1)
+
+
+def _adapted(params: Sequence[Tensor], exclude_1d: bool) -> list[int]:
+    return [i for i, p in enumerate(params) if not excluded(p, exclude_1d)]
+
+
+@_step_op(LARS_SPEC)
+def lars_step_(
+    params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], steps: list[Tensor],
+    hypers: Tensor, exclude_1d: bool, maximize: bool, has_weight_decay: bool, skip: Tensor | None,
+) -> None:
+    """LARS (You, Gitman and Ginsburg 2017, Algorithm 1) for each of B models, in place.
+
+    ``hypers`` rows: ``lr, momentum, weight_decay, trust_coefficient, eps``.
+    ``momentum_buffers``: one per parameter when any model has momentum > 0, else
+    empty (every model's momentum is then 0). Buffers start at zero; the step
+    counts are kept but not used by the math. For parameter i and model b, with
+    ``w`` model b's slice of parameter i::
+
+        g = -grad if maximize else grad
+        if excluded(w):  local_lr = 1                    # exclude_1d and a [B] / [B, n] parameter
+        else:
+            local_lr = trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)
+                       if ||w|| > 0 and ||g|| > 0 else 1
+            g = g + weight_decay * w                     # has_weight_decay
+        if momentum_buffers:
+            buf = momentum * buf + (lr * local_lr) * g
+            w = w - buf
+        else:
+            w = w - (lr * local_lr) * g
+
+    The momentum is the paper's (the learning rate inside the buffer), so a
+    learning-rate change acts on new gradients only.
+    """
+    _step(LARS_SPEC, params, grads, momentum_buffers, steps, hypers, exclude_1d, maximize, has_weight_decay,
+          skip)
+
+
+@_backend.implements(LARS_SPEC.op, "torch")
+def lars_step_torch(params, grads, momentum_buffers, steps, hypers, exclude_1d, maximize, has_weight_decay,
+                    skip):
+    h = _rows(LARS_SPEC, hypers)
+    _advance(steps, skip)
+    targets = _Targets(skip)
+    p = targets(params)
+    d = list(_direction(grads, p, None, maximize))
+    scale = h.lr.expand(len(p), -1).clone()  # lr * local_lr, [n, B]
+    adapted = _adapted(params, exclude_1d)
+    if adapted:
+        pa, da = [p[i] for i in adapted], [d[i] for i in adapted]
+        w_norm, g_norm = _model_norms(pa, hypers.dtype), _model_norms(da, hypers.dtype)
+        local = _trust_ratio(w_norm, g_norm, h.trust_coefficient * w_norm,
+                             g_norm + h.weight_decay * w_norm + h.eps)
+        scale[adapted] = h.lr * local
+        if has_weight_decay:
+            da = torch._foreach_addcmul(da, pa, _cols(h.weight_decay, pa))
+            for i, t in zip(adapted, da):
+                d[i] = t
+    if momentum_buffers:
+        bufs = targets(momentum_buffers)
+        torch._foreach_mul_(bufs, _cols(h.momentum, bufs))
+        torch._foreach_addcmul_(bufs, d, _per_tensor(scale, bufs))
+        torch._foreach_sub_(p, bufs)
+    else:
+        torch._foreach_addcmul_(p, d, _per_tensor(-scale, p))
+    targets.commit()
+
+
+@_step_op(LAMB_SPEC)
+def lamb_step_(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    steps: list[Tensor], hypers: Tensor, bias_correction: bool, exclude_1d: bool, maximize: bool,
+    has_weight_decay: bool, skip: Tensor | None,
+) -> None:
+    """LAMB (You et al. 2019, Algorithm 2) for each of B models, in place.
+
+    ``hypers`` rows: ``lr, beta1, beta2, eps, weight_decay, norm_min, norm_max``.
+    State starts at zero. For parameter i and model b, with ``w`` model b's
+    slice of parameter i and ``t`` its incremented step count::
+
+        g = -grad if maximize else grad
+        m = lerp(m, g, 1 - beta1)                        # torch.lerp's formula
+        v = beta2 * v + (1 - beta2) * g * g
+        if bias_correction: bc1 = 1 - beta1 ** t;  bc2 = 1 - beta2 ** t
+        else:               bc1 = bc2 = 1
+        r = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)
+        if excluded(w):  ratio = 1                       # exclude_1d and a [B] / [B, n] parameter
+        else:
+            r = r + weight_decay * w                     # has_weight_decay
+            ratio = clamp(||w||, norm_min, norm_max) / ||r||  if ||w|| > 0 and ||r|| > 0 else 1
+        w = w - (lr * ratio) * r
+
+    ``clamp(||w||, norm_min, norm_max)`` is the paper's scaling function phi;
+    ``norm_min = 0, norm_max = inf`` make it the identity. ``1 - beta ** t`` is
+    computed as in ``adam_step_``.
+    """
+    _step(LAMB_SPEC, params, grads, exp_avgs, exp_avg_sqs, steps, hypers, bias_correction, exclude_1d,
+          maximize, has_weight_decay, skip)
+
+
+@_backend.implements(LAMB_SPEC.op, "torch")
+def lamb_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, hypers, bias_correction, exclude_1d,
+                    maximize, has_weight_decay, skip):
+    h = _rows(LAMB_SPEC, hypers)
+    _advance(steps, skip)
+    targets = _Targets(skip)
+    p = targets(params)
+    d = _direction(grads, p, None, maximize)
+    m, v = targets(exp_avgs), targets(exp_avg_sqs)
+    torch._foreach_lerp_(m, d, _cols(1 - h.beta1, m, match_dtype=True))
+    _ema_sq_(v, d, h.beta2)
+    del d
+    denom = torch._foreach_sqrt(v)
+    if bias_correction:
+        t = torch.stack(steps).to(hypers.dtype)
+        torch._foreach_div_(denom, _per_tensor(_bias_correction(h.beta2, t).sqrt(), denom))
+        torch._foreach_add_(denom, _cols(h.eps, denom))
+        r = torch._foreach_div(m, _per_tensor(_bias_correction(h.beta1, t), m))
+        torch._foreach_div_(r, denom)
+    else:
+        torch._foreach_add_(denom, _cols(h.eps, denom))
+        r = torch._foreach_div(m, denom)
+    del denom
+    scale = h.lr.expand(len(p), -1).clone()  # lr * ratio, [n, B]
+    adapted = _adapted(params, exclude_1d)
+    if adapted:
+        pa, ra = [p[i] for i in adapted], [r[i] for i in adapted]
+        if has_weight_decay:
+            torch._foreach_addcmul_(ra, pa, _cols(h.weight_decay, pa))
+        w_norm, r_norm = _model_norms(pa, hypers.dtype), _model_norms(ra, hypers.dtype)
+        phi = torch.minimum(torch.maximum(w_norm, h.norm_min), h.norm_max)
+        scale[adapted] = h.lr * _trust_ratio(w_norm, r_norm, phi, r_norm)
+    torch._foreach_addcmul_(p, r, _per_tensor(-scale, p))
     targets.commit()
 
 

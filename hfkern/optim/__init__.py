@@ -11,7 +11,10 @@ from ._base import ArrayOptimizer
 from .adadelta import Adadelta
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
+from .lamb import LAMB
+from .lars import LARS
 from .rmsprop import RMSprop
 from .sgd import SGD
 
-__all__ = ["ArrayOptimizer", "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "lr_scheduler"]
+__all__ = ["ArrayOptimizer", "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "LARS", "LAMB",
+           "lr_scheduler"]

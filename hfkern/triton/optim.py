@@ -32,6 +32,19 @@ cached step costs one dict lookup, the step-count launch and one launch per
 parameter dtype (parameters are grouped by dtype, each group addressed from its
 own first tensors).
 
+Trust ratios (LARS, LAMB)
+-------------------------
+A layer-wise adaptive step scales each (tensor, model) update by a ratio of two
+norms over that model's whole slice of the tensor. Such a step makes two passes
+over the same tile table: ``_norms_kernel`` writes each tile's two partial sums
+of squares (float32, float64 for float64 parameters; LAMB's pass also updates
+the moments, from which its update direction is then recomputed), and the
+update kernel's program sums the partials of its (tensor, model) pair in row
+order (the table's ``COL_FIRST``, ``COL_TILES``) before it computes the ratio
+with the model's hyperparameters: deterministic, no atomics. A parameter that
+``exclude_1d`` excludes is launched apart, without the norm pass (``TRUST``
+False: ratio 1, no weight decay).
+
 Step counts
 -----------
 ``steps[i][b]`` is incremented exactly once per (tensor, model) by
@@ -78,22 +91,24 @@ from .. import _backend, _multi_tensor as mt
 from .._device import sm_count
 from .._dtypes import FLOAT_DTYPES
 from .._optim_specs import (
-    ADADELTA_SPEC, ADAGRAD_SPEC, ADAM_SPEC, OPTIMIZER_SPECS, RMSPROP_SPEC, SGD_SPEC, OptimizerSpec,
+    ADADELTA_SPEC, ADAGRAD_SPEC, ADAM_SPEC, LAMB_SPEC, LARS_SPEC, OPTIMIZER_SPECS, RMSPROP_SPEC, SGD_SPEC,
+    TRUST_RATIO_SPECS, OptimizerSpec, trust_subsets,
 )
 from ._common import Tuned, autotuning, interpreting
 
 __all__ = [
-    "sgd_step_", "adam_step_", "adagrad_step_", "adadelta_step_", "rmsprop_step_",
-    "nonfinite_models",
+    "sgd_step_", "adam_step_", "adagrad_step_", "adadelta_step_", "rmsprop_step_", "lars_step_",
+    "lamb_step_", "nonfinite_models",
 ]
 
 # Named constants that host code and kernels share are tl.constexpr objects (the
 # only globals a kernel may read); host code takes their int().
 
 # The tile table's columns (hfkern/_multi_tensor.py) as kernel constants.
-_COL_P, _COL_G, _COL_S0, _COL_S1, _COL_S2, _COL_STEP, _COL_MODEL, _COL_LEN, _COL_ALIGNED, _COLS = (
+(_COL_P, _COL_G, _COL_S0, _COL_S1, _COL_S2, _COL_STEP, _COL_MODEL, _COL_LEN, _COL_ALIGNED, _COL_FIRST,
+ _COL_TILES, _COLS) = (
     tl.constexpr(c) for c in (mt.COL_P, mt.COL_G, mt.COL_S0, mt.COL_S1, mt.COL_S2, mt.COL_STEP, mt.COL_MODEL,
-                              mt.COL_LEN, mt.COL_ALIGNED, mt.COLS)
+                              mt.COL_LEN, mt.COL_ALIGNED, mt.COL_FIRST, mt.COL_TILES, mt.COLS)
 )
 _N_STATES = mt.N_STATES
 _NF_G, _NF_PART, _NF_LEN, _NF_ALIGNED, _NF_COLS = (
@@ -123,6 +138,10 @@ _ADAGRAD_LR, _ADAGRAD_LR_DECAY, _ADAGRAD_WD, _ADAGRAD_EPS = _rows(
 _ADADELTA_LR, _ADADELTA_RHO, _ADADELTA_EPS, _ADADELTA_WD = _rows(ADADELTA_SPEC, "lr", "rho", "eps", "weight_decay")
 _RMSPROP_LR, _RMSPROP_ALPHA, _RMSPROP_EPS, _RMSPROP_WD, _RMSPROP_MOMENTUM = _rows(
     RMSPROP_SPEC, "lr", "alpha", "eps", "weight_decay", "momentum")
+_LARS_LR, _LARS_MOMENTUM, _LARS_WD, _LARS_TRUST, _LARS_EPS = _rows(
+    LARS_SPEC, "lr", "momentum", "weight_decay", "trust_coefficient", "eps")
+_LAMB_LR, _LAMB_BETA1, _LAMB_BETA2, _LAMB_EPS, _LAMB_WD, _LAMB_NORM_MIN, _LAMB_NORM_MAX = _rows(
+    LAMB_SPEC, "lr", "beta1", "beta2", "eps", "weight_decay", "norm_min", "norm_max")
 
 
 # ---- shared device helpers -----------------------------------------------------
@@ -366,9 +385,130 @@ def _rmsprop_update(c, p, g, sq_ptrs, gavg_ptrs, buf_ptrs, mask, CENTERED: tl.co
 
 
 @triton.jit
-def _scalars(OPT: tl.constexpr, h, stride_hr, row, steps_ptr, HAS_S0: tl.constexpr, F64: tl.constexpr,
-             H64: tl.constexpr):
-    if OPT == "sgd":
+def _norm(sq, F64: tl.constexpr, dtype):
+    """A norm from its sum of squares (math dtype), in the hyperparameters' ``dtype``."""
+    return _sqrt(sq, F64).to(dtype)
+
+
+@triton.jit
+def _lars_scalars(h, stride_hr, w_sq, g_sq, TRUST: tl.constexpr, F64: tl.constexpr, H64: tl.constexpr):
+    lr = tl.load(h + _LARS_LR * stride_hr)
+    momentum = tl.load(h + _LARS_MOMENTUM * stride_hr)
+    wd = tl.load(h + _LARS_WD * stride_hr)
+    trust = tl.load(h + _LARS_TRUST * stride_hr)
+    eps = tl.load(h + _LARS_EPS * stride_hr)
+    scale = lr
+    if TRUST:
+        w_norm = _norm(w_sq, F64, lr.dtype)
+        g_norm = _norm(g_sq, F64, lr.dtype)
+        local = _div(trust * w_norm, g_norm + wd * w_norm + eps, H64)
+        scale = lr * tl.where((w_norm > 0.0) & (g_norm > 0.0), local, 1.0)
+    return _math(scale, F64), _math(momentum, F64), _math(wd, F64)
+
+
+@triton.jit
+def _lars_norm_terms(c, p, g, F64: tl.constexpr):
+    # ||w|| and ||grad|| (the sign of maximize does not change a norm)
+    return p, _math(g, F64)
+
+
+@triton.jit
+def _lars_update(c, p, g, buf_ptrs, mask, MOMENTUM: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
+                 F64: tl.constexpr):
+    scale, momentum, wd = c
+    d = _direction(g, p, wd, MAXIMIZE, HAS_WD, F64)
+    if MOMENTUM:
+        buf = tl.load(buf_ptrs, mask=mask)
+        buf = buf * momentum + d * scale
+        tl.store(buf_ptrs, buf, mask=mask)
+        return p - buf
+    else:
+        return p + d * -scale
+
+
+@triton.jit
+def _lamb_scalars(h, stride_hr, row, steps_ptr, w_sq, r_sq, TRUST: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+                  F64: tl.constexpr, H64: tl.constexpr):
+    lr = tl.load(h + _LAMB_LR * stride_hr)
+    beta1 = tl.load(h + _LAMB_BETA1 * stride_hr)
+    beta2 = tl.load(h + _LAMB_BETA2 * stride_hr)
+    eps = tl.load(h + _LAMB_EPS * stride_hr)
+    wd = tl.load(h + _LAMB_WD * stride_hr)
+    if BIAS_CORRECTION:
+        t = _step_count(row, steps_ptr)
+        bc1 = _one_minus_pow(beta1, t).to(lr.dtype)
+        bc2_sqrt = _sqrt(_one_minus_pow(beta2, t).to(lr.dtype), H64)
+    else:
+        # dividing by 1 is exact: the same code serves both
+        bc1 = tl.full((), 1.0, lr.dtype)
+        bc2_sqrt = tl.full((), 1.0, lr.dtype)
+    scale = lr
+    if TRUST:
+        lo = tl.load(h + _LAMB_NORM_MIN * stride_hr)
+        hi = tl.load(h + _LAMB_NORM_MAX * stride_hr)
+        w_norm = _norm(w_sq, F64, lr.dtype)
+        r_norm = _norm(r_sq, F64, lr.dtype)
+        phi = tl.minimum(tl.maximum(w_norm, lo), hi)
+        ok = (w_norm > 0.0) & (r_norm > 0.0)
+        scale = lr * tl.where(ok, _div(phi, tl.where(ok, r_norm, 1.0), H64), 1.0)
+    w1 = 1.0 - beta1
+    return (_math(scale, F64), _math(bc1, F64), _math(bc2_sqrt, F64), _math(eps, F64), _math(wd, F64),
+            _math(beta2, F64), _math(w1, F64), tl.abs(w1) < 0.5, _math(1.0 - beta2, F64))
+
+
+@triton.jit
+def _lamb_moments(c, p, g, m_ptrs, v_ptrs, mask, MAXIMIZE: tl.constexpr, F64: tl.constexpr):
+    """Update and store the moments of a block; returns them."""
+    scale, bc1, bc2_sqrt, eps, wd, beta2, w1, w1_small, w2 = c
+    d = _direction(g, p, wd, MAXIMIZE, False, F64)
+    m = _lerp(tl.load(m_ptrs, mask=mask), d, w1, w1_small)
+    v = tl.load(v_ptrs, mask=mask)
+    v = v * beta2 + (d * w2) * d
+    tl.store(m_ptrs, m, mask=mask)
+    tl.store(v_ptrs, v, mask=mask)
+    return m, v
+
+
+@triton.jit
+def _lamb_direction(c, p, m, v, HAS_WD: tl.constexpr, F64: tl.constexpr):
+    """``r = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) [+ weight_decay * w]``."""
+    scale, bc1, bc2_sqrt, eps, wd, beta2, w1, w1_small, w2 = c
+    denom = _div(_sqrt(v, F64), bc2_sqrt, F64) + eps
+    r = _div(_div(m, bc1, F64), denom, F64)
+    if HAS_WD:
+        r = r + p * wd
+    return r
+
+
+@triton.jit
+def _lamb_norm_terms(c, p, g, m_ptrs, v_ptrs, mask, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
+                     F64: tl.constexpr):
+    m, v = _lamb_moments(c, p, g, m_ptrs, v_ptrs, mask, MAXIMIZE, F64)
+    return p, _lamb_direction(c, p, m, v, HAS_WD, F64)
+
+
+@triton.jit
+def _lamb_update(c, p, g, m_ptrs, v_ptrs, mask, TRUST: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 HAS_WD: tl.constexpr, F64: tl.constexpr):
+    if TRUST:
+        # the norm pass has updated the moments
+        m = tl.load(m_ptrs, mask=mask)
+        v = tl.load(v_ptrs, mask=mask)
+    else:
+        m, v = _lamb_moments(c, p, g, m_ptrs, v_ptrs, mask, MAXIMIZE, F64)
+    r = _lamb_direction(c, p, m, v, HAS_WD, F64)
+    return p + r * -c[0]
+
+
+@triton.jit
+def _scalars(OPT: tl.constexpr, h, stride_hr, row, steps_ptr, w_sq, x_sq, HAS_S0: tl.constexpr,
+             TRUST: tl.constexpr, BIAS_CORRECTION: tl.constexpr, F64: tl.constexpr, H64: tl.constexpr):
+    # w_sq, x_sq: the sums of squares of the tile's (tensor, model) pair (TRUST), else unused
+    if OPT == "lars":
+        return _lars_scalars(h, stride_hr, w_sq, x_sq, TRUST, F64, H64)
+    elif OPT == "lamb":
+        return _lamb_scalars(h, stride_hr, row, steps_ptr, w_sq, x_sq, TRUST, BIAS_CORRECTION, F64, H64)
+    elif OPT == "sgd":
         return _sgd_scalars(h, stride_hr, row, steps_ptr, HAS_S0, F64)
     elif OPT == "adam":
         return _adam_scalars(h, stride_hr, row, steps_ptr, F64, H64)
@@ -384,10 +524,15 @@ def _scalars(OPT: tl.constexpr, h, stride_hr, row, steps_ptr, HAS_S0: tl.constex
 @triton.jit
 def _update(OPT: tl.constexpr, c, p, g, s0, s1, s2, mask,
             HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr, NESTEROV: tl.constexpr,
-            DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr, F64: tl.constexpr):
+            DECOUPLED: tl.constexpr, TRUST: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
+            F64: tl.constexpr):
     # s0..s2: the state lists' pointers in the op's argument order; an optional
     # list's flag is its presence.
-    if OPT == "sgd":
+    if OPT == "lars":
+        return _lars_update(c, p, g, s0, mask, HAS_S0, MAXIMIZE, HAS_WD, F64)
+    elif OPT == "lamb":
+        return _lamb_update(c, p, g, s0, s1, mask, TRUST, MAXIMIZE, HAS_WD, F64)
+    elif OPT == "sgd":
         return _sgd_update(c, p, g, s0, mask, HAS_S0, NESTEROV, MAXIMIZE, HAS_WD, F64)
     elif OPT == "adam":
         return _adam_update(c, p, g, s0, s1, s2, mask, HAS_S2, DECOUPLED, MAXIMIZE, HAS_WD, F64)
@@ -405,8 +550,9 @@ def _update(OPT: tl.constexpr, c, p, g, s0, s1, s2, mask,
 def _tile(
     row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr,
     OPT: tl.constexpr, HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
-    NESTEROV: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
-    F64: tl.constexpr, ALIGNED: tl.constexpr, VEC_P: tl.constexpr, VEC_S: tl.constexpr, BLOCK: tl.constexpr,
+    NESTEROV: tl.constexpr, DECOUPLED: tl.constexpr, TRUST: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_WD: tl.constexpr, F64: tl.constexpr, ALIGNED: tl.constexpr, VEC_P: tl.constexpr, VEC_S: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     o_p = _offset(row, _COL_P, VEC_P, ALIGNED, True)
     o_g = _offset(row, _COL_G, VEC_P, ALIGNED, True)
@@ -423,7 +569,7 @@ def _tile(
         p = _math(tl.load(p_ptr + o_p + idx, mask=mask), F64)
         g = tl.load(g_ptr + o_g + idx, mask=mask)
         p = _update(OPT, c, p, g, s0_ptr + o_0 + idx, s1_ptr + o_1 + idx, s2_ptr + o_2 + idx, mask,
-                    HAS_S0, HAS_S1, HAS_S2, NESTEROV, DECOUPLED, MAXIMIZE, HAS_WD, F64)
+                    HAS_S0, HAS_S1, HAS_S2, NESTEROV, DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64)
         tl.store(p_ptr + o_p + idx, p.to(p_ptr.dtype.element_ty), mask=mask)
 
 
@@ -439,9 +585,11 @@ def _step_kernel(
     hyp_ptr,  # [R, B]: the op's hyperparameter rows
     stride_hr, stride_hb,
     skip_ptr,  # [B] bool
+    part_ptr,  # [T, 2] the norm pass's per-tile sums of squares (math dtype); read with TRUST only
     OPT: tl.constexpr,  # the optimizer (its spec's name): which scalars and update functions run
     HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
-    NESTEROV: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
+    NESTEROV: tl.constexpr, DECOUPLED: tl.constexpr, TRUST: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+    MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
     HAS_SKIP: tl.constexpr, F64: tl.constexpr, H64: tl.constexpr,
     VEC_P: tl.constexpr, VEC_S: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -451,13 +599,100 @@ def _step_kernel(
         live = tl.load(skip_ptr + b) == 0
     else:
         live = b >= 0
-    c = _scalars(OPT, hyp_ptr + b * stride_hb, stride_hr, row, steps_ptr, HAS_S0, F64, H64)
+    w_sq, x_sq = _pair_sums(row, part_ptr, TRUST, BLOCK)
+    c = _scalars(OPT, hyp_ptr + b * stride_hb, stride_hr, row, steps_ptr, w_sq, x_sq, HAS_S0, TRUST,
+                 BIAS_CORRECTION, F64, H64)
     if tl.load(row + _COL_ALIGNED) != 0:
         _tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, OPT, HAS_S0, HAS_S1, HAS_S2, NESTEROV,
-              DECOUPLED, MAXIMIZE, HAS_WD, F64, True, VEC_P, VEC_S, BLOCK)
+              DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64, True, VEC_P, VEC_S, BLOCK)
     else:
         _tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, OPT, HAS_S0, HAS_S1, HAS_S2, NESTEROV,
-              DECOUPLED, MAXIMIZE, HAS_WD, F64, False, VEC_P, VEC_S, BLOCK)
+              DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64, False, VEC_P, VEC_S, BLOCK)
+
+
+@triton.jit
+def _pair_sums(row, part_ptr, TRUST: tl.constexpr, BLOCK: tl.constexpr):
+    """The two sums of squares of the tile's (tensor, model) pair: its tiles' partials,
+    summed in row order (the same order in every program of the pair)."""
+    if TRUST:
+        first = tl.load(row + _COL_FIRST)
+        count = tl.load(row + _COL_TILES)
+        acc_w = tl.zeros((BLOCK,), dtype=part_ptr.dtype.element_ty)
+        acc_x = tl.zeros((BLOCK,), dtype=part_ptr.dtype.element_ty)
+        for k in range(0, tl.cdiv(count, BLOCK)):
+            j = k * BLOCK + tl.arange(0, BLOCK)
+            at = part_ptr + (first + j) * 2
+            acc_w += tl.load(at, mask=j < count, other=0.0)
+            acc_x += tl.load(at + 1, mask=j < count, other=0.0)
+        return tl.sum(acc_w, axis=0), tl.sum(acc_x, axis=0)
+    else:
+        return 0.0, 0.0
+
+
+@triton.jit
+def _norm_tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT: tl.constexpr, MAXIMIZE: tl.constexpr,
+               HAS_WD: tl.constexpr, F64: tl.constexpr, ALIGNED: tl.constexpr, VEC_P: tl.constexpr,
+               VEC_S: tl.constexpr, BLOCK: tl.constexpr):
+    o_p = _offset(row, _COL_P, VEC_P, ALIGNED, True)
+    o_g = _offset(row, _COL_G, VEC_P, ALIGNED, True)
+    o_0 = _offset(row, _COL_S0, VEC_S, ALIGNED, OPT == "lamb")
+    o_1 = _offset(row, _COL_S1, VEC_S, ALIGNED, OPT == "lamb")
+    n = tl.where(live, tl.load(row + _COL_LEN), 0)
+    if ALIGNED:
+        n = tl.multiple_of(n, _LEN_ALIGN)
+    if F64:
+        acc_w = tl.zeros((BLOCK,), dtype=tl.float64)
+        acc_x = tl.zeros((BLOCK,), dtype=tl.float64)
+    else:
+        acc_w = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc_x = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(n, BLOCK)):
+        idx = k * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < n
+        p = _math(tl.load(p_ptr + o_p + idx, mask=mask), F64)
+        g = tl.load(g_ptr + o_g + idx, mask=mask)
+        if OPT == "lars":
+            w, x = _lars_norm_terms(c, p, g, F64)
+        else:
+            tl.static_assert(OPT == "lamb", "no norm terms for this optimizer")
+            w, x = _lamb_norm_terms(c, p, g, s0_ptr + o_0 + idx, s1_ptr + o_1 + idx, mask, MAXIMIZE, HAS_WD, F64)
+        # masked lanes hold whatever the load gave them
+        acc_w += tl.where(mask, w * w, 0.0)
+        acc_x += tl.where(mask, x * x, 0.0)
+    return tl.sum(acc_w, axis=0), tl.sum(acc_x, axis=0)
+
+
+@triton.jit
+def _norms_kernel(
+    tiles_ptr,  # [T, _COLS] int64 tile rows (module docstring)
+    p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, steps_ptr,  # as _step_kernel's
+    hyp_ptr,  # [R, B]: the op's hyperparameter rows
+    stride_hr, stride_hb,
+    skip_ptr,  # [B] bool
+    part_ptr,  # [T, 2] out: the tile's sums of squares of ``w`` and of the ratio's other vector
+    OPT: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
+    HAS_SKIP: tl.constexpr, F64: tl.constexpr, H64: tl.constexpr,
+    VEC_P: tl.constexpr, VEC_S: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # The first pass of a trust-ratio step: one program per tile (a skipped model's
+    # tiles write zeros, which no update reads).
+    pid = tl.program_id(0).to(tl.int64)
+    row = tiles_ptr + pid * _COLS
+    b = tl.load(row + _COL_MODEL)
+    if HAS_SKIP:
+        live = tl.load(skip_ptr + b) == 0
+    else:
+        live = b >= 0
+    c = _scalars(OPT, hyp_ptr + b * stride_hb, stride_hr, row, steps_ptr, 0.0, 0.0, False, False,
+                 BIAS_CORRECTION, F64, H64)
+    if tl.load(row + _COL_ALIGNED) != 0:
+        w_sq, x_sq = _norm_tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT, MAXIMIZE, HAS_WD, F64, True,
+                                VEC_P, VEC_S, BLOCK)
+    else:
+        w_sq, x_sq = _norm_tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT, MAXIMIZE, HAS_WD, F64, False,
+                                VEC_P, VEC_S, BLOCK)
+    tl.store(part_ptr + pid * 2, w_sq)
+    tl.store(part_ptr + pid * 2 + 1, x_sq)
 
 
 @triton.jit
@@ -542,9 +777,13 @@ _step = Tuned(
     _step_kernel,
     [triton.Config({"BLOCK": 512}, num_warps=4), triton.Config({"BLOCK": 1024}, num_warps=4),
      triton.Config({"BLOCK": 1024}, num_warps=8), triton.Config({"BLOCK": 2048}, num_warps=8)],
-    ["OPT", "HAS_SKIP", "HAS_S0", "HAS_S1", "HAS_S2", "NESTEROV", "DECOUPLED", "MAXIMIZE", "HAS_WD"],
+    ["OPT", "HAS_SKIP", "HAS_S0", "HAS_S1", "HAS_S2", "NESTEROV", "DECOUPLED", "TRUST", "BIAS_CORRECTION",
+     "MAXIMIZE", "HAS_WD"],
     interpret_config=_INTERPRET_BLOCK,
 )
+# The norm pass writes LAMB's moments, so it cannot be timed on live tensors: one config.
+_norms = Tuned(_norms_kernel, [triton.Config({"BLOCK": 1024}, num_warps=4)], [],
+               interpret_config=_INTERPRET_BLOCK)
 _count = Tuned(_count_kernel, [triton.Config({"BLOCK": 256}, num_warps=4)], [],
                interpret_config=triton.Config({"BLOCK": 64}))
 # Read-only (it writes only its own scratch partials), so it may be timed on live gradients.
@@ -594,12 +833,13 @@ def _traced(t: Tensor) -> bool:
 _best: dict[tuple, triton.Config] = {}
 # Elements of each scratch tensor a kernel variant is timed on: well past L2, like a real array.
 _SCRATCH_ELEMS = 1 << 23
+# The constexprs of the norm pass (a subset of the update's).
+_NORMS_META = ("OPT", "BIAS_CORRECTION", "MAXIMIZE", "HAS_WD", "HAS_SKIP", "F64", "H64", "VEC_P", "VEC_S")
 
 
 def _run(spec: OptimizerSpec, args: Sequence[Any]) -> None:
     """One step of ``spec``'s op; ``args`` in the op's argument order (``spec.args``)."""
-    n = len(spec.states)
-    params, grads = args[0], args[1]
+    params = args[0]
     if not params or _traced(params[0]):
         return
     device = params[0].device
@@ -607,6 +847,19 @@ def _run(spec: OptimizerSpec, args: Sequence[Any]) -> None:
         # Triton launches on the current device.
         with torch.cuda.device(device):
             return _run(spec, args)
+    if spec not in TRUST_RATIO_SPECS:
+        return _launch(spec, args, trust=False)
+    for sub, trust in trust_subsets(spec, args):
+        _launch(spec, sub, trust=trust)
+
+
+def _launch(spec: OptimizerSpec, args: Sequence[Any], trust: bool) -> None:
+    """Launch the kernels of one step; with ``trust`` the norm pass first (a trust-ratio
+    optimizer's adapted parameters), without it a trust-ratio optimizer's parameters are
+    excluded ones (ratio 1, no weight decay)."""
+    n = len(spec.states)
+    params, grads = args[0], args[1]
+    device = params[0].device
     absent = _N_STATES - n
     states = [*args[2 : 2 + n], *([[]] * absent)]
     names = [*spec.state_args, *(["unused"] * absent)]
@@ -633,11 +886,22 @@ def _run(spec: OptimizerSpec, args: Sequence[Any]) -> None:
             OPT=spec.name, HAS_S0=bool(states[0]), HAS_S1=bool(states[1]), HAS_S2=bool(states[2]),
             NESTEROV=bool(flags.get("nesterov", False)),
             DECOUPLED=bool(flags.get("decoupled_weight_decay", False)),
-            MAXIMIZE=bool(flags["maximize"]), HAS_WD=bool(flags["has_weight_decay"]),
+            TRUST=trust, BIAS_CORRECTION=bool(flags.get("bias_correction", False)),
+            MAXIMIZE=bool(flags["maximize"]),
+            # an excluded parameter of a trust-ratio optimizer gets no weight decay
+            HAS_WD=bool(flags["has_weight_decay"]) and (trust or spec not in TRUST_RATIO_SPECS),
             HAS_SKIP=skip is not None, F64=f64, H64=hypers.dtype == torch.float64,
             VEC_P=_ALIGN_BYTES // params[first].element_size(),
             VEC_S=_ALIGN_BYTES // (8 if f64 else 4),  # state: float64 or float32
         )
+        if trust:
+            part = torch.empty(group.n_tiles * 2, dtype=torch.float64 if f64 else torch.float32, device=device)
+            _norms[(group.n_tiles,)](
+                *kernel_args, part, **{k: v for k, v in meta.items() if k in _NORMS_META},
+            )
+        else:
+            part = _dummy(device, torch.float32)
+        kernel_args = (*kernel_args, part)
         if interpreting():
             _step[(group.n_tiles,)](*kernel_args, **meta)
             continue
@@ -669,8 +933,11 @@ def _tune_on_scratch(args: Sequence[Any], hypers: Tensor, meta: dict[str, Any]) 
     tiles = mt.build_tiles(lists, ["scratch"] * len(lists), steps, B, _chunk(B * n, p.device), backend="triton")
     # Every model live (same dtype as the live mask: the autotuner's key), so all tiles do work.
     s_skip = torch.zeros(B, dtype=torch.bool, device=p.device)
+    # Zero partials: with TRUST every ratio is then 1 (the timing does not depend on it).
+    s_part = torch.zeros(tiles.size(0) * 2, dtype=torch.float64 if meta["F64"] else torch.float32,
+                         device=p.device)
     s_args = (tiles.to(p.device), sp, sg, *states, steps[0], hypers, hypers.stride(0), hypers.stride(1),
-              s_skip)
+              s_skip, s_part)
     if interpreting():
         _step[(tiles.size(0),)](*s_args, **meta)
         return _step.interpret_config
@@ -704,6 +971,8 @@ adam_step_ = _launcher(ADAM_SPEC, auto=True)
 adagrad_step_ = _launcher(ADAGRAD_SPEC, auto=False)
 adadelta_step_ = _launcher(ADADELTA_SPEC, auto=False)
 rmsprop_step_ = _launcher(RMSPROP_SPEC, auto=False)
+lars_step_ = _launcher(LARS_SPEC, auto=False)
+lamb_step_ = _launcher(LAMB_SPEC, auto=False)
 
 
 # ---- non-finite check ----------------------------------------------------------------

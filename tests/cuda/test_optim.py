@@ -21,19 +21,21 @@ import hfkern.optim as hoptim
 from hfkern import _backend
 from hfkern.cuda import _ext
 from hfkern.cuda import optim as ck
-from _optim_cases import CASES, Case, assert_same_state, case_id, check_masked_steps
+from _optim_cases import CASES, FULL_OPTS, Case, assert_same_state, case_id, check_masked_steps
+
+_KERNEL_OPS = ("sgd_step_", "adam_step_", "lars_step_", "lamb_step_")
 
 
 class _Impls:
     def __init__(self, get):
-        for op in ("sgd_step_", "adam_step_"):
+        for op in _KERNEL_OPS:
             setattr(self, op, get(op))
 
 
 ref = _Impls(lambda op: _backend._registry[op]["torch"].load())
 emu = _Impls(ck.emulated)
 
-CUDA_CASES = [c for c in CASES if c[0] in ("sgd", "adam")] + [
+CUDA_CASES = [c for c in CASES if c[0] in ("sgd", "adam", "lars", "lamb")] + [
     ("sgd", dict(momentum=True)),
     ("adam", dict(amsgrad=False, decoupled=True, wd=True, maximize=True)),
 ]
@@ -53,11 +55,11 @@ def test_emulated_steps_match_torch(case, B):
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("name", ["sgd", "adam"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "lars", "lamb"])
 def test_emulated_low_precision_and_mixed_dtypes(name):
     """bfloat16, float16 and float32 parameters in one call (one launch per dtype), float32
     state; the update is computed in float32 and rounded into the parameter once."""
-    opts = {"sgd": dict(momentum=True, nesterov=True, wd=True), "adam": dict(amsgrad=True, wd=True)}[name]
+    opts = FULL_OPTS[name]
     B = 3
     dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.bfloat16]
     params = [torch.randn(B, *s).to(dt) for s, dt in zip([(5, 3), (32, 8), (37, 11), (16,)], dtypes)]
@@ -115,7 +117,8 @@ def test_emulated_rejects_what_the_kernels_do_not_serve():
     case = Case("sgd", dict(momentum=False), 2, shapes=[(4,)])
     with pytest.raises(ValueError, match=r"expected params\[0\] on a cuda device, got cpu"):
         ck.sgd_step_(*case.args([torch.randn(2, 4)], None))  # the GPU launcher, given CPU tensors
-    with pytest.raises(ValueError, match=r"implements \['adam_step_', 'sgd_step_'\], got 'rmsprop_step_'"):
+    with pytest.raises(ValueError, match=r"implements \['adam_step_', 'lamb_step_', 'lars_step_', 'sgd_step_'\], "
+                                         r"got 'rmsprop_step_'"):
         ck.emulated("rmsprop_step_")
 
 
@@ -134,10 +137,14 @@ def test_binding_checks_its_arguments():
         module.sgd_step(**kwargs)
     with pytest.raises(ValueError, match="got dtype code 3"):
         module.adam_step(**{**kwargs, "nesterov": False, "param_dtype": 3, "n_tiles": 1})
+    with pytest.raises(ValueError, match="trust-ratio step needs partials"):
+        module.lamb_step(**{**kwargs, "nesterov": False, "n_tiles": 1, "trust": True})
+    with pytest.raises(ValueError, match="excluded parameter .* takes no weight decay"):
+        module.lars_step(**{**kwargs, "nesterov": False, "has_weight_decay": True})
 
 
 def test_registered_as_explicit_cuda_backend():
-    for op in ("sgd_step_", "adam_step_"):
+    for op in _KERNEL_OPS:
         impl = _backend._registry[op]["cuda"]
         assert impl.device_types == ("cuda",) and not impl.auto  # auto waits for a GPU benchmark
 
@@ -187,6 +194,8 @@ OPTIMIZERS = {
     "Adam": dict(lr=[0.001, 0.01, 0.02], betas=([0.8, 0.9, 0.95], 0.999)),
     "Adam-amsgrad": dict(lr=[0.001, 0.01, 0.02], weight_decay=[0.0, 0.01, 0.1], amsgrad=True),
     "AdamW": dict(lr=[0.001, 0.01, 0.02], weight_decay=[0.0, 0.01, 0.1], amsgrad=True, maximize=True),
+    "LARS": dict(lr=[0.5, 1.0, 2.0], momentum=[0.0, 0.9, 0.9], weight_decay=[0.0, 1e-4, 1e-3], exclude_1d=True),
+    "LAMB": dict(lr=[0.001, 0.01, 0.02], weight_decay=[0.0, 0.01, 0.1], norm_bounds=(0.0, [10.0, 10.0, 1e30])),
 }
 # [B] bias, odd, a conv weight, one spanning several tiles at every chunk size, one
 # 16-byte aligned over many tiles.

@@ -24,7 +24,9 @@ import hfkern.optim as hoptim
 from hfkern import _backend
 from hfkern._optim_specs import OPTIMIZER_SPECS
 from hfkern.ops import optim as ops
-from _optim_cases import CASES, NAMES, SHAPES, Case, assert_same_state, case_id, check_masked_steps  # noqa: F401
+from _optim_cases import (  # noqa: F401
+    CASES, FULL_OPTS, NAMES, SHAPES, Case, assert_same_state, case_id, check_masked_steps,
+)
 
 triton = pytest.importorskip("triton")
 from hfkern.triton import optim as tk  # noqa: E402
@@ -179,7 +181,7 @@ def test_configs_are_timed_on_scratch_tensors(monkeypatch):
 def test_registered_as_explicit_cuda_backend():
     # auto-eligible where bench/results/ shows the kernel faster than the torch path
     auto = {"sgd_step_": True, "adam_step_": True, "adagrad_step_": False, "adadelta_step_": False,
-            "rmsprop_step_": False, "nonfinite_models": False}
+            "rmsprop_step_": False, "lars_step_": False, "lamb_step_": False, "nonfinite_models": False}
     assert set(auto) == set(_OPS)
     for op in _OPS:
         entry = _backend._registry[op]["triton"]
@@ -200,9 +202,7 @@ def test_launchers_write_only_mutable_arguments_and_skip_fake_tensors(name):
     # arguments the op declares mutable. Under FakeTensorMode (shape propagation) it
     # launches nothing; the kernels reach tensors through a device table, which a
     # traced graph cannot follow, so AOT tracing raises (below).
-    opts = {"sgd": dict(momentum=True, wd=True), "adam": dict(amsgrad=True, wd=True),
-            "adagrad": dict(wd=True), "adadelta": dict(wd=True),
-            "rmsprop": dict(centered=True, momentum=True, wd=True)}[name]
+    opts = FULL_OPTS[name]
     spec = next(s for s in OPTIMIZER_SPECS if s.name == name)
     case = Case(name, opts, 3, shapes=[(4, 3), (5,)])
     for skip in (None, torch.tensor([False, True, False])):
@@ -326,9 +326,7 @@ def test_gpu_steady_state_step_hits_the_cache_without_syncing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_opcheck_ops_on_triton(name, dtype):
-    opts = {"sgd": dict(momentum=True, nesterov=True, wd=True), "adam": dict(amsgrad=True, wd=True),
-            "adagrad": dict(wd=True), "adadelta": dict(wd=True),
-            "rmsprop": dict(centered=True, momentum=True, wd=True)}[name]
+    opts = FULL_OPTS[name]
     case = Case(name, opts, 3, shapes=[(40, 33), (5,)], dtype=dtype, device=DEV)
     for skip in (None, torch.tensor([False, True, False], device=DEV)):
         args = case.args([torch.randn_like(p) for p in case.params], skip)

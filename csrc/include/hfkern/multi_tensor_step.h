@@ -24,7 +24,9 @@ enum TileColumn : int {
   kColModel = 6,   // the model b
   kColLength = 7,  // elements in the tile
   kColAligned = 8, // 1: every address and the length allow 16-byte vector access
-  kTileColumns = 9,
+  kColFirst = 9,   // row of the first tile of this tile's (tensor, model) pair (its tiles are consecutive)
+  kColTiles = 10,  // tiles of the pair
+  kTileColumns = 11,
 };
 
 // One dtype group of a step: the tile table and the group's first tensor of
@@ -41,11 +43,18 @@ struct StepGroup {
   const float* hypers;    // [rows, B] float32
   int64_t hyper_row_stride, hyper_model_stride;  // elements
   const uint8_t* skip;    // [B] bool, or nullptr
+  // [n_tiles, 2] float32 scratch of a trust-ratio step (options.trust): the norm pass's
+  // per-tile sums of squares, which the update sums per (tensor, model) pair in row order.
+  float* partials = nullptr;
 };
 
 // Hyperparameter rows, in the order of hfkern._optim_specs (checked at import).
 enum SgdRow : int { kSgdLr, kSgdMomentum, kSgdDampening, kSgdWeightDecay, kSgdRows };
 enum AdamRow : int { kAdamLr, kAdamBeta1, kAdamBeta2, kAdamEps, kAdamWeightDecay, kAdamRows };
+enum LarsRow : int { kLarsLr, kLarsMomentum, kLarsWeightDecay, kLarsTrustCoefficient, kLarsEps, kLarsRows };
+enum LambRow : int {
+  kLambLr, kLambBeta1, kLambBeta2, kLambEps, kLambWeightDecay, kLambNormMin, kLambNormMax, kLambRows
+};
 
 struct StepOptions {
   bool maximize = false;
@@ -54,6 +63,9 @@ struct StepOptions {
   bool momentum = false;                // SGD: momentum buffers present
   bool nesterov = false;                // SGD
   bool amsgrad = false;                 // Adam: max_exp_avg_sqs present
+  bool trust = false;                   // LARS/LAMB: adapted parameters (norm pass, then the ratio);
+                                        // false: excluded ones (ratio 1; has_weight_decay must be false)
+  bool bias_correction = false;         // LAMB
 };
 
 // steps[offsets[k]] += 1 for every (tensor, model) k = i * B + b whose model is not skipped.
@@ -63,5 +75,9 @@ void count_steps(float* steps, const int64_t* offsets, int64_t n, int64_t B, con
 // hfkern::sgd_step_ / hfkern::adam_step_ on one dtype group (hfkern/ops/optim.py has the math).
 void sgd_step(const StepGroup& group, const StepOptions& options, int threads, void* stream);
 void adam_step(const StepGroup& group, const StepOptions& options, int threads, void* stream);
+// hfkern::lars_step_ / hfkern::lamb_step_ on one dtype group of adapted (options.trust:
+// a norm pass into group.partials, then the update) or excluded parameters.
+void lars_step(const StepGroup& group, const StepOptions& options, int threads, void* stream);
+void lamb_step(const StepGroup& group, const StepOptions& options, int threads, void* stream);
 
 }  // namespace hfkern
