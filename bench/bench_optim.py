@@ -18,6 +18,11 @@ learning rate, on fixed random gradients:
   tensor ops with the per-model learning rate as a ``[B, 1, ...]`` column (how
   earlier horizontally fused training code wrote its optimizers).
 
+``--ops lars,lamb`` adds the layer-wise adaptive optimizers (``hfkern.optim.LARS``,
+``LAMB``: a norm pass over every (tensor, model), then the update). torch.optim
+has neither, so their baselines are the ``loop`` only (per-model norms with
+``torch.linalg.vector_norm`` per tensor); they are not in the default ``--ops``.
+
 Each implementation's first step (from the same parameters, gradients and
 zero state) is checked against the torch backend's: ``rel_err`` = the largest
 over models of ||delta - delta_ref|| / ||delta_ref||, where delta is the change
@@ -68,6 +73,8 @@ import hfkern.optim  # noqa: E402
 
 # Cases run in this order, so a time budget cuts the tail: Adam (the target) first.
 OPS = ("adam", "sgd_momentum", "adamw")
+# The layer-wise adaptive optimizers: no torch.optim namesake, so no torch baseline but the loop.
+TRUST_OPS = ("lars", "lamb")
 B_VALUES = (16, 32, 4)
 SMOKE_B_VALUES = (3,)
 SMOKE_WIDTH = 4
@@ -83,20 +90,29 @@ BASELINE = "fused_per_model"
 # momentum: param read + write (8), grad read (4), momentum buffer read + write
 # (8). Per-model step counts and hyperparameters (a few bytes per tensor) are
 # left out.
-BYTES_PER_PARAM = {"adam": 28, "adamw": 28, "sgd_momentum": 20}
+# LARS and LAMB make two passes: LARS reads param and grad for the norms (8), then
+# as SGD with momentum (20); LAMB updates its moments in the norm pass (param and
+# grad read 8, moments read + write 16), then reads param, grad and moments and
+# writes the param (20).
+BYTES_PER_PARAM = {"adam": 28, "adamw": 28, "sgd_momentum": 20, "lars": 28, "lamb": 44}
 
 # What the summary is printed against.
 TARGET_FRAC_COPY_BW = 0.85
 TARGET_SPEEDUP = 1.5
 
-TORCH_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd_momentum": "SGD (momentum)"}
+TORCH_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd_momentum": "SGD (momentum)", "lars": "LARS",
+               "lamb": "LAMB"}
 
 # Shared hyperparameters; only the learning rate differs between models.
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 WEIGHT_DECAY = 1e-2  # AdamW
-MOMENTUM = 0.9  # SGD
-LR_RANGE = {"adam": (1e-4, 1e-2), "adamw": (1e-4, 1e-2), "sgd_momentum": (1e-3, 1e-1)}
+MOMENTUM = 0.9  # SGD, LARS
+TRUST_COEFFICIENT = 1e-3  # LARS
+LARS_EPS = 1e-8
+LAMB_EPS = 1e-6
+LR_RANGE = {"adam": (1e-4, 1e-2), "adamw": (1e-4, 1e-2), "sgd_momentum": (1e-3, 1e-1), "lars": (0.1, 10.0),
+            "lamb": (1e-4, 1e-2)}
 
 MODEL = "resnet18_cifar"
 
@@ -205,6 +221,10 @@ class Impl:
     kind = "baseline"
     note: str | None = None
 
+    def serves(self, op: str) -> bool:
+        """Whether this implementation exists for ``op`` (torch.optim has no LARS or LAMB)."""
+        return op not in TRUST_OPS
+
     def context(self):
         return contextlib.nullcontext()
 
@@ -234,9 +254,17 @@ class HfkernImpl(Impl):
     def context(self):
         return hfkern.use_backend(self.backend)
 
+    def serves(self, op):
+        return True
+
     def build(self, prob):
         params = [_leaf(p, g) for p, g in zip(prob.p0, prob.grads)]
-        if prob.op == "adam":
+        if prob.op == "lars":
+            opt = hfkern.optim.LARS(params, lr=prob.lr, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
+                                    trust_coefficient=TRUST_COEFFICIENT, eps=LARS_EPS)
+        elif prob.op == "lamb":
+            opt = hfkern.optim.LAMB(params, lr=prob.lr, betas=BETAS, eps=LAMB_EPS, weight_decay=WEIGHT_DECAY)
+        elif prob.op == "adam":
             opt = hfkern.optim.Adam(params, lr=prob.lr, betas=BETAS, eps=EPS)
         elif prob.op == "adamw":
             opt = hfkern.optim.AdamW(params, lr=prob.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
@@ -310,8 +338,13 @@ class LoopImpl(Impl):
 
     name = "loop"
 
+    def serves(self, op):
+        return True
+
     def build(self, prob):
         op, B = prob.op, prob.B
+        if op in TRUST_OPS:
+            return self._build_trust(prob)
         params = [p.clone() for p in prob.p0]
         grads = prob.grads
         lr_cols = [prob.lr.view(B, *([1] * (p.dim() - 1))) for p in params]
@@ -342,6 +375,48 @@ class LoopImpl(Impl):
                 p.addcmul_(buf, lr, value=-1)
 
         return (sgd_step if op == "sgd_momentum" else adam_step), lambda: params
+
+    def _build_trust(self, prob):
+        """LARS / LAMB as a loop over tensors; each tensor's per-model norms by vector_norm."""
+        op, B = prob.op, prob.B
+        params = [p.clone() for p in prob.p0]
+        grads = prob.grads
+        lr = prob.lr
+        bufs = [torch.zeros_like(p) for p in params]
+        sqs = [torch.zeros_like(p) for p in params] if op == "lamb" else []
+        count = [0]
+        beta1, beta2 = BETAS
+
+        def col(x: Tensor, like: Tensor) -> Tensor:
+            return x.view(B, *([1] * (like.dim() - 1)))
+
+        def norms(x: Tensor) -> Tensor:
+            return torch.linalg.vector_norm(x.reshape(B, -1), dim=1)
+
+        @torch.no_grad()
+        def lars_step():
+            for p, g, buf in zip(params, grads, bufs):
+                wn, gn = norms(p), norms(g)
+                local = TRUST_COEFFICIENT * wn / (gn + WEIGHT_DECAY * wn + LARS_EPS)
+                local = torch.where((wn > 0) & (gn > 0), local, 1.0)
+                buf.mul_(MOMENTUM).add_(col(lr * local, p) * (g + WEIGHT_DECAY * p))
+                p.sub_(buf)
+
+        @torch.no_grad()
+        def lamb_step():
+            count[0] += 1
+            t = count[0]
+            bc1 = 1 - beta1**t
+            bc2_sqrt = math.sqrt(1 - beta2**t)
+            for p, g, m, v in zip(params, grads, bufs, sqs):
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                r = (m / bc1) / (v.sqrt() / bc2_sqrt + LAMB_EPS) + WEIGHT_DECAY * p
+                wn, rn = norms(p), norms(r)
+                ratio = torch.where((wn > 0) & (rn > 0), wn / rn, 1.0)
+                p.sub_(col(lr * ratio, p) * r)
+
+        return (lars_step if op == "lars" else lamb_step), lambda: params
 
 
 def make_impls(names) -> list[Impl]:
@@ -438,6 +513,8 @@ class Runner:
         ref: list[Tensor] | None = None
         rows = []
         for impl in impls:
+            if not impl.serves(case.op):
+                continue
             row = self.base_row(case, impl)
             failed = False
             try:
@@ -651,8 +728,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     csv_list = bench_kernels._csv_list
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", type=csv_list(str, OPS), default=list(OPS),
-                   help="comma list of optimizers (default: all of %(default)s)")
+    p.add_argument("--ops", type=csv_list(str, OPS + TRUST_OPS), default=list(OPS),
+                   help=f"comma list of optimizers (default: all of %(default)s; also {list(TRUST_OPS)})")
     p.add_argument("--B", type=csv_list(int), default=None,
                    help="comma list of array sizes (default: 16,32,4; --smoke: 3)")
     p.add_argument("--impls", type=csv_list(str, IMPLS), default=None,

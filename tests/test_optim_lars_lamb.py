@@ -368,3 +368,36 @@ def test_opcheck(op):
         args = (params, grads, [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params], steps,
                 torch.rand(7, B), True, True, False, True, None)
     torch.library.opcheck(getattr(torch.ops.hfkern, op).default, args)
+
+
+@pytest.mark.parametrize("op", ["lars", "lamb"])
+def test_bench_loop_baseline_follows_the_optimizer(op):
+    """bench/bench_optim.py's per-tensor loop for LARS/LAMB (its only baseline: torch.optim has
+    neither) computes what the array optimizer does, over three steps."""
+    import importlib
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    added = [p for p in (os.path.join(root, "bench"), root) if p not in sys.path]
+    sys.path[:0] = added
+    try:
+        bo = importlib.import_module("bench_optim")
+        shapes = bo.resnet18_cifar_shapes(width=4)[:6]
+        prob = bo.make_problem(op, 3, shapes, torch.device("cpu"))
+        outs = []
+        for impl in (bo.HfkernImpl("torch"), bo.LoopImpl()):
+            assert impl.serves(op)
+            with impl.context():
+                step, params = impl.build(prob)
+                for _ in range(3):
+                    step()
+            outs.append([p.clone() for p in params()])
+        assert not bo.PerModelTorch("fused").serves(op)
+    finally:
+        for p in added:
+            sys.path.remove(p)
+        for name in ("bench_optim", "bench_kernels", "report", "shapes", "bandwidth"):
+            sys.modules.pop(name, None)
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
