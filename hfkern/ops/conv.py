@@ -28,6 +28,7 @@ the differentiated op ran.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -99,13 +100,22 @@ def _swap_channel_blocks(y: Tensor, outer: int, inner: int) -> Tensor:
 
 def _pointwise(x: Tensor, weight: Tensor, stride, padding, dilation, transposed: bool, groups: int) -> bool:
     """Whether a per-model conv is a 1x1 conv that the CPU runs faster as a batched
-    matmul ``[B, C_out, C_in] @ [N, B, C_in, prod(s)]`` than as a grouped conv:
-    oneDNN has no fast kernel for many small groups, and torch's fallback loops
-    over them (PointNet's 1x1 Conv1d stack: 2-2.6x forward, up to 3x for the
-    input gradient, on 2 cores with torch 2.13; bench/profile_case.py)."""
-    return (x.device.type == "cpu" and x.dim() == weight.dim() and not transposed and groups == 1
+    matmul ``[B, C_out, C_in] @ [N, B, C_in, prod(s)]`` than as one grouped conv.
+
+    oneDNN has no fast kernel for many small groups (a 1x1 Conv1d falls back to
+    a loop over them). The matmul broadcasts the weights over the N samples,
+    which costs ``N * C_out * C_in`` extra traffic against the activations'
+    ``N * (C_in + C_out) * prod(s)``: it is used where the first is at most the
+    second (PointNet's point-wise layers, MobileNetV2's 1x1 layers at 8x8 and
+    above; not at 4x4 with 960 channels). bench/results/conv_pointwise_cpu-*.json
+    holds the measurement this rule rests on; CUDA keeps cuDNN's grouped conv.
+    """
+    if not (x.device.type == "cpu" and x.dim() == weight.dim() and not transposed and groups == 1
             and all(k == 1 for k in weight.shape[3:]) and all(v == 1 for v in stride)
-            and all(v == 0 for v in padding) and all(v == 1 for v in dilation))
+            and all(v == 0 for v in padding) and all(v == 1 for v in dilation)):
+        return False
+    c_out, c_in = weight.shape[1], weight.shape[2]
+    return c_out * c_in <= (c_in + c_out) * math.prod(x.shape[3:])
 
 
 def _pointwise_matmul(w: Tensor, x: Tensor) -> Tensor:
