@@ -513,7 +513,8 @@ class Runner:
         ref: list[Tensor] | None = None
         rows = []
         for impl in impls:
-            if not impl.serves(case.op):
+            serves = getattr(impl, "serves", None)  # an implementation without it serves every op
+            if serves is not None and not serves(case.op):
                 continue
             row = self.base_row(case, impl)
             failed = False
@@ -842,8 +843,12 @@ def main(argv=None) -> int:
             "timer": timer.name, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "smoke": args.smoke,
             "time_budget_s": args.time_budget, "model": MODEL, "width": args.width,
             "tensors_per_model": len(shapes), "params_per_model": param_count(shapes),
-            "bytes_per_param": BYTES_PER_PARAM, "lr_range": LR_RANGE, "betas": BETAS, "eps": EPS,
+            # the ops run: earlier results, which hold the first three only, read alike
+            "bytes_per_param": {op: BYTES_PER_PARAM[op] for op in args.ops},
+            "lr_range": {op: LR_RANGE[op] for op in args.ops}, "betas": BETAS, "eps": EPS,
             "adamw_weight_decay": WEIGHT_DECAY, "sgd_momentum": MOMENTUM,
+            **({"lars_trust_coefficient": TRUST_COEFFICIENT, "lars_eps": LARS_EPS, "lamb_eps": LAMB_EPS}
+               if set(args.ops) & set(TRUST_OPS) else {}),
         },
         "targets": {"frac_copy_bw": TARGET_FRAC_COPY_BW, "speedup_vs_fused_per_model": TARGET_SPEEDUP},
         "backends": bench_kernels._backend_summary(),
