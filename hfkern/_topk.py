@@ -31,7 +31,8 @@ counts ``c`` at ``NUM_CANDIDATES`` thresholds per pass:
    have, plus that order statistic + 1;
 2. each further pass spreads its candidates evenly over the integers of
    ``(lo, hi)``, so the bracket shrinks at least ``NUM_CANDIDATES + 1``-fold per
-   pass (at most 7 passes for 32-bit keys, 13 for 64-bit, 3 for 16-bit).
+   pass (after the first pass, at most 7 more for 32-bit keys, 13 for
+   64-bit, 3 for 16-bit).
 
 After each pass, ``lo`` becomes the largest candidate with ``c >= k`` and ``hi``
 the smallest with ``c < k``. A row is done when ``c(lo) <= cap`` (the threshold

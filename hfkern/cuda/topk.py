@@ -109,7 +109,10 @@ class _Launcher:
 _device_launcher = _Launcher(emulate=False)
 
 
-@_backend.implements("topk_select", "cuda", device_types=("cuda",))
+# auto never picks it until a committed GPU benchmark shows it faster than the
+# torch path on the device (the selection is identical either way);
+# set_backend("cuda") selects it.
+@_backend.implements("topk_select", "cuda", device_types=("cuda",), auto=False)
 def topk_select(x: Tensor, k: int, exact: bool, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     """hfkern::topk_select on CUDA tensors with the kernels of hfkern._C."""
     return _device_launcher(x, k, exact, seed)

@@ -109,7 +109,9 @@ def count_ge_torch(bits: Tensor, spec: KeySpec, candidates: Tensor) -> Tensor:
         keys = keys_of(bits[:, start:start + _CHUNK], spec)
         # bucket = how many candidates are <= key: key >= ordered[j] <=> bucket > j
         bucket = torch.searchsorted(ordered_keys, keys, right=True)
-        hist.scatter_add_(1, bucket, torch.ones_like(bucket))
+        if R > 1:
+            bucket += torch.arange(0, R * (C + 1), C + 1, device=bits.device).unsqueeze(1)
+        hist += torch.bincount(bucket.view(-1), minlength=R * (C + 1)).view(R, C + 1)
     above = hist.flip(1).cumsum(1).flip(1)[:, 1:]  # above[:, j] = sum of hist[:, j+1:]
     return torch.empty_like(above).scatter_(1, order, above)
 
@@ -120,30 +122,40 @@ def compact_torch(bits: Tensor, dtype: torch.dtype, spec: KeySpec, threshold: Te
 
     Selects ``key > threshold``, and ``key == threshold`` while its rank among the
     row's keys equal to the threshold is below ``quota`` (``[R]`` int64 each).
+    Only the entries at or above the threshold (about ``count`` of them, plus
+    ties) are gathered and ranked, so no temporary is as long as the row but the
+    keys of one chunk and their comparison.
     """
     R, n = bits.shape
     device = bits.device
-    # Copied as bit patterns, so that every value (NaN payloads included) is x's
-    # exactly; column cap is the discard slot of the entries not taken.
-    values = torch.zeros(R, cap + 1, dtype=bits.dtype, device=device)
-    indices = torch.zeros(R, cap + 1, dtype=torch.int32, device=device)
-    threshold, quota = threshold.unsqueeze(1), quota.unsqueeze(1)
-    taken = torch.zeros(R, 1, dtype=torch.int64, device=device)
-    ties = torch.zeros(R, 1, dtype=torch.int64, device=device)
+    rows, cols, ties = [], [], []
     for start in range(0, n, _CHUNK):
         keys = keys_of(bits[:, start:start + _CHUNK], spec)
-        eq = keys == threshold
-        tie_rank = eq.cumsum(1).add_(ties - 1)
-        keep = (keys > threshold) | (eq & (tie_rank < quota))
-        slot = keep.cumsum(1).add_(taken - 1)
-        # the running counts of the next chunk: the last inclusive ranks of this one
-        taken, ties = slot[:, -1:] + 1, tie_rank[:, -1:] + 1
-        slot = torch.where(keep, slot, cap)
-        width = keys.shape[1]
-        values.scatter_(1, slot, bits[:, start:start + width])
-        where = torch.arange(start, start + width, dtype=torch.int32, device=device).expand(R, width)
-        indices.scatter_(1, slot, where)
-    return values[:, :cap].contiguous().view(dtype), indices[:, :cap].contiguous()
+        r, c = (keys >= threshold.unsqueeze(1)).nonzero(as_tuple=True)  # row-major, ascending c
+        rows.append(r)
+        cols.append(c + start)
+        ties.append(keys[r, c] == threshold[r])
+    rows, cols, tie = torch.cat(rows), torch.cat(cols), torch.cat(ties)
+    if n > _CHUNK:  # chunk-major -> row-major; stable, so each row stays in index order
+        order = torch.sort(rows, stable=True).indices
+        rows, cols, tie = rows[order], cols[order], tie[order]
+
+    def rank_in_row(flags: Tensor, rows: Tensor) -> Tensor:
+        """0-based rank of each entry among its row's entries with ``flags`` set (inclusive count - 1)."""
+        flags = flags.to(torch.int64)
+        totals = torch.zeros(R, dtype=torch.int64, device=device).index_add_(0, rows, flags)
+        before = totals.cumsum(0) - totals  # flagged entries of the rows above
+        return flags.cumsum(0) - 1 - before[rows]
+
+    tie_rank = rank_in_row(tie, rows)
+    keep = ~tie | (tie_rank < quota[rows])
+    rows, cols = rows[keep], cols[keep]
+    slot = rank_in_row(torch.ones_like(rows, dtype=torch.bool), rows)
+    values = torch.zeros(R, cap, dtype=bits.dtype, device=device)  # bit patterns: NaN payloads kept
+    indices = torch.zeros(R, cap, dtype=torch.int32, device=device)
+    values[rows, slot] = bits[rows, cols]
+    indices[rows, slot] = cols.to(torch.int32)
+    return values.view(dtype), indices
 
 
 @_backend.implements(_OP, "torch")

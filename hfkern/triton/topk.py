@@ -197,7 +197,10 @@ def compact(bits: Tensor, dtype: torch.dtype, spec: _topk.KeySpec, threshold: Te
     return values.view(dtype), indices
 
 
-@_backend.implements("topk_select", "triton", device_types=("cuda",))
+# auto never picks it until a committed GPU benchmark shows it faster than the
+# torch path on the device (the selection is identical either way);
+# set_backend("triton") selects it.
+@_backend.implements("topk_select", "triton", device_types=("cuda",), auto=False)
 def topk_select(x: Tensor, k: int, exact: bool, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     """hfkern::topk_select on the Triton kernels (the search itself is shared; see above)."""
     if x.device.type != "cuda" and not interpreting():
