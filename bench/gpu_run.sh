@@ -37,18 +37,21 @@
 #                   suite (conv), bench/bench_optim.py (optimizer
 #                   steps of B ResNet-18 models) in its own process and budget.
 #                   These time eager calls (do_bench): launch overhead included.
+#                   Then bench/bench_topk.py (top-k selection of every backend
+#                   against torch.topk, n = 1e5..1e8) in its own process and budget.
 #   6. graph        bench/bench_kernels.py --quick --timer cuda_graph: the quick
 #                   subset of every op timed as CUDA-graph replays, the kernels'
 #                   own time without launch overhead
 #   7. report       the kernel parts merged into one CSV + JSON and summarized;
 #                   the graph-timed and optimizer summaries printed last
 #
-# Results go to $OUT (default bench/results/gpu_run), flat, at most 8 files:
+# Results go to $OUT (default bench/results/gpu_run), flat, at most 9 files:
 #   gpu_run.log  everything printed, ending with each stage's exit status and seconds;
 #   gpu_tests.log  the pytest output;
 #   kernels_<device>_<date>.csv / .json        the eager kernel benchmark rows (bench/README.md);
 #   graph_kernels_<device>_<date>.csv / .json  the graph-timed rows;
-#   optim_<device>_<date>.csv / .json          the optimizer-step rows.
+#   optim_<device>_<date>.csv / .json          the optimizer-step rows;
+#   topk_<device>_<date>.json                  the top-k selection rows.
 #
 # Settings (environment variables):
 #   HFKERN_RUN_SECONDS   wall-clock target for the whole script (default 530)
@@ -58,6 +61,7 @@
 #   BENCH_ARGS           extra options for bench_kernels.py, e.g. "--quick" or "--dtypes bf16"
 #   OPTIM_ARGS           extra options for bench_optim.py, e.g. "--ops adam --B 16"
 #   HFKERN_OPTIM_SECONDS cap on the optimizer benchmark's time budget (default 75)
+#   HFKERN_TOPK_SECONDS  cap on the top-k benchmark's time budget (default 60)
 #   HFKERN_GRAPH_SECONDS cap on the graph-timed benchmark's time budget (default 90)
 #   HFKERN_CUDA_ARCHS    the architectures hfkern._C is built for (default 90: H100/H200)
 #   TRAIN_B              the array sizes of part "train" (default "1 4 16 32 64")
@@ -232,6 +236,16 @@ bench_optim() {
     return $rc
 }
 
+# bench_topk CAP: bench/bench_topk.py, starting no new size after at most CAP seconds
+# out of what the run has left (keeping RESERVE); its JSON goes to $OUT.
+bench_topk() {
+    local cap=$1 budget
+    budget=$(max 20 "$(min "$cap" $(($(left) - RESERVE)))")
+    echo "bench_topk.py: time budget ${budget} s"
+    # A size that starts within the budget runs to its end: 1e8 takes tens of seconds.
+    timeout -s INT -k 15 $((budget + 120)) "$PY" bench/bench_topk.py --time-budget "$budget" --out "$OUT"
+}
+
 # bench_graph CAP: the quick subset of every op under the cuda_graph timer, with a
 # time budget of at most CAP seconds; its CSV + JSON are copied to $OUT as graph_*.
 bench_graph() {
@@ -336,6 +350,7 @@ for n, fam in sorted(f.discover().items(), key=lambda kv: (len(kv[1].shapes), kv
         run_stage "bench_${families[i]}" bench "${families[i]}" $(max 20 $((($(left) - RESERVE) / (n - i + 4))))
     done
     run_stage bench_optim bench_optim "$(min "$OPTIM_SECONDS" $(max 30 $((($(left) - RESERVE) / 3))))"
+    run_stage bench_topk bench_topk "$(min "${HFKERN_TOPK_SECONDS:-60}" $(max 20 $((($(left) - RESERVE) / 4))))"
     local graph_cap
     graph_cap=$(min "$GRAPH_SECONDS" $(max 30 $((($(left) - RESERVE) / 3))))
     # A conv case can run past its budget by its own length; 45 s is kept for that.
