@@ -508,6 +508,7 @@ def worker(rank: int, world: int, out_dir: str, init_file: str) -> None:
 
     record = {}
     ctx = {"rank": rank, "nodes": node_groups(NODE_SIZE), "record": record}
+    path = os.path.join(out_dir, f"rank{rank}.json")
     for check in CHECKS:
         t0 = time.perf_counter()
         try:
@@ -516,6 +517,10 @@ def worker(rank: int, world: int, out_dir: str, init_file: str) -> None:
         except Exception:  # recorded for the test to report; the other checks still run
             record[check.__name__] = traceback.format_exc()
         record.setdefault("seconds", {})[check.__name__] = round(time.perf_counter() - t0, 2)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(record, f)
+        # written after every check, so that a crash still leaves what ran
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    # No rank tears its groups down while another still has work in flight.
+    dist.barrier()
     dist.destroy_process_group()
