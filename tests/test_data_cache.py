@@ -579,3 +579,18 @@ def test_bad_dataset_and_indices():
         ds[5]                                        # the wrapped dataset's own error
     assert len(ds) == 5 and "memory_bytes=65536" in repr(ds)
     assert ds.stats()["loads"] == 2
+
+
+def test_bench_cache_configs_read_the_same_samples(tmp_path):
+    from bench import bench_cache
+
+    pngs = bench_cache.make_pngs(6, 16)
+    sums = {}
+    for config in bench_cache.CONFIGS:
+        name = "disk" if config == "disk_reopen" else config
+        res = bench_cache.run_config(config, pngs, str(tmp_path / name), epochs=2, workers=0, batch_size=4)
+        sums[config] = res["checksum"]
+        assert len(res["s_per_sample"]) == 2
+        if config == "disk_reopen":
+            assert res["stats"]["loads"] == 0 and res["stats"]["disk"]["hits"] == 12
+    assert len(set(sums.values())) == 1, sums

@@ -119,6 +119,16 @@ class _Encoder:
         raise _unsupported(obj, where)
 
 
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous tensor as a flat uint8 numpy view (any dtype, bfloat16 included).
+
+    Entries are copied by numpy, not by ``Tensor.copy_``: numpy's copy is one
+    memcpy, while torch may split even a small copy across its intra-op threads,
+    and on a loaded machine a copy then waits milliseconds for a descheduled thread.
+    """
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
 def encode(sample: Any, ident: dict) -> bytearray:
     """The entry for ``sample``; ``ident`` (JSON values) is stored with it and checked by :func:`decode`.
 
@@ -137,8 +147,7 @@ def encode(sample: Any, ident: dict) -> bytearray:
         if isinstance(data, torch.Tensor):
             n = data.numel() * data.element_size()
             if n:
-                dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off)
-                dst.copy_(data.reshape(-1).view(torch.uint8))
+                np.frombuffer(buf, np.uint8, n, off)[:] = _bytes_of(data)
         elif isinstance(data, np.ndarray):
             if data.nbytes:
                 np.frombuffer(buf, np.uint8, data.nbytes, off)[:] = data.reshape(-1).view(np.uint8)
@@ -202,8 +211,11 @@ class _Decoder:
             off = self._range(node, numel * dtype.itemsize)
             if numel == 0:
                 return torch.empty(shape, dtype=dtype)
-            out = torch.frombuffer(self.buf, dtype=dtype, count=numel, offset=off).view(shape)
-            return out.clone() if self.copy else out
+            if self.copy:
+                out = torch.empty(shape, dtype=dtype)
+                _bytes_of(out)[:] = np.frombuffer(self.buf, np.uint8, numel * dtype.itemsize, off)
+                return out
+            return torch.frombuffer(self.buf, dtype=dtype, count=numel, offset=off).view(shape)
         if t in ("ndarray", "npscalar"):
             dtype = np.dtype(node["dtype"])
             shape = tuple(int(s) for s in node["shape"])
