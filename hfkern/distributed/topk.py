@@ -40,6 +40,13 @@ written densely: x at the selected positions, 0 elsewhere):
   inter-node all-gather of a shard (``R`` rows, ``s`` the shard length). With no
   residual yet this is bit for bit DDP's own all-reduce.
 
+A bucket is selected as rows listing its parameters in model order (DDP
+orders a bucket's parameters by when their gradients became ready, and
+rebuilds its buckets after the first iteration), so the selection does not
+depend on that order. In hierarchical mode the hook waits for the intra-node
+reduce-scatter before selecting (on NCCL the wait only orders the streams);
+the inter-node exchange and the final gather complete in the returned future.
+
 Arrays of models (``per_model=B``): every parameter is ``[B, ...]``, model-major,
 so model b's part of a bucket is the concatenation of ``param[b]`` over the
 bucket's parameters. The bucket is gathered into a ``[B, m]`` view (an index map
@@ -132,7 +139,7 @@ class _BucketPlan:
     m: int                       # elements per row
     perm: torch.Tensor | None    # [R * m] int64: bucket position of each row-major element (rows
                                  # list parameters in model order); None: identity
-    shard_pos: dict              # L -> (s, [R, s] int64 bucket positions of this rank's shard, padded with -1)
+    shard_pos: dict              # L -> TopKState._shard's answer for nodes of L ranks
 
 
 @dataclass
@@ -324,17 +331,18 @@ class TopKState:
         self._plans[index] = plan
         return plan
 
-    def _shard(self, plan: _BucketPlan, device) -> tuple[int, torch.Tensor]:
-        """(s, [R, s] bucket positions of this rank's shard, -1 past the row's end)."""
+    def _shard(self, plan: _BucketPlan, device) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(s, bucket positions of this rank's shard, their indices in the flat [R * s]
+        shard); columns past the row's end (padding) are left out."""
         L, l = self.nodes.node_size, self.nodes.local_rank
         if L not in plan.shard_pos:
             s = -(-plan.m // L)
             cols = torch.arange(l * s, (l + 1) * s, dtype=torch.int64)
-            valid = cols < plan.m
+            valid = (cols < plan.m).expand(plan.rows, s)
             flat = torch.arange(plan.rows, dtype=torch.int64)[:, None] * plan.m + cols.clamp(max=plan.m - 1)
             pos = flat if plan.perm is None else plan.perm.cpu()[flat]
-            pos = torch.where(valid, pos, torch.full_like(pos, -1))
-            plan.shard_pos[L] = (s, pos.to(device))
+            where = torch.arange(plan.rows * s, dtype=torch.int64).view(plan.rows, s)
+            plan.shard_pos[L] = (s, pos[valid].to(device), where[valid].to(device))
         return plan.shard_pos[L]
 
     def _residual(self, index: int, plan: _BucketPlan, like: torch.Tensor, create: bool):
@@ -535,7 +543,7 @@ def _hierarchical(state, index, plan, buf, res, k, cap, seed, density):
     nodes: NodeGroups = state.nodes
     L, N, l = nodes.node_size, nodes.num_nodes, nodes.local_rank
     R, m = plan.rows, plan.m
-    s, shard_pos = state._shard(plan, buf.device)
+    s, shard_pos, shard_where = state._shard(plan, buf.device)
     acc = _rows(plan, buf)
     padded = torch.zeros(R, L * s, dtype=buf.dtype, device=buf.device)
     padded[:, :m] = acc
@@ -558,9 +566,8 @@ def _hierarchical(state, index, plan, buf, res, k, cap, seed, density):
     # The residual lives at this rank's shard positions only; the rest of the
     # node's error was sent or is held by the other local ranks.
     res.zero_()
-    valid = shard_pos >= 0
     left = torch.where(kept, torch.zeros_like(shard_rows), shard_rows)
-    res.index_copy_(0, shard_pos[valid], left[valid])
+    res.index_copy_(0, shard_pos, left.view(-1)[shard_where])
     packed = _pack(sel.values, flat_idx)
     gathered = torch.empty(N * packed.numel(), dtype=torch.uint8, device=buf.device)
     work = _all_gather(gathered, packed, nodes.inter)
