@@ -58,7 +58,7 @@ from torch import Tensor
 
 __all__ = [
     "NUM_CANDIDATES", "SAMPLE_SIZE", "KeySpec", "key_spec", "keys_of", "capacity",
-    "sample_candidates", "find_threshold",
+    "sample_candidates", "find_threshold", "select",
 ]
 
 # Thresholds counted per pass. A counting kernel compares each key with all of
@@ -226,3 +226,23 @@ def find_threshold(
     else:  # unreachable: the bracket shrinks 33-fold per pass
         raise RuntimeError(f"topk_select: threshold search did not converge (n={n}, k={k})")
     return lo, cap - c_hi, torch.clamp(c_lo, max=cap)
+
+
+Compact = Callable[[Tensor, torch.dtype, KeySpec, Tensor, Tensor, int], tuple[Tensor, Tensor]]
+
+
+def select(x: Tensor, k: int, exact: bool, seed: int, count_ge: CountFn, compact: Compact
+           ) -> tuple[Tensor, Tensor, Tensor]:
+    """hfkern::topk_select of ``x`` on a backend's two primitives: ``count_ge(bits,
+    spec, candidates) -> [R, C]`` counts and ``compact(bits, dtype, spec,
+    threshold, quota, cap) -> (values, indices)``. Exact mode is the same search
+    with no slack above k."""
+    spec = key_spec(x.dtype)
+    bits = row_bits(x, spec)
+    cap = capacity(k, exact)
+    if bits.shape[0] == 0:
+        empty = torch.zeros(0, cap, dtype=x.dtype, device=x.device)
+        return empty, empty.to(torch.int32), torch.zeros(0, dtype=torch.int64, device=x.device)
+    threshold, quota, count = find_threshold(bits, spec, k, cap, seed, count_ge)
+    values, indices = compact(bits, x.dtype, spec, threshold, quota, cap)
+    return shape_outputs(x, values, indices, count)

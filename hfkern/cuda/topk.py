@@ -94,16 +94,7 @@ class _Launcher:
         if x.device.type != want:
             raise ValueError(f"hfkern::topk_select on the cuda backend{' (emulated)' if self.emulate else ''}: "
                              f"expected x on a {want} device, got {x.device}")
-        spec = _topk.key_spec(x.dtype)
-        bits = _topk.row_bits(x, spec)
-        R, n = bits.shape
-        cap = _topk.capacity(k, exact)
-        if R == 0:
-            empty = torch.zeros(0, cap, dtype=x.dtype, device=x.device)
-            return empty, empty.to(torch.int32), torch.zeros(0, dtype=torch.int64, device=x.device)
-        threshold, quota, count = _topk.find_threshold(bits, spec, k, cap, seed, self.count_ge)
-        values, indices = self.compact(bits, x.dtype, spec, threshold, quota, cap)
-        return _topk.shape_outputs(x, values, indices, count)
+        return _topk.select(x, k, exact, seed, self.count_ge, self.compact)
 
 
 _device_launcher = _Launcher(emulate=False)

@@ -207,14 +207,4 @@ def topk_select(x: Tensor, k: int, exact: bool, seed: int) -> tuple[Tensor, Tens
         raise ValueError(
             f"hfkern::topk_select (triton): expected a CUDA tensor (or TRITON_INTERPRET=1), got x on {x.device}"
         )
-    spec = _topk.key_spec(x.dtype)
-    bits = _topk.row_bits(x, spec)
-    R, n = bits.shape
-    cap = _topk.capacity(k, exact)
-    if R == 0:
-        empty = torch.zeros(0, cap, dtype=x.dtype, device=x.device)
-        return empty, empty.to(torch.int32), torch.zeros(0, dtype=torch.int64, device=x.device)
-    # Exact mode is the same search with no slack above k.
-    threshold, quota, count = _topk.find_threshold(bits, spec, k, cap, seed, count_ge)
-    values, indices = compact(bits, x.dtype, spec, threshold, quota, cap)
-    return _topk.shape_outputs(x, values, indices, count)
+    return _topk.select(x, k, exact, seed, count_ge, compact)
