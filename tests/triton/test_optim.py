@@ -172,7 +172,8 @@ def test_configs_are_timed_on_scratch_tensors(monkeypatch):
     skip = torch.tensor([False, True, False])
     args = (plan.groups[0].tiles, *bases, case.hypers, case.hypers.stride(0), case.hypers.stride(1), skip)
     meta = dict(OPT="rmsprop", HAS_S0=True, HAS_S1=False, HAS_S2=True, NESTEROV=False, DECOUPLED=False,
-                MAXIMIZE=False, HAS_WD=True, HAS_SKIP=True, F64=False, H64=False, VEC_P=4, VEC_S=4)
+                MAXIMIZE=False, HAS_WD=True, HAS_SKIP=True, F64=False, H64=False, VEC_P=4, VEC_S=4,
+                TRUST=False, BIAS_CORRECTION=False)
     config = tk._tune_on_scratch(args, case.hypers, meta)
     assert config.kwargs["BLOCK"] > 0
     assert all(torch.equal(a, b) for a, b in zip(case.mutated(), before))
