@@ -163,9 +163,10 @@ SCHEDULERS = {
                                                  cycle_momentum=False),
                           lambda o: H.OneCycleLR(o, max_lr=0.3, epochs=[3, 4, 5], steps_per_epoch=4,
                                                  cycle_momentum=False)),
-    # Factors as a [B] array on even epochs, as a 0-d array (one for every model) on odd ones.
-    "LambdaLR": (lambda o: H.LambdaLR(o, lr_lambda=lambda e: _f([0.9, 0.8, 0.7]) ** e if e % 2 == 0
-                                      else np.array(0.5 ** e)),
+    # Factors as a [B] array on even epochs, as a 0-d array (one for every model) on odd ones. The
+    # same Python floats go in both ways: numpy's own pow may round differently from Python's.
+    "LambdaLR": (lambda o: H.LambdaLR(o, lr_lambda=lambda e: np.array([0.9 ** e, 0.8 ** e, 0.7 ** e])
+                                      if e % 2 == 0 else np.array(0.5 ** e)),
                  lambda o: H.LambdaLR(o, lr_lambda=lambda e: [0.9 ** e, 0.8 ** e, 0.7 ** e] if e % 2 == 0
                                       else 0.5 ** e)),
     "ConstantLR": (lambda o: H.ConstantLR(o, factor=_f([0.5, 0.25, 0.1]), total_iters=_i([2, 4, 6])),
