@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "NUM_CANDIDATES", "SAMPLE_SIZE", "KeySpec", "key_spec", "keys_of", "capacity",
+    "op_seed", "NUM_CANDIDATES", "SAMPLE_SIZE", "KeySpec", "key_spec", "keys_of", "capacity",
     "sample_candidates", "find_threshold", "select",
 ]
 
@@ -143,6 +143,17 @@ def compaction_offsets(gt: Tensor, eq: Tensor, quota: Tensor) -> tuple[Tensor, T
 def capacity(k: int, exact: bool = False) -> int:
     """The buffer length of a selection of ``k``: ``k`` if exact, else ``ceil(1.25 * k)``."""
     return k if exact else (5 * k + 3) // 4
+
+
+def op_seed(seed: int) -> int:
+    """A generator seed as ``topk_select``'s int64 ``seed`` argument (its 64-bit pattern).
+
+    ``torch.Generator.manual_seed`` takes ``[-2**63, 2**64)`` and seeds with the
+    value modulo ``2**64``; the op's schema holds an int64, so seeds from ``2**63``
+    up travel as ``seed - 2**64``, which seeds the same generator. ``seed`` was
+    checked (``hfkern.ops.topk.check_topk_args``).
+    """
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def sample_positions(R: int, n: int, seed: int) -> Tensor:

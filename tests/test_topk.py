@@ -101,6 +101,20 @@ def test_deterministic_for_a_seed():
     check_selection(x, 500, False, c)
 
 
+@pytest.mark.parametrize("seed", [0, 2**63 - 1, 2**63, 2**64 - 1, -1, -(2**63)])
+def test_seeds_in_torchs_whole_range(seed):
+    # torch.Generator takes [-2**63, 2**64); the op's int64 schema alone would refuse 2**63 and up.
+    x = torch.randn(2, 40000)
+    out = topk_select(x, 300, seed=seed)
+    check_selection(x, 300, False, out)
+    drawn = torch.randint(0, 40000, (2, _topk.SAMPLE_SIZE), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(_topk.sample_positions(2, 40000, _topk.op_seed(seed)), drawn)
+    # Seeds torch counts as one (equal modulo 2**64) select the same entries.
+    twin = seed % 2**64
+    for u, v in zip(out, topk_select(x, 300, seed=twin)):
+        assert torch.equal(u, v)
+
+
 def test_rows_are_independent():
     x = torch.randn(3, 30011)
     y = x.clone()
@@ -206,6 +220,9 @@ def test_bad_inputs():
         topk_select(x, 2, exact=1)
     with pytest.raises(TypeError, match="seed to be an int"):
         topk_select(x, 2, seed=0.5)
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match=rf"seed in \[-2\*\*63, 2\*\*64\).*got {seed}"):
+            topk_select(x, 2, seed=seed)
     with pytest.raises(ValueError, match="got k = 11"):  # the op checks too
         torch.ops.hfkern.topk_select(x, 11, False, 0)
 

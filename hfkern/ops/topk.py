@@ -25,7 +25,9 @@ Op (registered with torch.library, implementation chosen by the registry)::
 * ``exact=True``: ``count == k``, the set ``torch.topk(x.abs(), k)`` selects, with
   ties broken towards lower indices. ``exact=False``: every entry of magnitude
   above a threshold and none below it (so the selected set is a top set), the
-  threshold found from a sample of the row drawn with ``seed``; if the entries
+  threshold found from a sample of the row drawn with ``seed`` (an int64: the
+  64-bit pattern of a generator seed; :func:`topk_select` takes torch's whole
+  seed range and converts); if the entries
   tied at the threshold would overflow ``cap``, the lowest-index ones are kept
   and ``count == cap``.
 * NaN counts as the largest magnitude (selected before any finite value, so a
@@ -92,6 +94,9 @@ def check_topk_args(x: Tensor, k: int, exact: bool, seed: int) -> KeySpec:
         raise TypeError(f"topk_select: expected exact to be a bool, got {type(exact).__name__} {exact!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"topk_select: expected seed to be an int, got {type(seed).__name__} {seed!r}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"topk_select: expected seed in [-2**63, 2**64) as torch.Generator.manual_seed "
+                         f"takes, got {seed}")
     return spec
 
 
@@ -204,8 +209,10 @@ def topk_select(x: Tensor, k: int, *, exact: bool = False, seed: int = 0) -> Top
     Returns ``TopK(values, indices, count)``: ``values``/``indices`` ``[cap]`` or
     ``[R, cap]`` (x.dtype / int32, ascending indices, zero past ``count``), ``count``
     int64 ``[]`` or ``[R]`` with ``k <= count <= cap = topk_capacity(k, exact)``;
-    ``exact=True`` gives ``torch.topk``'s set with ties towards lower indices. See
+    ``exact=True`` gives ``torch.topk``'s set with ties towards lower indices.
+    ``seed``: any seed ``torch.Generator.manual_seed`` takes, ``[-2**63, 2**64)``
+    (seeds equal modulo ``2**64`` draw the same sample, as torch's generators do). See
     :mod:`hfkern.ops.topk` for the whole contract.
     """
     check_topk_args(x, k, exact, seed)
-    return TopK(*torch.ops.hfkern.topk_select(x, k, exact, seed))
+    return TopK(*torch.ops.hfkern.topk_select(x, k, exact, _topk.op_seed(seed)))
