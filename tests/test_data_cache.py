@@ -548,15 +548,19 @@ def test_pickled_copy_has_an_empty_memory_tier_and_the_same_disk_tier(tmp_path):
         (dict(disk_dir="DIR", key="k"), ValueError, "disk_dir needs disk_bytes.*got None"),
         (dict(disk_dir="DIR", disk_bytes=0, key="k"), ValueError, "disk_bytes must be >= 1, got 0"),
         (dict(disk_dir="DIR", disk_bytes=10), ValueError, "disk_dir needs key.*does not guess"),
-        (dict(disk_dir="DIR", disk_bytes=10, key=""), TypeError, "key must be a non-empty str, got str ''"),
+        (dict(disk_dir="DIR", disk_bytes=10, key=""), ValueError, "key must be a non-empty str.*got ''"),
         (dict(disk_dir="DIR", disk_bytes=10, key=3), TypeError, "key must be a non-empty str, got int"),
         (dict(disk_dir=3, disk_bytes=10, key="k"), TypeError, "disk_dir must be a path.*got int"),
+        # An empty path would be the working directory.
+        (dict(disk_dir="", disk_bytes=10, key="k"), ValueError, "disk_dir must name a directory, got an empty"),
+        (dict(disk_dir=b"cache", disk_bytes=10, key="k"), TypeError, "disk_dir must be a path.*got bytes"),
         (dict(memory_bytes=10, version=1.0), TypeError, "version must be an int or a str, got float"),
         (dict(memory_bytes=10, version=None), TypeError, "version must be an int or a str, got NoneType"),
         (dict(memory_bytes=10, max_workers=-1), ValueError, "max_workers must be >= 0, got -1"),
     ],
 )
-def test_bad_arguments(tmp_path, kwargs, error, match):
+def test_bad_arguments(tmp_path, monkeypatch, kwargs, error, match):
+    monkeypatch.chdir(tmp_path)  # so that nothing written to the working directory goes unseen
     if kwargs.get("disk_dir") == "DIR":
         kwargs["disk_dir"] = tmp_path
     with pytest.raises(error, match=match):

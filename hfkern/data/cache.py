@@ -401,8 +401,12 @@ class CachedDataset(torch.utils.data.Dataset):
                 raise ValueError("nothing to cache: expected memory_bytes > 0 or a disk_dir, got memory_bytes=0 "
                                  "and disk_dir=None")
         else:
-            if not isinstance(disk_dir, (str, os.PathLike)):
-                raise TypeError(f"disk_dir must be a path (str or os.PathLike), got {type(disk_dir).__name__}")
+            if not isinstance(disk_dir, (str, os.PathLike)) or not isinstance(os.fspath(disk_dir), str):
+                raise TypeError(f"disk_dir must be a path (a str or an os.PathLike of a str), got "
+                                f"{type(disk_dir).__name__} {disk_dir!r}")
+            if not os.fspath(disk_dir):
+                # os.path.abspath("") is the working directory: never a cache the user asked for.
+                raise ValueError("disk_dir must name a directory, got an empty path ''; pass None for no disk tier")
             if disk_bytes is None:
                 raise ValueError("disk_dir needs disk_bytes, the bound of the directory in bytes (got None)")
             disk_bytes = _int_arg("disk_bytes", disk_bytes, 1)
@@ -411,8 +415,10 @@ class CachedDataset(torch.utils.data.Dataset):
                                  "the cache does not guess a dataset's identity")
             if os.name != "posix":
                 raise OSError(f"the disk tier needs a POSIX system (flock, memory maps), got os.name={os.name!r}")
-        if key is not None and (not isinstance(key, str) or not key):
+        if key is not None and not isinstance(key, str):
             raise TypeError(f"key must be a non-empty str, got {type(key).__name__} {key!r}")
+        if key == "":
+            raise ValueError("key must be a non-empty str naming the dataset and its transform, got ''")
 
         self.dataset = dataset
         self.memory_bytes = memory_bytes
