@@ -140,21 +140,24 @@ class GradScaler:
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
 
     # ---- validation -----------------------------------------------------------
-    def _scale_values(self, value: Any, name: str, count: int | None = None) -> Tensor:
-        """``[B]`` (or ``[count]``) float32 CPU values of a per-model scale (rounded as torch fills its float32 scale).
+    def _scale_values(self, value: Any, name: str, models: Sequence[int] | None = None) -> Tensor:
+        """float32 CPU values of a per-model scale (rounded as torch fills its float32 scale).
 
-        A scale of 0 or inf is rejected too: unscaling by it turns every gradient
-        into NaN or 0, and backing off or growing never leaves it.
+        One per model (``[B]``), or one per entry of ``models`` (the indices the
+        values belong to, named in the error). A scale of 0 or inf is rejected
+        too: unscaling by it turns every gradient into NaN or 0, and backing off
+        or growing never leaves it.
         """
+        models = list(range(self.B)) if models is None else list(models)
         try:
-            t = hyper(value, self.B if count is None else count, name).to(torch.float32)
+            t = hyper(value, len(models), name).to(torch.float32)
         except (TypeError, ValueError) as e:
             raise type(e)(f"GradScaler: {e}") from None
         bad = (t == 0) | ~torch.isfinite(t)
         if bad.any():
             raise ValueError(
                 f"GradScaler: {name} must be finite and > 0 for every model (in float32); models "
-                f"{bad.nonzero().flatten().tolist()} have {t[bad].tolist()}"
+                f"{[models[i] for i in bad.nonzero().flatten().tolist()]} have {t[bad].tolist()}"
             )
         return t
 
@@ -483,7 +486,7 @@ class GradScaler:
                 raise TypeError(
                     f"GradScaler.reset_model: init_scale must be one number for model {b}, got {init_scale!r}"
                 )
-            initial[b] = self._scale_values(init_scale, f"init_scale of model {b}", count=1)[0]
+            initial[b] = self._scale_values(init_scale, f"init_scale of model {b}", models=[b])[0]
         if not self._enabled:
             return
         if any(state["stage"] is not OptState.READY for state in self._per_optimizer_states.values()):

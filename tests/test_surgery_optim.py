@@ -433,6 +433,9 @@ def test_scaler_reset_model_rejects_before_writing():
                            (0, [1.0, 2.0, 3.0], TypeError), (0, "1", TypeError), (0, True, TypeError)):
         with pytest.raises(error):
             scaler.reset_model(b, init_scale=init)
+    for b in (1, 2):  # the message names the model reset, not the value's index 0
+        with pytest.raises(ValueError, match=rf"init_scale of model {b} must be finite.*models \[{b}\] have \[0.0\]"):
+            scaler.reset_model(b, init_scale=0.0)
     after = scaler.state_dict()
     assert all(torch.equal(before[k], after[k]) if isinstance(before[k], torch.Tensor) else before[k] == after[k]
                for k in before)
