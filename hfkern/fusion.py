@@ -39,6 +39,15 @@ statistics per model, dropout draws per model; code that reads
 ``self.training`` in a ``forward`` is captured in both modes. The fused model
 can be compiled with ``torch.compile``.
 
+What ``forward`` does besides computing its output is kept per model, and
+fusing never changes the given models (:mod:`hfkern._capture` says how):
+buffers updated in place or assigned (counters, running averages, momentum
+encoders), tensor attributes assigned, grad-mode and autocast regions, and
+random draws. What one captured graph cannot reproduce per model (Python
+values changed from call to call, parameters or submodules made in forward,
+in-place writes to tensors that are neither parameters nor buffers) raises
+:class:`FuseError` naming the statement and the module.
+
 What cannot be captured: ``torch.fx`` runs ``forward`` on symbolic values, so
 Python control flow on a tensor (``if x.sum() > 0:``, ``if x.size(1) > 3:``,
 ``for row in x:``) and host reads (``.item()``, ``.tolist()``) raise
@@ -53,11 +62,10 @@ code, at B times the launches).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import copy
 import operator
-import os
-import traceback
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -65,14 +73,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from . import _capture
 from ._array import broadcast, check_B, fold
+from ._capture import FuseError
 from .nn._base import ArrayModule, _zero_slot_, seeded
 
 __all__ = ["FuseError", "FusedModel", "fuse", "unfuse"]
-
-
-class FuseError(ValueError):
-    """A model that :func:`fuse` cannot turn into an array model (the message says why and where)."""
 
 
 # ---- which module becomes what --------------------------------------------------
@@ -96,111 +102,6 @@ def _array_classes() -> dict[type[nn.Module], type[ArrayModule]]:
         if isinstance(torch_cls, type) and torch_cls is not nn.Module:
             found[torch_cls] = cls
     return found
-
-
-# ---- capture ----------------------------------------------------------------------
-# Calls that read a tensor's values on the host: never the same for B models.
-_HOST_READS = {"item", "tolist", "numpy", "nonzero", "unique", "unique_consecutive", "argwhere",
-               "masked_select", "__bool__", "__int__", "__float__", "__index__"}
-
-
-class _Tracer(fx.Tracer):
-    """fx's tracer, with our leaves, and the module being traced remembered for errors."""
-
-    def __init__(self, opaque: tuple[type, ...], stack_traces: bool = False):
-        super().__init__()
-        self.record_stack_traces = stack_traces  # costly: only to point at a line in an error
-        self._array = _array_classes()
-        self._opaque = opaque
-        self._modules_entered: list[tuple[str, str]] = []
-        self.failed_in: tuple[str, str] | None = None
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if type(m) in self._array or isinstance(m, self._opaque):
-            return True
-        return super().is_leaf_module(m, qualname)
-
-    def call_module(self, m, forward, args, kwargs):
-        self._modules_entered.append((self.path_of_module(m), type(m).__name__))
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception:
-            if self.failed_in is None:
-                self.failed_in = self._modules_entered[-1]  # the innermost module, for the error
-            raise
-        finally:
-            self._modules_entered.pop()
-
-    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
-        node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        node.meta["hfkern_module"] = self._modules_entered[-1] if self._modules_entered else None
-        return node
-
-
-def _library_file(filename: str) -> bool:
-    roots = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    return os.path.abspath(filename).startswith(roots)
-
-
-def _where(module: tuple[str, str] | None, root: nn.Module) -> str:
-    if module is None or not module[0]:
-        return f"in the model's own forward ({type(root).__name__})"
-    return f"in module '{module[0]}' ({module[1]})"
-
-
-def _construct(message: str) -> str:
-    """What a tracing error means, in the user's terms."""
-    if "control flow" in message:
-        return ("Python control flow on a tensor (an `if`/`while`/`and`/`assert` on a tensor value "
-                "or shape)")
-    if "len" in message:
-        return "len() of a tensor"
-    if "iterated" in message:
-        return "iterating over a tensor"
-    return "an operation torch.fx cannot capture"
-
-
-_REMEDY = (
-    "Write the branch with tensor ops (torch.where), move it out of forward, or name the module's "
-    "class in fuse(..., vmap_modules=(Cls,)) to run it under torch.vmap (branches on shapes) or "
-    "loop_modules=(Cls,) to run it once per model (any code)."
-)
-
-
-def _capture(model: nn.Module, opaque: tuple[type, ...], stack_traces: bool = False) -> fx.Graph:
-    tracer = _Tracer(opaque, stack_traces)
-    try:
-        graph = tracer.trace(model)
-    except Exception as e:  # noqa: BLE001 - every capture failure is reported the same way
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if not _library_file(f.filename)]
-        line = (f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}: "
-                f"`{frames[-1].line}`" if frames else "")
-        module = tracer.failed_in
-        raise FuseError(
-            f"fuse: cannot capture the model: {_construct(str(e))}{line} {_where(module, model)}. "
-            f"{_REMEDY} (torch.fx: {type(e).__name__}: {e})"
-        ) from e
-    for node in graph.nodes:
-        if node.op == "call_method" and node.target in _HOST_READS:
-            if not stack_traces:  # trace again, recording where each op comes from
-                return _capture(model, opaque, stack_traces=True)
-            line = _source_line(node)
-            raise FuseError(
-                f"fuse: cannot capture the model: `.{node.target}()` reads a tensor's values on the "
-                f"host{line} {_where(node.meta.get('hfkern_module'), model)}; the B models' values "
-                f"differ, so the result is not one Python value. {_REMEDY}"
-            )
-    return graph
-
-
-def _source_line(node: fx.Node) -> str:
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines()]
-    for i in range(len(lines) - 2, -1, -1):
-        if lines[i].startswith("File ") and i + 1 < len(lines):
-            return f" at {lines[i].split(',')[0][5:].strip()}:{lines[i].split(',')[1].split()[-1]}: " \
-                   f"`{lines[i + 1]}`"
-    return ""
 
 
 # ---- running ops per model on arrays ------------------------------------------------
@@ -394,6 +295,16 @@ def _getitem(x, index):
     return x[(slice(None),) + index]
 
 
+# Tensor attributes that are an array op on the array: each model's attribute, B first.
+_ARRAY_ATTRIBUTES = {"data", "grad", "real", "imag", "mT", "mH"}
+
+
+def _getattr(x, name, *default):
+    if not isinstance(x, torch.Tensor) or name not in _ARRAY_ATTRIBUTES:
+        raise _Fallback
+    return getattr(x, name, *default)
+
+
 # Functions and methods whose result for each model is the same op applied
 # element by element: correct on whole arrays once the operands are aligned.
 _ELEMENTWISE_FUNCTIONS = {
@@ -449,7 +360,7 @@ _TRANSLATED_FUNCTIONS: dict[Callable, Callable] = {
     torch.split: _split_like("split"), torch.unbind: _unbind, torch.narrow: _narrow,
     torch.cat: _cat, torch.concat: _cat, torch.concatenate: _cat, torch.stack: _stack,
     torch.matmul: _matmul, torch.bmm: _matmul, operator.matmul: _matmul, operator.getitem: _getitem,
-    F.adaptive_avg_pool1d: _folded(F.adaptive_avg_pool1d, 3),
+    builtins.getattr: _getattr, F.adaptive_avg_pool1d: _folded(F.adaptive_avg_pool1d, 3),
     F.adaptive_avg_pool2d: _folded(F.adaptive_avg_pool2d, 4),
     F.adaptive_max_pool1d: _folded(F.adaptive_max_pool1d, 3),
     F.adaptive_max_pool2d: _folded(F.adaptive_max_pool2d, 4),
@@ -633,42 +544,78 @@ class _Metadata:
         return self.fn(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _reparametrized(template: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+    """``template`` with its parameters and buffers replaced by ``state``'s tensors for the body.
+
+    Yields a dict that, once the body has run, holds the buffers the body rebound
+    (``self.count = self.count + 1``): torch.func.functional_call would drop them.
+    """
+    slots = []
+    for name, tensor in state.items():
+        owner, attr = _parent(template, name)
+        table = owner._parameters if attr in owner._parameters else owner._buffers
+        slots.append((name, table, attr, table[attr], tensor))
+        table[attr] = tensor
+    rebound: dict[str, torch.Tensor] = {}
+    try:
+        yield rebound
+        for name, table, attr, _, tensor in slots:
+            if table[attr] is not tensor:
+                rebound[name] = table[attr]
+    finally:
+        for _, table, attr, old, _ in slots:
+            table[attr] = old
+
+
+def _rebind(module: nn.Module, rebound: dict[str, torch.Tensor]) -> None:
+    for name, value in rebound.items():
+        owner, attr = _parent(module, name)
+        owner._buffers[attr] = value
+
+
 class _ModuleCall:
     """A leaf module without an array version, run per model over its stacked parameters.
 
     ``strategy`` "vmap" runs the module's forward once under torch.vmap; "loop"
     runs it B times, model b with its own parameters, buffers and inputs, and
     stacks the outputs (any Python code, including data-dependent branches).
+    Buffers updated in place land in the stacked buffers; buffers the forward
+    rebinds are stacked and rebound. Python attributes the forward changes live
+    on the module's code copy: one for the vmapped call (every model runs the
+    same Python code once per call), one per model in the loop.
     """
 
-    def __init__(self, template: nn.Module, marks: Any, strategy: str, label: str):
+    def __init__(self, template: nn.Module, marks: Any, strategy: str, label: str, B: int):
         self.template = template  # a meta-device copy: only its code and configuration are used
+        self.templates = [template] + [copy.deepcopy(template) for _ in range(B - 1 if strategy == "loop" else 0)]
         self.marks = marks
         self.strategy = strategy
         self.__name__ = self.__qualname__ = label
         self.__module__ = __name__
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        for mine, theirs in zip(self.template.modules(), module.modules()):
-            mine.training = theirs.training  # the template's code reads the live modes
+        for template in self.templates:
+            for mine, theirs in zip(template.modules(), module.modules()):
+                mine.training = theirs.training  # the template's code reads the live modes
         state = dict(module.named_parameters(remove_duplicate=False))
         state.update(module.named_buffers(remove_duplicate=False))
         dims = _in_dims(self.marks, (args, kwargs))
-        B = next(iter(state.values())).size(0) if state else None
         if self.strategy == "loop":
-            if B is None:
-                arrays = _tensors(dims, (args, kwargs), True)
-                B = arrays[0].size(0) if arrays else 1
-            return self._loop(state, dims, args, kwargs, B)
+            return self._loop(module, state, dims, args, kwargs)
 
         def per_model(s, *a, **k):
-            return torch.func.functional_call(self.template, s, a, k, strict=True)
+            with _reparametrized(self.template, s) as rebound:
+                out = self.template(*a, **k)
+            return out, rebound
 
         state_dims = {k: 0 for k in state}
         arg_dims, kwarg_dims = dims
-        return _vmap_call(per_model, ((state_dims, *arg_dims), kwarg_dims), (state, *args), kwargs)
+        out, rebound = _vmap_call(per_model, ((state_dims, *arg_dims), kwarg_dims), (state, *args), kwargs)
+        _rebind(module, rebound)
+        return out
 
-    def _loop(self, state: dict, dims: Any, args: tuple, kwargs: dict, B: int) -> Any:
+    def _loop(self, module: nn.Module, state: dict, dims: Any, args: tuple, kwargs: dict) -> Any:
         def select(d, v, b):
             if d is None:
                 return v
@@ -679,17 +626,26 @@ class _ModuleCall:
             out = [select(dd, vv, b) for dd, vv in zip(d, v)]
             return out if isinstance(v, list) else tuple(out)
 
-        outs = []
-        for b in range(B):
+        outs, rebinds = [], []
+        for b, template in enumerate(self.templates):
             a, k = select(dims, (args, kwargs), b)
             # Buffers are passed as views of model b's slice: in-place updates
             # (running statistics) land in the stacked buffer.
-            outs.append(torch.func.functional_call(self.template, {n: t[b] for n, t in state.items()},
-                                                   a, k, strict=True))
+            with _reparametrized(template, {n: t[b] for n, t in state.items()}) as rebound:
+                outs.append(template(*a, **k))
+            rebinds.append(rebound)
+        names = {n for r in rebinds for n in r}
+        _rebind(module, {n: torch.stack([r.get(n, state[n][b]) for b, r in enumerate(rebinds)]) for n in names})
         leaves = [tree_flatten(o)[0] for o in outs]
         spec = tree_flatten(outs[0])[1]
         stacked = [torch.stack(vs) if isinstance(vs[0], torch.Tensor) else vs[0] for vs in zip(*leaves)]
         return tree_unflatten(stacked, spec)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)}"
+    return "missing" if value is None else type(value).__name__
 
 
 def _share(value: Any, B: int) -> Any:
@@ -714,16 +670,21 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _is_plain(v: Any) -> bool:
+    if isinstance(v, (int, float, str, bool, type(None))):
+        return True
+    if isinstance(v, (tuple, list)):
+        return all(_is_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, (int, str)) and _is_plain(x) for k, x in v.items())
+    return False
+
+
 def _plain_attributes(module: nn.Module) -> dict[str, Any]:
-    """A module's own configuration values (numbers, strings, tuples of them) that forward may read."""
-    plain = (int, float, str, bool, type(None))
-    out = {}
-    for k, v in vars(module).items():
-        if k.startswith("_") or k == "training":
-            continue
-        if isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v)):
-            out[k] = v
-    return out
+    """A module's own configuration values (numbers, strings, tuples, lists and dicts of them)
+    that forward may read: the captured code holds model 0's."""
+    return {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and k != "training" and _is_plain(v)}
 
 
 class FusedModel(ArrayModule):
@@ -755,7 +716,19 @@ class FusedModel(ArrayModule):
                     f"the array dim B={B} first ([B, *per-model shape], or hfkern.broadcast(x, {B}) for "
                     f"an input shared by the models), got shape {list(value.shape)} (tensor input {i})"
                 )
-        return self._forward_for_mode()(self, *args, **kwargs)
+        forward = self._forward_for_mode()
+        regions = len(_capture.open_regions())
+        try:
+            return forward(self, *args, **kwargs)
+        except BaseException:
+            # A no_grad/autocast/... region the captured forward entered and did not leave.
+            _capture.leave_open_regions(regions)
+            raise
+
+    @property
+    def _fused_self(self) -> "FusedModel":
+        """The model itself: the owner of assignments to the original model's own attributes."""
+        return self
 
     def _forward_for_mode(self) -> Callable:
         if len(self._forwards) == 1:
@@ -794,19 +767,25 @@ class FusedModel(ArrayModule):
 
     # ---- per-slot surgery --------------------------------------------------------------
     def extract_model(self, b: int) -> nn.Module:
-        """Model b as a torch model of the original class (copies; same requires_grad and modes)."""
+        """Model b as a torch model of the original class (copies; same requires_grad and modes).
+
+        Its tensors have the fused model's current dtypes and device (after
+        ``fused.double()`` or ``.to(device)`` too), as the original model would after the same call.
+        """
         b = self._check_slot(b, "extract_model")
         device = self._factory_kwargs().get("device", torch.device("cpu"))
         model = copy.deepcopy(self._template).to_empty(device=device)
         with torch.no_grad():
             for path, name in self._stacked:
                 owner, _ = _parent(model, path + "." + name if path else name)
-                value = self.get_submodule(path)
-                stacked = getattr(value, name)
-                target = getattr(owner, name)
-                target.copy_(stacked[b])
-                if isinstance(target, nn.Parameter):
-                    target.requires_grad_(stacked.requires_grad)
+                stacked = getattr(self.get_submodule(path), name)
+                if isinstance(owner._parameters.get(name), nn.Parameter):
+                    owner._parameters[name] = nn.Parameter(stacked[b].clone(), requires_grad=stacked.requires_grad)
+                else:
+                    owner._buffers[name] = stacked[b].clone()
+            for path, name in self._attribute_state:
+                object.__setattr__(model.get_submodule(path), name,
+                                   getattr(self.get_submodule(path), name)[b].clone())
         for path in self._array_leaves:
             owner, name = _parent(model, path)
             setattr(owner, name, self.get_submodule(path).extract_model(b))
@@ -823,40 +802,58 @@ class FusedModel(ArrayModule):
                 owner, attr = _parent(model, name)
                 setattr(owner, attr, first)
 
+    def _current_tensors(self) -> dict[str, torch.Tensor]:
+        """The original model's parameter and buffer names -> model 0's tensor as the fused model holds
+        it now (its dtype and device follow ``.to()``/``.double()``; the leaves' are their own)."""
+        current = {}
+        for key, t in _named_tensors(self._template):
+            path, _, name = key.rpartition(".")
+            try:
+                value = getattr(self.get_submodule(path), name)
+            except AttributeError:
+                value = None
+            # An array leaf may name its tensors otherwise: its own load checks its dtypes.
+            current[key] = value[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else t
+        return current
+
     def load_model(self, b: int, model: nn.Module) -> None:
         """Copy a torch model of the original class into slot b; the other slots are untouched.
 
-        Every check (class, module types, parameter and buffer shapes and dtypes,
-        array layers' configurations) runs before anything is written.
+        ``model`` must have the fused architecture as :func:`fuse` requires of
+        its models (the same class, module tree, parameter and buffer names and
+        shapes, configuration attributes; :class:`FuseError` otherwise), with the
+        fused model's current dtypes (after ``fused.double()``, a float64 model);
+        it may be on any device. Every check runs before anything is written.
         """
         who = "load_model"
         b = self._check_slot(b, who)
         if type(model) is not self.model_class:
             raise TypeError(
                 f"{who}: expected a {self.model_class.__name__} model, got {type(model).__name__}")
-        expected = dict(_named_tensors(self._template))
+        problem = _architecture_problem(self._template, model, "the fused architecture", "the model",
+                                        self._current_tensors())
+        if problem is not None:
+            raise FuseError(f"{who}: {problem}")
         got = dict(_named_tensors(model))
-        if expected.keys() != got.keys():
-            missing = sorted(expected.keys() - got.keys())
-            extra = sorted(got.keys() - expected.keys())
-            raise ValueError(f"{who}: the model's parameters and buffers differ from the fused "
-                             f"architecture's: missing {missing}, unexpected {extra}")
-        for key, t in got.items():
-            ref = expected[key]
-            if t.shape != ref.shape or t.dtype != ref.dtype:
-                raise ValueError(
-                    f"{who}: {key!r} is {t.dtype} {list(t.shape)} in the model, the fused "
-                    f"architecture has {ref.dtype} {list(ref.shape)}")
         loads = [self.get_submodule(path)._prepare_load(b, model.get_submodule(path), f"{who} ({path!r})")
                  for path in self._array_leaves]  # every layer checked before any is written
-        device = self._factory_kwargs().get("device")
+        attributes = []
+        for path, name in self._attribute_state:
+            ours, theirs = getattr(self.get_submodule(path), name), getattr(model.get_submodule(path), name, None)
+            if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape[1:] or theirs.dtype != ours.dtype:
+                raise FuseError(f"{who}: tensor attribute {'.'.join(filter(None, (path, name)))!r} is "
+                                f"{_describe(theirs)} in the model, the fused model holds "
+                                f"{ours.dtype} {list(ours.shape[1:])}")
+            attributes.append((ours, theirs))
         with torch.no_grad():
             for path, name in self._stacked:
                 full = f"{path}.{name}" if path else name
                 target = getattr(self.get_submodule(path), name)
-                target[b].copy_(got[full].to(device))
+                target[b].copy_(got[full])
                 if isinstance(target, nn.Parameter) and target.grad is not None:
                     _zero_slot_(target, b)  # a new model has no gradient yet
+            for ours, theirs in attributes:
+                ours[b].copy_(theirs)
         for load in loads:
             load()
 
@@ -879,7 +876,25 @@ class FusedModel(ArrayModule):
         factory = factory or self._factory
         with seeded(seed, self._factory_kwargs().get("device"), "reset_model"):
             fresh = factory() if factory is not None else self._reinitialized()
+        if isinstance(fresh, nn.Module):
+            self._follow_dtypes(fresh)
         self.load_model(b, fresh)
+
+    def _follow_dtypes(self, model: nn.Module) -> None:
+        """Give ``model``'s floating-point tensors the fused model's current dtypes (in place), as
+        ``.to(dtype)`` after :func:`fuse` gave the fused model's (leaves included)."""
+        current = self._current_tensors()
+        for prefix, module in model.named_modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    ref = current.get(f"{prefix}.{name}" if prefix else name)
+                    if t is None or ref is None or t.dtype == ref.dtype:
+                        continue
+                    if (t.is_floating_point() and ref.is_floating_point()) or (t.is_complex() and ref.is_complex()):
+                        if isinstance(t, nn.Parameter):
+                            t.data = t.data.to(ref.dtype)
+                        else:
+                            table[name] = t.to(ref.dtype)
 
     def _reinitialized(self) -> nn.Module:
         device = self._factory_kwargs().get("device", torch.device("cpu"))
@@ -902,28 +917,69 @@ class FusedModel(ArrayModule):
 
 
 # ---- fuse / unfuse ------------------------------------------------------------------------
+def _architecture_problem(ref: nn.Module, model: nn.Module, ref_name: str, name: str,
+                          ref_tensors: dict[str, torch.Tensor] | None = None) -> str | None:
+    """How ``model`` differs from ``ref`` in what the captured forward depends on, or None.
+
+    Module tree (classes), parameter and buffer names, shapes and dtypes, and the
+    plain configuration attributes of every module without an array version
+    (array modules hold per-model values of theirs, which their own checks
+    cover). ``ref_tensors`` (name -> tensor, shapes and dtypes to compare with)
+    defaults to ``ref``'s own.
+    """
+    array_classes = _array_classes()
+    ref_modules = {p: type(m) for p, m in ref.named_modules()}
+    modules = {p: type(m) for p, m in model.named_modules()}
+    if modules != ref_modules:
+        path = sorted(set(modules) ^ set(ref_modules)) or sorted(
+            p for p in modules if modules[p] is not ref_modules[p])
+        p = path[0]
+        got = modules[p].__name__ if p in modules else "nothing"
+        want = ref_modules[p].__name__ if p in ref_modules else "nothing"
+        return (f"{name}'s module tree differs from {ref_name}'s at {p or '(the model)'!r}: "
+                f"{ref_name} has {want}, {name} has {got}")
+    tensors = dict(_named_tensors(model))
+    ref_tensors = dict(_named_tensors(ref)) if ref_tensors is None else ref_tensors
+    if tensors.keys() != ref_tensors.keys():
+        missing, extra = sorted(ref_tensors.keys() - tensors.keys()), sorted(tensors.keys() - ref_tensors.keys())
+        return f"{name}'s parameters and buffers differ from {ref_name}'s: missing {missing}, unexpected {extra}"
+    for key, t in tensors.items():
+        r = ref_tensors[key]
+        for attr, show in (("shape", lambda v: list(v)), ("dtype", str)):
+            if getattr(t, attr) != getattr(r, attr):
+                return (f"{attr} of {key!r} differs: {ref_name} has {show(getattr(r, attr))}, {name} has "
+                        f"{show(getattr(t, attr))}")
+    for path, sub in model.named_modules():
+        if type(sub) in array_classes:
+            continue
+        ours = _plain_attributes(ref.get_submodule(path))
+        theirs = _plain_attributes(sub)
+        for k in sorted(ours.keys() | theirs.keys()):
+            if ours.get(k, _MISSING) != theirs.get(k, _MISSING):
+                show = lambda v: "no such attribute" if v is _MISSING else repr(v)  # noqa: E731
+                return (f"attribute {(path + '.' if path else '') + k!r} differs: {ref_name} has "
+                        f"{show(ours.get(k, _MISSING))}, {name} has {show(theirs.get(k, _MISSING))}; the "
+                        "forward code is captured from model 0, so its configuration must be every model's")
+    return None
+
+
+_MISSING = object()
+
+
 def _check_models(models: list[nn.Module]) -> None:
     first = models[0]
     cls = type(first)
-    ref_modules = {p: type(m) for p, m in first.named_modules()}
-    ref_tensors = dict(_named_tensors(first))
-    ref_attrs = {p: _plain_attributes(m) for p, m in first.named_modules()}
-    array_classes = _array_classes()
     for i, m in enumerate(models[1:], start=1):
         if type(m) is not cls:
             raise TypeError(f"fuse: expected models of one class, got {cls.__name__} at index 0 and "
                             f"{type(m).__name__} at index {i}")
-        modules = {p: type(s) for p, s in m.named_modules()}
-        if modules != ref_modules:
-            diff = sorted(set(modules.items()) ^ set(ref_modules.items()))[0]
-            raise FuseError(f"fuse: model {i}'s module tree differs from model 0's (at {diff[0]!r})")
-        tensors = dict(_named_tensors(m))
-        if tensors.keys() != ref_tensors.keys():
-            raise FuseError(f"fuse: model {i}'s parameters and buffers differ from model 0's: "
-                            f"{sorted(tensors.keys() ^ ref_tensors.keys())}")
-        for key, t in tensors.items():
+        problem = _architecture_problem(first, m, "model 0", f"model {i}")
+        if problem is not None:
+            raise FuseError(f"fuse: {problem}")
+        ref_tensors = dict(_named_tensors(first))
+        for key, t in _named_tensors(m):
             ref = ref_tensors[key]
-            for attr in ("shape", "dtype", "device", "requires_grad"):
+            for attr in ("device", "requires_grad"):
                 if getattr(t, attr) != getattr(ref, attr):
                     raise FuseError(f"fuse: {attr} of {key!r} differs: model 0 has {getattr(ref, attr)}, "
                                     f"model {i} has {getattr(t, attr)}")
@@ -931,13 +987,6 @@ def _check_models(models: list[nn.Module]) -> None:
             if sub.training != first.get_submodule(path).training:
                 raise FuseError(f"fuse: module {path or '(the model)'!r} is in training mode in one "
                                 f"model and in eval mode in another (models 0 and {i})")
-            attrs = _plain_attributes(sub)
-            for k, v in attrs.items():
-                if ref_attrs[path].get(k, v) != v and type(sub) not in array_classes:
-                    raise FuseError(
-                        f"fuse: attribute {(path + '.' if path else '') + k!r} differs: model 0 has "
-                        f"{ref_attrs[path][k]!r}, model {i} has {v!r}; the forward code is captured "
-                        "from model 0, so its configuration must be every model's")
 
 
 def fuse(models: Sequence[nn.Module] | Callable[[], nn.Module], B: int | None = None, *,
@@ -1002,19 +1051,15 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
     first = models[0]
     array_classes = _array_classes()
     opaque_types = tuple(opaque)
-    was_training = {p: m.training for p, m in first.named_modules()}
 
-    # Capture in both modes: forward code may read self.training.
-    graphs: dict[bool, fx.Graph] = {}
-    try:
-        for mode in (True, False):
-            first.train(mode)
-            graphs[mode] = _capture(first, opaque_types)
-    finally:
-        for p, m in first.named_modules():
-            m.training = was_training[p]
-    if graphs[True].python_code("self").src == graphs[False].python_code("self").src:
-        graphs = {None: graphs[True]}
+    # Capture in both modes (forward code may read self.training), each from a copy of model 0.
+    leaf = lambda m: type(m) in array_classes or isinstance(m, opaque_types)  # noqa: E731
+    captured = {mode: _capture.capture(first, leaf, mode) for mode in (True, False)}
+    if _same_capture(captured[True], captured[False]):
+        captured = {None: captured[True]}
+    graphs = {mode: c.graph for mode, c in captured.items()}
+    attribute_state = _attribute_state(graphs, models)
+    constants = _constants(captured, models, attribute_state)
 
     fused = FusedModel()
     fused.B = B
@@ -1072,11 +1117,30 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
     for name, buf in root._buffers.items():
         fused.register_buffer(name, buf, persistent=name not in root._non_persistent_buffers_set)
 
+    for g in graphs.values():
+        for node in g.nodes:
+            t = node.target
+            if isinstance(t, _capture.AssignState) and not t.path and t.kind == "attribute":
+                if hasattr(fused, t.name):
+                    raise FuseError(f"fuse: the model's forward assigns attribute {t.name!r}, a name the "
+                                    "fused model uses itself; rename the attribute")
+                if t.name in vars(first) and not isinstance(vars(first)[t.name], torch.Tensor):
+                    # The value before the first call, as each model has it (submodules are copies).
+                    object.__setattr__(fused, t.name, copy.deepcopy(vars(first)[t.name]))
+    for path, name in attribute_state:  # tensor attributes forward assigns: per-model state
+        object.__setattr__(fused.get_submodule(path), name,
+                           torch.stack([getattr(m.get_submodule(path), name) for m in models]))
+    for name, value in constants.values():
+        object.__setattr__(fused, name, value)
     object.__setattr__(fused, "_array_leaves", tuple(array_leaves))
     object.__setattr__(fused, "_array_leaves_set", frozenset(array_leaves))
     object.__setattr__(fused, "_stacked", tuple(stacked))
+    object.__setattr__(fused, "_attribute_state", tuple(attribute_state))
     object.__setattr__(fused, "_ties", ties)
-    rewritten = {mode: _rewrite(g, first, B, leaves, array_classes, opaque) for mode, g in graphs.items()}
+    rewritten = {mode: _rewrite(g, first, B, leaves, array_classes, opaque,
+                                {target: name for (m, target), (name, _) in constants.items() if m == mode},
+                                attribute_state)
+                 for mode, g in graphs.items()}
     forwards = {}
     for mode, g in rewritten.items():
         code = g.python_code(root_module="self")
@@ -1093,10 +1157,123 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
     return fused.train(first.training)
 
 
+def _same_capture(a: _capture.Captured, b: _capture.Captured) -> bool:
+    """Whether the train and eval captures are one forward (the same code and constants)."""
+    return a.graph.python_code("self").src == b.graph.python_code("self").src \
+        and a.constants.keys() == b.constants.keys() \
+        and all(_equal(a.constants[k], b.constants[k]) for k in a.constants)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b))
+
+
+def _attribute_state(graphs: dict, models: list[nn.Module]) -> list[tuple[str, str]]:
+    """Tensor attributes (neither parameters nor buffers) that forward assigns: ``(path, name)``.
+
+    They are state each model updates; the fused model holds them stacked, like buffers.
+    """
+    found = []
+    for g in graphs.values():
+        for node in g.nodes:
+            t = node.target
+            if isinstance(t, _capture.AssignState) and t.kind == "attribute" and (t.path, t.name) not in found:
+                if isinstance(getattr(models[0].get_submodule(t.path), t.name, None), torch.Tensor):
+                    found.append((t.path, t.name))
+    for path, name in found:
+        ref = getattr(models[0].get_submodule(path), name)
+        for i, m in enumerate(models[1:], start=1):
+            value = getattr(m.get_submodule(path), name, None)
+            if not isinstance(value, torch.Tensor) or value.shape != ref.shape or value.dtype != ref.dtype:
+                raise FuseError(f"fuse: tensor attribute {'.'.join(filter(None, (path, name)))!r} differs "
+                                f"in shape or dtype between models 0 and {i}")
+    return found
+
+
+def _constants(captured: dict, models: list[nn.Module], attribute_state: list[tuple[str, str]]
+               ) -> dict[tuple, tuple[str, torch.Tensor]]:
+    """``(mode, target) -> (name on the fused model, value)`` for every constant tensor of the graphs.
+
+    A tensor attribute of the model (neither parameter nor buffer) that forward only reads is one
+    value for every model, so the models must agree on it; tensors made in forward from Python
+    values (fx's ``_tensor_constant``) are the same for every model by construction.
+    """
+    state = {".".join(filter(None, pn)) for pn in attribute_state}
+    out = {}
+    for mode, c in captured.items():
+        for target, value in c.constants.items():
+            if target in state:
+                continue
+            path, _, name = target.rpartition(".")
+            if not name.startswith("_tensor_constant"):
+                for i, m in enumerate(models[1:], start=1):
+                    theirs = getattr(m.get_submodule(path), name, None)
+                    if not isinstance(theirs, torch.Tensor) or not _equal(theirs, value):
+                        raise FuseError(
+                            f"fuse: tensor attribute {target!r} (neither a parameter nor a buffer) differs "
+                            f"between models 0 and {i}; forward reads it as one value for every model. "
+                            "Register it as a buffer (self.register_buffer) so that each model has its own")
+            out[(mode, target)] = (f"_hfkern_constant_{len(out)}", value)
+    return out
+
+
+class _Assign:
+    """``module.<name> = value`` of a captured forward, on the fused model's module.
+
+    A value that is not an array value (a tensor made from Python values) is every
+    model's: it is given the array dim (a copy for a buffer, which may be updated in place).
+    """
+
+    def __init__(self, name: str, kind: str, array: bool, B: int):
+        self.name, self.kind, self.array, self.B = name, kind, array, B
+        self.__name__ = self.__qualname__ = f"assign_{kind}_{name}"
+        self.__module__ = __name__
+
+    def __call__(self, owner: nn.Module, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and not self.array:
+            value = value.unsqueeze(0).expand(self.B, *value.shape)
+            if self.kind == "buffer":
+                value = value.clone()
+        if self.kind == "buffer":
+            owner._buffers[self.name] = value  # what Module.__setattr__ does for a registered buffer
+        else:
+            object.__setattr__(owner, self.name, value)
+
+
+class _SetData:
+    """``tensor.data = value`` of a captured forward, on a stacked parameter or buffer."""
+
+    def __init__(self, array: bool, B: int):
+        self.array, self.B = array, B
+        self.__name__ = self.__qualname__ = "per_model_set_data"
+        self.__module__ = __name__
+
+    def __call__(self, tensor: torch.Tensor, value: Any) -> None:
+        if not self.array:
+            value = value.unsqueeze(0).expand(self.B, *value.shape).clone()
+        tensor.data = value
+
+
+class _Draw:
+    """A random factory call of a captured forward (``torch.randn(3)``), drawn once per model."""
+
+    def __init__(self, fn: Callable, B: int):
+        self.fn, self.B = fn, B
+        self.__name__ = self.__qualname__ = f"per_model_{getattr(fn, '__name__', 'draw')}"
+        self.__module__ = __name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.stack([self.fn(*args, **kwargs) for _ in range(self.B)])
+
+
 def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Module],
-             array_classes: dict, opaque: dict[type, str]) -> fx.Graph:
-    """The captured graph with every call made per model over the array dim."""
-    params = {n for n, _ in _named_tensors(model)}
+             array_classes: dict, opaque: dict[type, str], constants: dict[str, str],
+             attribute_state: list[tuple[str, str]]) -> fx.Graph:
+    """The captured graph with every call made per model over the array dim.
+
+    ``constants``: the graph's constant get_attr targets -> their names on the fused model.
+    """
+    params = {n for n, _ in _named_tensors(model)} | {".".join(filter(None, pn)) for pn in attribute_state}
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     array: dict[fx.Node, bool] = {}
@@ -1109,7 +1286,10 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
             env[node] = out.node_copy(node, lambda n: env[n])
             array[node] = True
         elif node.op == "get_attr":
-            env[node] = out.node_copy(node, lambda n: env[n])
+            if node.target in constants:
+                env[node] = out.get_attr(constants[node.target])
+            else:
+                env[node] = out.node_copy(node, lambda n: env[n])
             array[node] = node.target in params
         elif node.op == "output":
             env[node] = out.node_copy(node, lambda n: env[n])
@@ -1133,13 +1313,34 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
                 strategy = opaque.get(cls) or next(
                     (s for c, s in opaque.items() if isinstance(module, c)), "vmap")
                 template = copy.deepcopy(module).to("meta")
-                call = _ModuleCall(template, marks, strategy, f"per_model_{cls.__name__}")
+                call = _ModuleCall(template, marks, strategy, f"per_model_{cls.__name__}", B)
                 owner = out.get_attr(node.target)
                 env[node] = out.call_function(call, (owner, *args), kwargs)
+        elif isinstance(node.target, _capture.AssignState):
+            t = node.target
+            owner = out.get_attr(t.path or "_fused_self")
+            value = node.args[0]
+            is_array = isinstance(value, fx.Node) and array[value]
+            env[node] = out.call_function(_Assign(t.name, t.kind, is_array, B), (owner, args[0]))
+            array[node] = False
+        elif isinstance(node.target, _capture.SetData):
+            value = node.args[1]
+            is_array = isinstance(value, fx.Node) and array[value]
+            env[node] = out.call_function(_SetData(is_array, B), args)
+            array[node] = False
+        elif isinstance(node.target, _capture.RandomDraw):
+            env[node] = out.call_function(_Draw(node.target.fn, B), args, kwargs)
+            array[node] = True
         else:  # call_function, call_method
             if not any_array:
-                env[node] = out.node_copy(node, lambda n: env[n])
-                array[node] = False
+                if node.op == "call_function" and node.target in _capture.RANDOM_FUNCTIONS:
+                    # A draw whose arguments are shapes or other values every model shares:
+                    # each model still draws its own numbers.
+                    env[node] = out.call_function(_Draw(node.target, B), args, kwargs)
+                    array[node] = True
+                else:
+                    env[node] = out.node_copy(node, lambda n: env[n])
+                    array[node] = False
                 continue
             method = node.target if node.op == "call_method" else None
             fn = None if method else node.target

@@ -169,3 +169,86 @@ def test_surgery_on_a_transformer_with_per_model_dropout():
     fresh = lm()
     for key, value in fresh.state_dict().items():
         assert torch.equal(fused.state_dict()[key][1], value), key
+
+
+class _Act(nn.Module):
+    """A small model whose element-wise activations (not array layers) carry configuration."""
+
+    def __init__(self, act=None, hidden=6):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = act if act is not None else nn.LeakyReLU(0.1)
+        self.fc = nn.Linear(4, hidden)
+        self.gain = nn.Parameter(torch.randn(hidden))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(self.act(self.bn(self.conv(x))).mean((2, 3))) * self.gain
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: _Act(nn.LeakyReLU(0.2)), r"attribute 'act.negative_slope' differs: {ref} has 0.1, {it} has 0.2"),
+    (lambda: _Act(nn.GELU()), r"module tree differs from {ref}'s at 'act': {ref} has LeakyReLU, {it} has GELU"),
+    (lambda: _Act(nn.Sequential(nn.LeakyReLU(0.1))), r"module tree differs from {ref}'s at 'act"),
+])
+def test_load_model_makes_the_checks_fuse_makes(bad, match):
+    models = [_Act() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    before = copy.deepcopy(fused.state_dict())
+    with pytest.raises(hfkern.FuseError, match=match.format(ref="model 0", it="model 1")):
+        hfkern.fuse([models[0], bad()])  # the same check ...
+    with pytest.raises(hfkern.FuseError, match=match.format(ref="the fused architecture", it="the model")):
+        fused.load_model(1, bad())  # ... and the same error
+    for key, value in fused.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert type(fused.extract_model(1).act) is nn.LeakyReLU and fused.extract_model(1).act.negative_slope == 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("how", ["method", "to"])
+def test_surgery_follows_the_fused_models_dtype(dtype, how):
+    def convert(m):
+        if how == "to":
+            return m.to(dtype)
+        return {torch.float64: m.double, torch.float16: m.half, torch.bfloat16: m.bfloat16}[dtype]()
+
+    torch.manual_seed(0)
+    fused = convert(hfkern.fuse(_Act, B))
+    # extract_model: every floating tensor in the current dtype, as the original after the same call
+    out = fused.extract_model(1)
+    floats = {k: v.dtype for k, v in out.state_dict().items() if v.is_floating_point()}
+    assert set(floats.values()) == {dtype}, floats
+    assert out.calls.dtype == torch.long
+    for key, value in out.state_dict().items():
+        assert torch.equal(value, fused.state_dict()[key][1]), key
+    # load_model: a model of the current dtype loads; one of the old dtype is refused, naming both
+    other = convert(_Act())
+    fused.load_model(2, other)
+    for key, value in other.state_dict().items():
+        assert torch.equal(fused.state_dict()[key][2], value), key
+    with pytest.raises(hfkern.FuseError, match=rf"dtype of '.*' differs: the fused architecture has {dtype}, "
+                                               r"the model has torch.float32"):
+        fused.load_model(2, _Act())
+    # reset_model (factory and re-initialization): the fresh model in the current dtype
+    fused.reset_model(0, seed=4)
+    torch.manual_seed(4)
+    fresh = convert(_Act())
+    for key, value in fresh.state_dict().items():
+        if key != "gain":  # no submodule initializes a model's own parameter without the factory
+            assert torch.equal(fused.state_dict()[key][0], value), key
+    unfused = hfkern.unfuse(fused)
+    assert all({v.dtype for v in m.state_dict().values() if v.is_floating_point()} == {dtype} for m in unfused)
+
+
+def test_surgery_without_a_factory_after_a_dtype_change():
+    fused = hfkern.fuse([DigitsCNN() for _ in range(B)]).double()
+    fused.reset_model(1, seed=5)
+    torch.manual_seed(5)
+    fresh = DigitsCNN().double()
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(fused.state_dict()[key][1], value), key
+    x = torch.randn(B, 2, 1, 8, 8, dtype=torch.float64)
+    fused.eval()
+    assert_close(fused(x)[1], fused.extract_model(1).eval()(x[1]))

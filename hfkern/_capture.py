@@ -1,0 +1,598 @@
+"""Capturing a model's ``forward`` for :func:`hfkern.fuse`: torch.fx, and what fx alone misses.
+
+``torch.fx`` records the tensor operations a ``forward`` applies to its
+inputs and parameters. Run on a live model, it also *executes* everything
+else: an in-place update of a buffer (``self.calls += 1``, an exponential
+moving average under ``torch.no_grad()``) would change the traced model and
+never reach the graph; ``with torch.no_grad():`` and the other grad-mode and
+autocast regions are not recorded at all; ``torch.randn(3)`` is drawn once and
+frozen as a constant. A fused model built from such a graph would silently
+compute something else than its models. :func:`capture` closes those gaps:
+
+* It traces a **copy** of the model, so nothing the forward does at capture
+  time reaches the user's models.
+* **Buffers are traced values** (like parameters; their shapes stay concrete):
+  in-place updates of a buffer are recorded and run on the fused model's
+  stacked buffer, so each model's running average or counter advances as it
+  would under torch.
+* **Assignments to module attributes** inside ``forward`` are recorded:
+  ``self.buf = value`` for a buffer, or for a plain attribute holding a traced
+  value (``self.last = h.detach()``), becomes an assignment on the fused model
+  at run time (later reads in the same forward see the new value). A module
+  attribute given a *Python* value that differs from the one it holds
+  (``self.steps += 1`` on an int) cannot be reproduced per model and per call
+  by a captured graph, and is refused (:class:`FuseError`, naming the module
+  and the statement; register a buffer instead), as are new parameters or
+  submodules made in ``forward``.
+* **Mode regions** ``torch.no_grad``, ``torch.enable_grad``,
+  ``torch.set_grad_enabled`` (as a context or a call), ``torch.inference_mode``
+  and ``torch.autocast`` (and its device-specific subclasses), as contexts or
+  decorators, are recorded where they are entered and left, and the fused
+  forward enters and leaves them at the same points.
+* **Random draws without a traced argument** (``torch.randn(3)``,
+  ``torch.rand(2, 5)``, ``torch.randint``, ``torch.randperm``, ``torch.normal``,
+  ``torch.bernoulli``, ``torch.multinomial``, ``torch.poisson`` and the
+  ``*_like`` forms) are recorded and drawn anew at every call, once per model.
+  Drawing into a tensor in place (``torch.empty(3).normal_()``) on a tensor
+  that is not a traced value is refused: write it as one of those calls.
+* **Tensor constants** (tensors made in ``forward`` from Python values, and
+  tensor attributes that are neither parameters nor buffers) are returned
+  with the graph; modifying one in place is refused (it is state: make it a
+  buffer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import operator
+import os
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["FuseError", "Captured", "capture", "AssignState", "RandomDraw", "SetData", "open_regions"]
+
+
+class FuseError(ValueError):
+    """A model that :func:`hfkern.fuse` cannot turn into an array model (the message says why and where)."""
+
+
+# ---- where an error points ------------------------------------------------------------
+def _library_file(filename: str) -> bool:
+    roots = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    return os.path.abspath(filename).startswith(roots)
+
+
+def _user_line(frames: list[traceback.FrameSummary]) -> str:
+    """`` at file.py:12: `code` `` for the innermost frame of the user's code, or ''."""
+    frames = [f for f in frames if not _library_file(f.filename)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {os.path.basename(f.filename)}:{f.lineno}: `{f.line}`"
+
+
+def where(module: tuple[str, str] | None, root: nn.Module) -> str:
+    if module is None or not module[0]:
+        return f"in the model's own forward ({type(root).__name__})"
+    return f"in module '{module[0]}' ({module[1]})"
+
+
+def _construct(message: str) -> str:
+    """What a tracing error means, in the user's terms."""
+    if "control flow" in message:
+        return ("Python control flow on a tensor (an `if`/`while`/`and`/`assert` on a tensor value "
+                "or shape)")
+    if "len" in message:
+        return "len() of a tensor"
+    if "iterated" in message:
+        return "iterating over a tensor"
+    return "an operation torch.fx cannot capture"
+
+
+REMEDY = (
+    "Write the branch with tensor ops (torch.where), move it out of forward, or name the module's "
+    "class in fuse(..., vmap_modules=(Cls,)) to run it under torch.vmap (branches on shapes) or "
+    "loop_modules=(Cls,) to run it once per model (any code)."
+)
+
+# Calls that read a tensor's values on the host: never the same for B models.
+_HOST_READS = {"item", "tolist", "numpy", "nonzero", "unique", "unique_consecutive", "argwhere",
+               "masked_select", "__bool__", "__int__", "__float__", "__index__"}
+
+
+# ---- what the graph records beyond fx's own nodes -----------------------------------------
+class AssignState:
+    """Graph target of ``module.<name> = value`` in forward (``kind``: "buffer" or "attribute").
+
+    The rewrite of :func:`hfkern.fuse` turns it into the assignment on the fused
+    model's module ``path``; it is never called as it is.
+    """
+
+    def __init__(self, path: str, name: str, kind: str):
+        self.path, self.name, self.kind = path, name, kind
+        self.__name__ = self.__qualname__ = f"assign_{kind}_{name}"
+        self.__module__ = __name__
+
+    def __call__(self, value: Any) -> None:
+        raise RuntimeError("AssignState is a capture record; hfkern.fuse rewrites it")
+
+
+class RandomDraw:
+    """Graph target of a random factory call without a traced argument (``torch.randn(3)``).
+
+    The rewrite of :func:`hfkern.fuse` draws it once per model at every call.
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.__name__ = self.__qualname__ = f"draw_{getattr(fn, '__name__', 'random')}"
+        self.__module__ = __name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+# Regions the captured forward has entered and not yet left, innermost last, so
+# that FusedModel.forward can leave them when an error cuts the forward short.
+_OPEN = threading.local()
+
+
+def open_regions() -> list:
+    stack = getattr(_OPEN, "stack", None)
+    if stack is None:
+        stack = _OPEN.stack = []
+    return stack
+
+
+class EnterRegion:
+    """Graph target: enter a fresh copy of a mode context (no_grad, inference_mode, autocast, ...)."""
+
+    def __init__(self, template: Any):
+        self.template = template  # as it was before its __enter__ at capture time
+        self.__name__ = self.__qualname__ = f"enter_{type(template).__name__}"
+        self.__module__ = __name__
+
+    def __call__(self) -> Any:
+        ctx = copy.copy(self.template)
+        ctx.__enter__()
+        open_regions().append(ctx)
+        return ctx
+
+
+def set_grad_enabled_call(mode: bool) -> Any:
+    """Graph target of ``torch.set_grad_enabled(mode)``: it sets the mode when made, as torch's does."""
+    ctx = torch.set_grad_enabled(mode)
+    open_regions().append(ctx)
+    return ctx
+
+
+def exit_region(ctx: Any) -> None:
+    """Graph target: leave a region entered by :class:`EnterRegion` or :func:`set_grad_enabled_call`."""
+    stack = open_regions()
+    if stack and stack[-1] is ctx:
+        stack.pop()
+    ctx.__exit__(None, None, None)
+
+
+def leave_open_regions(depth: int) -> None:
+    """Leave, innermost first, the regions entered past ``depth`` (a forward that raised)."""
+    stack = open_regions()
+    while len(stack) > depth:
+        stack.pop().__exit__(None, None, None)
+
+
+_RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial",
+                     "poisson", "rand_like", "randn_like", "randint_like")
+# The factories themselves, taken before any capture patches them.
+RANDOM_FUNCTIONS = frozenset(getattr(torch, name) for name in _RANDOM_FACTORIES)
+_RANDOM_INPLACE = ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "cauchy_",
+                   "log_normal_", "geometric_")
+_REGION_CLASSES = (torch.autograd.grad_mode.no_grad, torch.autograd.grad_mode.enable_grad,
+                   torch.autograd.grad_mode.inference_mode, torch.amp.autocast_mode.autocast)
+
+
+class _StateProxy(fx.Proxy):
+    """A buffer (or a parameter from ``parameters()``) as a traced value whose metadata answers at
+    capture: every model's shape, dtype and device are the same, and code that branches on them
+    (``next(self.parameters()).device``) traced before buffers were traced values."""
+
+    def __init__(self, node: fx.Node, tracer: fx.Tracer, value: torch.Tensor):
+        super().__init__(node, tracer)
+        object.__setattr__(self, "_value", value)
+
+    shape = property(lambda self: self._value.shape)
+    ndim = property(lambda self: self._value.ndim)
+    dtype = property(lambda self: self._value.dtype)
+    device = property(lambda self: self._value.device)
+    is_cuda = property(lambda self: self._value.is_cuda)
+    requires_grad = property(lambda self: self._value.requires_grad)
+
+    def size(self, dim: int | None = None):
+        return self._value.size() if dim is None else self._value.size(dim)
+
+    def dim(self) -> int:
+        return self._value.dim()
+
+    def numel(self) -> int:
+        return self._value.numel()
+
+    def nelement(self) -> int:
+        return self._value.nelement()
+
+    def is_floating_point(self) -> bool:
+        return self._value.is_floating_point()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "data":
+            # `param.data = value` (a momentum encoder's update): the tensor keeps its identity.
+            self.tracer.create_proxy("call_function", SetData(), (self, value), {})
+            return
+        if name in ("node", "tracer") or name.startswith("_"):
+            return object.__setattr__(self, name, value)
+        raise FuseError(f"forward assigns `.{name}` of parameter or buffer {self.node.target!r}; only "
+                        "`.data` can be assigned in a captured forward")
+
+
+class SetData:
+    """Graph target of ``tensor.data = value`` on a parameter or buffer (rewritten by hfkern.fuse)."""
+
+    __name__ = __qualname__ = "set_data"
+    __module__ = __name__
+
+    def __call__(self, tensor: torch.Tensor, value: Any) -> None:
+        tensor.data = value
+
+
+# ---- the tracer ----------------------------------------------------------------------------
+class _Tracer(fx.Tracer):
+    """fx's tracer with hfkern's leaves, traced buffers, and the records described above."""
+
+    def __init__(self, leaf: Callable[[nn.Module], bool], stack_traces: bool = False,
+                 settled: set[tuple[str, str]] | None = None):
+        super().__init__()
+        # Python attributes the first call assigned (``(path, name)``) when this traces a second
+        # call from the state the first left; None for the first call.
+        self._settled = settled
+        self.python_assignments: list[tuple[str, str, Any]] = []
+        self.record_stack_traces = stack_traces  # costly: only to point at a line in an error
+        self._leaf = leaf
+        self._modules_entered: list[tuple[str, str]] = []
+        # > 0 while fx or a patched torch function runs its own code (fx setting constants
+        # on the root, no_grad.__enter__ calling torch.set_grad_enabled): not the user's.
+        self._internal = 0
+        self._regions: dict[int, list[fx.Proxy]] = {}
+        self._state_proxies: dict[str, fx.Proxy] = {}
+        self._traced: set[int] = set()
+        self.failed_in: tuple[str, str] | None = None
+
+    # -- fx hooks
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return self._leaf(m) or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        self._modules_entered.append((self.path_of_module(m), type(m).__name__))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self._modules_entered[-1]  # the innermost module, for the error
+            raise
+        finally:
+            self._modules_entered.pop()
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta["hfkern_module"] = self._modules_entered[-1] if self._modules_entered else None
+        return node
+
+    def create_arg(self, a: Any):
+        self._internal += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._internal -= 1
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict):
+        if isinstance(attr_val, fx.Proxy):
+            return attr_val  # a buffer or attribute this forward assigned a traced value
+        with self._own_code():  # fx's and this lookup iterate named_*() unpatched
+            if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
+                for name, buf in self.root.named_buffers():
+                    if buf is attr_val:
+                        return self._state_proxy(name, buf)
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def _state_proxy(self, name: str, value: torch.Tensor) -> fx.Proxy:
+        if name not in self._state_proxies:
+            self._state_proxies[name] = self.create_proxy(
+                "get_attr", name, (), {}, proxy_factory_fn=lambda n: _StateProxy(n, self, value))
+        return self._state_proxies[name]
+
+    def _named_state(self, module: nn.Module, original: Callable, args: tuple, kwargs: dict):
+        """``named_parameters()``/``named_buffers()`` of a traced module, the tensors as traced values."""
+
+        def bind(prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+            return prefix, recurse, remove_duplicate
+
+        prefix, recurse, remove_duplicate = bind(*args, **kwargs)
+        path = self.path_of_module(module)
+        for name, value in original(module, "", recurse, remove_duplicate):
+            full = f"{path}.{name}" if path else name
+            shown = f"{prefix}.{name}" if prefix else name
+            yield shown, (value if isinstance(value, fx.Proxy) else self._state_proxy(full, value))
+
+    def trace(self, root, concrete_args=None):
+        self._traced = {id(m) for m in root.modules()}
+        with self._patched():
+            return super().trace(root, concrete_args)
+
+    # -- refusals
+    def _refuse(self, what: str, why: str, module: nn.Module | None = None) -> None:
+        line = _user_line(traceback.extract_stack()[:-2])
+        here = ((self.path_of_module(module), type(module).__name__) if module is not None
+                else (self._modules_entered[-1] if self._modules_entered else None))
+        raise FuseError(f"{what}{line} {where(here, self.root)}; {why}")
+
+    # -- attribute assignments
+    def _setattr(self, module: nn.Module, name: str, value: Any, original: Callable) -> None:
+        if self._internal or id(module) not in self._traced or name == "training":
+            return original(module, name, value)
+        traced = any(isinstance(v, fx.Proxy) for v in tree_flatten(value)[0])
+        path = self.path_of_module(module)
+        label = f"{path}.{name}" if path else name
+        if name in module._parameters or isinstance(value, nn.Parameter):
+            self._refuse(f"forward assigns parameter {label!r}", "a fused model's parameters are fixed "
+                         "when it is made (compute the value from the parameter instead)", module)
+        if name in module._modules or isinstance(value, nn.Module):
+            self._refuse(f"forward assigns submodule {label!r}", "a fused model's modules are fixed when "
+                         "it is made (create submodules in __init__)", module)
+        if name in module._buffers:
+            if not isinstance(value, (torch.Tensor, fx.Proxy)):
+                self._refuse(f"forward assigns a {type(value).__name__} to buffer {label!r}",
+                             "a buffer holds a tensor", module)
+            self.create_proxy("call_function", AssignState(path, name, "buffer"), (value,), {})
+            module._buffers[name] = value  # later reads in this forward see the new value
+            return None
+        if traced or isinstance(value, torch.Tensor):
+            self.create_proxy("call_function", AssignState(path, name, "attribute"), (value,), {})
+            object.__setattr__(module, name, value)
+            return None
+        old = module.__dict__.get(name, _MISSING)
+        if self._settled is None:  # the first call: record what it sets
+            if old is not _MISSING and type(old) is type(value) and _same(old, value):
+                return original(module, name, value)  # rewriting what is there changes nothing
+            self._record_python(path, name, label, value, module)
+            self.python_assignments.append((path, name, value))
+            return original(module, name, value)
+        # A second call, from the state the first left: a value that changes again is state.
+        if (path, name) in self._settled and type(old) is type(value) and _same(old, value):
+            self._record_python(path, name, label, value, module)
+            return original(module, name, value)
+        self._refuse(
+            f"forward assigns the Python value {value!r} to attribute {label!r}, which held "
+            f"{'nothing' if old is _MISSING else repr(old)} after one call", "a captured forward sets the "
+            "same values at every call, so it cannot update Python state per model and per call. Keep "
+            f"such state in a buffer (self.register_buffer({name!r}, torch.tensor(...))), which each model "
+            "updates as under torch", module)
+        return None
+
+    def _record_python(self, path: str, name: str, label: str, value: Any, module: nn.Module) -> None:
+        try:
+            self.create_proxy("call_function", AssignState(path, name, "attribute"), (value,), {})
+        except Exception:  # noqa: BLE001 - a value a graph cannot hold as a constant
+            self._refuse(f"forward assigns a {type(value).__name__} to attribute {label!r}",
+                         "a captured forward holds only numbers, strings, dtypes, devices and "
+                         "containers of them as constants", module)
+
+    # -- mode regions
+    @contextlib.contextmanager
+    def _own_code(self) -> Iterator[None]:
+        self._internal += 1
+        try:
+            yield
+        finally:
+            self._internal -= 1
+
+    def _enter(self, ctx: Any, original: Callable) -> Any:
+        if self._internal:
+            return original(ctx)
+        template = copy.copy(ctx)
+        with self._own_code():
+            result = original(ctx)
+        proxy = self.create_proxy("call_function", EnterRegion(template), (), {})
+        self._regions.setdefault(id(ctx), []).append(proxy)
+        return result
+
+    def _exit(self, ctx: Any, args: tuple, original: Callable) -> Any:
+        proxies = self._regions.get(id(ctx))
+        if proxies and not self._internal:
+            self.create_proxy("call_function", exit_region, (proxies.pop(),), {})
+        with self._own_code():
+            return original(ctx, *args)
+
+    def _set_grad_enabled_init(self, ctx: Any, mode: bool, original: Callable) -> None:
+        with self._own_code():
+            original(ctx, mode)
+        if self._internal:
+            return
+        # The mode is set when the object is made, as torch's is; __exit__ (the `with` form) restores.
+        proxy = self.create_proxy("call_function", set_grad_enabled_call, (bool(mode),), {})
+        self._regions.setdefault(id(ctx), []).append(proxy)
+
+    # -- random draws
+    def _draw(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if any(isinstance(v, fx.Proxy) for v in tree_flatten((args, kwargs))[0]):
+            return fn(*args, **kwargs)  # recorded by fx, drawn per model by the rewrite's vmap
+        return self.create_proxy("call_function", RandomDraw(fn), args, kwargs)
+
+    def _draw_inplace(self, tensor: torch.Tensor, name: str, original: Callable, args: tuple, kwargs: dict):
+        if _library_file(sys._getframe(2).f_code.co_filename):
+            return original(tensor, *args, **kwargs)  # torch's own code (a layer's initialization)
+        self._refuse(f"forward draws random numbers in place into a tensor that is not a traced value "
+                     f"(`.{name}()`)", "it would be drawn once at capture, not per model and per call; "
+                     "write it as torch.rand/torch.randn/... or on a tensor made from the input")
+
+    @contextlib.contextmanager
+    def _patched(self) -> Iterator[None]:
+        tracer = self
+        saved: list[tuple[Any, str, Any]] = []
+
+        def patch(owner: Any, name: str, new: Any) -> None:
+            own = name in vars(owner)  # else inherited: shadowed here, and the shadow deleted after
+            saved.append((owner, name, vars(owner)[name] if own else _MISSING))
+            setattr(owner, name, new)
+
+        setattr_orig = nn.Module.__setattr__
+        patch(nn.Module, "__setattr__", lambda m, n, v: tracer._setattr(m, n, v, setattr_orig))
+        for cls in _REGION_CLASSES:
+            enter, exit_ = cls.__enter__, cls.__exit__
+            patch(cls, "__enter__", lambda c, _o=enter: tracer._enter(c, _o))
+            patch(cls, "__exit__", lambda c, *a, _o=exit_: tracer._exit(c, a, _o))
+        sge = torch.autograd.grad_mode.set_grad_enabled
+        init, exit_ = sge.__init__, sge.__exit__
+        patch(sge, "__init__", lambda c, mode, _o=init: tracer._set_grad_enabled_init(c, mode, _o))
+        patch(sge, "__exit__", lambda c, *a, _o=exit_: tracer._exit(c, a, _o))
+        for kind in ("parameters", "buffers"):
+            named = getattr(nn.Module, f"named_{kind}")
+
+            def named_state(m, *a, _named=named, **k):
+                if id(m) not in tracer._traced or tracer._internal:
+                    return _named(m, *a, **k)
+                return tracer._named_state(m, _named, a, k)
+
+            patch(nn.Module, f"named_{kind}", named_state)
+        for name in _RANDOM_FACTORIES:
+            fn = getattr(torch, name)
+            patch(torch, name, lambda *a, _fn=fn, **k: tracer._draw(_fn, a, k))
+        for name in _RANDOM_INPLACE:
+            patch(torch.Tensor, name, lambda t, *a, _n=name, _o=getattr(torch.Tensor, name), **k:
+                  tracer._draw_inplace(t, _n, _o, a, k))
+        try:
+            yield
+        finally:
+            for owner, name, value in reversed(saved):
+                if value is _MISSING:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, value)
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a plain equality are not "the same"
+        return False
+
+
+# ---- capture ---------------------------------------------------------------------------------
+@dataclass
+class Captured:
+    """A captured forward: the fx graph and the values of its constant ``get_attr`` targets."""
+
+    graph: fx.Graph
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                      operator.setitem}
+
+
+def _inplace(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__") \
+            and node.target != "requires_grad_" or node.target == "__setitem__"
+    return node.op == "call_function" and node.target in _INPLACE_OPERATORS
+
+
+def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
+            stack_traces: bool = False) -> Captured:
+    """Capture ``model.forward`` in train (``mode`` True) or eval mode; the model is not touched.
+
+    ``leaf(module)``: whether a submodule is called as a whole (not traced into).
+    Raises :class:`FuseError` naming the construct, the source line and the module.
+    """
+    traced = copy.deepcopy(model).train(mode)
+    stateful = {n for n, _ in traced.named_parameters(remove_duplicate=False)}
+    stateful |= {n for n, _ in traced.named_buffers(remove_duplicate=False)}
+    tracer, graph = _trace(traced, model, leaf, stack_traces)
+    if tracer.python_assignments:
+        # Python attributes set in forward: the captured forward sets the same values at every
+        # call, which is right only if a second call, from the state the first left, sets those
+        # values again and runs the same code.
+        again = copy.deepcopy(model).train(mode)
+        for path, name, value in tracer.python_assignments:
+            object.__setattr__(again.get_submodule(path), name, value)
+        settled = {(path, name) for path, name, _ in tracer.python_assignments}
+        _, second = _trace(again, model, leaf, stack_traces, settled)
+        if second.python_code("self").src != graph.python_code("self").src:
+            names = sorted({".".join(filter(None, (p, n))) for p, n, _ in tracer.python_assignments})
+            raise FuseError(
+                f"fuse: cannot capture the model: its forward assigns the Python attributes {names} and "
+                f"then runs other code on the next call {where(None, model)}; a captured forward runs "
+                "one code at every call. Keep such state in buffers, or move it out of forward")
+    constants: dict[str, torch.Tensor] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target not in stateful:
+            value: Any = traced
+            for atom in node.target.split("."):
+                value = getattr(value, atom)
+            if isinstance(value, torch.Tensor):
+                constants[node.target] = value
+    for node in graph.nodes:
+        problem = None
+        if node.op == "call_method" and node.target in _HOST_READS:
+            problem = (f"`.{node.target}()` reads a tensor's values on the host", "the B models' values "
+                       f"differ, so the result is not one Python value. {REMEDY}")
+        elif _inplace(node) and node.args and isinstance(node.args[0], fx.Node) \
+                and node.args[0].op == "get_attr" and node.args[0].target in constants:
+            name = node.args[0].target
+            problem = (f"forward modifies the tensor {name!r} in place (`{node.target}`)",
+                       "a tensor attribute that is neither a parameter nor a buffer is not per-model "
+                       "state; register it as a buffer (self.register_buffer) so that each model keeps "
+                       "its own" if not name.rpartition(".")[2].startswith("_tensor_constant") else
+                       "a tensor made in forward from Python values is a constant of the captured "
+                       "forward; make it from the input (x.new_tensor(...)) or keep it in a buffer")
+        if problem is not None:
+            if not stack_traces:  # trace again, recording where each op comes from
+                return capture(model, leaf, mode, stack_traces=True)
+            raise FuseError(f"fuse: cannot capture the model: {problem[0]}{_source_line(node)} "
+                            f"{where(node.meta.get('hfkern_module'), model)}; {problem[1]}")
+    return Captured(graph, constants)
+
+
+def _trace(traced: nn.Module, model: nn.Module, leaf: Callable[[nn.Module], bool], stack_traces: bool,
+           settled: set[tuple[str, str]] | None = None) -> tuple[_Tracer, fx.Graph]:
+    tracer = _Tracer(leaf, stack_traces, settled)
+    try:
+        return tracer, tracer.trace(traced)
+    except FuseError as e:
+        raise FuseError(f"fuse: cannot capture the model: {e}") from None
+    except Exception as e:  # noqa: BLE001 - every capture failure is reported the same way
+        line = _user_line(traceback.extract_tb(e.__traceback__))
+        raise FuseError(
+            f"fuse: cannot capture the model: {_construct(str(e))}{line} "
+            f"{where(tracer.failed_in, model)}. {REMEDY} (torch.fx: {type(e).__name__}: {e})"
+        ) from e
+
+
+def _source_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    for i in range(len(lines) - 2, -1, -1):
+        if lines[i].startswith("File ") and i + 1 < len(lines):
+            return f" at {lines[i].split(',')[0][5:].strip()}:{lines[i].split(',')[1].split()[-1]}: " \
+                   f"`{lines[i + 1]}`"
+    return ""

@@ -1,0 +1,483 @@
+"""hfkern.fuse keeps what a forward does besides computing its output, per model, as torch does.
+
+State a forward updates (counters and running averages in buffers, written in
+place or rebound, under ``no_grad`` or not; momentum-encoder weights; tensor
+attributes), grad-mode and autocast regions, random draws, and the rule that
+fusing never changes the models it is given. Each case runs B separate torch
+models and the fused model side by side for several calls (forward and
+backward) and compares outputs, gradients (None where torch leaves None) and
+every state entry. What a captured forward cannot reproduce is refused with a
+FuseError naming the statement and the module.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import hfkern
+
+B = 3
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _state(model: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_unchanged(models, before):
+    for m, state in zip(models, before):
+        after = m.state_dict()
+        assert after.keys() == state.keys()
+        for k, v in state.items():
+            assert torch.equal(after[k], v), f"fuse changed the input model's {k!r}"
+
+
+def _run(make, x_shape=(5, 4), calls=3, backward=True, outer=None, opaque=None):
+    """Fuse B models from ``make``; call both sides ``calls`` times with fresh inputs; compare all."""
+    torch.manual_seed(0)
+    models = [make() for _ in range(B)]
+    before = [_state(m) for m in models]
+    fused = hfkern.fuse(models, **(opaque or {}))
+    _assert_unchanged(models, before)
+    for _ in range(calls):
+        x = torch.randn(B, *x_shape)
+        with (outer() if outer else torch.enable_grad()):
+            refs = [m(x[b]) for b, m in enumerate(models)]
+            out = fused(x)
+        assert out.requires_grad == refs[0].requires_grad
+        ref = torch.stack(refs) if refs[0].requires_grad else torch.stack(refs).detach()
+        assert_close(out, ref, **TOL)
+        if backward and ref.requires_grad:
+            ref.square().sum().backward()
+            out.square().sum().backward()
+        for b, m in enumerate(models):
+            for name, p in m.named_parameters():
+                got = fused.get_parameter(name).grad
+                if p.grad is None:
+                    assert got is None or not got[b].any(), f"{name}: torch has no gradient"
+                else:
+                    assert_close(got[b], p.grad, **TOL, msg=lambda s: f"{name}.grad[{b}]: {s}")
+        state = fused.state_dict()
+        for b, m in enumerate(models):
+            for k, v in m.state_dict().items():
+                assert_close(state[k][b], v, **TOL, msg=lambda s: f"{k}[{b}]: {s}")
+                assert state[k].requires_grad == v.requires_grad, k
+    return fused, models
+
+
+# ---- state in buffers ---------------------------------------------------------------------------
+class _Counter(nn.Module):
+    """Counters written each way torch code writes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        self.steps.add_(1)
+        self.seen = self.seen + x.size(0)
+        return self.fc(x) * self.calls
+
+
+class _EMA(nn.Module):
+    """A running average updated in place under no_grad, which feeds the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.randn(4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return h + self.ema
+
+
+class _RebindEMA(nn.Module):
+    """A running average rebound to a detached expression (no no_grad)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        self.ema = 0.8 * self.ema + 0.2 * h.mean(0).detach()
+        return h * self.ema
+
+
+@pytest.mark.parametrize("cls", [_Counter, _EMA, _RebindEMA])
+def test_buffer_updates_in_forward_per_model(cls):
+    fused, models = _run(cls)
+    if cls is _Counter:
+        assert fused.calls.tolist() == [3.0] * B and fused.steps.tolist() == [3] * B
+        assert fused.steps.dtype == torch.long
+    if cls is _EMA:
+        assert not fused.ema.requires_grad  # no autograd history: a second backward works
+
+
+def test_buffer_counts_per_model_after_train_eval_switch():
+    fused, models = _run(_Counter, calls=2)
+    fused.eval()
+    for m in models:
+        m.eval()
+    x = torch.randn(B, 5, 4)
+    assert_close(fused(x), torch.stack([m(x[b]) for b, m in enumerate(models)]), **TOL)
+    assert fused.calls.tolist() == [3.0] * B
+
+
+class _Teacher(nn.Module):
+    """A frozen teacher called under no_grad: torch gives it no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = nn.Linear(4, 4)
+        self.teacher = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.teacher(x)
+        return self.student(x) - t
+
+
+class _MomentumEncoder(nn.Module):
+    """MoCo's key encoder: an EMA of the query encoder, updated in forward by iterating parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        self.k = copy.deepcopy(self.q)
+        for p in self.k.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def _momentum_update(self):
+        for pq, pk in zip(self.q.parameters(), self.k.parameters()):
+            pk.data = pk.data * 0.9 + pq.data * 0.1
+
+    def forward(self, x):
+        self._momentum_update()
+        return self.q(x) * self.k(x)
+
+
+class _InPlaceTeacher(nn.Module):
+    """The same EMA teacher written with in-place updates over named_parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = nn.Linear(4, 4)
+        self.teacher = nn.Linear(4, 4).requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            teachers = dict(self.teacher.named_parameters())
+            for name, ps in self.student.named_parameters():
+                teachers[name].mul_(0.99).add_(ps, alpha=0.01)
+        return self.student(x) + self.teacher(x)
+
+
+@pytest.mark.parametrize("cls", [_Teacher, _MomentumEncoder, _InPlaceTeacher])
+def test_teachers_and_momentum_encoders(cls):
+    fused, models = _run(cls)
+    if cls is _Teacher:
+        assert fused.teacher.weight.grad is None and fused.student.weight.grad is not None
+
+
+# ---- mode regions ---------------------------------------------------------------------------------
+class _Regions(nn.Module):
+    """Every grad-mode region, as a context and as a decorator."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    @torch.set_grad_enabled(False)
+    def _frozen(self, x):
+        return self.b(x)
+
+    def forward(self, x):
+        if self.kind == "enable_grad":
+            with torch.enable_grad():
+                return self.a(x) + self.b(x)
+        if self.kind == "set_grad_enabled":
+            with torch.set_grad_enabled(False):
+                h = self.b(x)
+            return self.a(x) * h
+        if self.kind == "decorator":
+            return self.a(x) + self._frozen(x)
+        if self.kind == "inference_mode":
+            with torch.inference_mode():
+                h = self.b(x)
+            return self.a(x) + h
+        if self.kind == "nested":
+            with torch.no_grad():
+                h = self.b(x)
+                with torch.enable_grad():
+                    g = self.a(x)
+            return g * h
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["enable_grad", "set_grad_enabled", "decorator", "inference_mode", "nested"])
+def test_grad_mode_regions(kind):
+    _run(lambda: _Regions(kind))
+
+
+def test_enable_grad_inside_a_no_grad_call():
+    # Called under no_grad, the enable_grad region still builds a graph, as torch's does.
+    fused, _ = _run(lambda: _Regions("enable_grad"), outer=torch.no_grad)
+    assert torch.is_grad_enabled()
+
+
+def test_grad_mode_restored_after_an_error_in_a_region():
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.no_grad():
+                h = self.fc(x)
+                return h.view(h.size(0), 7)  # fails for every 4-feature input
+
+    fused = hfkern.fuse([Fails() for _ in range(B)])
+    with pytest.raises(RuntimeError):
+        fused(torch.randn(B, 5, 4))
+    assert torch.is_grad_enabled()
+
+
+def test_autocast_region():
+    class Cast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = self.fc(x)
+            return h
+
+    torch.manual_seed(0)
+    models = [Cast() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(B, 5, 4)
+    ref = torch.stack([m(x[b]) for b, m in enumerate(models)])
+    out = fused(x)
+    assert ref.dtype == out.dtype == torch.bfloat16
+    assert_close(out, ref, rtol=1e-2, atol=1e-2)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+# ---- random draws ----------------------------------------------------------------------------------
+class _Noise(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.how == "constant_shape":
+            return h + torch.randn(4)
+        return h + torch.rand(h.size(-1))  # a shape every model shares
+
+
+@pytest.mark.parametrize("how", ["constant_shape", "traced_shape"])
+def test_random_draws_are_per_model_and_per_call(how):
+    torch.manual_seed(0)
+    models = [_Noise(how) for _ in range(B)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())  # equal models: only the noise differs
+    fused = hfkern.fuse(models)
+    x = torch.randn(5, 4).expand(B, 5, 4)
+    first, second = fused(x), fused(x)
+    noise = first - torch.stack([m.fc(x[b]) for b, m in enumerate(models)])
+    assert not torch.allclose(noise[0], noise[1]), "every model drew the same numbers"
+    assert not torch.allclose(first, second), "the draw was frozen at capture"
+
+
+def test_in_place_draw_into_a_constant_is_refused():
+    class Drawn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) + torch.empty(4).normal_()
+
+    with pytest.raises(hfkern.FuseError, match=r"normal_.*torch.empty\(4\).normal_\(\).*own forward \(Drawn\)"):
+        hfkern.fuse([Drawn() for _ in range(B)])
+
+
+# ---- attributes ---------------------------------------------------------------------------------------
+class _PythonCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        return self.fc(x)
+
+
+class _Outer(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.block = inner
+
+
+def _outer_forward(self, x):
+    return self.block(x)
+
+
+_Outer.forward = _outer_forward
+
+
+def test_python_state_in_forward_is_refused_with_the_statement_and_module():
+    models = [_Outer(_PythonCounter()) for _ in range(B)]
+    before = [m.block.steps for m in models]
+    with pytest.raises(hfkern.FuseError, match=r"assigns the Python value 2 to attribute 'block.steps', "
+                       r"which held 1 after one call.*`self.steps \+= 1`.*module 'block' \(_PythonCounter\)"
+                       r".*register_buffer"):
+        hfkern.fuse(models)
+    assert [m.block.steps for m in models] == before
+
+
+def test_new_parameters_and_submodules_in_forward_are_refused():
+    class MakesParameter(nn.Module):
+        def forward(self, x):
+            self.w = nn.Parameter(torch.ones(4))
+            return x * self.w
+
+    class MakesModule(nn.Module):
+        def forward(self, x):
+            self.fc = nn.Linear(4, 4)
+            return self.fc(x)
+
+    with pytest.raises(hfkern.FuseError, match="assigns parameter 'w'"):
+        hfkern.fuse([MakesParameter() for _ in range(B)])
+    with pytest.raises(hfkern.FuseError, match="assigns submodule 'fc'"):
+        hfkern.fuse([MakesModule() for _ in range(B)])
+
+
+class _Remembers(nn.Module):
+    """Plain tensor attributes: one forward reads the previous call's, as a recurrent cache does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.prev = torch.zeros(4)
+        self.tag = None
+
+    def forward(self, x):
+        h = self.fc(x) + self.prev
+        self.prev = h.mean(0).detach()
+        self.tag = "seen"
+        return h
+
+
+def test_tensor_attributes_written_in_forward_are_per_model_state():
+    fused, models = _run(_Remembers)
+    assert_close(fused.prev, torch.stack([m.prev for m in models]), **TOL)
+    assert fused.tag == "seen"
+    for b, m in enumerate(models):
+        assert_close(fused.extract_model(b).prev, m.prev, **TOL)
+
+
+def test_tensor_constants_and_read_only_attributes():
+    class Consts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.mask = torch.tensor([1.0, 0.0, 1.0, 1.0])  # neither parameter nor buffer
+
+        def forward(self, x):
+            return self.fc(x) * self.mask + torch.tensor([0.5, 1.0, 1.5, 2.0])
+
+    _run(Consts)
+    models = [Consts() for _ in range(B)]
+    models[2].mask = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    with pytest.raises(hfkern.FuseError, match=r"tensor attribute 'mask'.*differs between models 0 and 2"):
+        hfkern.fuse(models)
+
+
+def test_in_place_update_of_a_non_buffer_tensor_is_refused():
+    class Cache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.total = torch.zeros(4)
+
+        def forward(self, x):
+            self.total.add_(x.sum(0))
+            return self.fc(x)
+
+    models = [Cache() for _ in range(B)]
+    with pytest.raises(hfkern.FuseError, match=r"modifies the tensor 'total' in place.*register it as a buffer"):
+        hfkern.fuse(models)
+    assert all(not m.total.any() for m in models)
+
+
+# ---- opaque modules -------------------------------------------------------------------------------------
+class _BranchyCounter(nn.Module):
+    """Data-dependent code (so it must run in a loop or under vmap) that also counts in a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        self.total.add_(x.detach().sum(0))
+        return self.fc(x) * self.calls
+
+
+@pytest.mark.parametrize("option", ["loop_modules", "vmap_modules"])
+def test_opaque_modules_keep_buffer_updates(option):
+    fused, models = _run(lambda: _Outer(_BranchyCounter()), opaque={option: (_BranchyCounter,)})
+    assert fused.block.calls.tolist() == [3.0] * B
+
+
+# ---- the input models ------------------------------------------------------------------------------------
+def test_fuse_never_changes_the_models():
+    for cls in (_Counter, _EMA, _RebindEMA, _MomentumEncoder, _InPlaceTeacher, _Remembers):
+        models = [cls() for _ in range(B)]
+        before = [_state(m) for m in models]
+        attrs = [dict(vars(m)) for m in models]
+        hfkern.fuse(models)
+        _assert_unchanged(models, before)
+        for m, a in zip(models, attrs):
+            assert vars(m).keys() == a.keys()
+
+
+def test_compiled_fused_model_keeps_regions_and_buffer_updates():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = hfkern.fuse([_EMA() for _ in range(B)])
+    compiled_model = hfkern.fuse([_EMA() for _ in range(B)])
+    compiled_model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_model)
+    for _ in range(2):
+        x = torch.randn(B, 5, 4)
+        out, ref = compiled(x), eager(x)
+        assert_close(out, ref, **TOL)
+        out.sum().backward()
+        ref.sum().backward()
+    assert_close(compiled_model.ema, eager.ema, **TOL)
+    assert_close(compiled_model.fc.weight.grad, eager.fc.weight.grad, **TOL)
