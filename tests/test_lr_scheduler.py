@@ -611,8 +611,15 @@ def test_sequential_bad_arguments():
     with pytest.raises(TypeError, match="hfkern"):
         H.SequentialLR(opt, [a, T.ExponentialLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), 0.9)],
                        milestones=[3])
-    with pytest.raises(TypeError, match="milestones must be ints"):
-        H.SequentialLR(opt, [a, b], milestones=[[3, 4, 5]])
+    # A milestone is one int for every model or one per model (B=3).
+    with pytest.raises(ValueError, match=r"milestones\[0\] must have one value per model \(length B=3\), got shape"):
+        H.SequentialLR(opt, [a, b], milestones=[[3, 4]])
+    with pytest.raises(TypeError, match=r"milestones\[0\] must hold ints"):
+        H.SequentialLR(opt, [a, b], milestones=[[3, 4.5, 5]])
+    with pytest.raises(TypeError, match=r"milestones\[0\] must be an int, a length-3 sequence of ints"):
+        H.SequentialLR(opt, [a, b], milestones=[3.0])
+    with pytest.raises(TypeError, match="milestones must be a list of 1 milestones"):
+        H.SequentialLR(opt, [a, b], milestones=3)
 
 
 def test_torch_base_classes():

@@ -1,4 +1,5 @@
-"""Per-model epochs of the array LR schedulers: per-model ``last_epoch`` and ``reset_model``.
+"""Per-model epochs of the array LR schedulers: per-model ``last_epoch``, ``step(epoch)`` and
+SequentialLR milestones, and ``reset_model``.
 
 A sweep prunes a trial and refills its slot b with a new one, whose schedule
 starts at epoch 0 while the other models go on. Model b's reference is
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -42,7 +44,8 @@ METRICS = torch.cat([  # ReduceLROnPlateau's per-model metric streams
 # ---- cases -------------------------------------------------------------------------------------
 # name: (spec, model r's new arguments at a reset). A spec is (class name, kwargs) for one
 # scheduler, ("SequentialLR", [specs], milestones) or ("ChainedScheduler", [specs]); PM values are
-# per model. New arguments of a container: one dict (or None) per child.
+# per model. New arguments of a container: one dict (or None) per child, or a dict of reset_model's
+# arguments (schedulers=..., milestones=...).
 CASES = {
     "StepLR": (("StepLR", dict(step_size=PM([3, 5, 2, 4, 7]), gamma=PM([0.5, 0.9, 0.7, 0.3, 0.8]))),
                dict(step_size=2, gamma=0.6)),
@@ -77,6 +80,12 @@ CASES = {
         ("LinearLR", dict(start_factor=PM([0.1, 0.5, 0.3, 0.2, 0.7]), total_iters=PM([4, 3, 5, 2, 4]))),
         ("CosineAnnealingLR", dict(T_max=PM([10, 7, 15, 4, 6]), eta_min=PM([0.0, 1e-3, 5e-4, 1e-4, 0.0])))],
         [4]), [dict(total_iters=2), dict(T_max=9)]),
+    "SequentialLR_per_model_milestones": (("SequentialLR", [
+        ("LinearLR", dict(start_factor=PM([0.1, 0.5, 0.3, 0.2, 0.7]), total_iters=PM([4, 3, 5, 2, 4]))),
+        ("ExponentialLR", dict(gamma=PM([0.9, 0.95, 0.97, 0.85, 0.99]))),
+        ("CosineAnnealingLR", dict(T_max=PM([10, 7, 15, 4, 6]), eta_min=PM([0.0, 1e-3, 5e-4, 1e-4, 0.0])))],
+        [PM([4, 2, 6, 0, 3]), PM([7, 9, 6, 5, 12], tensor=True)]),  # model 3 skips the warm-up; 2, the middle
+        dict(schedulers=[dict(total_iters=2), None, dict(T_max=9)], milestones=[3, 8])),
     "ChainedScheduler": (("ChainedScheduler", [
         ("ConstantLR", dict(factor=PM([0.5, 0.25, 0.1, 0.8, 0.4]), total_iters=PM([4, 6, 3, 8, 2]))),
         ("ExponentialLR", dict(gamma=PM([0.9, 0.95, 0.97, 0.85, 0.99])))]), [None, dict(gamma=0.8)]),
@@ -85,27 +94,33 @@ CASES = {
         threshold=PM([1e-4, 0.01, 0.05, 1e-3, 0.0]), min_lr=PM([0.0, 1e-3, 5e-3, 1e-4, 0.0]))),
         dict(patience=1, factor=0.4, min_lr=1e-3)),
 }
-LEAVES = [n for n in CASES if n not in ("SequentialLR", "ChainedScheduler", "ReduceLROnPlateau")]
+LEAVES = [n for n, (spec, _) in CASES.items()
+          if spec[0] not in ("SequentialLR", "ChainedScheduler", "ReduceLROnPlateau")]
 CYCLED = ("CyclicLR", "OneCycleLR")  # they set the optimizer's momentum
 
 
 def _reset_kwargs(new):
-    """reset_model's keyword arguments for ``new`` (a container's: schedulers=[...])."""
+    """reset_model's keyword arguments for ``new`` (a container's list: schedulers=[...])."""
     return dict(schedulers=new) if isinstance(new, list) else new
 
 
 def _build(module, opt, spec, *, B=None, b=None, over=None, last_epoch=None):
     """The scheduler of ``spec`` on ``opt``: the array one (``B``) or model b's torch one, whose
-    arguments ``over`` replaces (a container's: one dict or None per child)."""
+    arguments ``over`` replaces (a container's: one dict or None per child, or a dict with
+    ``schedulers`` and ``milestones``)."""
     kind = spec[0]
     if kind in ("SequentialLR", "ChainedScheduler"):
-        overs = over or [None] * len(spec[1])
+        over = _reset_kwargs(over or {})
+        overs = over.get("schedulers") or [None] * len(spec[1])
         epochs = {} if last_epoch is None or kind == "SequentialLR" else dict(last_epoch=last_epoch)
         children = [_build(module, opt, c, B=B, b=b, over=o, **epochs) for c, o in zip(spec[1], overs)]
         if kind == "ChainedScheduler":
             return module.ChainedScheduler(children, optimizer=opt)
         epochs = {} if last_epoch is None else dict(last_epoch=last_epoch)
-        return module.SequentialLR(opt, children, milestones=spec[2], **epochs)
+        milestones = over.get("milestones")
+        if milestones is None:
+            milestones = _h(spec[2], B) if b is None else _t(spec[2], b)
+        return module.SequentialLR(opt, children, milestones=milestones, **epochs)
     kwargs = {k: (_h(v, B) if b is None else _t(v, b)) for k, v in spec[1].items()}
     kwargs.update(over or {})
     if last_epoch is not None:
@@ -132,19 +147,24 @@ class Run:
         self.ts = [_build(T, r, self.spec, b=b) for b, r in enumerate(self.refs)]
         self.i = 0
 
-    def step(self):
+    def step(self, epochs=None, form="list"):
+        """One step of the optimizers and schedulers; with ``epochs`` (one per model), the schedulers'
+        ``step(epoch)``: the array one gets them in ``form``, model b's torch one ``epochs[b]``.
+        Returns the number of epoch deprecation warnings of the array scheduler and of the torch ones."""
         self.opt.step()
         for r in self.refs:
             r.step()
-        if self.name == "ReduceLROnPlateau":
-            self.sched.step(METRICS[self.i, :self.B])
+        ours = () if epochs is None else (_epochs_as(epochs, form),)
+        metrics = [METRICS[self.i, :self.B]] if self.name == "ReduceLROnPlateau" else []
+        with warnings.catch_warnings(record=True) as caught_ours:
+            warnings.simplefilter("always")
+            self.sched.step(*metrics, *ours)
+        with warnings.catch_warnings(record=True) as caught_theirs:
+            warnings.simplefilter("always")
             for b, t in enumerate(self.ts):
-                t.step(float(METRICS[self.i, b]))
-        else:
-            self.sched.step()
-            for t in self.ts:
-                t.step()
+                t.step(*[float(m[b]) for m in metrics], *(() if epochs is None else (epochs[b],)))
         self.i += 1
+        return _deprecations(caught_ours), _deprecations(caught_theirs)
 
     def reset(self, r, lrs, new=None, torch_new=None):
         """Refill slot r: its learning rates set on the optimizer, then reset_model(r, **new); model r's
@@ -170,6 +190,10 @@ class Run:
                 assert self.sched.best[b].item() == t.best, where
                 assert self.sched.num_bad_epochs[b].item() == t.num_bad_epochs, where
                 assert self.sched.cooldown_counter[b].item() == t.cooldown_counter, where
+
+
+def _deprecations(caught):
+    return sum(str(w.message) == T.EPOCH_DEPRECATION_WARNING for w in caught)
 
 
 def _per_model(value, key, B):
@@ -220,8 +244,11 @@ def _roundtrip(obj):
 
 # ---- per-model last_epoch at construction -----------------------------------------------------------
 def _epochs_as(epochs, form):
-    return {"list": list(epochs), "numpy": np.array(epochs, dtype=np.int32),
-            "tensor": torch.tensor(epochs)}[form]
+    """Per-model epochs as a list, a tuple, a numpy array or a tensor (float64 where one is fractional)."""
+    fractional = any(isinstance(e, float) for e in epochs)
+    return {"list": list(epochs), "tuple": tuple(epochs),
+            "numpy": np.array(epochs, dtype=np.float64 if fractional else np.int32),
+            "tensor": torch.tensor(epochs, dtype=torch.float64 if fractional else torch.int64)}[form]
 
 
 @pytest.mark.parametrize("B, form", [(5, "list"), (3, "numpy"), (1, "tensor")])
@@ -456,6 +483,28 @@ def test_bad_last_epoch_rejected(last_epoch, exc, match):
         _assert_models_equal(dict(opt.param_groups[0]), before, [0, 1, 2], 3, name)
 
 
+@pytest.mark.parametrize("form", ["lists", "numpy", "tensor"])
+def test_sequential_milestone_forms(form):
+    """SequentialLR's milestones: one list per milestone of every model's (or a [milestones, B] array or
+    tensor); model b follows torch's SequentialLR with its own. A milestone every model shares is saved
+    as torch's int."""
+    name, B = "SequentialLR_per_model_milestones", 5
+    spec = CASES[name][0]
+    per_model = [m.values[:B] for m in spec[2]]
+    milestones = {"lists": per_model, "numpy": np.array(per_model), "tensor": torch.tensor(per_model)}[form]
+    run = Run(name, B)
+    run.opt = SGD([{"params": [p], "lr": GROUP_LRS[g][:B]} for g, p in enumerate(run.params)], momentum=MOMENTUM)
+    run.sched = _build(H, run.opt, spec, B=B, over=dict(milestones=milestones))
+    run.check("after construction")
+    assert [m.tolist() for m in run.sched.state_dict()["_milestones"]] == per_model
+    for i in range(16):
+        run.step()
+        run.check(f"step {i + 1}")
+    opt = _opt()
+    shared = H.SequentialLR(opt, [H.ExponentialLR(opt, 0.9), H.ConstantLR(opt)], [[4, 4, 4]])
+    assert shared.state_dict()["_milestones"] == [4]
+
+
 def test_resuming_models_need_initial_lr():
     with pytest.raises(KeyError, match=r"initial_lr.*models \[1\]"):
         H.CosineAnnealingLR(_opt(), T_max=5, last_epoch=[-1, 3, -1])
@@ -500,6 +549,12 @@ def test_resuming_models_need_initial_lr():
     (lambda o: H.ChainedScheduler([H.ExponentialLR(o, 0.9)]), dict(b=0, gamma=0.5), TypeError, "unknown argument"),
     (lambda o: H.SequentialLR(o, [H.ExponentialLR(o, 0.9)], []), dict(b=0, schedulers=[dict(T_max=3)]),
      TypeError, r"ExponentialLR.reset_model: unknown argument\(s\) \['T_max'\]"),
+    (lambda o: H.SequentialLR(o, [H.ExponentialLR(o, 0.9), H.ConstantLR(o)], [[2, 3, 4]]),
+     dict(b=1, milestones=[[1, 2, 3]]), TypeError, r"milestones\[0\] must be one value, model 1's"),
+    (lambda o: H.SequentialLR(o, [H.ExponentialLR(o, 0.9), H.ConstantLR(o)], [2]), dict(b=0, milestones=[1, 2]),
+     ValueError, r"model 0's milestones: milestones: expected one milestone fewer than schedulers \(1\), got 2"),
+    (lambda o: H.SequentialLR(o, [H.ExponentialLR(o, 0.9), H.ConstantLR(o)], [2]), dict(b=2, milestones=[1.5]),
+     TypeError, r"model 2's milestones: milestones\[0\] must be an int"),
 ])
 def test_bad_reset_model_arguments(make, call, exc, match):
     opt = _opt()
@@ -550,6 +605,120 @@ def test_failed_reset_changes_nothing(case):
         run.step()
         twin.step()
         _assert_others_untouched(run, twin, everyone, f"step {i + 1} after the failed reset")
+
+
+# ---- per-model step(epoch) ---------------------------------------------------------------------
+# Successive step(epoch) calls, one epoch per model (HFTA's form). CosineAnnealingWarmRestarts takes
+# fractional epochs too; SequentialLR and ChainedScheduler take none, as torch's.
+STEP_EPOCHS = [[7, 2, 12, 0, 5], [3, 3, 9, 1, 14], [1, 11, 4, 6, 2]]
+FRACTIONAL_EPOCHS = [[7.25, 2.5, 12.0, 0.75, 5.0], [3.5, 3, 9.125, 1.0, 14.9], [0.0, 11.5, 4.25, 6.0, 2.75]]
+NO_EPOCH = [n for n, (spec, _) in CASES.items() if spec[0] in ("SequentialLR", "ChainedScheduler")]
+WITH_EPOCH = [n for n in CASES if n not in NO_EPOCH]
+
+
+@pytest.mark.parametrize("B, form", [(5, "list"), (5, "tuple"), (5, "numpy"), (5, "tensor"), (1, "tensor"),
+                                     (1, "list")])
+@pytest.mark.parametrize("name", WITH_EPOCH)
+def test_per_model_step_epoch_matches_torch(name, B, form):
+    """step(epoch) with one epoch per model: model b gets what torch's scheduler gives after
+    step(epoch[b]) (the closed form, or the chained update at that epoch), with torch's deprecation
+    warning (none for CosineAnnealingWarmRestarts, as torch's gives none); the chained steps after it
+    go on from each model's epoch."""
+    run = Run(name, B)
+    for _ in range(3):
+        run.step()
+    for epochs in FRACTIONAL_EPOCHS if name == "CosineAnnealingWarmRestarts" else STEP_EPOCHS:
+        epochs = epochs[:B]
+        ours, theirs = run.step(epochs, form)
+        assert theirs in (0, B)
+        assert ours == (1 if theirs else 0), f"{ours} deprecation warnings, torch's schedulers gave {theirs}"
+        run.check(f"step(epoch={epochs})")
+        assert torch.equal(run.sched.last_epochs, torch.tensor([t.last_epoch for t in run.ts]))
+        run.step()
+        run.check(f"the step after step(epoch={epochs})")
+
+
+@pytest.mark.parametrize("name", ["StepLR", "MultiStepLR", "ExponentialLR", "ReduceLROnPlateau"])
+def test_negative_step_epochs_like_torch_and_round_trip(name):
+    """torch's step(epoch) takes any int (its closed forms go below epoch 0): so does the per-model
+    form, and the state it leaves saves and loads."""
+    B, epochs = 3, [-3, 2, -1]
+    run = Run(name, B)
+    run.step()
+    run.step(epochs, "tensor")
+    run.check(f"step(epoch={epochs})")
+    saved = _roundtrip({"opt": run.opt.state_dict(), "sched": run.sched.state_dict()})
+    assert torch.equal(saved["sched"]["last_epoch"], torch.tensor(epochs))
+    run.opt = SGD([{"params": [p], "lr": 1.0} for p in run.params], momentum=MOMENTUM)
+    run.sched = _build(H, run.opt, run.spec, B=B)
+    run.opt.load_state_dict(saved["opt"])
+    run.sched.load_state_dict(saved["sched"])
+    for i in range(5):
+        run.step()
+        run.check(f"step {i + 1} after the load")
+
+
+_BAD_INT_EPOCHS = [
+    ([1, 2], ValueError, r"\.step: epoch must have one value per model \(length B=3\), got shape \[2\]"),
+    ((1, 2, 3, 4), ValueError, r"\.step: epoch must have one value per model \(length B=3\), got shape \[4\]"),
+    (np.array([1, 2]), ValueError, r"\.step: epoch must have one value per model"),
+    (torch.ones(3, 1, dtype=torch.int64), ValueError, r"\.step: epoch must have one value per model"),
+    ([1.0, 2.0, 3.0], TypeError, r"\.step: epoch must hold ints"),
+    ([1, True, 3], TypeError, r"\.step: epoch must hold ints"),
+    (torch.tensor([1.0, 2.0, 3.0]), TypeError, r"\.step: epoch must be an int or integers .*float32 tensor"),
+    (np.array([0.5, 1.0, 2.0]), TypeError, r"\.step: epoch must be an int or integers .*float64 numpy array"),
+    (2.5, TypeError, r"\.step: epoch must be an int, a length-3 sequence of ints .*got float 2.5"),
+    ("3", TypeError, r"\.step: epoch must be an int"),
+]
+_BAD_FRACTIONAL_EPOCHS = [
+    ([1.0, 2.0], ValueError, r"\.step: epoch must have one value per model \(length B=3\), got shape \[2\]"),
+    (np.array([1.5, 2.0, 3.0, 4.0]), ValueError, r"\.step: epoch must have one value per model"),
+    ([1.0, -0.5, 2.0], ValueError, r"\.step: epoch must be >= 0 for every model, got \[1.0, -0.5, 2.0\]"),
+    (-1, ValueError, r"\.step: epoch must be >= 0"),
+    (torch.tensor([0.5, math.nan, 1.0]), ValueError, r"\.step: epoch must not be NaN"),
+    ([math.inf, 1.0, 2.0], ValueError, r"\.step: epoch must be finite for every model"),
+    (torch.tensor([True, False, True]), TypeError, r"\.step: epoch must hold real numbers"),
+    ([1.0, "2", 3.0], TypeError, r"\.step: epoch must be a float or a length-3 sequence"),
+    ("3", TypeError, r"\.step: epoch must be a float"),
+]
+
+
+@pytest.mark.parametrize("name", WITH_EPOCH)
+def test_bad_step_epoch_rejected_before_any_change(name):
+    """A per-model epoch of the wrong length or type (or, for CosineAnnealingWarmRestarts, negative,
+    NaN or infinite, which torch refuses) raises, naming what was expected and received, and changes
+    neither the scheduler nor the optimizer (nor gives the deprecation warning)."""
+    B = 3
+    run = Run(name, B, torch_refs=False)
+    for _ in range(3):
+        run.step()
+    metrics = [METRICS[run.i, :B]] if name == "ReduceLROnPlateau" else []
+    before = copy.deepcopy(run.sched.state_dict())
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in run.opt.param_groups])
+    bad = _BAD_FRACTIONAL_EPOCHS if name == "CosineAnnealingWarmRestarts" else _BAD_INT_EPOCHS
+    for epoch, exc, match in bad:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(exc, match=f"{name}{match}"):
+                run.sched.step(*metrics, epoch)
+        assert _deprecations(caught) == 0, epoch
+        _assert_models_equal(run.sched.state_dict(), before, list(range(B)), B, f"epoch {epoch!r}")
+        for group, saved in zip(run.opt.param_groups, groups):
+            for k, v in saved.items():
+                _assert_models_equal(group[k], v, list(range(B)), B, f"epoch {epoch!r}: param group {k}")
+
+
+@pytest.mark.parametrize("name", NO_EPOCH)
+def test_containers_take_no_epoch_as_torch(name):
+    """SequentialLR and ChainedScheduler step without an epoch, as torch's (whose step() takes none)."""
+    run = Run(name, 3)
+    for epoch in (4, [4, 5, 6]):
+        with pytest.raises(TypeError):
+            run.sched.step(epoch)
+        with pytest.raises(TypeError):
+            run.ts[0].step(4)
+    run.step()
+    run.check("a step after the refused ones")
 
 
 # ---- CUDA: a reset, then steps without a host sync ---------------------------------------------

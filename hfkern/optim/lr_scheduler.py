@@ -42,8 +42,14 @@ so a state saved before epochs were per model loads. A constructor's
 sequence of ints, or a 1-D integer tensor or numpy array), each >= -1: model b
 then follows torch's scheduler built with ``last_epoch[b]``, initial step
 included (a model resuming at >= 0 needs ``initial_lr`` in the param groups,
-as in torch). ``step(epoch)`` (deprecated, closed form) sets every model to
-``epoch``.
+as in torch). ``step(epoch)`` (deprecated, with torch's warning) takes one
+epoch for every model or one per model, in the same forms (any int, as torch
+takes; ``CosineAnnealingWarmRestarts``: real numbers >= 0, fractional
+included, not deprecated; ``ReduceLROnPlateau.step(metrics, epoch)`` alike):
+model b goes to ``epoch[b]`` and gets what torch's scheduler gives after
+``step(epoch[b])``, the closed form where it has one, else the chained update
+at that epoch. ``SequentialLR`` and ``ChainedScheduler`` take no epoch, as
+torch's do.
 
 ``reset_model(b, **kwargs)`` refills slot b (a sweep pruning a trial and
 starting a new one in its place): model b's schedule restarts as a scheduler
@@ -144,12 +150,30 @@ def _array_size(optimizer: object, who: str) -> int:
     raise ValueError(f"{who}: the optimizer has no [B, ...] parameter to take the array size B from")
 
 
-_Epochs = int | Sequence[int] | torch.Tensor  # a last_epoch argument: one int for every model, or one per model
+_Epochs = int | Sequence[int] | torch.Tensor  # last_epoch, step's epoch: one int for every model, or one per model
 
 
 def _epochs(value: object, B: int) -> torch.Tensor:
     """A ``last_epoch`` argument (one int for every model, or one per model) as ``[B]`` int64."""
     return _ints(value, B, "last_epoch", minimum=-1)
+
+
+def _step_epochs(value: object, B: int, who: str) -> torch.Tensor:
+    """The ``epoch`` of ``step(epoch)`` (one int for every model, or one per model) as ``[B]`` int64.
+
+    Any int: torch's step sets ``last_epoch`` to whatever it is given, negative included.
+    """
+    return _ints(value, B, f"{who}: epoch", minimum=None)
+
+
+def _fractional_epochs(value: object, B: int, who: str) -> torch.Tensor:
+    """The ``epoch`` of ``CosineAnnealingWarmRestarts.step(epoch)`` (one real number for every model,
+    or one per model) as ``[B]`` float64, each finite and >= 0."""
+    # hyper rejects negative and NaN epochs, as torch refuses a negative one (and fails on NaN).
+    t = hyper(value, B, f"{who}: epoch")
+    if torch.isinf(t).any():  # torch's floor of the epoch overflows
+        raise ValueError(f"{who}: epoch must be finite for every model, got {t.tolist()}")
+    return t
 
 
 def _model_index(b: object, B: int, who: str) -> int:
@@ -556,7 +580,7 @@ def _spec_any_floats(value: object, sched: Any, name: str) -> torch.Tensor:
     return value.detach().to("cpu").clone()
 
 
-def _spec_ints(minimum: int):
+def _spec_ints(minimum: int | None):
     def check(value: object, sched: Any, name: str) -> torch.Tensor:
         return _ints(value, sched.B, name, minimum=minimum)
     return check
@@ -682,11 +706,26 @@ def _spec_children(value: object, sched: Any, name: str) -> list[Callable[[], No
     return loads
 
 
-def _spec_milestone_list(value: object, sched: Any, name: str) -> list[int]:
-    if not isinstance(value, (list, tuple)) or len(value) != len(sched._schedulers) - 1 \
-            or not all(_is_int(m) for m in value):
-        raise ValueError(f"{name} must be {len(sched._schedulers) - 1} ints, got {value!r}")
-    return [int(m) for m in value]
+def _spec_milestone_list(value: object, sched: Any, name: str) -> list[int | torch.Tensor]:
+    return _sequence_milestones(value, len(sched._schedulers) - 1, sched.B, name)
+
+
+def _sequence_milestones(value: object, n: int, B: int, name: str) -> list[int | torch.Tensor]:
+    """SequentialLR's ``n`` milestones, each one int for every model or one per model (a length-B
+    sequence of ints, or a 1-D integer tensor or numpy array; a ``[n, B]`` tensor or array gives
+    them all). A milestone stays an int while every model agrees: torch's form, that of a state
+    saved before milestones were per model."""
+    np = _numpy()
+    if isinstance(value, torch.Tensor) or (np is not None and isinstance(value, np.ndarray)):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{name} must be a list of {n} milestones (each an int or one per model), got {type(value).__name__}"
+        )
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name}: expected one milestone fewer than schedulers ({n}), got {len(value)}")
+    return [_uniform(_ints(m, B, f"{name}[{i}]", minimum=None)) for i, m in enumerate(value)]
 
 
 def _spec_optional_floats(value: object, sched: Any, name: str) -> torch.Tensor | None:
@@ -702,7 +741,7 @@ def _spec_mode_worse(value: object, sched: Any, name: str) -> float:
 _BASE_SPEC: dict[str, Callable] = {
     "B": _spec_same_B,
     "base_lrs": _spec_group_floats,
-    "last_epoch": _spec_ints(-1),
+    "last_epoch": _spec_ints(None),  # any int: step(epoch) sets whatever it is given, as torch's does
     "_step_count": _spec_ints(0),
     "_last_lr": _spec_group_floats,
     "_is_initial": _spec_bool,
@@ -1036,33 +1075,34 @@ class LRScheduler(_PerModel, _torch.LRScheduler):
         """The learning rates the last step set: one ``[B]`` float64 CPU tensor per param group."""
         return self._last_lr
 
-    def step(self, epoch: int | None = None) -> None:
+    def step(self, epoch: _Epochs | None = None) -> None:
         """Advance every model's schedule by one step (call after ``optimizer.step()``).
 
-        ``epoch`` (deprecated, as in torch) sets every model to that epoch, with
-        the closed form where the scheduler has one. A step that raises changes
-        nothing.
+        ``epoch`` (deprecated, as in torch, which warns) sets each model's epoch:
+        one int for every model, or one per model (a length-B sequence of ints,
+        or a 1-D integer tensor or numpy array of length B). Model b's learning
+        rate is then what torch's scheduler gives after ``step(epoch[b])``: the
+        closed form at its epoch where the scheduler has one, else the chained
+        update there. A bad ``epoch`` raises (TypeError for a non-integer,
+        ValueError for a length other than B) before anything changes, and so
+        does any step that raises.
         """
         if epoch is not None:
+            epoch = _step_epochs(epoch, self.B, f"{type(self).__name__}.step")
             warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
         self._step_models(None, epoch)
 
-    def _step_models(self, models: torch.Tensor | None = None, epoch: int | None = None) -> None:
+    def _step_models(self, models: torch.Tensor | None = None, epoch: _Epochs | None = None) -> None:
         """``step(epoch)`` for every model, or for ``models`` ([B] bool) only."""
         with _kept_on_error(self):
             counts = self._step_counts + 1
             self._step_counts = counts if models is None else torch.where(models, counts, self._step_counts)
             self._update_lr(epoch, models)
 
-    def _update_lr(self, epoch: int | None = None, models: torch.Tensor | None = None) -> None:
+    def _update_lr(self, epoch: _Epochs | None = None, models: torch.Tensor | None = None) -> None:
         with _kept_on_error(self):
             old = self.last_epochs
-            if epoch is None:
-                new = old + 1
-            else:
-                if not _is_int(epoch):
-                    raise TypeError(f"{type(self).__name__}.step: epoch must be an int, got {epoch!r}")
-                new = torch.full((self.B,), int(epoch), dtype=torch.int64)
+            new = old + 1 if epoch is None else _step_epochs(epoch, self.B, f"{type(self).__name__}.step")
             self.last_epochs = new if models is None else torch.where(models, new, old)
             at = self._at(models)
             if epoch is not None and self._closed_form_at is not None:
@@ -1402,16 +1442,24 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         cos = torch.cos(math.pi * self.T_cur / self.T_i.to(_F64))
         return [self.eta_min + (base - self.eta_min) * (1 + cos) / 2 for base in self.base_lrs]
 
-    def step(self, epoch: float | None = None) -> None:
-        """Advance every model by one epoch, or (``epoch`` given) set every model to that epoch, in
+    def step(self, epoch: float | Sequence[float] | torch.Tensor | None = None) -> None:
+        """Advance every model by one epoch, or (``epoch`` given) set each model to its epoch, in
         closed form.
 
-        ``epoch`` may be fractional (e.g. ``epoch + i / iters`` within an epoch),
-        as in torch. A step that raises changes nothing.
+        ``epoch`` is one number for every model or one per model (a length-B
+        sequence, or a 1-D tensor or numpy array of length B); it may be
+        fractional (e.g. ``epoch + i / iters`` within an epoch), as in torch,
+        which neither deprecates nor warns here. Model b then follows torch's
+        ``step(epoch[b])``. A negative, NaN or infinite epoch, or a length other
+        than B, raises a ValueError, a non-real one a TypeError, before anything
+        changes; a step that raises changes nothing.
         """
+        if epoch is not None:
+            epoch = _fractional_epochs(epoch, self.B, "CosineAnnealingWarmRestarts.step")
         self._step_models(None, epoch)
 
-    def _step_models(self, models: torch.Tensor | None = None, epoch: float | None = None) -> None:
+    def _step_models(self, models: torch.Tensor | None = None,
+                     epoch: float | Sequence[float] | torch.Tensor | None = None) -> None:
         with _kept_on_error(self):
             e = self.last_epochs
             if epoch is None:
@@ -1438,11 +1486,10 @@ class CosineAnnealingWarmRestarts(LRScheduler):
                 self.T_cur, self.T_i, self.last_epochs = T_cur, T_i, epochs
             else:
                 chosen = torch.ones(self.B, dtype=torch.bool) if models is None else models
-                if not isinstance(epoch, numbers.Real) or isinstance(epoch, bool) or epoch < 0:
-                    raise ValueError(f"Expected non-negative epoch, but got {epoch!r}")
+                epochs = _fractional_epochs(epoch, self.B, "CosineAnnealingWarmRestarts.step")
                 T_cur, T_i = [], []
-                for T_0, T_mult in zip(self.T_0.tolist(), self.T_mult.tolist()):
-                    # torch's closed form with Python numbers, for each model's own T_0 and T_mult.
+                for epoch, T_0, T_mult in zip(epochs.tolist(), self.T_0.tolist(), self.T_mult.tolist()):
+                    # torch's closed form with Python numbers, for each model's own epoch, T_0 and T_mult.
                     if epoch >= T_0:
                         if T_mult == 1:
                             T_cur.append(epoch % T_0)
@@ -1457,7 +1504,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
                 T_cur = torch.tensor([float(t) for t in T_cur], dtype=_F64)
                 self.T_cur = torch.where(chosen, T_cur, self.T_cur)
                 self.T_i = torch.where(chosen, torch.tensor(T_i, dtype=torch.int64), self.T_i)
-                self.last_epochs = torch.where(chosen, math.floor(epoch), e)
+                self.last_epochs = torch.where(chosen, torch.floor(epochs).to(torch.int64), e)
             self._write(self._lr_at(self._at(models)), models)
 
 
@@ -2123,50 +2170,45 @@ def _step_child(child: LRScheduler, models: torch.Tensor) -> None:
 
 
 class SequentialLR(LRScheduler):
-    """Run hfkern schedulers one after another, switching at shared ``milestones`` (e.g. warm-up, then decay).
+    """Run hfkern schedulers one after another, switching at ``milestones`` (e.g. warm-up, then decay).
 
-    Every model has its own epoch, so after :meth:`reset_model` models may be in
+    Every model has its own epoch and milestones, so models may be in
     different schedulers of the sequence at once: each scheduler steps the
     models in its stretch, and a model reaching a milestone restarts the next
-    scheduler at its epoch 0 for itself.
+    scheduler at its epoch 0 for itself. Model b follows torch's SequentialLR
+    with model b's milestones.
 
     Args:
         optimizer: the optimizer every scheduler in ``schedulers`` drives.
         schedulers: hfkern schedulers (not :class:`ReduceLROnPlateau`).
-        milestones: ``len(schedulers) - 1`` epochs (ints, the same for every
-            model) at which the next scheduler takes over, restarting at its
-            epoch 0.
+        milestones: ``len(schedulers) - 1`` epochs at which the next scheduler
+            takes over, restarting at its epoch 0; each one int for every model
+            or one per model (e.g. ``[[5, 3, 8]]``: warm-up lengths of three
+            models; a ``[len(schedulers) - 1, B]`` tensor or array gives all).
         last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
 
-    ``reset_model(b, schedulers=None)`` restarts model b in every scheduler, as
-    building them and this SequentialLR anew would; ``schedulers`` gives model
-    b new arguments: one dict (or None) per scheduler, passed to its reset.
+    ``reset_model(b, schedulers=None, milestones=None)`` restarts model b in
+    every scheduler, as building them and this SequentialLR anew would;
+    ``schedulers`` gives model b new arguments: one dict (or None) per
+    scheduler, passed to its reset; ``milestones`` model b's own milestones
+    (``len(schedulers) - 1`` ints).
     """
 
     _spec = {"B": _spec_same_B, "_schedulers": _spec_children, "_milestones": _spec_milestone_list,
              "last_epoch": _spec_ints(0), "_last_lr": _spec_group_floats}
     _spec_replaces = True
     _optional = frozenset()
-    _model_args = ("schedulers",)
+    _model_args = ("schedulers", "milestones")
 
-    def __init__(self, optimizer: Optimizer, schedulers: Sequence[LRScheduler], milestones: Sequence[int],
+    def __init__(self, optimizer: Optimizer, schedulers: Sequence[LRScheduler],
+                 milestones: Sequence[int | Sequence[int] | torch.Tensor] | torch.Tensor,
                  last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, "SequentialLR")
         last_epochs = _epochs(last_epoch, self.B)
         schedulers = _check_children("SequentialLR", optimizer, schedulers)
-        milestones = list(milestones)
-        for m in milestones:
-            if not _is_int(m):
-                raise TypeError(
-                    f"SequentialLR: milestones must be ints (shared by all models), got {milestones!r}"
-                )
-        if len(milestones) != len(schedulers) - 1:
-            raise ValueError(
-                "SequentialLR expects one milestone fewer than schedulers, got "
-                f"{len(schedulers)} schedulers and {len(milestones)} milestones"
-            )
+        self._milestones = _sequence_milestones(milestones, len(schedulers) - 1, self.B,
+                                                "SequentialLR: milestones")
         self._schedulers = schedulers
-        self._milestones = [int(m) for m in milestones]
         self.last_epochs = last_epochs + 1
         self.optimizer = optimizer
 
@@ -2175,11 +2217,34 @@ class SequentialLR(LRScheduler):
             for i, group in enumerate(optimizer.param_groups):
                 initial = _read(group["initial_lr"], self.B, f"param_groups[{i}]['initial_lr']")
                 _set_lr(optimizer, group, initial, self.B)
-            # Each scheduler took its initial step when it was built; only the first to run keeps one.
+            # Each scheduler took its initial step when it was built; only the first to run keeps one
+            # (per model: a milestone at 0 hands a model to a later scheduler from the start).
             self.recursive_undo()
-            idx = bisect_right(self._milestones, 0)
-            self._schedulers[idx]._initial_step()
-            self._last_lr = self._schedulers[idx].get_last_lr()
+            first = self._stages(torch.zeros(self.B, dtype=torch.int64))
+            last = None
+            for k in first.unique().tolist():
+                sel = first == k
+                self._schedulers[k]._initial_step(None if bool(sel.all()) else sel)
+                lrs = self._schedulers[k].get_last_lr()
+                last = lrs if last is None else [torch.where(sel, v, old) for v, old in zip(lrs, last)]
+            self._last_lr = last
+
+    def _set_model_arg(self, b: int, name: str, value: object) -> None:
+        """``milestones``: model b's own, one int per milestone."""
+        if isinstance(value, (list, tuple)):
+            for i, m in enumerate(value):
+                _single(m, f"{type(self).__name__}.reset_model", f"{name}[{i}]", b)
+        mine = _sequence_milestones(value, len(self._milestones), 1, name)
+        self._milestones = [_uniform(_with(_ints(m, self.B, name, minimum=None), b, v))
+                            for m, v in zip(self._milestones, mine, strict=True)]
+
+    def _stages(self, epochs: torch.Tensor) -> torch.Tensor:
+        """``[B]`` int64: which scheduler is in charge of each model at its epoch (``epochs``, ``[B]``),
+        torch's ``bisect_right`` over the model's milestones."""
+        rows = [m.tolist() if isinstance(m, torch.Tensor) else [m] * self.B for m in self._milestones]
+        per_model = zip(*rows) if rows else ([] for _ in range(self.B))
+        return torch.tensor([bisect_right(list(ms), e) for ms, e in zip(per_model, epochs.tolist())],
+                            dtype=torch.int64)
 
     def recursive_undo(self, sched: LRScheduler | None = None) -> None:
         """Undo the initial step the schedulers (and nested ones) took when built."""
@@ -2201,6 +2266,8 @@ class SequentialLR(LRScheduler):
     def _restart(self, b: int, ctx: _Restart, kwargs: Mapping[str, Any]) -> None:
         kids = _child_kwargs(self, b, kwargs)
         one = _one_hot(b, self.B)
+        if kwargs.get("milestones") is not None:
+            self._set_model_args(b, {"milestones": kwargs["milestones"]})
         # As the constructors run: every scheduler starts model b, then this one takes over.
         for child, kw in zip(self._schedulers, kids, strict=True):
             child._restart(b, ctx, kw)
@@ -2209,7 +2276,7 @@ class SequentialLR(LRScheduler):
             current = _current_lr(self.optimizer, group, self.B)
             _set_lr(self.optimizer, group, torch.where(one, initial, current), self.B)
         self._undo(self, one)
-        first = self._schedulers[bisect_right(self._milestones, 0)]
+        first = self._schedulers[int(self._stages(torch.zeros(self.B, dtype=torch.int64))[b])]
         first._initial_step(one)
         self.last_epochs = torch.where(one, 0, self.last_epochs)
         self._last_lr = [torch.where(one, v, old) for v, old in zip(first.get_last_lr(), self._last_lr)]
@@ -2224,7 +2291,7 @@ class SequentialLR(LRScheduler):
     def _step_models(self, models: torch.Tensor | None = None, epoch: int | None = None) -> None:
         chosen = torch.ones(self.B, dtype=torch.bool) if models is None else models
         epochs = torch.where(chosen, self.last_epochs + 1, self.last_epochs)
-        idx = torch.tensor([bisect_right(self._milestones, e) for e in epochs.tolist()])
+        idx = self._stages(epochs)
         parts = [(k, chosen & (idx == k)) for k in range(len(self._schedulers))]
         parts = [(k, sel) for k, sel in parts if sel.any()]
         # One scheduler in charge restores itself if it raises; with several, all are restored.
@@ -2348,7 +2415,7 @@ class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):
 
     _spec = {"B": _spec_same_B, "factor": _spec_floats(0.0, 1.0, hi_open=True), "min_lrs": _spec_group_floats,
              "default_min_lr": _spec_optional_floats, "patience": _spec_ints(0), "cooldown": _spec_ints(0),
-             "eps": _spec_floats(), "last_epoch": _spec_ints(0), "_last_lr": _spec_group_floats,
+             "eps": _spec_floats(), "last_epoch": _spec_ints(None), "_last_lr": _spec_group_floats,
              "mode_worse": _spec_mode_worse, "mode": _spec_choice("min", "max"), "threshold": _spec_floats(),
              "threshold_mode": _spec_choice("rel", "abs"), "best": _spec_any_floats,
              "cooldown_counter": _spec_ints(0), "num_bad_epochs": _spec_ints(0)}
@@ -2440,17 +2507,21 @@ class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):
         )
 
     def step(  # type: ignore[override]
-        self, metrics: Sequence[float] | torch.Tensor, epoch: int | None = None
+        self, metrics: Sequence[float] | torch.Tensor, epoch: _Epochs | None = None
     ) -> None:
-        """Record one epoch's metrics, ``[B]`` (one per model), and reduce where a plateau is reached."""
+        """Record one epoch's metrics, ``[B]`` (one per model), and reduce where a plateau is reached.
+
+        ``epoch`` (deprecated, as in torch, which warns) sets each model's epoch:
+        one int for every model, or one per model (a length-B sequence of ints,
+        or a 1-D integer tensor or numpy array). Bad metrics or a bad epoch
+        raise before anything changes.
+        """
         current = self._metrics(metrics)
         if epoch is None:
             epochs = self.last_epochs + 1
         else:
+            epochs = _step_epochs(epoch, self.B, "ReduceLROnPlateau.step")
             warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
-            if not _is_int(epoch):
-                raise TypeError(f"ReduceLROnPlateau.step: epoch must be an int, got {epoch!r}")
-            epochs = torch.full((self.B,), int(epoch), dtype=torch.int64)
         with _kept_on_error(self):
             self.last_epochs = epochs
 
