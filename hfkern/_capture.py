@@ -461,6 +461,9 @@ class _Tracer(fx.Tracer):
         init, exit_ = sge.__init__, sge.__exit__
         patch(sge, "__init__", lambda c, mode, _o=init: tracer._set_grad_enabled_init(c, mode, _o))
         patch(sge, "__exit__", lambda c, *a, _o=exit_: tracer._exit(c, a, _o))
+        # fx's Proxy has no item assignment (`self.queue[:n] = keys`, `h[:, 0] = 0`): record it.
+        patch(fx.Proxy, "__setitem__", lambda p, index, value: tracer.create_proxy(
+            "call_function", operator.setitem, (p, index, value), {}))
         for kind in ("parameters", "buffers"):
             named = getattr(nn.Module, f"named_{kind}")
 

@@ -117,7 +117,25 @@ class _RebindEMA(nn.Module):
         return h * self.ema
 
 
-@pytest.mark.parametrize("cls", [_Counter, _EMA, _RebindEMA])
+class _Queue(nn.Module):
+    """MoCo's queue of keys: item assignment into a buffer, and an activation written in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("queue", torch.randn(6, 4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            self.queue[:2] = h[:2].detach()
+            self.queue[2] += 1
+        g = h.clone()
+        g[:, 0] = 0
+        return g @ self.queue.t()
+
+
+@pytest.mark.parametrize("cls", [_Counter, _EMA, _RebindEMA, _Queue])
 def test_buffer_updates_in_forward_per_model(cls):
     fused, models = _run(cls)
     if cls is _Counter:
@@ -456,7 +474,7 @@ def test_opaque_modules_keep_buffer_updates(option):
 
 # ---- the input models ------------------------------------------------------------------------------------
 def test_fuse_never_changes_the_models():
-    for cls in (_Counter, _EMA, _RebindEMA, _MomentumEncoder, _InPlaceTeacher, _Remembers):
+    for cls in (_Counter, _EMA, _RebindEMA, _Queue, _MomentumEncoder, _InPlaceTeacher, _Remembers):
         models = [cls() for _ in range(B)]
         before = [_state(m) for m in models]
         attrs = [dict(vars(m)) for m in models]
