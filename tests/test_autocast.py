@@ -9,6 +9,8 @@ float32 inside a bfloat16 region, or failed on a low-precision input.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -48,8 +50,8 @@ def _check(make, shape, device, dtype):
     models = [make().to(device) for _ in range(B)]
     fused = hfkern.fuse(models)
     x = torch.randn(*shape, device=device)
-    with torch.no_grad():
-        exact = torch.stack([m(x) for m in models])     # float32, no autocast
+    exact_models = copy.deepcopy(models)
+    exact = torch.stack([m(x) for m in exact_models])     # float32, no autocast
     with torch.autocast(device.type, dtype=dtype):
         ref = torch.stack([m(x) for m in models])
         out = fused(hfkern.broadcast(x, B))
@@ -60,13 +62,18 @@ def _check(make, shape, device, dtype):
     err, ref_err = (out.float() - exact).abs().max(), (ref.float() - exact).abs().max()
     assert err <= 2 * ref_err + 1e-2 * exact.abs().max(), (err, ref_err)
     gy = torch.randn(ref.shape, device=device)
+    (exact * gy).sum().backward()
     (ref.float() * gy).sum().backward()
     (out.float() * gy).sum().backward()
     for name, p in fused.named_parameters():
         want = torch.stack([m.get_parameter(name).grad for m in models])
+        truth = torch.stack([m.get_parameter(name).grad for m in exact_models])
         assert p.grad.dtype == want.dtype == torch.float32, name
-        scale = want.abs().max().clamp_min(1e-3)
-        assert (p.grad - want).abs().max() <= 3e-2 * scale, name
+        # The same rule against float32: the array's error at most twice torch's own, plus a
+        # fraction of the gradient's size. A conv bias before batch norm has a true gradient of
+        # zero, so both are pure low-precision noise there and only the first term applies.
+        err, ref_err = (p.grad - truth).abs().max(), (want - truth).abs().max()
+        assert err <= 2 * ref_err + 3e-2 * truth.abs().max(), (name, err, ref_err)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -117,6 +124,16 @@ def test_gpu_array_under_cuda_autocast_matches_torch(name, dtype):
         pytest.skip("needs CUDA")
     make, shape = CASES[name]
     _check(make, shape, torch.device("cuda"), dtype)
+
+
+def test_norm_cuda_autocast_rules_follow_torchs_registrations():
+    """torch's CUDA autocast rule for RMS norm changed between versions (2.11 kept the input's
+    dtype, later versions run it in float32): the array op has a CUDA autocast kernel exactly
+    where torch's own op has one."""
+    for ours, theirs in (("hfkern::array_rms_norm", "aten::rms_norm"),
+                         ("hfkern::array_layer_norm", "aten::layer_norm")):
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        assert has(ours, "AutocastCUDA") == has(theirs, "AutocastCUDA"), ours
 
 
 def test_rms_norm_default_eps_is_that_of_the_compute_dtype():

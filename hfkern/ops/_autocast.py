@@ -39,6 +39,20 @@ def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
     return value
 
 
+def register_like(qualname: str, torch_op: str, policy: str, device_types: Iterable[str] = ("cpu", "cuda")) -> None:
+    """:func:`register` on those of ``device_types`` where torch's own ``torch_op``
+    (``"aten::rms_norm"``) has an autocast kernel in this torch build.
+
+    For ops whose rule torch changed between versions: torch 2.11's CUDA autocast
+    left RMS norm in its input's dtype (measured on an H200), later versions list
+    it with layer norm among the float32 ops.
+    """
+    devices = [d for d in device_types if torch._C._dispatch_has_kernel_for_dispatch_key(
+        torch_op, "Autocast" + torch._C._dispatch_key_for_device(d))]
+    if devices:
+        register(qualname, policy, devices)
+
+
 def register(qualname: str, policy: str, device_types: Iterable[str] = ("cpu", "cuda")) -> None:
     """Give op ``qualname`` (``"hfkern::array_conv"``) torch's autocast ``policy`` on
     ``device_types``: ``"lower"`` casts its floating inputs to the autocast dtype of

@@ -233,8 +233,11 @@ def array_batch_norm_backward_torch(
             # memory: one copy into x's layout costs less than the strided
             # reductions of the general path (several passes over x and grad_y).
             grad_y = grad_y.transpose(0, 1).contiguous().transpose(0, 1)
+        # CUDA's kernel reads the weight's device even when it is undefined ("tensor does not
+        # have a device"): a weight of ones is the same math on every device.
+        w = _flat(weight) if weight is not None else x.new_ones(B * C)
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            to_grouped(grad_y), to_grouped(x), _flat(weight), None, None, mean.view(-1), rstd.view(-1),
+            to_grouped(grad_y), to_grouped(x), w, None, None, mean.view(-1), rstd.view(-1),
             True, 0.0, list(output_mask),
         )
         # unrequested outputs: distinct empties, as custom-op outputs may not alias

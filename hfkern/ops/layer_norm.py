@@ -540,6 +540,6 @@ array_rms_norm_backward.register_autograd(
 )
 
 # torch runs layer norm in float32 under CUDA autocast and in its input's dtype on the CPU;
-# RMS norm follows it.
+# RMS norm follows torch's rule for it in the running version (it changed).
 _autocast.register("hfkern::array_layer_norm", "fp32", ("cuda",))
-_autocast.register("hfkern::array_rms_norm", "fp32", ("cuda",))
+_autocast.register_like("hfkern::array_rms_norm", "aten::rms_norm", "fp32", ("cuda",))
