@@ -17,11 +17,16 @@ Selection:
   raises. There is no silent fallback. The one fixed rule: CPU tensors always
   take the torch path (``triton`` and ``cuda`` are backends for CUDA tensors).
 * ``"auto"`` (the default): per op and device, the first backend in
-  :data:`AUTO_PREFERENCE` that registered the op as *auto-eligible* and is
-  available. A backend registers as auto-eligible only if it computes what the
-  torch backend computes under the same dtype policy (same accumulation dtype,
-  same TF32 flags), so ``auto`` never silently changes numerics. The choice is
-  logged once per (op, device type) at DEBUG level on the ``hfkern`` logger.
+  :data:`AUTO_PREFERENCE` that registered the op as *auto-eligible*, is
+  available, and (for a GPU backend) has a committed training-step result
+  showing the whole step faster with it on this device class
+  (:mod:`hfkern._evidence`). A backend registers as auto-eligible only if it
+  computes what the torch backend computes under the same dtype policy (same
+  accumulation dtype, same TF32 flags), so ``auto`` never silently changes
+  numerics; a kernel benchmark alone never makes ``auto`` choose it. The choice
+  and its reason (the result file, where one decided) are logged once per
+  (op, device type) at DEBUG level on the ``hfkern`` logger and shown by
+  :func:`backend_info`.
 
 Where the selection lives:
 
@@ -53,6 +58,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+
+from . import _evidence
 
 __all__ = ["BACKENDS", "set_backend", "get_backend", "use_backend", "backend_info", "implements"]
 
@@ -177,7 +184,9 @@ def register(
     ``fn`` may be a ``"package.module:function"`` string, imported on first use.
     ``device_types`` lists the device types the implementation serves (None: all).
     ``auto=False`` keeps ``auto`` from ever choosing it (for example a backend
-    whose numerics differ from the torch path). ``dtypes`` lists the data dtypes
+    whose numerics differ from the torch path); ``auto=True`` makes it eligible,
+    and ``auto`` chooses it where :mod:`hfkern._evidence` cites a committed
+    training-step result showing it faster. ``dtypes`` lists the data dtypes
     it serves (None: all); ``auto`` passes over it for any other dtype, while an
     explicit request for it lets the implementation raise its own TypeError.
     """
@@ -311,16 +320,35 @@ def _choose(op: str, device_type: str, dtype: torch.dtype | None = None) -> tupl
         if not ok:
             raise RuntimeError(f"hfkern backend {requested!r} is not available: {why}")
         return requested, "requested explicitly"
+    passed_over = []
     for name in AUTO_PREFERENCE:
         impl = impls.get(name)
         if impl is None or not impl.auto or not _serves(impl, device_type):
             continue
         if dtype is not None and impl.dtypes and dtype not in impl.dtypes:
             continue
-        if _availability[name]()[0]:
-            served = device_type if dtype is None else f"{device_type} {dtype}"
-            return name, f"auto: first available of {list(AUTO_PREFERENCE)} serving {served}"
+        if not _availability[name]()[0]:
+            continue
+        served = device_type if dtype is None else f"{device_type} {dtype}"
+        if name == "torch":
+            why = f"auto: first available of {list(AUTO_PREFERENCE)} serving {served}"
+            if passed_over:
+                why += (f"; no committed training-step result shows the step faster with "
+                        f"{' or '.join(passed_over)} on {_device_name(device_type)!r}")
+            return name, why
+        record = _evidence.for_op(op, name, _device_name(device_type))
+        if record is None:
+            passed_over.append(name)
+            continue
+        return name, f"auto: {record.result} shows the training step faster with it on {record.device} ({record.summary})"
     raise RuntimeError(f"no available hfkern backend serves hfkern::{op} on {device_type}")
+
+
+def _device_name(device_type: str) -> str:
+    """The current device's name, which evidence records are matched against."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return device_type
 
 
 def _lookup(op: str, device: torch.device, dtype: torch.dtype | None) -> tuple[str, Callable]:
@@ -362,9 +390,13 @@ def backend_info() -> dict:
          "backends": {name: {"available": bool, "reason": str}},
          # and backends["cuda"]["architectures"]: {"sass": [80, 90], "ptx": [90],
          #     "device": "sm_90" or None, "covered_by": "SASS sm_90" or None}, {} unbuilt
-         "ops": {op: {"registered": [backends], "cpu": choice, "cuda": choice}}}
+         "ops": {op: {"registered": [backends], "cpu": choice, "cuda": choice}},
+         "evidence": [{"op", "backend", "device", "result", "summary"}, ...]}
 
-    where a choice is ``"<backend> (<why>)"`` or ``"error: <why>"``.
+    where a choice is ``"<backend> (<why>)"`` or ``"error: <why>"``; under ``auto``
+    the why of a GPU backend names the committed result that justifies it
+    (``evidence`` lists every such record), and the torch path's says which
+    eligible backends had none.
     """
     source = "use_backend" if _context.get() is not None else _default_source
     _load_packages()
@@ -391,4 +423,6 @@ def backend_info() -> dict:
             except RuntimeError as e:
                 row[device_type] = f"error: {e}"
         ops[op] = row
-    return {"requested": get_backend(), "source": source, "backends": backends, "ops": ops}
+    evidence = [dict(vars(record)) for record in _evidence.EVIDENCE]
+    return {"requested": get_backend(), "source": source, "backends": backends, "ops": ops,
+            "evidence": evidence}

@@ -1,4 +1,5 @@
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import hfkern
-from hfkern import _backend
+from hfkern import _backend, _evidence
 
 
 @pytest.fixture(autouse=True)
@@ -80,12 +81,24 @@ def test_auto_skips_backends_not_marked_auto(monkeypatch):
         del _backend._registry["test_only_op"]
 
 
+def _pretend_evidence(monkeypatch, *records, device="NVIDIA H200"):
+    """``auto`` sees ``records`` as the committed evidence, on a CUDA device named ``device``."""
+    monkeypatch.setattr(_evidence, "EVIDENCE", tuple(records))
+    monkeypatch.setattr(_backend, "_device_name", lambda device_type: device if device_type == "cuda" else "cpu")
+    _backend._resolved.clear()
+
+
+def _record(op="test_only_op", backend="cuda", device="H200"):
+    return _evidence.Evidence(op, backend, device, "bench/results/train_h200.json", "ResNet-18 step 1.4x")
+
+
 def test_auto_passes_over_a_backend_for_dtypes_it_does_not_serve(monkeypatch):
     calls = []
     _backend.register("test_only_op", "torch", lambda: calls.append("torch"))
     _backend.register("test_only_op", "cuda", lambda: calls.append("cuda"),
                       dtypes=(torch.float32, torch.bfloat16))
     monkeypatch.setitem(_backend._availability, "cuda", lambda: (True, "pretend"))
+    _pretend_evidence(monkeypatch, _record())
     cuda = torch.device("cuda")
     try:
         _backend._default = "auto"
@@ -101,6 +114,66 @@ def test_auto_passes_over_a_backend_for_dtypes_it_does_not_serve(monkeypatch):
         assert calls[-1] == "cuda"
     finally:
         del _backend._registry["test_only_op"]
+
+
+def test_auto_needs_a_committed_training_step_result(monkeypatch):
+    """An auto-eligible GPU implementation is chosen only where a record cites a committed
+    training-step result for it on this device class; otherwise auto takes the torch path."""
+    calls = []
+    _backend.register("test_only_op", "torch", lambda: calls.append("torch"))
+    _backend.register("test_only_op", "triton", lambda: calls.append("triton"))
+    _backend.register("test_only_op", "cuda", lambda: calls.append("cuda"))
+    for name in ("triton", "cuda"):
+        monkeypatch.setitem(_backend._availability, name, lambda: (True, "pretend"))
+    cuda = torch.device("cuda")
+    try:
+        _backend._default = "auto"
+        for records, expected in (((), "torch"),
+                                  ((_record(device="H100"),), "torch"),  # another device class
+                                  ((_record(op="other_op"),), "torch"),
+                                  ((_record(backend="triton"),), "triton"),
+                                  ((_record(backend="triton"), _record()), "cuda")):  # preference order
+            _pretend_evidence(monkeypatch, *records)
+            _backend.resolve("test_only_op", cuda)()
+            assert calls[-1] == expected, records
+            why = hfkern.backend_info()["ops"]["test_only_op"]["cuda"]
+            if expected == "torch":
+                assert "no committed training-step result shows the step faster with cuda or triton on " \
+                       "'NVIDIA H200'" in why
+            else:
+                assert why.startswith(f"{expected} (auto: bench/results/train_h200.json shows the training step "
+                                      "faster with it on H200")
+            assert hfkern.backend_info()["evidence"] == [dict(vars(r)) for r in records]
+        _backend._default = "triton"  # an explicit request needs no evidence
+        _backend.resolve("test_only_op", cuda)()
+        assert calls[-1] == "triton"
+    finally:
+        del _backend._registry["test_only_op"]
+        _backend._resolved.clear()
+
+
+def test_auto_on_cuda_takes_the_torch_path_for_every_op_without_evidence(monkeypatch):
+    _backend._load_packages()
+    for name in ("triton", "cuda"):
+        monkeypatch.setitem(_backend._availability, name, lambda: (True, "pretend"))
+    _pretend_evidence(monkeypatch, *_evidence.EVIDENCE)
+    _backend._default = "auto"
+    for op, impls in _backend._registry.items():
+        if "torch" not in impls:
+            continue
+        backend, why = _backend._choose(op, "cuda")
+        record = next((r for r in _evidence.EVIDENCE if r.op == op and r.backend == backend), None)
+        assert backend == "torch" or record is not None, (op, backend, why)
+
+
+def test_evidence_records_cite_committed_results():
+    _backend._load_packages()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for record in _evidence.EVIDENCE:
+        assert record.backend in ("triton", "cuda"), record
+        assert record.backend in _backend._registry.get(record.op, {}), record
+        assert _backend._registry[record.op][record.backend].auto, record  # numerically eligible too
+        assert record.result.startswith("bench/results/") and os.path.isfile(os.path.join(root, record.result))
 
 
 def test_auto_logs_choice_once(caplog):
