@@ -108,13 +108,13 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
   m.def(
       "count_steps",
       [](uintptr_t steps, uintptr_t offsets, int64_t n, int64_t B, uintptr_t skip, int threads,
-         uintptr_t stream) {
+         uintptr_t stream, uintptr_t counted_by, int64_t counted_stride) {
         py::gil_scoped_release release;
         hfkern::count_steps(ptr<float>(steps), ptr<const int64_t>(offsets), n, B, ptr<const uint8_t>(skip),
-                            threads, ptr<void>(stream));
+                            ptr<const float>(counted_by), counted_stride, threads, ptr<void>(stream));
       },
       py::arg("steps"), py::arg("offsets"), py::arg("n"), py::arg("B"), py::arg("skip"), py::arg("threads"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("counted_by") = 0, py::arg("counted_stride") = 0);
 
   // sgd_step / adam_step / lars_step / lamb_step: one dtype group's tile table (a
   // trust-ratio step with `trust` runs its norm pass into `partials` first).

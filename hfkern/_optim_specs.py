@@ -30,9 +30,16 @@ class OptimizerSpec:
     (else it is empty): ``""`` always; a flag's name: when that flag is True; a
     row's name: when any model's value of that row is non-zero (the op cannot
     read the values: it accepts either, and the lists of one row must agree).
-    ``steps_when`` says the same of ``steps``. ``pairs`` names the optimizer
-    arguments that hold two rows (``betas``). A flag ``has_<row>`` promises that
-    every model's ``<row>`` is 0 when False; the optimizer derives it from the values.
+    A row's state is model b's only while model b's own value is non-zero: a
+    step in which it is 0 leaves model b's slice untouched, as torch keeps no
+    such state for a model without the option (a momentum buffer switched off
+    resumes as it was when switched on again; one never started is still the
+    initial zeros). ``steps_when`` says the same of ``steps``; naming a row, it
+    also makes each model's count count only its steps with a non-zero value
+    (:attr:`counted_by`), so that a count of 0 marks state not started yet.
+    ``pairs`` names the optimizer arguments that hold two rows (``betas``). A
+    flag ``has_<row>`` promises that every model's ``<row>`` is 0 when False;
+    the optimizer derives it from the values.
     """
 
     name: str
@@ -45,6 +52,11 @@ class OptimizerSpec:
     @property
     def op(self) -> str:
         return f"{self.name}_step_"
+
+    @property
+    def counted_by(self) -> str | None:
+        """The row whose non-zero value a model's step count counts, or None: every update."""
+        return self.steps_when if self.steps_when in self.rows else None
 
     @property
     def state_args(self) -> tuple[str, ...]:

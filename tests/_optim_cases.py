@@ -1,9 +1,9 @@
 """Optimizer step cases shared by the backends' kernel tests (tests/triton, tests/cuda).
 
-A ``Case`` holds the arguments of one ``hfkern::*_step_`` op for a fresh optimizer
-state (per-model hyperparameters spread over the models, step counts that differ
-per tensor and model), runs an implementation on them and compares the written
-tensors with another run's.
+A ``Case`` holds the arguments of one ``hfkern::*_step_`` op (per-model
+hyperparameters spread over the models, step counts that differ per tensor and
+model, momentum buffers as mid-training, the other state as fresh), runs an
+implementation on them and compares the written tensors with another run's.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class Case:
         def zeros():  # as the optimizers allocate state: the parameter's strides
             return [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in ps]
 
+        def buffers():  # momentum buffers mid-training (a model without momentum must keep its own)
+            return [0.1 * torch.randn_like(p, dtype=acc_dtype(p.dtype)) for p in ps]
+
         hdt = torch.float64 if all(p.dtype == torch.float64 for p in ps) else torch.float32
         s = lambda lo, hi: torch.tensor(spread(lo, hi, B), dtype=hdt, device=dev)  # noqa: E731
         wd = s(0.01, 0.05) if opts.get("wd") else torch.zeros(B, dtype=hdt, device=dev)
@@ -51,9 +54,9 @@ class Case:
         steps = [torch.tensor([float((i + b) % 3) for b in range(B)], device=dev) for i in range(len(ps))]
         if name == "sgd":
             momentum = s(0.5, 0.9)
-            momentum[0] = 0.0  # dampening is ignored for a model without momentum
+            momentum[0] = 0.0  # no momentum: steps with its gradient, keeps its buffer and count
             self.hypers = torch.stack([s(0.05, 0.1), momentum, s(0.1, 0.3), wd])
-            self.states = [zeros()] if opts["momentum"] else [[]]
+            self.states = [buffers()] if opts["momentum"] else [[]]
             self.steps = steps if opts["momentum"] else []
         elif name == "adam":
             beta1 = s(0.8, 0.9)
@@ -74,12 +77,12 @@ class Case:
             momentum = s(0.0, 0.9) if opts["momentum"] else torch.zeros(B, dtype=hdt, device=dev)
             self.hypers = torch.stack([s(0.001, 0.01), s(0.9, 0.99), s(1e-8, 1e-6), wd, momentum])
             self.states = [zeros(), zeros() if opts["centered"] else [],
-                           zeros() if opts["momentum"] else []]
+                           buffers() if opts["momentum"] else []]
             self.steps = steps
         elif name == "lars":
             momentum = s(0.0, 0.9) if opts["momentum"] else torch.zeros(B, dtype=hdt, device=dev)
             self.hypers = torch.stack([s(0.5, 2.0), momentum, wd, s(1e-3, 2e-2), s(1e-8, 1e-6)])
-            self.states = [zeros() if opts["momentum"] else []]
+            self.states = [buffers() if opts["momentum"] else []]
             self.steps = steps
         elif name == "lamb":
             bounded = opts.get("bounds")

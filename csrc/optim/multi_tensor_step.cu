@@ -76,27 +76,28 @@ struct Sgd {
   static constexpr bool kReadsSteps = MOMENTUM;
   struct Scalars {
     float neg_lr, momentum, decay, scale, weight_decay;
+    bool on;  // the model has momentum: without, it steps with its gradient and keeps its buffer
   };
 
   template <typename H>
   __device__ static Scalars scalars(const H* h, int64_t rs, float t, const Norms&, const StepOptions&) {
     const H lr = h[kSgdLr * rs], momentum = h[kSgdMomentum * rs];
     const H dampening = h[kSgdDampening * rs], weight_decay = h[kSgdWeightDecay * rs];
-    // torch ignores dampening for a model without momentum.
-    H decay = momentum, scale = H(1) - (momentum == H(0) ? H(0) : dampening);
+    H decay = momentum, scale = H(1) - dampening;
     if (MOMENTUM && t == 1.0f) {
-      // A model's first update sets its buffer to the gradient (torch clones it).
+      // A model's first update with momentum (the count counts only those) sets its
+      // buffer to the gradient (torch clones it).
       decay = H(0);
       scale = H(1);
     }
     return {static_cast<float>(-lr), static_cast<float>(momentum), static_cast<float>(decay),
-            static_cast<float>(scale), static_cast<float>(weight_decay)};
+            static_cast<float>(scale), static_cast<float>(weight_decay), momentum != H(0)};
   }
 
   __device__ static float update(const Scalars& c, const StepOptions& o, float p, float g, float* s) {
     float d = o.maximize ? -g : g;
     if (o.has_weight_decay) d = d + p * c.weight_decay;
-    if (MOMENTUM) {
+    if (MOMENTUM && c.on) {
       float& buf = s[0];
       buf = buf * c.decay + d * c.scale;
       d = o.nesterov ? d + buf * c.momentum : buf;
@@ -166,6 +167,7 @@ struct Lars {
   static constexpr bool kNormWritesState = false;
   struct Scalars {
     float scale, momentum, weight_decay;  // scale = lr * local_lr
+    bool on;  // the model has momentum: without, it steps without its buffer and keeps it
   };
 
   template <typename H>
@@ -178,7 +180,8 @@ struct Lars {
       const bool ok = w_norm > H(0) && g_norm > H(0);
       scale = lr * (ok ? trust * w_norm / (g_norm + weight_decay * w_norm + eps) : H(1));
     }
-    return {static_cast<float>(scale), static_cast<float>(momentum), static_cast<float>(weight_decay)};
+    return {static_cast<float>(scale), static_cast<float>(momentum), static_cast<float>(weight_decay),
+            momentum != H(0)};
   }
 
   __device__ static void norm_terms(const Scalars&, const StepOptions&, float p, float g, float*, float& w,
@@ -190,7 +193,7 @@ struct Lars {
   __device__ static float update(const Scalars& c, const StepOptions& o, float p, float g, float* s) {
     float d = o.maximize ? -g : g;
     if (o.has_weight_decay) d = d + p * c.weight_decay;
-    if (MOMENTUM) {
+    if (MOMENTUM && c.on) {
       s[0] = s[0] * c.momentum + d * c.scale;
       return p - s[0];
     }
@@ -382,10 +385,12 @@ __global__ void __launch_bounds__(kMaxThreads) norm_kernel(StepGroup group, Step
 }
 
 __global__ void __launch_bounds__(kMaxThreads)
-    count_kernel(float* steps, const int64_t* offsets, int64_t n, int64_t B, const uint8_t* skip) {
+    count_kernel(float* steps, const int64_t* offsets, int64_t n, int64_t B, const uint8_t* skip,
+                 const float* counted_by, int64_t counted_stride) {
   const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (k >= n) return;
   if (skip != nullptr && skip[k % B] != 0) return;
+  if (counted_by != nullptr && counted_by[(k % B) * counted_stride] == 0.0f) return;
   steps[offsets[k]] += 1.0f;
 }
 
@@ -432,13 +437,14 @@ void launch_group(const StepGroup& group, const StepOptions& options, int thread
 
 }  // namespace
 
-void count_steps(float* steps, const int64_t* offsets, int64_t n, int64_t B, const uint8_t* skip, int threads,
-                 void* stream) {
+void count_steps(float* steps, const int64_t* offsets, int64_t n, int64_t B, const uint8_t* skip,
+                 const float* counted_by, int64_t counted_stride, int threads, void* stream) {
   check_threads(threads);
   if (n <= 0) return;
   if (B <= 0) throw std::invalid_argument("hfkern: expected B >= 1, got " + std::to_string(B));
   const dim3 grid(static_cast<unsigned>((n + threads - 1) / threads)), block(static_cast<unsigned>(threads));
-  HFKERN_LAUNCH(count_kernel, grid, block, 0, reinterpret_cast<cudaStream_t>(stream), steps, offsets, n, B, skip);
+  HFKERN_LAUNCH(count_kernel, grid, block, 0, reinterpret_cast<cudaStream_t>(stream), steps, offsets, n, B, skip,
+                counted_by, counted_stride);
 }
 
 void sgd_step(const StepGroup& group, const StepOptions& options, int threads, void* stream) {

@@ -4,12 +4,13 @@ Each launcher implements the hfkern op of the same name (hfkern/ops/optim.py
 documents the arguments and the math; its torch implementation is the oracle
 the kernels follow operation by operation). A step is the apex
 ``multi_tensor_apply`` pattern on hfkern's tile table (hfkern/_multi_tensor.py):
-one launch increments the step counts of every (tensor, model) not skipped, then
-one launch per parameter dtype updates every parameter of every model, one
-thread block per tile. The kernels read each model's hyperparameters and step
-count from device memory, so a step never synchronizes with the host, and the
-table is cached per set of tensors, so a training loop's steady-state step is a
-dict lookup and two launches.
+one launch increments the step counts of every (tensor, model) not skipped
+(SGD's only where the model has momentum), then one launch per parameter dtype
+updates every parameter of every model, one thread block per tile. The
+kernels read each model's hyperparameters and step count from device memory,
+so a step never synchronizes with the host, and the table is cached per set of
+tensors, so a training loop's steady-state step is a dict lookup and two
+launches.
 
 A trust-ratio step (LARS, LAMB) launches its norm pass before the update (per-tile
 partial sums of squares into a scratch buffer, summed per (tensor, model) by
@@ -122,7 +123,11 @@ def _launch(spec: OptimizerSpec, args: Sequence[Any], emulate: bool, trust: bool
         skip = skip.contiguous()  # read as [B] bytes
     skip_ptr = skip.data_ptr() if skip is not None else 0
     if plan.step_offs is not None and plan.n_steps:
-        ext.count_steps(steps[0].data_ptr(), plan.step_offs.data_ptr(), plan.n_steps, B, skip_ptr, threads, stream)
+        # Counts that follow a row (SGD's: its updates with momentum) read each model's value.
+        row = spec.row(spec.counted_by) if spec.counted_by else None
+        counted_by = hypers.data_ptr() + row * hypers.stride(0) * hypers.element_size() if row is not None else 0
+        ext.count_steps(steps[0].data_ptr(), plan.step_offs.data_ptr(), plan.n_steps, B, skip_ptr, threads, stream,
+                        counted_by=counted_by, counted_stride=hypers.stride(1))
     launch = getattr(ext, _LAUNCHERS[spec.name])
     for group in plan.groups:
         first = group.index[0]

@@ -30,9 +30,15 @@ Conventions shared by every ``*_step_`` op (model b is index b of every dim 0):
   place; an optional state list is empty (length 0) when its option is off.
   The optimizers allocate state with the parameter's strides
   (``torch.zeros_like(p, dtype=...)``); ``params``, ``grads`` and state are dense.
+  A momentum buffer is present when any model has momentum, and a model whose
+  momentum is 0 leaves its slice untouched (torch keeps no buffer for it and
+  steps without one): switched off, a model's buffer waits as it was, and
+  switched on again it resumes from there, as torch's does.
 * ``steps``: n ``[B]`` float32 tensors, how many updates each model has made to
   parameter i (integers held exactly up to 2**24). An op first adds 1 for every
-  model it updates, and the update uses the incremented count.
+  model it updates, and the update uses the incremented count. ``sgd_step_``
+  counts only the updates with momentum (momentum != 0): its count is 0 until a
+  model's buffer starts.
 * ``hypers``: ``[H, B]`` tensor of per-model hyperparameters, one row each in the
   order the op documents; float64 when every parameter is float64, else
   float32. It is read from device memory at every call (a scheduler writes new
@@ -295,14 +301,19 @@ class _Targets:
         torch._foreach_copy_(stored, work)
 
 
-def _advance(steps: list[Tensor], skip: Tensor | None) -> None:
-    """Count one update for every model that is not skipped."""
+def _advance(steps: list[Tensor], skip: Tensor | None, counted: Tensor | None = None) -> None:
+    """Count one update for every model that is not skipped (and, given the ``[B]``
+    bool ``counted``, is marked True in it)."""
     if not steps:
         return
     # A tensor increment: a Python number would be wrapped into a new tensor for
     # every count (on the CPU, three dispatched ops each). A 0-d host tensor adds
     # to counts on any device.
-    inc = _ONE if skip is None else (~skip).to(steps[0].dtype)
+    if counted is not None:
+        live = counted if skip is None else counted & ~skip
+        inc = live.to(steps[0].dtype)
+    else:
+        inc = _ONE if skip is None else (~skip).to(steps[0].dtype)
     torch._foreach_add_(steps, [inc] * len(steps))
 
 
@@ -348,6 +359,13 @@ def _bias_correction(beta: Tensor, t: Tensor) -> Tensor:
 
 # ---- SGD -------------------------------------------------------------------
 
+# A model whose momentum is 0 keeps its momentum buffer as it was and steps without
+# it (SGD, RMSprop, LARS). The torch path blends the two per model with 0/1 factors
+# in its foreach ops (one launch over every tensor) rather than a torch.where per
+# tensor: for a model with momentum ``buf * 1 + u * 0`` is exactly ``buf``, for one
+# without ``u``, wherever the values are finite (a skipped model's slices are
+# restored by _Targets whatever they hold).
+
 @_step_op(SGD_SPEC)
 def sgd_step_(
     params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], steps: list[Tensor],
@@ -357,16 +375,20 @@ def sgd_step_(
 
     ``hypers`` rows: ``lr, momentum, dampening, weight_decay``.
     ``momentum_buffers`` and ``steps``: both empty (no model has momentum: plain
-    SGD, no state) or both one per parameter. A model's buffer starts when its
-    step count is 0 (the optimizers allocate zeros), as torch's starts as a copy
-    of the first gradient::
+    SGD, no state) or both one per parameter. ``steps`` counts each model's
+    updates with momentum, so a model's buffer starts at its first update with
+    momentum (count 0 before it; the optimizers allocate zeros), as torch's
+    starts as a copy of the first gradient it sees. A model with momentum 0
+    steps with its gradient and leaves its buffer and count as they were (torch
+    keeps no buffer in use for it), so that switched on again it resumes from
+    them as torch's does, or starts if it never had::
 
         g = -grad if maximize else grad
         g = g + weight_decay * p                         # has_weight_decay
-        if momentum_buffers:
-            if t == 1: buf = g                           # first update of this model
-            else:      buf = momentum * buf + (1 - damp) * g
-                       # damp = dampening, or 0 for a model with momentum == 0
+        if momentum_buffers and momentum != 0:
+            t = t + 1
+            if t == 1: buf = g                           # first update with momentum
+            else:      buf = momentum * buf + (1 - dampening) * g
             g = g + momentum * buf if nesterov else buf
         p = p - lr * g
     """
@@ -379,19 +401,30 @@ def sgd_step_torch(params, grads, momentum_buffers, steps, hypers, nesterov, max
     targets = _Targets(skip)
     p = targets(params)
     d = _direction(grads, p, h.weight_decay if has_weight_decay else None, maximize)
-    if momentum_buffers:
-        # A model's first update sets its buffer to the gradient (torch clones it);
-        # from zeros that is buf * 0 + g * 1. torch ignores dampening without momentum.
-        first = torch.stack(steps) == 0
-        keep = 1 - torch.where(h.momentum == 0, 0.0, h.dampening)
-        decay = torch.where(first, 0.0, h.momentum)
-        scale = torch.where(first, 1.0, keep)
-        bufs = targets(momentum_buffers)
-        torch._foreach_mul_(bufs, _per_tensor(decay, bufs))
-        torch._foreach_addcmul_(bufs, d, _per_tensor(scale, bufs))
-        d = torch._foreach_addcmul(d, bufs, _cols(h.momentum, bufs)) if nesterov else bufs
-        _advance(steps, skip)
-    torch._foreach_addcmul_(p, d, _cols(-h.lr, p))
+    if not momentum_buffers:
+        torch._foreach_addcmul_(p, d, _cols(-h.lr, p))
+        targets.commit()
+        return
+    on = h.momentum != 0
+    # A model's first update with momentum sets its buffer to the gradient (torch
+    # clones it): from zeros that is buf * 0 + g * 1. A model without momentum keeps
+    # its buffer: buf * 1 + g * 0.
+    first = torch.stack(steps) == 0
+    decay = torch.where(on, torch.where(first, 0.0, h.momentum), 1.0)
+    scale = torch.where(on, torch.where(first, 1.0, 1 - h.dampening), 0.0)
+    bufs = targets(momentum_buffers)
+    torch._foreach_mul_(bufs, _per_tensor(decay, bufs))
+    torch._foreach_addcmul_(bufs, d, _per_tensor(scale, bufs))
+    if nesterov:
+        # (every model has momentum; one without, from an in-place edit, gets g + 0 * buf)
+        d = torch._foreach_addcmul(d, bufs, _cols(h.momentum, bufs))
+        torch._foreach_addcmul_(p, d, _cols(-h.lr, p))
+    else:
+        # p - lr * buf with momentum, p - lr * g without
+        o = on.to(hypers.dtype)
+        torch._foreach_addcmul_(p, bufs, _cols(-h.lr * o, p))
+        torch._foreach_addcmul_(p, d, _cols(-h.lr * (1 - o), p))
+    _advance(steps, skip, on)
     targets.commit()
 
 
@@ -544,8 +577,9 @@ def rmsprop_step_(
     ``hypers`` rows: ``lr, alpha, eps, weight_decay, momentum``. ``grad_avgs`` is
     one per parameter when ``centered``, else empty; ``momentum_buffers`` one per
     parameter when any model has momentum > 0, else empty (then every model's
-    momentum row is 0). State starts at zero; the step counts are kept but not
-    used by the math::
+    momentum row is 0). A model with momentum 0 steps as torch's RMSprop does
+    without a buffer and leaves its buffer as it was. State starts at zero; the
+    step counts are kept but not used by the math::
 
         g = -grad if maximize else grad
         g = g + weight_decay * p                         # has_weight_decay
@@ -555,8 +589,8 @@ def rmsprop_step_(
             avg = sqrt(square_avg - grad_avg * grad_avg) + eps
         else:
             avg = sqrt(square_avg) + eps
-        if momentum_buffers:
-            buf = momentum * buf + g / avg               # momentum 0: buf = g / avg
+        if momentum_buffers and momentum != 0:
+            buf = momentum * buf + g / avg
             p = p - lr * buf
         else:
             p = p - lr * g / avg
@@ -583,15 +617,20 @@ def rmsprop_step_torch(params, grads, square_avgs, grad_avgs, momentum_buffers, 
     else:
         avg = torch._foreach_sqrt(sq)
     torch._foreach_add_(avg, _cols(h.eps, avg))
-    if momentum_buffers:
-        bufs = targets(momentum_buffers)
-        torch._foreach_mul_(bufs, _cols(h.momentum, bufs))
-        torch._foreach_addcdiv_(bufs, d, avg)
-        update = bufs
-    else:
-        update = torch._foreach_div(d, avg)
+    update = torch._foreach_div(d, avg)
     del avg
-    torch._foreach_addcmul_(p, update, _cols(-h.lr, p))
+    if momentum_buffers:
+        # buf * momentum + g / avg with momentum; buf * 1 + 0 without (kept as it was)
+        on = h.momentum != 0
+        o = on.to(hypers.dtype)
+        bufs = targets(momentum_buffers)
+        torch._foreach_mul_(bufs, _cols(torch.where(on, h.momentum, 1.0), bufs))
+        torch._foreach_addcmul_(bufs, update, _cols(o, bufs))
+        # p - lr * buf with momentum, p - lr * g / avg without
+        torch._foreach_addcmul_(p, bufs, _cols(-h.lr * o, p))
+        torch._foreach_addcmul_(p, update, _cols(-h.lr * (1 - o), p))
+    else:
+        torch._foreach_addcmul_(p, update, _cols(-h.lr, p))
     targets.commit()
 
 
@@ -623,7 +662,8 @@ def lars_step_(
 
     ``hypers`` rows: ``lr, momentum, weight_decay, trust_coefficient, eps``.
     ``momentum_buffers``: one per parameter when any model has momentum > 0, else
-    empty (every model's momentum is then 0). Buffers start at zero; the step
+    empty (every model's momentum is then 0). Buffers start at zero, and a model
+    with momentum 0 steps without its buffer and leaves it as it was; the step
     counts are kept but not used by the math. For parameter i and model b, with
     ``w`` model b's slice of parameter i::
 
@@ -633,7 +673,7 @@ def lars_step_(
             local_lr = trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)
                        if ||w|| > 0 and ||g|| > 0 else 1
             g = g + weight_decay * w                     # has_weight_decay
-        if momentum_buffers:
+        if momentum_buffers and momentum != 0:
             buf = momentum * buf + (lr * local_lr) * g
             w = w - buf
         else:
@@ -667,10 +707,15 @@ def lars_step_torch(params, grads, momentum_buffers, steps, hypers, exclude_1d, 
             for i, t in zip(adapted, da):
                 d[i] = t
     if momentum_buffers:
+        # buf * momentum + scale * g with momentum; buf * 1 + 0 without (kept as it was)
+        on = h.momentum != 0
+        o = on.to(hypers.dtype)
         bufs = targets(momentum_buffers)
-        torch._foreach_mul_(bufs, _cols(h.momentum, bufs))
-        torch._foreach_addcmul_(bufs, d, _per_tensor(scale, bufs))
-        torch._foreach_sub_(p, bufs)
+        torch._foreach_mul_(bufs, _cols(torch.where(on, h.momentum, 1.0), bufs))
+        torch._foreach_addcmul_(bufs, d, _per_tensor(scale * o, bufs))
+        # w - buf with momentum, w - scale * g without
+        torch._foreach_addcmul_(p, bufs, _cols(-o, p))
+        torch._foreach_addcmul_(p, d, _per_tensor(-scale * (1 - o), p))
     else:
         torch._foreach_addcmul_(p, d, _per_tensor(-scale, p))
     targets.commit()

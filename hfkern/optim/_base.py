@@ -133,8 +133,19 @@ class ArrayOptimizer(Optimizer):
 
     Editing a stored hyperparameter in place cannot switch on work that every
     model of the group had off when it was validated (weight decay; momentum
-    of SGD and RMSprop): the step leaves it out. Assign a new value instead, or
-    use :meth:`set_hyperparameters`.
+    of SGD, RMSprop and LARS): the step leaves it out. Assign a new value
+    instead, or use :meth:`set_hyperparameters`.
+
+    State that torch keeps only for a non-zero value (the momentum buffers of
+    SGD, RMSprop and LARS) is kept for every model of a group in which any
+    model has it on, and a model whose value is 0 leaves its slice as it was.
+    A value switched on for a model therefore continues as torch's optimizer
+    with the same change would: SGD's buffer starts from the model's next
+    gradient; RMSprop's and LARS's from zeros (torch's RMSprop raises a
+    KeyError there: zeros are what its first step would have created); a value
+    switched off and on again resumes from the buffer it left. A bool option
+    switched on for a group (``amsgrad``, ``centered``) starts its state from
+    zeros likewise, where torch raises a KeyError.
 
     Per-model surgery (a sweep replacing model b while the others train on):
     :meth:`reset_state` ``(b)`` gives model b the state of a new optimizer, and
@@ -491,7 +502,11 @@ class ArrayOptimizer(Optimizer):
         The values are written in place into the ``[B]`` hyperparameter rows
         (the other models' values and the tensors' identities are kept), and the
         group is re-validated, so that a value switches on work that every
-        model had off (weight decay, momentum). The learning-rate schedulers'
+        model had off (weight decay, momentum). A momentum switched on for
+        model b continues as torch's optimizer would after the same change (see
+        the class docstring: SGD's buffer starts from the next gradient unless
+        model b had one before); call :meth:`reset_state` too for a new model's
+        state. The learning-rate schedulers'
         records are kept consistent: model b's entry of ``scheduled_lr`` and
         ``initial_lr`` (where a scheduler recorded them) becomes its new ``lr``,
         the start of its new schedule.
@@ -578,7 +593,18 @@ class ArrayOptimizer(Optimizer):
             value = value.reshape(())
         elif isinstance(value, (list, tuple)):
             raise TypeError(f"{who}: {label} must be one number for model {b}, got {value!r}")
-        return float(self._hyper(value, label)[b])
+        try:
+            return float(hyper(value, 1, label)[0])
+        except TypeError:
+            raise TypeError(
+                f"{who}: {label} must be one real number for model {b}, got {type(value).__name__} {value!r}"
+            ) from None
+        except ValueError:
+            # A real number the constructor rejects: said of model b's one value,
+            # not of the B-vector the constructor would have made of it.
+            number = float(value)
+            problem = "must not be NaN" if number != number else "must be >= 0"
+            raise ValueError(f"{who}: {label} {problem} for model {b}, got {number}") from None
 
     # ---- state dict ---------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -32,14 +32,18 @@ class LARS(ArrayOptimizer):
     ``weight_decay * w``), as LARS is commonly used. Put parameters in separate
     groups to exclude some and not others. Momentum follows the paper (the
     learning rate is inside the buffer); a model with momentum 0 steps with
-    ``lr * local_lr * g``.
+    ``lr * local_lr * g`` and leaves its buffer as it was, as ``torch.optim.SGD``
+    does: a model whose momentum is switched on starts from a zero buffer (or,
+    switched off and on again, resumes from the buffer it had).
 
     Every parameter is ``[B, ...]`` (model b is index b). ``lr``, ``momentum``,
     ``weight_decay``, ``trust_coefficient`` and ``eps`` are each a float, a
     length-B sequence, or a ``[B]`` tensor or numpy array, stored in
     ``param_groups`` as ``[B]`` tensors on the parameters' device (see
     :class:`~hfkern.optim.ArrayOptimizer`: schedulers and in-place edits reach
-    the next step). ``exclude_1d`` and ``maximize`` apply to every model of a group.
+    the next step, except that an in-place edit cannot switch momentum or weight
+    decay on for a group in which every model had zero when the group was last
+    validated). ``exclude_1d`` and ``maximize`` apply to every model of a group.
 
     State per parameter: ``step`` (``[B]`` float32, each model's count of
     updates, not used by the math) and, when any model of the group has

@@ -20,10 +20,17 @@ class RMSprop(ArrayOptimizer):
     sequence, or a ``[B]`` tensor or numpy array, stored in ``param_groups`` as ``[B]`` tensors on
     the parameters' device; ``centered`` and ``maximize`` apply to every model.
     State per parameter: ``step`` (``[B]`` float32), ``square_avg``, with
-    momentum in any model of the group ``momentum_buffer`` (a model with zero
-    momentum steps as torch does without one) and when centered ``grad_avg``
-    (``[B, ...]``). Editing the stored momentum in place cannot switch momentum
-    on for a group in which every model had zero (assign a new value).
+    momentum in any model of the group ``momentum_buffer`` and when centered
+    ``grad_avg`` (``[B, ...]``). A model with zero momentum steps as torch does
+    without a buffer and leaves its buffer as it was, so that a momentum
+    switched off and on again resumes from the buffer it had, as torch's does.
+    Switched on for a model that never had momentum (or ``centered`` switched
+    on for a group), the state starts from zeros: torch's RMSprop creates
+    ``momentum_buffer`` (``grad_avg``) only at a parameter's first step and
+    raises a KeyError when the option is switched on later, and zeros are what
+    that first step creates. Editing the stored momentum in place cannot switch
+    momentum on for a group in which every model had zero when the group was
+    last validated (assign a new value or use :meth:`set_hyperparameters`).
     ``skip_nonfinite`` and ``step(skip=...)``, and torch's implementation keywords
     ``capturable``, ``foreach`` and ``differentiable``: see :class:`~hfkern.optim.ArrayOptimizer`.
     The positional order of the arguments is torch's.

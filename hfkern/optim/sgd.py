@@ -26,13 +26,24 @@ class SGD(ArrayOptimizer):
 
     Momentum buffers (``state[p]["momentum_buffer"]``, ``[B, ...]``) are kept for
     every model of a group in which any model has momentum, with a ``[B]`` count
-    of updates (``state[p]["step"]``) that tells a model's first update, which
-    starts its buffer from the gradient as torch does; a model with zero
-    momentum steps with its gradient. Editing a stored hyperparameter tensor in
-    place takes effect at the next step but cannot switch momentum or weight
-    decay on for a group in which every model had zero (assign a new value).
-    ``foreach``, ``differentiable`` and ``fused`` are torch's implementation
-    keywords, see :class:`~hfkern.optim.ArrayOptimizer`.
+    of each model's updates with momentum (``state[p]["step"]``) that tells its
+    first one, which starts its buffer from the gradient as torch does. A model
+    with zero momentum steps with its gradient and leaves its buffer and count
+    as they were, as torch leaves ``momentum_buffer`` alone while a group's
+    momentum is 0. So when a model's momentum changes between steps (by
+    :meth:`set_hyperparameters`, an assigned value or an in-place edit) it
+    follows ``torch.optim.SGD`` with the same change: switched on for the first
+    time, its buffer starts from the next gradient; switched off and on again, it
+    resumes from the buffer it had (torch's does too; :meth:`reset_state` starts
+    it anew).
+
+    Editing a stored hyperparameter tensor in place takes effect at the next
+    step, with one exception: it cannot switch momentum or weight decay on for a
+    group in which every model had zero when the group was last validated (the
+    step then keeps no buffers, or skips the weight decay terms); assign a new
+    value or use :meth:`set_hyperparameters` for that. ``foreach``,
+    ``differentiable`` and ``fused`` are torch's implementation keywords, see
+    :class:`~hfkern.optim.ArrayOptimizer`.
     """
 
     _spec = SGD_SPEC
@@ -72,7 +83,20 @@ class SGD(ArrayOptimizer):
 
     def _init_state(self, key, p, group, state):
         if key == "step" and "momentum_buffer" in state:
-            # A buffer loaded without a count was saved by a version that kept
-            # none; it has been started for every model.
-            return torch.ones(p.size(0), dtype=torch.float32, device=p.device)
+            # A buffer without a count was saved by a version that kept none; it
+            # has been started for every model with momentum (one without held its
+            # last gradient there, which its first update with momentum must not
+            # continue from).
+            return (group["momentum"] != 0).to(device=p.device, dtype=torch.float32)
         return super()._init_state(key, p, group, state)
+
+    def _place_loaded_state(self):
+        super()._place_loaded_state()
+        # Counted now, from the momentum saved with the buffers: a momentum set
+        # before the next step must not make a buffer that never started look
+        # started.
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "momentum_buffer" in state and "step" not in state:
+                    state["step"] = self._init_state("step", p, group, state)

@@ -50,7 +50,9 @@ Step counts
 ``steps[i][b]`` is incremented exactly once per (tensor, model) by
 ``_count_kernel``, launched before the update; the update kernel then reads the
 incremented count (every program of a (tensor, model) reads the same value, and
-nothing writes it during the update), as the torch path does.
+nothing writes it during the update), as the torch path does. Where the op's
+counts follow a row (SGD's momentum, ``OptimizerSpec.counted_by``), the count
+kernel reads the model's value and counts only a non-zero one.
 
 Skipped models
 --------------
@@ -234,29 +236,34 @@ def _sgd_scalars(h, stride_hr, row, steps_ptr, MOMENTUM: tl.constexpr, F64: tl.c
     momentum = tl.load(h + _SGD_MOMENTUM * stride_hr)
     dampening = tl.load(h + _SGD_DAMPENING * stride_hr)
     wd = tl.load(h + _SGD_WD * stride_hr)
+    # A model without momentum steps with its gradient and keeps its buffer.
+    on = momentum != 0.0
     decay = momentum
-    scale = 1.0 - tl.where(momentum == 0.0, 0.0, dampening)
+    scale = 1.0 - dampening
     if MOMENTUM:
-        # A model's first update sets its buffer to the gradient, as torch's clone does.
+        # A model's first update with momentum (the count counts only those) sets its
+        # buffer to the gradient, as torch's clone does.
         first = _step_count(row, steps_ptr) == 1.0
         decay = tl.where(first, 0.0, momentum)
         scale = tl.where(first, 1.0, scale)
-    return _math(-lr, F64), _math(momentum, F64), _math(decay, F64), _math(scale, F64), _math(wd, F64)
+    return _math(-lr, F64), _math(momentum, F64), _math(decay, F64), _math(scale, F64), _math(wd, F64), on
 
 
 @triton.jit
 def _sgd_update(c, p, g, buf_ptrs, mask, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                 MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr, F64: tl.constexpr):
-    neg_lr, momentum, decay, scale, wd = c
+    neg_lr, momentum, decay, scale, wd, on = c
     d = _direction(g, p, wd, MAXIMIZE, HAS_WD, F64)
     if MOMENTUM:
-        buf = tl.load(buf_ptrs, mask=mask)
+        # a model without momentum neither reads nor writes its buffer
+        in_use = tl.where(on, mask, False)  # (the interpreter cannot & a scalar into a block)
+        buf = tl.load(buf_ptrs, mask=in_use)
         buf = buf * decay + d * scale
-        tl.store(buf_ptrs, buf, mask=mask)
+        tl.store(buf_ptrs, buf, mask=in_use)
         if NESTEROV:
-            d = d + buf * momentum
+            d = tl.where(on, d + buf * momentum, d)
         else:
-            d = buf
+            d = tl.where(on, buf, d)
     return p + d * neg_lr
 
 
@@ -356,13 +363,13 @@ def _rmsprop_scalars(h, stride_hr, F64: tl.constexpr):
     momentum = tl.load(h + _RMSPROP_MOMENTUM * stride_hr)
     w = 1.0 - alpha
     return (_math(-lr, F64), _math(alpha, F64), _math(w, F64), tl.abs(w) < 0.5, _math(eps, F64),
-            _math(wd, F64), _math(momentum, F64))
+            _math(wd, F64), _math(momentum, F64), momentum != 0.0)
 
 
 @triton.jit
 def _rmsprop_update(c, p, g, sq_ptrs, gavg_ptrs, buf_ptrs, mask, CENTERED: tl.constexpr,
                     MOMENTUM: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr, F64: tl.constexpr):
-    neg_lr, alpha, w, w_small, eps, wd, momentum = c
+    neg_lr, alpha, w, w_small, eps, wd, momentum, on = c
     sq = tl.load(sq_ptrs, mask=mask)
     d = _direction(g, p, wd, MAXIMIZE, HAS_WD, F64)
     sq = sq * alpha + (d * w) * d
@@ -374,13 +381,14 @@ def _rmsprop_update(c, p, g, sq_ptrs, gavg_ptrs, buf_ptrs, mask, CENTERED: tl.co
         avg = _sqrt(sq - gavg * gavg, F64) + eps
     else:
         avg = _sqrt(sq, F64) + eps
+    update = _div(d, avg, F64)
     if MOMENTUM:
-        buf = tl.load(buf_ptrs, mask=mask)
-        buf = buf * momentum + _div(d, avg, F64)
-        tl.store(buf_ptrs, buf, mask=mask)
-        update = buf
-    else:
-        update = _div(d, avg, F64)
+        # a model without momentum steps without its buffer and keeps it as it was
+        in_use = tl.where(on, mask, False)  # (the interpreter cannot & a scalar into a block)
+        buf = tl.load(buf_ptrs, mask=in_use)
+        buf = buf * momentum + update
+        tl.store(buf_ptrs, buf, mask=in_use)
+        update = tl.where(on, buf, update)
     return p + update * neg_lr
 
 
@@ -403,7 +411,7 @@ def _lars_scalars(h, stride_hr, w_sq, g_sq, TRUST: tl.constexpr, F64: tl.constex
         g_norm = _norm(g_sq, F64, lr.dtype)
         local = _div(trust * w_norm, g_norm + wd * w_norm + eps, H64)
         scale = lr * tl.where((w_norm > 0.0) & (g_norm > 0.0), local, 1.0)
-    return _math(scale, F64), _math(momentum, F64), _math(wd, F64)
+    return _math(scale, F64), _math(momentum, F64), _math(wd, F64), momentum != 0.0
 
 
 @triton.jit
@@ -415,13 +423,15 @@ def _lars_norm_terms(c, p, g, F64: tl.constexpr):
 @triton.jit
 def _lars_update(c, p, g, buf_ptrs, mask, MOMENTUM: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
                  F64: tl.constexpr):
-    scale, momentum, wd = c
+    scale, momentum, wd, on = c
     d = _direction(g, p, wd, MAXIMIZE, HAS_WD, F64)
     if MOMENTUM:
-        buf = tl.load(buf_ptrs, mask=mask)
+        # a model without momentum steps without its buffer and keeps it as it was
+        in_use = tl.where(on, mask, False)  # (the interpreter cannot & a scalar into a block)
+        buf = tl.load(buf_ptrs, mask=in_use)
         buf = buf * momentum + d * scale
-        tl.store(buf_ptrs, buf, mask=mask)
-        return p - buf
+        tl.store(buf_ptrs, buf, mask=in_use)
+        return tl.where(on, p - buf, p + d * -scale)
     else:
         return p + d * -scale
 
@@ -700,13 +710,19 @@ def _count_kernel(
     steps_ptr,  # steps[0]: [B] float32; every step count of the call is an offset from it
     offs_ptr,  # [n * B] int64: element offset of steps[i][b] at i * B + b
     skip_ptr,  # [B] bool
+    hyp_ptr,  # [R, B]: the op's hyperparameter rows (read with COUNTED_BY only)
+    stride_hr, stride_hb,
     NB, B,
-    HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    COUNTED_BY: tl.constexpr,  # the row whose zero value leaves a model uncounted, or -1: none
+    BLOCK: tl.constexpr,
 ):
     k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = k < NB
     if HAS_SKIP:
         mask = mask & (tl.load(skip_ptr + k % B, mask=mask, other=1) == 0)
+    if COUNTED_BY >= 0:
+        mask = mask & (tl.load(hyp_ptr + COUNTED_BY * stride_hr + (k % B) * stride_hb, mask=mask, other=0) != 0)
     off = tl.load(offs_ptr + k, mask=mask, other=0)
     t = tl.load(steps_ptr + off, mask=mask)
     tl.store(steps_ptr + off, t + 1.0, mask=mask)
@@ -869,9 +885,11 @@ def _launch(spec: OptimizerSpec, args: Sequence[Any], trust: bool) -> None:
     skip_arg = skip if skip is not None else _dummy(device, torch.bool)
     if plan.step_offs is not None and plan.n_steps:
         n_steps = plan.n_steps
+        counted_by = spec.counted_by
         _count[lambda meta: (triton.cdiv(n_steps, meta["BLOCK"]),)](
-            steps[0], plan.step_offs, skip_arg, n_steps, params[0].size(0),
-            HAS_SKIP=skip is not None,
+            steps[0], plan.step_offs, skip_arg, hypers, hypers.stride(0), hypers.stride(1), n_steps,
+            params[0].size(0), HAS_SKIP=skip is not None,
+            COUNTED_BY=spec.row(counted_by) if counted_by else -1,
         )
     for group in plan.groups:
         if group.n_tiles == 0:

@@ -68,9 +68,11 @@ struct StepOptions {
   bool bias_correction = false;         // LAMB
 };
 
-// steps[offsets[k]] += 1 for every (tensor, model) k = i * B + b whose model is not skipped.
+// steps[offsets[k]] += 1 for every (tensor, model) k = i * B + b whose model is not skipped
+// and, given counted_by (a hyperparameter row: model b's value at counted_by[b * counted_stride]),
+// has a non-zero value there (SGD counts only its updates with momentum).
 void count_steps(float* steps, const int64_t* offsets, int64_t n, int64_t B, const uint8_t* skip,
-                 int threads, void* stream);
+                 const float* counted_by, int64_t counted_stride, int threads, void* stream);
 
 // hfkern::sgd_step_ / hfkern::adam_step_ on one dtype group (hfkern/ops/optim.py has the math).
 void sgd_step(const StepGroup& group, const StepOptions& options, int threads, void* stream);
