@@ -116,17 +116,25 @@ def sync(device: torch.device) -> None:
 def train_array(array, opt, x, y, plan, device, bar):
     """Train all models at once. Returns per-epoch seconds and the last epoch's mean losses ``[B]``."""
     B = array.B
+
+    def step(xb, yb):
+        losses = cross_entropy(array(hfkern.broadcast(xb, B)), yb)  # [B]
+        opt.zero_grad()
+        losses.sum().backward()
+        opt.step()
+        return losses.detach()
+
+    # On CUDA the whole step replays as one CUDA graph after a few eager steps; on the CPU
+    # capture_step runs it eagerly.
+    idx0 = plan[0][0]
+    step = hfkern.capture_step(step, x[idx0], y[idx0])
     times, epoch_loss = [], None
     for batches in plan:
         epoch_loss = torch.zeros(B, device=device)
         sync(device)
         t0 = time.perf_counter()
         for idx in batches:
-            losses = cross_entropy(array(hfkern.broadcast(x[idx], B)), y[idx])  # [B]
-            opt.zero_grad()
-            losses.sum().backward()
-            opt.step()
-            epoch_loss += losses.detach()
+            epoch_loss += step(x[idx], y[idx])
             bar.update()
         sync(device)
         times.append(time.perf_counter() - t0)

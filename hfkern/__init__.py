@@ -20,6 +20,7 @@ from . import amp, nn, optim, utils  # noqa: E402, F401
 from ._array import broadcast, is_shared  # noqa: E402
 from ._backend import backend_info, get_backend, set_backend, use_backend  # noqa: E402
 from .fusion import FusedModel, FuseError, fuse, unfuse  # noqa: E402
+from .graphs import CapturedStep, capture_step  # noqa: E402
 from .ops.topk import TopK, topk_capacity, topk_select  # noqa: E402
 
 __version__ = "0.1.0"
@@ -31,6 +32,8 @@ __all__ = [
     "unfuse",
     "FusedModel",
     "FuseError",
+    "capture_step",
+    "CapturedStep",
     "set_backend",
     "get_backend",
     "use_backend",

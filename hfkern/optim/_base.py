@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 
 from .._array import hyper
 from .._dtypes import FLOAT_DTYPES, acc_dtype
+from .. import graphs
 from .._optim_specs import OptimizerSpec
 from ..ops import optim as ops
 
@@ -377,6 +378,19 @@ class ArrayOptimizer(Optimizer):
         self._checked[id(group)] = (group, checked)
         return checked
 
+    def _graph_structure(self) -> tuple:
+        """What a captured step (:func:`hfkern.capture_step`) is specific to: each group's
+        parameters, its hyperparameter and flag objects (a value assigned anew is validated and
+        stored in a new tensor at the next eager step) and the optional work its values switch on
+        (weight decay, momentum). Values written in place into the stored tensors are not in it."""
+        keys = self._hypers + self._init_hypers + self._flags + self._compat
+        out = []
+        for group in self.param_groups:
+            cached = self._checked.get(id(group))
+            nonzero = tuple(sorted(cached[1].nonzero.items())) if cached is not None else None
+            out.append((tuple(id(p) for p in group["params"]), tuple(id(group[k]) for k in keys), nonzero))
+        return tuple(out)
+
     def _check_skip(self, skip: Any) -> None:
         name = type(self).__name__
         if not isinstance(skip, torch.Tensor):
@@ -405,6 +419,7 @@ class ArrayOptimizer(Optimizer):
         """
         if skip is not None:
             self._check_skip(skip)
+        graphs.note_optimizer(self)  # a captured step re-captures when the parameter groups change
         loss = None
         if closure is not None:
             with torch.enable_grad():

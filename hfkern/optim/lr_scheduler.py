@@ -96,6 +96,7 @@ from torch.optim import Optimizer
 from torch.optim import lr_scheduler as _torch
 
 from .._array import hyper
+from ..graphs import host_step
 from ._base import ArrayOptimizer
 
 __all__ = [
@@ -1075,6 +1076,7 @@ class LRScheduler(_PerModel, _torch.LRScheduler):
         """The learning rates the last step set: one ``[B]`` float64 CPU tensor per param group."""
         return self._last_lr
 
+    @host_step
     def step(self, epoch: _Epochs | None = None) -> None:
         """Advance every model's schedule by one step (call after ``optimizer.step()``).
 
@@ -1442,6 +1444,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         cos = torch.cos(math.pi * self.T_cur / self.T_i.to(_F64))
         return [self.eta_min + (base - self.eta_min) * (1 + cos) / 2 for base in self.base_lrs]
 
+    @host_step
     def step(self, epoch: float | Sequence[float] | torch.Tensor | None = None) -> None:
         """Advance every model by one epoch, or (``epoch`` given) set each model to its epoch, in
         closed form.
@@ -2281,6 +2284,7 @@ class SequentialLR(LRScheduler):
         self.last_epochs = torch.where(one, 0, self.last_epochs)
         self._last_lr = [torch.where(one, v, old) for v, old in zip(first.get_last_lr(), self._last_lr)]
 
+    @host_step
     def step(self) -> None:  # type: ignore[override]
         """Step the scheduler in charge of each model at its next epoch; at a milestone, restart the next one.
 
@@ -2363,6 +2367,7 @@ class ChainedScheduler(LRScheduler):
         self.optimizer = optimizer
         self._last_lr = [v.clone() for v in self._lrs()]
 
+    @host_step
     def step(self) -> None:  # type: ignore[override]
         """Step every chained scheduler once, in order."""
         self._step_models(None)
@@ -2506,6 +2511,7 @@ class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):
             f"sequence, got {type(metrics).__name__}"
         )
 
+    @host_step
     def step(  # type: ignore[override]
         self, metrics: Sequence[float] | torch.Tensor, epoch: _Epochs | None = None
     ) -> None:

@@ -1,0 +1,209 @@
+"""hfkern.capture_step: a whole training step as one CUDA graph replay.
+
+On the CPU the captured step runs eagerly and must give exactly what the plain
+step gives. The capture logic itself (warm-up calls, the capture, replays,
+scheduler steps deferred to after each replay, new captures for a new batch
+signature or new parameter groups) runs here against a simulated graph whose
+replay re-runs the step's device work but none of its host steps, as a CUDA
+graph does. On a GPU the real graphs must equal eager steps bit for bit over
+20 steps with a scheduler, a surgery and a skip mask in the middle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
+
+import hfkern
+from hfkern import graphs
+from _fuse_models import DigitsCNN
+
+B = 3
+STEPS = 20
+
+
+class _SimulatedGraph:
+    """A graph whose capture runs the step (host steps recorded, as in a real capture) and whose
+    replay re-runs its device work only: host steps are recorded and dropped, as a CUDA graph
+    replays kernels and no Python."""
+
+    runs_at_capture = True
+
+    def capture(self, fn):
+        self.fn = fn
+        self.outputs = fn()
+        return self.outputs
+
+    def replay(self):
+        rec = graphs._recording
+        saved = rec.capturing, rec.host_steps, rec.optimizers
+        rec.capturing, rec.host_steps, rec.optimizers = True, [], {}
+        try:
+            new = self.fn()
+        finally:
+            rec.capturing, rec.host_steps, rec.optimizers = saved
+        for static, value in zip(tree_flatten(self.outputs)[0], tree_flatten(new)[0]):
+            static.copy_(value)
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    monkeypatch.setattr(graphs, "_on_cuda", lambda args, kwargs: True)
+    monkeypatch.setattr(graphs.CapturedStep, "_warmup_stream", staticmethod(contextlib.nullcontext))
+    monkeypatch.setattr(graphs.CapturedStep, "_new_graph", lambda self: _SimulatedGraph())
+
+
+def _setup(device="cpu"):
+    torch.manual_seed(0)
+    fused = hfkern.fuse(DigitsCNN, B).to(device)
+    opt = hfkern.optim.SGD(fused.parameters(), lr=[0.05, 0.02, 0.1], momentum=0.9, weight_decay=1e-4)
+    sched = hfkern.optim.lr_scheduler.StepLR(opt, step_size=[3, 4, 5], gamma=0.5)
+    scaler = hfkern.amp.GradScaler(device, init_scale=2.0**8, B=B)
+
+    def step(x, y, skip):
+        losses = torch.stack([F.cross_entropy(o, y) for o in fused(hfkern.broadcast(x, B))])
+        opt.zero_grad()
+        scaler.scale(losses).sum().backward()
+        scaler.step(opt, skip=skip)
+        scaler.update()
+        sched.step()
+        return losses.detach()
+
+    return fused, opt, sched, scaler, step
+
+
+def _batches(n, device="cpu", N=16):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        skip = torch.zeros(B, dtype=torch.bool)
+        if i % 7 == 5:
+            skip[i % B] = True  # a skip mask now and then
+        out.append((torch.randn(N, 1, 8, 8, generator=g).to(device), torch.randint(0, 10, (N,), generator=g).to(device),
+                    skip.to(device)))
+    return out
+
+
+def _train(captured: bool, device="cpu", surgery_at=10):
+    fused, opt, sched, scaler, step = _setup(device)
+    batches = _batches(STEPS, device)
+    run = hfkern.capture_step(step, *batches[0]) if captured else step
+    losses = []
+    for i, batch in enumerate(batches):
+        if i == surgery_at:  # between steps: all of it lives in tensors the graph reads
+            fused.reset_model(1, seed=7)
+            opt.reset_state(1)
+            opt.set_hyperparameters(2, lr=0.03)
+            sched.reset_model(1, step_size=2)
+            scaler.reset_model(1)
+        losses.append(run(*batch))
+    return torch.stack(losses), fused, opt, sched, run
+
+
+def _assert_same_training(a, b):
+    (la, fa, oa, sa, _), (lb, fb, ob, sb, _) = a, b
+    assert torch.equal(la, lb)
+    for (k, v), (_, w) in zip(fa.state_dict().items(), fb.state_dict().items()):
+        assert torch.equal(v, w), k
+    for p, q in zip(fa.parameters(), fb.parameters()):
+        for key, s in oa.state[p].items():
+            assert torch.equal(s, ob.state[q][key]), key
+    assert torch.equal(sa.last_epochs, sb.last_epochs)
+    for ga, gb in zip(oa.param_groups, ob.param_groups):
+        assert torch.equal(ga["lr"], gb["lr"])
+
+
+def test_on_cpu_the_captured_step_runs_eagerly_with_identical_results():
+    captured = _train(True)
+    _assert_same_training(captured, _train(False))
+    run = captured[-1]
+    assert run.graphs == 0 and run.eager_calls == STEPS
+
+
+def test_replays_equal_eager_steps_with_scheduler_surgery_and_skip_masks(simulated):
+    captured = _train(True)
+    _assert_same_training(captured, _train(False))
+    run = captured[-1]
+    # three eager warm-up calls, one capture, then replays; the scheduler stepped after each
+    assert run.eager_calls == 3 and run.graphs == 1
+
+
+def test_scheduler_steps_are_deferred_to_after_each_replay(simulated):
+    fused, opt, sched, scaler, step = _setup()
+    batches = _batches(6)
+    run = hfkern.capture_step(step, *batches[0], warmup=2)
+    for i, batch in enumerate(batches):
+        run(*batch)
+        assert sched.last_epochs.tolist() == [i + 1] * B  # once per call: not at capture and again after
+    (graph,) = run._graphs.values()
+    assert [m.__qualname__ for m, _, _ in graph.host_steps] == ["LRScheduler.step"]
+
+
+def test_a_new_batch_shape_gets_its_own_graph_after_its_own_warmup(simulated):
+    fused, opt, sched, scaler, step = _setup()
+    run = hfkern.capture_step(step, *_batches(1)[0], warmup=2)
+    full, short = _batches(4), _batches(4, N=5)
+    for batch in full:
+        run(*batch)
+    assert (run.eager_calls, run.graphs) == (2, 1)
+    for batch in short:  # the last, smaller batch of an epoch
+        run(*batch)
+    assert (run.eager_calls, run.graphs) == (4, 2)
+    run(*full[0])  # the first graph is kept
+    assert (run.eager_calls, run.graphs) == (4, 2)
+
+
+def test_new_parameter_groups_force_a_new_capture(simulated):
+    fused, opt, sched, scaler, step = _setup()
+    extra = torch.nn.Parameter(torch.zeros(B, 4))
+    run = hfkern.capture_step(step, *_batches(1)[0], warmup=1)
+    batches = _batches(6)
+    for batch in batches[:3]:
+        run(*batch)
+    assert (run.eager_calls, run.graphs) == (1, 1)
+    opt.add_param_group({"params": [extra], "lr": 0.1})
+    run(*batches[3])  # the graph would step stale groups: an eager warm-up, then a new capture
+    assert (run.eager_calls, run.graphs) == (2, 1)
+    run(*batches[4])
+    assert (run.eager_calls, run.graphs) == (2, 2)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(TypeError, match="step_fn to be callable"):
+        hfkern.capture_step(3, torch.zeros(1))
+    with pytest.raises(TypeError, match="warmup to be an int"):
+        hfkern.capture_step(lambda x: x, torch.zeros(1), warmup=2.0)
+    with pytest.raises(ValueError, match="warmup >= 1"):
+        hfkern.capture_step(lambda x: x, torch.zeros(1), warmup=0)
+    with pytest.raises(ValueError, match="example arguments holding the batch tensors"):
+        hfkern.capture_step(lambda x: x)
+
+
+@pytest.mark.gpu
+def test_gpu_replays_equal_eager_steps_bit_for_bit():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    captured = _train(True, "cuda")
+    _assert_same_training(captured, _train(False, "cuda"))
+    run = captured[-1]
+    assert run.eager_calls == 3 and run.graphs == 1
+
+
+def test_values_that_change_the_work_force_a_new_capture(simulated):
+    fused, opt, sched, scaler, step = _setup()
+    run = hfkern.capture_step(step, *_batches(1)[0], warmup=1)
+    batches = _batches(8)
+    for batch in batches[:2]:
+        run(*batch)
+    assert (run.eager_calls, run.graphs) == (1, 1)
+    opt.set_hyperparameters(0, lr=0.2)  # written in place: the graph reads it
+    run(*batches[2])
+    assert (run.eager_calls, run.graphs) == (1, 1)
+    opt.param_groups[0]["dampening"] = 0.1  # assigned anew: validated at an eager step, then captured
+    run(*batches[3])
+    run(*batches[4])
+    assert (run.eager_calls, run.graphs) == (2, 2)
