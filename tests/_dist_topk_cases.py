@@ -487,6 +487,166 @@ def check_ddp_restart(ctx):
             _equal(a.detach(), b, f"restart {'hierarchical' if kw else 'flat'}: parameter {i}")
 
 
+# ---- several DDP buckets --------------------------------------------------------------------
+# DDP puts every parameter in one bucket for the first iteration and rebuilds
+# its buckets in gradient-ready order afterwards; with this cap (about 100
+# floats) the model below then has three, of 1681, 120 and 8 elements. The
+# fallback sends the last one densely, so that one backward pass mixes the
+# sparse exchange with the dense all-reduce; without fallback all three are
+# sparse. Hierarchical buckets overlap: a bucket's exchange is still in flight
+# when the next bucket's begins. A hook that issued a collective from a
+# future's callback (when the exchange completed, at a different moment on
+# each rank) let ranks issue the node groups' collectives in different orders:
+# over 16 steps it hung or aborted in every run tried.
+_BUCKET_CAP_MB = 0.0004
+_BUCKET_NUMELS = [1681, 120, 8]
+_BUCKET_STEPS = 16
+_BUCKET_WARMUP = 2
+
+
+def _bucket_mlp(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 40), nn.Tanh(),
+                         nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 1))
+
+
+def _bucket_data(rank, step):
+    g = torch.Generator().manual_seed(200_000 + 97 * step + rank)
+    x = torch.randn(16, 3, generator=g)
+    return x, torch.sin(3 * x.sum(1, keepdim=True))
+
+
+def _bucket_to_rows(flat, bucket_keys, numels, residual=None):
+    """[1, m]: a bucket-layout tensor with its parameters in model order, plus the
+    ``residual`` segments (parameter position -> flat tensor) where there are any."""
+    segs, off = {}, 0
+    for key in bucket_keys:
+        seg = flat[off:off + numels[key]]
+        segs[key] = seg + residual[key] if residual and key in residual else seg
+        off += numels[key]
+    return torch.cat([segs[key] for key in sorted(bucket_keys)]).view(1, -1)
+
+
+def _keep_rows(residual, rows, bucket_keys, numels):
+    """Store model-order ``[1, m]`` rows as per-parameter residual segments."""
+    off = 0
+    for key in sorted(bucket_keys):
+        residual[key] = rows[0, off:off + numels[key]].clone()
+        off += numels[key]
+
+
+def _ddp_buckets(ctx, hierarchical, fallback):
+    """DDP with several buckets, flat or hierarchical: every hook call's result
+    against the single-process simulation built from every rank's bucket inputs
+    (gathered after the run), bit for bit for the sparse exchanges (the
+    hierarchical node sum adds two ranks, which is exact in either order), close
+    for the dense all-reduce; and the residuals at the end."""
+    from hfkern.distributed import TopKState, k_for, topk_hook
+    from hfkern.ops.topk import topk_select
+
+    rank, W, L = ctx["rank"], WORLD, NODE_SIZE
+    N = W // L
+    what = "hierarchical" if hierarchical else "flat"
+    where = f"{what} fallback={fallback}"
+    density = 0.05
+    model = _bucket_mlp(5)
+    keys = {id(p): i for i, p in enumerate(model.parameters())}
+    numels = [p.numel() for p in model.parameters()]
+    kw = {"nodes": ctx["nodes"]} if hierarchical else {}
+    state = TopKState(model, density=density, warmup_steps=_BUCKET_WARMUP, seed=11, fallback=fallback,
+                      **kw)
+    calls = []
+
+    def hook(st, bucket):
+        call = {"step": st.step, "index": bucket.index(), "input": bucket.buffer().clone(),
+                "keys": [keys[id(p)] for p in bucket.parameters()]}
+        fut = topk_hook(st, bucket)
+        call["mode"] = st.bucket_stats[bucket.index()].mode
+        calls.append(call)
+
+        def record(f):
+            call["output"] = f.value().clone()
+            return f.value()
+
+        return fut.then(record)
+
+    ddp = _ddp(model, None, bucket_cap_mb=_BUCKET_CAP_MB)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for t in range(_BUCKET_STEPS):
+        x, y = _bucket_data(rank, t)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert state.step == _BUCKET_STEPS, (where, state.step)
+    # The layout the comment above describes, so that this cannot quietly test one bucket.
+    for t in range(1, _BUCKET_STEPS):
+        numels_t = [c["input"].numel() for c in calls if c["step"] == t]
+        assert len(numels_t) > 1, f"{where}: step {t} had {len(numels_t)} bucket(s)"
+        assert numels_t == _BUCKET_NUMELS, (where, t, numels_t)
+        modes = [c["mode"] for c in calls if c["step"] == t]
+        want = (["dense"] * 3 if t < _BUCKET_WARMUP else
+                [what, what, "dense"] if fallback else [what] * 3)
+        assert modes == want, (where, t, modes)
+
+    mine = [(c["step"], c["index"], c["keys"], c["mode"], c["input"], c["output"]) for c in calls]
+    every = [None] * W
+    dist.all_gather_object(every, mine)
+    assert all(len(e) == len(mine) for e in every), [len(e) for e in every]
+    E = [{} for _ in range(W)]  # rank -> parameter position -> residual
+    for j, (step, index, bucket_keys, mode, _, out) in enumerate(mine):
+        for r in range(W):
+            assert every[r][j][:4] == (step, index, bucket_keys, mode), (r, every[r][j][:4])
+        acc = [_bucket_to_rows(every[r][j][4], bucket_keys, numels, E[r]) for r in range(W)]
+        m = acc[0].size(1)
+        call = f"{where} step {step} bucket {index}"
+        seed = state.seed_for(step, index)
+        got = _bucket_to_rows(out, bucket_keys, numels)
+        if mode == "dense":
+            for r in range(W):
+                _keep_rows(E[r], torch.zeros(1, m), bucket_keys, numels)
+            torch.testing.assert_close(got, sum(a / W for a in acc), msg=lambda msg, call=call: f"{call}: {msg}")
+            continue
+        if mode == "flat":
+            k = k_for(density, m)
+            total = torch.zeros(1, m)
+            for r in range(W):
+                mask = _mask(topk_select(acc[r], k, exact=False, seed=seed), acc[r].shape)
+                total += torch.where(mask, acc[r], torch.zeros_like(acc[r]))
+                _keep_rows(E[r], torch.where(mask, torch.zeros_like(acc[r]), acc[r]), bucket_keys, numels)
+        else:
+            s = -(-m // L)
+            k = k_for(density, s)
+            wide = torch.zeros(1, L * s)
+            for n in range(N):
+                node = torch.zeros(1, L * s)
+                for l in range(L):
+                    node[:, :m] += acc[n * L + l]
+                for l in range(L):
+                    h = node[:, l * s:(l + 1) * s]
+                    mask = _mask(topk_select(h, k, exact=False, seed=seed), h.shape)
+                    wide[:, l * s:(l + 1) * s] += torch.where(mask, h, torch.zeros_like(h))
+                    e = torch.zeros(1, L * s)
+                    e[:, l * s:(l + 1) * s] = torch.where(mask, torch.zeros_like(h), h)
+                    _keep_rows(E[n * L + l], e[:, :m], bucket_keys, numels)
+            total = wide[:, :m]
+        _equal(got, total / W, call)
+    residuals = state.state_dict()["residuals"]
+    for key, seg in E[rank].items():
+        _equal(residuals.get(key, torch.zeros_like(seg)), seg, f"{where}: residual of parameter {key}")
+
+
+def check_ddp_buckets_flat(ctx):
+    for fallback in (True, False):
+        _ddp_buckets(ctx, hierarchical=False, fallback=fallback)
+
+
+def check_ddp_buckets_hierarchical(ctx):
+    for fallback in (True, False):
+        _ddp_buckets(ctx, hierarchical=True, fallback=fallback)
+
+
 CHECKS = [
     check_errors,
     check_flat_reference,
@@ -499,17 +659,27 @@ CHECKS = [
     check_ddp_convergence,
 ]
 
+# Run in a spawn of their own: on a collective mismatch a rank hangs or aborts,
+# which must not take the records of the checks above with it.
+BUCKET_CHECKS = [
+    check_ddp_buckets_flat,
+    check_ddp_buckets_hierarchical,
+]
 
-def worker(rank: int, world: int, out_dir: str, init_file: str) -> None:
+SUITES = {"main": CHECKS, "buckets": BUCKET_CHECKS}
+
+
+def worker(rank: int, world: int, out_dir: str, init_file: str, suite: str = "main",
+           timeout_s: int = 60) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     from hfkern.distributed import node_groups
 
     record = {}
     ctx = {"rank": rank, "nodes": node_groups(NODE_SIZE), "record": record}
     path = os.path.join(out_dir, f"rank{rank}.json")
-    for check in CHECKS:
+    for check in SUITES[suite]:
         t0 = time.perf_counter()
         try:
             check(ctx)

@@ -1,8 +1,9 @@
 """hfkern.distributed: the top-k sparse DDP communication hook, on Gloo in 4 processes.
 
-One spawn runs every check of tests/_dist_topk_cases.py (process start-up
-costs seconds on a small machine); each test below reports one check on every
-rank. The groups stand for two nodes of two ranks.
+One spawn runs the checks of tests/_dist_topk_cases.py (process start-up
+costs seconds on a small machine), and a second one the checks with several
+DDP buckets, whose failure mode is a hang or an abort; each test below reports
+one check on every rank. The groups stand for two nodes of two ranks.
 """
 
 import json
@@ -21,34 +22,70 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="needs torch.distributed with Gloo")
 
 _DEADLINE_S = 240
+# The bucket checks take seconds; a collective mismatch hangs until Gloo's
+# timeout (30 s there) or forever, and must fail rather than block the run.
+_BUCKETS_DEADLINE_S = 90
+_BUCKETS_GLOO_TIMEOUT_S = 30
+
+
+def _spawn(out, suite, deadline_s, gloo_timeout_s):
+    """Run the checks of ``cases.SUITES[suite]`` in WORLD processes; rank -> record.
+
+    A hang past the deadline or a dead process fails the checks that did not
+    record a result (each rank writes its record after every check)."""
+    fd, init_file = tempfile.mkstemp(dir=out)
+    os.close(fd)
+    os.unlink(init_file)  # the file store creates it
+    ctx = mp.spawn(cases.worker, args=(cases.WORLD, str(out), init_file, suite, gloo_timeout_s),
+                   nprocs=cases.WORLD, join=False)
+    deadline = time.monotonic() + deadline_s
+    failure = None
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                failure = f"the {cases.WORLD} processes did not finish within {deadline_s} s"
+                break
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # an abort inside Gloo, say
+        failure = f"a process failed: {e}"
+    if failure is not None:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    recs = {}
+    for r in range(cases.WORLD):
+        path = out / f"rank{r}.json"
+        recs[r] = json.loads(path.read_text()) if path.exists() else {}
+        recs[r]["_failure"] = failure
+    return recs
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist_topk")
-    fd, init_file = tempfile.mkstemp(dir=out)
-    os.close(fd)
-    os.unlink(init_file)  # the file store creates it
-    ctx = mp.spawn(cases.worker, args=(cases.WORLD, str(out), init_file), nprocs=cases.WORLD,
-                   join=False)
-    deadline = time.monotonic() + _DEADLINE_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"the {cases.WORLD} processes did not finish within {_DEADLINE_S} s")
-    recs = {}
-    for r in range(cases.WORLD):
-        with open(out / f"rank{r}.json") as f:
-            recs[r] = json.load(f)
-    return recs
+    return _spawn(tmp_path_factory.mktemp("dist_topk"), "main", _DEADLINE_S, 60)
+
+
+@pytest.fixture(scope="module")
+def bucket_records(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("dist_topk_buckets"), "buckets", _BUCKETS_DEADLINE_S,
+                  _BUCKETS_GLOO_TIMEOUT_S)
+
+
+def _assert_ok(records, check):
+    failures = {r: rec.get(check, f"not run: {rec['_failure']}") for r, rec in records.items()
+                if rec.get(check) != "ok"}
+    assert not failures, "\n".join(f"rank {r}:\n{msg}" for r, msg in failures.items())
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in cases.CHECKS])
 def test_distributed(records, check):
-    failures = {r: rec.get(check, "not run") for r, rec in records.items() if rec.get(check) != "ok"}
-    assert not failures, "\n".join(f"rank {r}:\n{msg}" for r, msg in failures.items())
+    _assert_ok(records, check)
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in cases.BUCKET_CHECKS])
+def test_distributed_buckets(bucket_records, check):
+    """Several DDP buckets a step (hierarchical: the issue order of collectives on
+    the node groups must not depend on when a bucket's exchange completes)."""
+    _assert_ok(bucket_records, check)
 
 
 def test_convergence_figures(records):

@@ -45,7 +45,11 @@ orders a bucket's parameters by when their gradients became ready, and
 rebuilds its buckets after the first iteration), so the selection does not
 depend on that order. In hierarchical mode the hook waits for the intra-node
 reduce-scatter before selecting (on NCCL the wait only orders the streams);
-the inter-node exchange and the final gather complete in the returned future.
+the inter-node exchange runs on while the backward pass goes on, and the
+node's final all-gather is issued by the hook call of the next bucket (the
+last bucket issues its own). Collectives go out only from hook calls, in
+bucket order, never from a future's callback, because every rank must issue
+the collectives of a group in the same order, with any number of buckets.
 
 Arrays of models (``per_model=B``): every parameter is ``[B, ...]``, model-major,
 so model b's part of a bucket is the concatenation of ``param[b]`` over the
@@ -269,6 +273,10 @@ class TopKState:
         self._last_mode: dict[int, str] = {}
         self.bucket_stats: dict[int, BucketStats] = {}
         self.payload_bytes = 0  # total over the run, this rank
+        # Hierarchical buckets of the current backward pass whose final
+        # intra-node all-gather is not issued yet, in bucket order (see
+        # _hierarchical); the next hook call issues them before its own.
+        self._pending: list[Callable[[], None]] = []
 
     # ---- schedule --------------------------------------------------------------------------
     def density_at(self, step: int) -> float:
@@ -400,6 +408,10 @@ class TopKState:
             return "dense", density, k, cap
         return mode, density, k, cap
 
+    def _issue_pending(self) -> None:
+        while self._pending:
+            self._pending.pop(0)()
+
     # ---- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Step, seed and this rank's residuals per parameter (copies); what a restart needs."""
@@ -469,6 +481,11 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     of the bucket's averaged gradient ``[n]`` (the bucket's own buffer, written in
     place), as torch's ``allreduce_hook`` does. What is computed: see the module
     docstring of :mod:`hfkern.distributed.topk`.
+
+    In hierarchical mode the future of a bucket that is not the last one
+    (``bucket.is_last()``) completes only after the hook has been called for the
+    next bucket, which issues its last collective; DDP calls the hook for every
+    bucket, in index order, before it waits on any of the futures.
     """
     buf = bucket.buffer()
     if buf.dtype not in _FLOAT_DTYPES:
@@ -483,6 +500,12 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         logger.debug("topk_hook: bucket %d (%d elements) goes %s at step %d (density %g)",
                      index, plan.n, mode, step, density)
         state._last_mode[index] = mode
+    # Every collective is issued here, on the thread that calls the hook, never
+    # from a future's callback: Gloo and NCCL match collectives on a group by
+    # the order they were issued in, and a callback runs when a collective
+    # completes, which differs between ranks. Earlier buckets' deferred
+    # collectives go first, so every rank issues one sequence per group.
+    state._issue_pending()
 
     if mode == "dense":
         res = state._residual(index, plan, buf, create=False)
@@ -500,7 +523,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     seed = state.seed_for(step, index)
     if mode == "flat":
         return _flat(state, index, plan, buf, res, k, cap, seed, density)
-    return _hierarchical(state, index, plan, buf, res, k, cap, seed, density)
+    return _hierarchical(state, index, plan, buf, res, k, cap, seed, density, bucket.is_last())
 
 
 def _rows(plan: _BucketPlan, flat: torch.Tensor) -> torch.Tensor:
@@ -531,7 +554,7 @@ def _flat(state, index, plan, buf, res, k, cap, seed, density):
     state.payload_bytes += packed.numel()
     work = _all_gather(gathered, packed, state.process_group)
 
-    def finish(fut):
+    def finish(fut):  # local work only: no collective from a callback (see topk_hook)
         total = _scatter_add(gathered, W, R * cap, buf.dtype, R * m)
         total.div_(W)
         return _unrows(plan, total, buf)
@@ -539,7 +562,13 @@ def _flat(state, index, plan, buf, res, k, cap, seed, density):
     return work.get_future().then(finish)
 
 
-def _hierarchical(state, index, plan, buf, res, k, cap, seed, density):
+def _future_like(t: torch.Tensor) -> torch.futures.Future:
+    """An empty future whose value will be on ``t``'s device (a CUDA future
+    synchronizes streams for whoever waits on it)."""
+    return torch.futures.Future(devices=[t.device]) if t.is_cuda else torch.futures.Future()
+
+
+def _hierarchical(state, index, plan, buf, res, k, cap, seed, density, last):
     nodes: NodeGroups = state.nodes
     L, N, l = nodes.node_size, nodes.num_nodes, nodes.local_rank
     R, m = plan.rows, plan.m
@@ -571,14 +600,38 @@ def _hierarchical(state, index, plan, buf, res, k, cap, seed, density):
     packed = _pack(sel.values, flat_idx)
     gathered = torch.empty(N * packed.numel(), dtype=torch.uint8, device=buf.device)
     work = _all_gather(gathered, packed, nodes.inter)
+    full = torch.empty(L * R * s, dtype=buf.dtype, device=buf.device)
+    out = _future_like(buf)
 
     def assemble(fut):
-        total = _scatter_add(gathered, N, R * cap, buf.dtype, R * s).to(buf.dtype)
-        full = torch.empty(L * R * s, dtype=buf.dtype, device=buf.device)
-        _all_gather(full, total, nodes.intra).wait()
-        rows = full.view(L, R, s).transpose(0, 1).reshape(R, L * s)[:, :m]
-        out = rows.to(torch.float32 if buf.dtype in (torch.float16, torch.bfloat16) else buf.dtype)
-        out = out / state.world_size
-        return _unrows(plan, out, buf)
+        try:
+            fut.value()  # raises if the all-gather failed
+            rows = full.view(L, R, s).transpose(0, 1).reshape(R, L * s)[:, :m]
+            rows = rows.to(torch.float32 if buf.dtype in (torch.float16, torch.bfloat16) else buf.dtype)
+            out.set_result(_unrows(plan, rows / state.world_size, buf))
+        except Exception as e:  # noqa: BLE001 - whoever waits on ``out`` sees it, not a hang
+            out.set_exception(e)
 
-    return work.get_future().then(assemble)
+    def gather_node():
+        try:
+            work.wait()
+            total = _scatter_add(gathered, N, R * cap, buf.dtype, R * s).to(buf.dtype)
+            node_work = _all_gather(full, total, nodes.intra)
+        except Exception as e:
+            out.set_exception(e)
+            raise
+        node_work.get_future().then(assemble)
+
+    # The node's all-gather of the summed shards needs the inter-node exchange's
+    # result, but it is issued on the intra-node group, where the next bucket's
+    # reduce-scatter goes too, so it may not go out from a callback (see
+    # topk_hook). Waiting for the exchange here would hold up the backward pass
+    # (on Gloo the host, on NCCL the compute stream) for every bucket; instead
+    # the next bucket's hook call issues it, before its own reduce-scatter, so
+    # the exchange overlaps the backward computation between the two hook
+    # calls. The last bucket has no next call: it issues its own now.
+    if last:
+        gather_node()
+    else:
+        state._pending.append(gather_node)
+    return out
