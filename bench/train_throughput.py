@@ -11,10 +11,15 @@ Modes (``--modes``):
   (``torch.func.stack_module_state`` + ``functional_call`` under ``torch.vmap``),
   stepped by the hfkern array optimizer (torch.optim cannot give stacked
   parameters a learning rate per model);
+* ``hfta``: the original HFTA's horizontal fusion in plain torch, no hfkern
+  (``bench/models/hfta.py``): grouped convolutions and one batch norm over
+  ``B*C`` channels on the ``[N, B*C, H, W]`` layout, ``baddbmm`` linear layers,
+  torch's foreach optimizer math over the fused parameters with each model's
+  learning rate as a ``[B, 1]`` column; the baseline the array modes must beat;
 * ``array``: ``hfkern.fuse`` of the B models with the hfkern array optimizer,
   once per backend (``--backends``; by default those available on the device:
-  ``torch`` is the original paper's method, cuDNN grouped conv and batched
-  GEMM; ``triton`` and ``cuda`` are hfkern's kernels);
+  ``torch`` serves hfkern's ops by the original paper's kernels, cuDNN
+  grouped conv and batched GEMM; ``triton`` and ``cuda`` are hfkern's kernels);
 * ``array+compile``: the same with the fused model under ``torch.compile``
   (forward and backward; compile time is reported, not timed).
 
@@ -78,7 +83,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-MODES = ("serial", "concurrent", "vmap", "array", "array+compile")
+MODES = ("serial", "concurrent", "vmap", "hfta", "array", "array+compile")
 PRECISIONS = ("fp32", "bf16")
 ARRAY_MODES = ("array", "array+compile")
 
@@ -163,6 +168,14 @@ class Runner:
                              for m, b in zip(self.models[n], self.indices)] for n in self.w.nets}
             return
         models = {n: [build(n, b) for b in range(self.B)] for n in self.w.nets}
+        if self.mode == "hfta":
+            from bench.models import hfta
+
+            # The same contiguous grouped layout as array[torch] (no channels-last in any mode).
+            self.hfta = {n: hfta.fuse(self.w.name, n, ms) for n, ms in models.items()}
+            self.opts = {n: hfta.optimizer(opt_name, f.parameters(), self.B, lr=lrs, **opt_kwargs)
+                         for n, f in self.hfta.items()}
+            return
         array_opt = _optimizer_class(hfkern.optim, opt_name)
         if self.mode == "vmap":
             self._vmapped: dict = {}
@@ -208,6 +221,11 @@ class Runner:
             out = self.forward[net](*inputs)
         return out.float()
 
+    def _hfta_apply(self, net, *inputs, per_model=False):
+        with self._autocast():
+            out = self.hfta[net](*inputs, per_model=per_model)
+        return out.float()
+
     def _vmap_apply(self, net, *inputs, per_model=False):
         base, params, buffers = self.stacked[net]
         key = (net, len(inputs), per_model)
@@ -229,7 +247,7 @@ class Runner:
     def step(self) -> torch.Tensor:
         if self.mode in ("serial", "concurrent"):
             return torch.cat([self.w.step(*self._one_model(k), self.batch) for k in range(len(self.indices))])
-        apply = self._vmap_apply if self.mode == "vmap" else self._array_apply
+        apply = {"vmap": self._vmap_apply, "hfta": self._hfta_apply}.get(self.mode, self._array_apply)
         if self.backend is None:
             return self.w.step(apply, self._array_update, self.batch)
         with self.hfkern.use_backend(self.backend):
@@ -359,7 +377,8 @@ class _WorkerError(Exception):
 def _context():
     ctx = mp.get_context("forkserver")
     # The server imports these once; each worker forks from it with them loaded.
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.optim", "hfkern", "bench.models"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.optim", "hfkern", "bench.models",
+                                "bench.models.hfta"])
     return ctx
 
 
@@ -431,10 +450,17 @@ def run_cell(ctx, workload: str, precision: str, B: int, keys, s: Settings, prof
 
 
 def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress, groups: list[Group]):
+    from bench.models import hfta
+
     for key, mode, backend in keys:
+        skip = None
         if mode == "concurrent" and B > s.max_procs:
+            skip = f"skipped: B = {B} processes exceeds --max-procs {s.max_procs}"
+        elif mode == "hfta" and not hfta.supports(workload):
+            skip = f"skipped: hfta is not implemented for workload {workload!r}"
+        if skip:
             g = Group(key, mode, backend)
-            g.error = {"error": f"skipped: B = {B} processes exceeds --max-procs {s.max_procs}", "oom": False}
+            g.error = {"error": skip, "oom": False}
             groups.append(g)
             continue
         groups.append(start_group(ctx, key, mode, backend, workload, precision, B, s))
@@ -507,7 +533,7 @@ def environment(device: torch.device, threads: int) -> dict:
 
 
 def finish_rows(rows: list[dict], workloads, size: str, env: dict) -> None:
-    """Samples/s and speedups over serial, vmap and concurrent at equal B; device and versions."""
+    """Samples/s and speedups over serial, vmap, concurrent and hfta at equal B; device and versions."""
     from bench.models import WORKLOADS
 
     by_cell: dict = {}
@@ -523,7 +549,7 @@ def finish_rows(rows: list[dict], workloads, size: str, env: dict) -> None:
         if "samples_per_s" not in r:
             continue
         cell = by_cell[(r["workload"], r["precision"], r["B"])]
-        for ref in ("serial", "vmap", "concurrent"):
+        for ref in ("serial", "vmap", "concurrent", "hfta"):
             r[f"vs_{ref}"] = r["samples_per_s"] / cell[ref] if ref in cell else None
 
 
@@ -568,8 +594,9 @@ def summary(record: dict) -> str:
              f"torch {env['torch']}, triton {env['triton']}, Python {env['python']}, hfkern {env['hfkern']}; "
              f"workload size `{record['settings']['size']}`; median of {record['settings']['rounds']} interleaved "
              f"rounds of {record['settings']['steps']} steps; command: `{record['command']}`", "",
-             "Samples/s are of all B models together; `xS`, `xV`, `xC`: speedup over serial, vmap and "
-             "concurrent at the same B; peak MB: the mode's own peak memory (bench/train_throughput.py).", ""]
+             "Samples/s are of all B models together; `xS`, `xV`, `xC`, `xH`: speedup over serial, vmap, "
+             "concurrent and hfta (the HFTA-style baseline) at the same B; peak MB: the mode's own peak memory "
+             "(bench/train_throughput.py).", ""]
     errors = [r for r in record["rows"] if "error" in r]
     for workload in dict.fromkeys(r["workload"] for r in record["rows"]):
         for precision in dict.fromkeys(r["precision"] for r in record["rows"] if r["workload"] == workload):
@@ -593,7 +620,8 @@ def summary(record: dict) -> str:
                     extra = [f"x{r['vs_serial']:.2f}S" if r.get("vs_serial") and r["mode"] != "serial" else ""]
                     if r["mode"] in ARRAY_MODES:
                         extra += [_fmt(r.get("vs_vmap"), ".2f") + "V" if r.get("vs_vmap") else "",
-                                  _fmt(r.get("vs_concurrent"), ".2f") + "C" if r.get("vs_concurrent") else ""]
+                                  _fmt(r.get("vs_concurrent"), ".2f") + "C" if r.get("vs_concurrent") else "",
+                                  _fmt(r.get("vs_hfta"), ".2f") + "H" if r.get("vs_hfta") else ""]
                     cells.append(f"{r['samples_per_s']:,.0f} {' '.join(x for x in extra if x)}"
                                  f" ({_fmt(r.get('peak_mb'), '.0f')} MB)")
                 lines.append(f"| {B} | " + " | ".join(cells) + " |")
@@ -767,7 +795,7 @@ def _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, 
             elif arr and any(r.get("oom") for r in arr) and first_fail is None:
                 first_fail = B
         if args.bisect and last_fit and first_fail:
-            akeys = [k for k in keys if k[1] in ARRAY_MODES or k[1] == "serial"]
+            akeys = [k for k in keys if k[1] in ARRAY_MODES or k[1] in ("serial", "hfta")]
             lo, hi = last_fit, first_fail
             while hi - lo > max(1, lo // 8):
                 mid = (lo + hi) // 2

@@ -2,8 +2,8 @@
 check (bench/convergence.py) run end to end at tiny sizes, so that they never rot.
 
 The numbers mean nothing at these sizes; the tests check that every workload
-trains in every mode, and that the results, profiles, summary and plots come
-out complete.
+trains in every mode (the HFTA-style baseline ``hfta`` included), and that the
+results, profiles, summary and plots come out complete.
 """
 
 import json
@@ -29,7 +29,7 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
     proc = _run("train_throughput.py", "--smoke", "--precisions", "fp32", "--out", str(tmp_path), "--name", "t")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     record = json.loads((tmp_path / "t.json").read_text())
-    keys = ["serial", "concurrent", "vmap", "array[torch]", "array+compile[torch]"]
+    keys = ["serial", "concurrent", "vmap", "hfta", "array[torch]", "array+compile[torch]"]
     rows = record["rows"]
     assert {(r["workload"], r["key"]) for r in rows} == {(w, k) for w in WORKLOADS for k in keys}
     for r in rows:
@@ -39,6 +39,8 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
         assert r["peak_mb"] is None or r["peak_mb"] >= 0
         if r["mode"] != "serial":
             assert r["vs_serial"] > 0
+        if r["mode"] in ("array", "array+compile"):
+            assert r["vs_hfta"] > 0                  # the HFTA-style baseline at the same B
     # a profile of every mode of every workload at the profiled B, and the gap of each slower mode
     assert set(record["profiles"]) == {f"{w}|fp32|2" for w in WORKLOADS}
     for per_mode in record["profiles"].values():
@@ -50,6 +52,7 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
     for w in WORKLOADS:
         assert f"## {w}, fp32" in summary
         assert (tmp_path / f"t_{w}.png").stat().st_size > 0
+    assert "| B | serial | concurrent | vmap | hfta | array[torch] | array+compile[torch] |" in summary
     # the summary and plots are rendered again from the saved JSON alone
     (tmp_path / "t.md").unlink()
     proc = _run("train_throughput.py", "--report", str(tmp_path / "t.json"), "--no-plots")
@@ -59,11 +62,11 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
 
 def test_smoke_bf16_autocast(tmp_path):
     proc = _run("train_throughput.py", "--smoke", "--precisions", "bf16", "--workloads", "resnet18",
-                "transformer_lm", "--modes", "serial", "array", "--out", str(tmp_path), "--name", "t",
+                "transformer_lm", "--modes", "serial", "hfta", "array", "--out", str(tmp_path), "--name", "t",
                 "--no-plots")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
-    assert len(rows) == 4 and all("error" not in r and r["precision"] == "bf16" for r in rows), rows
+    assert len(rows) == 6 and all("error" not in r and r["precision"] == "bf16" for r in rows), rows
 
 
 def test_bad_arguments_are_reported():
