@@ -1,10 +1,26 @@
 #!/usr/bin/env bash
-# One GPU session in two commands (each within one command's time limit), run
-# from the repository root of a checkout on a CUDA machine with torch and Triton
-# installed (nothing is downloaded):
+# One GPU session in one command of at most 9 minutes, run from the repository
+# root of a checkout on a CUDA machine with torch and Triton installed (nothing
+# is downloaded). What matters is measured first:
 #
-#     bash bench/gpu_run.sh          # part "kernels": tests, kernel and optimizer benchmarks
-#     bash bench/gpu_run.sh train    # part "train": end-to-end training throughput
+#     bash bench/gpu_run.sh          # all: build, end-to-end training, GPU tests, kernels
+#     bash bench/gpu_run.sh train    # part "train": the long end-to-end benchmark alone
+#     bash bench/gpu_run.sh kernels  # part "kernels": tests, kernel and optimizer benchmarks alone
+#
+# Default ("all"), each stage's exit status recorded, a failing stage never stopping the next:
+#   1. build        hfkern._C for the device (as in part "kernels" below)
+#   2. environment  versions, the device, which backend serves each op and why
+#   3. train_e2e    bench/train_throughput.py: ResNet-18 and PointNet at B = 32 and 8, bf16
+#                   and fp32, modes serial, hfta (the HFTA-style grouped array in plain torch
+#                   ops), array per backend (torch, triton, cuda where available) and
+#                   array+capture (hfkern.capture_step), the ResNet-18 bf16 B = 32 cell first;
+#                   then a profile summary of the slowest hfkern mode at B = 32 (host time,
+#                   GPU time and kernel launches per step, top kernels); capped at
+#                   HFKERN_E2E_SECONDS (default 250)
+#   4. gpu_tests    python -m pytest -m gpu tests, capped at HFKERN_TEST_SECONDS (default 120)
+#   5. kernels      the kernel, optimizer and top-k benchmarks with whatever time is left
+#   Results in $OUT: train_<device>_<date>.json / .md, gpu_tests.log, the kernel CSV/JSON
+#   files (below) and gpu_run.log.
 #
 # Part "train" (after the build and environment stages below):
 #   train        bench/train_throughput.py at the published sizes (bench/models, size
@@ -78,8 +94,9 @@ set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 ROOT=$PWD
 OUT=${OUT:-$ROOT/bench/results/gpu_run}
-RUN_SECONDS=${HFKERN_RUN_SECONDS:-530}
+RUN_SECONDS=${HFKERN_RUN_SECONDS:-510}
 TEST_SECONDS=${HFKERN_TEST_SECONDS:-180}
+E2E_SECONDS=${HFKERN_E2E_SECONDS:-250}
 BENCH_ARGS=${BENCH_ARGS:-}
 OPTIM_ARGS=${OPTIM_ARGS:-}
 OPTIM_SECONDS=${HFKERN_OPTIM_SECONDS:-75}
@@ -88,11 +105,11 @@ XDIST_WORKERS=${HFKERN_TEST_WORKERS:-8}
 TRAIN_B=${TRAIN_B:-1 4 16 32 64}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 CONVERGENCE_SECONDS=${HFKERN_CONVERGENCE_SECONDS:-120}
-PART=${1:-kernels}
+PART=${1:-all}
 case $PART in
-kernels | train) ;;
+all | kernels | train) ;;
 *)
-    echo "usage: bash bench/gpu_run.sh [kernels|train] (got '$PART')" >&2
+    echo "usage: bash bench/gpu_run.sh [all|kernels|train] (got '$PART')" >&2
     exit 2
     ;;
 esac
@@ -315,6 +332,49 @@ convergence() {
         "$PY" bench/convergence.py --steps 50 --out "$OUT"
 }
 
+# train_e2e: the cells the targets are about, most important first, then the profile of
+# the slowest hfkern mode; the budget stops new cells, SIGINT makes it write what it has.
+train_e2e() {
+    local budget
+    budget=$(max 60 "$(min "$E2E_SECONDS" $(($(left) - 200)))")
+    echo "train_throughput.py (end to end): time budget ${budget} s"
+    # shellcheck disable=SC2086  # TRAIN_ARGS is a list
+    timeout -s INT -k 30 $((budget + 60)) "$PY" bench/train_throughput.py --size full \
+        --workloads resnet18 pointnet --precisions bf16 fp32 --B 32 8 \
+        --modes serial hfta array array+capture --rounds 3 --steps 3 \
+        --profile-B 32 --profile-precisions bf16 --profile-modes slowest-array \
+        --time-budget "$budget" --out "$OUT" $TRAIN_ARGS
+}
+
+main_all() {
+    : >"$STAGES"
+    echo "hfkern GPU run (all): results in $OUT, target ${RUN_SECONDS} s"
+    run_stage build build_extension
+    run_stage environment environment
+    run_stage train_e2e train_e2e
+    TEST_SECONDS=$(min "$TEST_SECONDS" 120)
+    run_stage gpu_tests gpu_tests
+    run_stage ceilings ceilings
+    if (($(left) > RESERVE + 60)); then
+        run_stage bench_optim bench_optim "$(min "$OPTIM_SECONDS" $(max 20 $((($(left) - RESERVE) / 2))))"
+    fi
+    if (($(left) > RESERVE + 40)); then
+        run_stage bench_layer_norm bench layer_norm $(max 20 $((($(left) - RESERVE) / 2)))
+    fi
+    if (($(left) > RESERVE + 40)); then
+        run_stage bench_conv bench conv $(max 20 $(($(left) - RESERVE)))
+    fi
+    run_stage report report
+    run_stage report_optim report_optim
+    echo
+    echo "=== stages (exit status, seconds) ==="
+    cat "$STAGES"
+    echo "total: $(($(date +%s) - START)) s; files in $OUT:"
+    ls -l "$OUT"
+    rm -rf "$WORK"
+    return $FAILED
+}
+
 main_train() {
     : >"$STAGES"
     echo "hfkern GPU run, part train: results in $OUT, target ${RUN_SECONDS} s"
@@ -364,14 +424,15 @@ for n, fam in sorted(f.discover().items(), key=lambda kv: (len(kv[1].shapes), kv
     cat "$STAGES"
     echo "total: $(($(date +%s) - START)) s; files in $OUT:"
     ls -l "$OUT"
-    echo "next: the end-to-end part, bash bench/gpu_run.sh train"
     rm -rf "$WORK"
     return $FAILED
 }
 
 if [[ $PART == train ]]; then
     main_train 2>&1 | tee "$OUT/gpu_run_train.log"
-else
+elif [[ $PART == kernels ]]; then
     main 2>&1 | tee "$OUT/gpu_run.log"
+else
+    main_all 2>&1 | tee "$OUT/gpu_run.log"
 fi
 exit "${PIPESTATUS[0]}"

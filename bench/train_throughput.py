@@ -21,7 +21,10 @@ Modes (``--modes``):
   ``torch`` serves hfkern's ops by the original paper's kernels, cuDNN
   grouped conv and batched GEMM; ``triton`` and ``cuda`` are hfkern's kernels);
 * ``array+compile``: the same with the fused model under ``torch.compile``
-  (forward and backward; compile time is reported, not timed).
+  (forward and backward; compile time is reported, not timed);
+* ``array+capture``: the same whole step (forward, losses, backward, optimizer)
+  under :func:`hfkern.capture_step`: one CUDA graph replay per step after the
+  warm-up calls (on a CPU it runs eagerly, as ``array``).
 
 Every mode trains the same networks from the same initial weights (model b of
 every mode is built under the same seed) on the same synthetic batch, with the
@@ -42,9 +45,12 @@ whose step exceeds ``--max-step-seconds``) is dropped for larger B. With
 ``--bisect``, the largest B that fits the array modes is then found by
 bisection between the last B that fitted and the first that did not.
 
-At ``--profile-B`` each mode's step is profiled with ``torch.profiler`` (top ops
-by self time, device time on CUDA); the summary names, for each mode slower
-than the best, the op whose time grows most against the best mode.
+At ``--profile-B`` each mode's step (``--profile-modes all``), or only the
+slowest hfkern array mode of the cell (``slowest-array``), is profiled with
+``torch.profiler``: wall time, host (CPU) time, device time and kernel launches
+per step, and the top ops by self time (device time on CUDA); the summary
+names, for each mode slower than the best, the op whose time grows most
+against the best mode.
 
 Outputs in ``--out`` (default bench/results), named ``train_<device>_<date>``:
 ``.json`` (rows: workload, mode, backend, B, precision, samples/s, step time,
@@ -83,9 +89,9 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-MODES = ("serial", "concurrent", "vmap", "hfta", "array", "array+compile")
+MODES = ("serial", "concurrent", "vmap", "hfta", "array", "array+compile", "array+capture")
 PRECISIONS = ("fp32", "bf16")
-ARRAY_MODES = ("array", "array+compile")
+ARRAY_MODES = ("array", "array+compile", "array+capture")
 
 
 # ==== the worker side: one mode's models, optimizers and data in one process ====================
@@ -192,6 +198,9 @@ class Runner:
         self.forward = dict(self.arrays)
         if self.mode == "array+compile":
             self.forward = {n: torch.compile(a, backend=spec["compile_backend"]) for n, a in self.arrays.items()}
+        if self.mode == "array+capture":
+            self.captured = hfkern.capture_step(
+                lambda *batch: self.w.step(self._array_apply, self._array_update, batch), *self.batch)
 
     # -- one step ----------------------------------------------------------------------------
     def _autocast(self):
@@ -248,9 +257,9 @@ class Runner:
         if self.mode in ("serial", "concurrent"):
             return torch.cat([self.w.step(*self._one_model(k), self.batch) for k in range(len(self.indices))])
         apply = {"vmap": self._vmap_apply, "hfta": self._hfta_apply}.get(self.mode, self._array_apply)
-        if self.backend is None:
-            return self.w.step(apply, self._array_update, self.batch)
-        with self.hfkern.use_backend(self.backend):
+        with (self.hfkern.use_backend(self.backend) if self.backend else contextlib.nullcontext()):
+            if self.mode == "array+capture":
+                return self.captured(*self.batch)
             return self.w.step(apply, self._array_update, self.batch)
 
     def run(self, steps: int) -> tuple[float, float]:
@@ -262,13 +271,14 @@ class Runner:
         return t0, time.perf_counter()
 
     def profile(self, steps: int, top: int) -> dict:
-        """Top ops by self time over ``steps`` steps, per step (microseconds)."""
+        """Per step (microseconds): wall, host and device time, kernel launches, and the top ops
+        by self time over ``steps`` steps."""
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self.run(1)
         with profile(activities=acts) as prof:
-            self.run(steps)
+            t0, t1 = self.run(steps)
         rows = []
         for e in prof.key_averages():
             dev = getattr(e, "self_device_time_total", None)
@@ -278,8 +288,17 @@ class Runner:
                          "self_device_us": dev / steps})
         by = "self_device_us" if self.device.type == "cuda" else "self_cpu_us"
         rows.sort(key=lambda r: -r[by])
+        # A launch is a runtime call that starts device work: kernels, and the graph replays
+        # that stand for a whole step's kernels.
+        launches = sum(r["calls"] for r in rows if r["op"] in _LAUNCH_CALLS)
         return {"steps": steps, "models_in_process": len(self.indices) if self.mode in ("serial", "concurrent")
-                else self.B, "time": by, "total_us": sum(r[by] for r in rows), "ops": rows[:top]}
+                else self.B, "time": by, "total_us": sum(r[by] for r in rows), "ops": rows[:top],
+                "wall_us": 1e6 * (t1 - t0) / steps, "host_us": sum(r["self_cpu_us"] for r in rows),
+                "device_us": sum(r["self_device_us"] for r in rows), "launches": launches}
+
+
+_LAUNCH_CALLS = {"cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+                 "cudaGraphLaunch", "cudaLaunchCooperativeKernel"}
 
 
 def _describe(e: BaseException) -> dict:
@@ -413,6 +432,7 @@ class Settings:
     timeout: float
     max_procs: int
     compile_backend: str = "inductor"
+    profile_modes: str = "all"
     seed: int = 0
 
 
@@ -488,12 +508,16 @@ def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress,
         if progress is not None:
             progress()
     profiles = {}
+    profiled = {g.key for g in live}
+    if s.profile_modes == "slowest-array":
+        timed = [g for g in live if g.mode in ARRAY_MODES and g.times]
+        profiled = {max(timed, key=lambda g: statistics.median(g.times)).key} if timed else set()
     for g in live:
         with contextlib.suppress(_WorkerError, TimeoutError, EOFError, OSError):
             g.send("memory")
             peaks = g.gather(s.timeout)
             g.info["peak_bytes"] = None if any(p is None for p in peaks) else sum(peaks)
-        if profile is not None:
+        if profile is not None and g.key in profiled:
             try:
                 g.conns[0].send(("profile", profile))
                 kind, payload = g.conns[0].recv()
@@ -638,6 +662,17 @@ def summary(record: dict) -> str:
                 for g in gs:
                     lines.append(f"- {g['mode']}: {g['gap_ms']:.2f} ms/step slower; `{g['op']}` "
                                  f"{g['op_ms']:.2f} ms against {g['op_best_ms']:.2f} ms (+{g['op_delta_ms']:.2f} ms)")
+                lines.append("")
+            cells = [(key, mode, p) for key, per_mode in record.get("profiles", {}).items()
+                     if key.startswith(f"{workload}|{precision}|") for mode, p in per_mode.items() if "host_us" in p]
+            if cells:
+                lines += ["Profiled steps (per step of all B models): wall, host (CPU) and device time, kernel "
+                          "launches, and the top ops by device (CPU) time:", ""]
+                for key, mode, p in cells:
+                    top = ", ".join(f"`{o['op'][:60]}` {o[p['time']] / 1e3:.2f} ms" for o in p["ops"][:5])
+                    lines.append(f"- B = {key.split('|')[2]}, {mode}: wall {p['wall_us'] / 1e3:.2f} ms, host "
+                                 f"{p['host_us'] / 1e3:.2f} ms, device {p['device_us'] / 1e3:.2f} ms, "
+                                 f"{p['launches']:.0f} launches; {top}")
                 lines.append("")
     if record.get("skipped"):
         lines += ["## Not run (time budget or interrupted)", "", *[f"- {x}" for x in record["skipped"]], ""]
@@ -830,6 +865,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--profile-precisions", nargs="+", default=["fp32"], choices=PRECISIONS)
+    p.add_argument("--profile-modes", choices=("all", "slowest-array"), default="all",
+                   help="profile every mode of the profiled cells, or the slowest hfkern array mode only")
     p.add_argument("--time-budget", type=float, default=0, help="start no cell after this many seconds")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--name", help="file stem (default train_<device>_<date>)")
@@ -887,7 +924,7 @@ def main(argv=None) -> int:
     keys = _group_keys(args.modes, backends)
     s = Settings(size=size, device=str(device), threads=args.threads, steps=args.steps, rounds=args.rounds,
                  warmup=args.warmup, timeout=args.timeout, max_procs=args.max_procs,
-                 compile_backend=args.compile_backend)
+                 compile_backend=args.compile_backend, profile_modes=args.profile_modes)
     env = environment(device, args.threads)
     t0 = time.perf_counter()
     result = sweep(args, s, keys, env)

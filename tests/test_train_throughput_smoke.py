@@ -29,7 +29,7 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
     proc = _run("train_throughput.py", "--smoke", "--precisions", "fp32", "--out", str(tmp_path), "--name", "t")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     record = json.loads((tmp_path / "t.json").read_text())
-    keys = ["serial", "concurrent", "vmap", "hfta", "array[torch]", "array+compile[torch]"]
+    keys = ["serial", "concurrent", "vmap", "hfta", "array[torch]", "array+compile[torch]", "array+capture[torch]"]
     rows = record["rows"]
     assert {(r["workload"], r["key"]) for r in rows} == {(w, k) for w in WORKLOADS for k in keys}
     for r in rows:
@@ -39,7 +39,7 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
         assert r["peak_mb"] is None or r["peak_mb"] >= 0
         if r["mode"] != "serial":
             assert r["vs_serial"] > 0
-        if r["mode"] in ("array", "array+compile"):
+        if r["mode"] in ("array", "array+compile", "array+capture"):
             assert r["vs_hfta"] > 0                  # the HFTA-style baseline at the same B
     # a profile of every mode of every workload at the profiled B, and the gap of each slower mode
     assert set(record["profiles"]) == {f"{w}|fp32|2" for w in WORKLOADS}
@@ -47,12 +47,15 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
         assert set(per_mode) == set(keys)
         for p in per_mode.values():
             assert p["ops"] and all(o["calls"] > 0 for o in p["ops"])
+            assert p["wall_us"] > 0 and p["host_us"] > 0 and p["launches"] == 0  # no kernels on a CPU
     assert len(record["gaps"]) == len(WORKLOADS) * (len(keys) - 1)
     summary = (tmp_path / "t.md").read_text()
     for w in WORKLOADS:
         assert f"## {w}, fp32" in summary
         assert (tmp_path / f"t_{w}.png").stat().st_size > 0
-    assert "| B | serial | concurrent | vmap | hfta | array[torch] | array+compile[torch] |" in summary
+    assert ("| B | serial | concurrent | vmap | hfta | array[torch] | array+compile[torch] | array+capture[torch] |"
+            in summary)
+    assert "Profiled steps (per step of all B models)" in summary
     # the summary and plots are rendered again from the saved JSON alone
     (tmp_path / "t.md").unlink()
     proc = _run("train_throughput.py", "--report", str(tmp_path / "t.json"), "--no-plots")
@@ -67,6 +70,16 @@ def test_smoke_bf16_autocast(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert len(rows) == 6 and all("error" not in r and r["precision"] == "bf16" for r in rows), rows
+
+
+def test_profile_of_the_slowest_array_mode_only(tmp_path):
+    proc = _run("train_throughput.py", "--smoke", "--precisions", "fp32", "--workloads", "pointnet", "--modes",
+                "serial", "hfta", "array", "array+capture", "--profile-modes", "slowest-array", "--out",
+                str(tmp_path), "--name", "t", "--no-plots")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    record = json.loads((tmp_path / "t.json").read_text())
+    times = {r["key"]: r["step_ms"] for r in record["rows"] if r["mode"] in ("array", "array+capture")}
+    assert list(record["profiles"]["pointnet|fp32|2"]) == [max(times, key=times.get)]
 
 
 def test_bad_arguments_are_reported():
