@@ -28,9 +28,26 @@ zero state) is checked against the torch backend's: ``rel_err`` = the largest
 over models of ||delta - delta_ref|| / ||delta_ref||, where delta is the change
 the step made to that model's parameters. The step is then timed (median).
 
+Gradients (``--grads``): a training loop's optimizer sees new gradient tensors
+at every step (``zero_grad()`` sets them to None, torch's default, and backward
+allocates new ones), so anything an optimizer keys by the gradients' identity
+or address is rebuilt at every step of training. By default (``fresh``) every
+timed step therefore gets new gradient tensors at new addresses: the
+gradients are views into one buffer, and each step takes the next of
+``GRAD_PLACEMENTS`` placements shifted by ``GRAD_SHIFT`` elements (an address
+comes back only every ``GRAD_PLACEMENTS`` steps; no copy, so no extra memory
+traffic), assigned to every parameter's ``.grad`` (per model, for the per-model
+baselines) as ``zero_grad()`` + backward would leave them; the assignment is
+inside the timed step for every implementation alike. The first, checked step
+uses the problem's own gradients. ``kept`` is the earlier condition: the same
+gradient tensors at every step (what no training loop with
+``zero_grad(set_to_none=True)`` sees). Under ``--timer cuda_graph`` one
+captured call is replayed, so its gradients are the captured ones either way.
+
     python bench/bench_optim.py                       # CUDA: adam, sgd_momentum, adamw; B = 4, 16, 32
     python bench/bench_optim.py --ops adam --B 16
     python bench/bench_optim.py --time-budget 60       # start no case after 60 s
+    python bench/bench_optim.py --grads kept          # the same gradient tensors at every step
     python bench/bench_optim.py --smoke               # tiny models on the CPU, seconds
     python bench/bench_optim.py --show results.json   # table and summary of a result file
 
@@ -45,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import math
 import os
@@ -116,6 +134,13 @@ LR_RANGE = {"adam": (1e-4, 1e-2), "adamw": (1e-4, 1e-2), "sgd_momentum": (1e-3, 
 
 MODEL = "resnet18_cifar"
 
+# --grads fresh: each timed step's gradients are views at the next of GRAD_PLACEMENTS
+# placements in one buffer, GRAD_SHIFT elements apart (a multiple of 16 elements, so
+# placements keep the 16-byte alignment of an allocation).
+GRAD_CONDITIONS = ("fresh", "kept")
+GRAD_PLACEMENTS = 32
+GRAD_SHIFT = 64
+
 
 # ---- the parameters -----------------------------------------------------------
 
@@ -172,6 +197,8 @@ class Problem:
     """One case's data, shared by every implementation (never written by them).
 
     ``p0``, ``grads``: ``[B, *shape]`` per parameter; ``lr``: ``[B]`` float32.
+    ``grad_sets``: the gradients of successive steps, each a list like ``grads``
+    (``grad_sets[0]`` is ``grads``); one set: the same tensors at every step.
     """
 
     op: str
@@ -180,15 +207,22 @@ class Problem:
     p0: list[Tensor]
     grads: list[Tensor]
     lr: Tensor
+    grad_sets: list[list[Tensor]] = field(default_factory=list)
     n_params: int = field(init=False)
 
     def __post_init__(self):
         self.n_params = param_count(self.shapes)
+        if not self.grad_sets:
+            self.grad_sets = [self.grads]
 
 
-def make_problem(op: str, B: int, shapes, device: torch.device, seed: int = 0) -> Problem:
+def make_problem(op: str, B: int, shapes, device: torch.device, seed: int = 0, placements: int = 1) -> Problem:
     """Random parameters (weights scaled by fan-in**-0.5, BN weights near 1) and
-    gradients, never zeros; learning rates log-spaced over ``LR_RANGE[op]``."""
+    gradients, never zeros; learning rates log-spaced over ``LR_RANGE[op]``.
+
+    The gradients are views into one buffer with room for ``placements`` placements
+    ``GRAD_SHIFT`` elements apart (``grad_sets``: new tensors at new addresses for each
+    step, as a training loop's); the first placement holds the problem's gradients."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     p0, grads = [], []
@@ -207,7 +241,25 @@ def make_problem(op: str, B: int, shapes, device: torch.device, seed: int = 0) -
     lo, hi = LR_RANGE[op]
     lr = torch.logspace(math.log10(lo), math.log10(hi), B, device=device) if B > 1 else \
         torch.full((1,), lo, device=device)
-    return Problem(op, B, shapes, p0, grads, lr)
+    if placements <= 1:
+        return Problem(op, B, shapes, p0, grads, lr)
+    # Each tensor starts GRAD_SHIFT-aligned in the buffer, as an allocation would be aligned.
+    starts, total = [], 0
+    for g in grads:
+        starts.append(total)
+        total += -(-g.numel() // GRAD_SHIFT) * GRAD_SHIFT
+    pool = torch.empty(total + (placements - 1) * GRAD_SHIFT, device=device).normal_(generator=gen)
+    sets = [[pool[k * GRAD_SHIFT + at : k * GRAD_SHIFT + at + g.numel()].view(g.shape) for g, at in zip(grads, starts)]
+            for k in range(placements)]
+    for v, g in zip(sets[0], grads):
+        v.copy_(g)
+    return Problem(op, B, shapes, p0, sets[0], lr, grad_sets=sets)
+
+
+def _next_grads(sets: list) -> Callable[[], object]:
+    """The next element of ``sets`` at each call, from the first, round and round."""
+    it = itertools.cycle(sets)
+    return lambda: next(it)
 
 
 # ---- implementations ---------------------------------------------------------
@@ -259,6 +311,20 @@ class HfkernImpl(Impl):
 
     def build(self, prob):
         params = [_leaf(p, g) for p, g in zip(prob.p0, prob.grads)]
+        opt = self._optimizer(prob, params)
+        if len(prob.grad_sets) == 1:
+            return opt.step, lambda: [p.detach() for p in params]
+        grads = _next_grads(prob.grad_sets)
+
+        def step():
+            for p, g in zip(params, grads()):  # as zero_grad() + backward leave them
+                p.grad = g
+            opt.step()
+
+        return step, lambda: [p.detach() for p in params]
+
+    @staticmethod
+    def _optimizer(prob, params):
         if prob.op == "lars":
             opt = hfkern.optim.LARS(params, lr=prob.lr, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
                                     trust_coefficient=TRUST_COEFFICIENT, eps=LARS_EPS)
@@ -270,7 +336,7 @@ class HfkernImpl(Impl):
             opt = hfkern.optim.AdamW(params, lr=prob.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
         else:
             opt = hfkern.optim.SGD(params, lr=prob.lr, momentum=MOMENTUM)
-        return opt.step, lambda: [p.detach() for p in params]
+        return opt
 
 
 def _torch_optimizer(op: str, params, lr: float, **impl_kw):
@@ -285,6 +351,23 @@ def _per_model_params(prob: Problem) -> list[list[Tensor]]:
     """Model b's parameters as separate tensors (copies), its gradients as views
     of the problem's (one contiguous slice each)."""
     return [[_leaf(p[b], g[b]) for p, g in zip(prob.p0, prob.grads)] for b in range(prob.B)]
+
+
+def _per_model_steps(prob: Problem, models: list[list[Tensor]], step: Callable[[], object]) -> Callable[[], object]:
+    """``step``, after giving every model's parameters the next set of gradients (model
+    b's slices of the problem's next ``grad_sets`` entry), when there are several."""
+    if len(prob.grad_sets) == 1:
+        return step
+    flat = [p for m in models for p in m]
+    # Model b's views of every set, made once: the timed step only assigns them.
+    sets = _next_grads([[g[b] for b in range(prob.B) for g in gs] for gs in prob.grad_sets])
+
+    def fresh_step():
+        for p, g in zip(flat, sets()):
+            p.grad = g
+        return step()
+
+    return fresh_step
 
 
 def _stacked(models: list[list[Tensor]]) -> list[Tensor]:
@@ -307,7 +390,7 @@ class PerModelTorch(Impl):
             for o in opts:
                 o.step()
 
-        return step, lambda: _stacked(models)
+        return _per_model_steps(prob, models, step), lambda: _stacked(models)
 
 
 class OneListTorch(Impl):
@@ -319,7 +402,7 @@ class OneListTorch(Impl):
     def build(self, prob):
         models = _per_model_params(prob)
         opt = _torch_optimizer(prob.op, [p for m in models for p in m], prob.lr[0].item(), fused=True)
-        return opt.step, lambda: _stacked(models)
+        return _per_model_steps(prob, models, opt.step), lambda: _stacked(models)
 
     def expected(self, ref_delta, prob):
         # A first step from zero state changes the parameters in proportion to
@@ -346,7 +429,7 @@ class LoopImpl(Impl):
         if op in TRUST_OPS:
             return self._build_trust(prob)
         params = [p.clone() for p in prob.p0]
-        grads = prob.grads
+        grads = _next_grads(prob.grad_sets)  # a loop reads whichever tensors the step's gradients are
         lr_cols = [prob.lr.view(B, *([1] * (p.dim() - 1))) for p in params]
         bufs = [torch.zeros_like(p) for p in params]
         sqs = [torch.zeros_like(p) for p in params] if op != "sgd_momentum" else []
@@ -359,7 +442,7 @@ class LoopImpl(Impl):
             t = count[0]
             bc1 = 1 - beta1**t
             bc2_sqrt = math.sqrt(1 - beta2**t)
-            for p, g, m, v, lr in zip(params, grads, bufs, sqs, lr_cols):
+            for p, g, m, v, lr in zip(params, grads(), bufs, sqs, lr_cols):
                 if op == "adamw":
                     p.mul_(1 - lr * WEIGHT_DECAY)
                 m.mul_(beta1).add_(g, alpha=1 - beta1)
@@ -370,7 +453,7 @@ class LoopImpl(Impl):
         @torch.no_grad()
         def sgd_step():
             # From a zero buffer, the first step's buffer is the gradient, as in torch.
-            for p, g, buf, lr in zip(params, grads, bufs, lr_cols):
+            for p, g, buf, lr in zip(params, grads(), bufs, lr_cols):
                 buf.mul_(MOMENTUM).add_(g)
                 p.addcmul_(buf, lr, value=-1)
 
@@ -380,7 +463,7 @@ class LoopImpl(Impl):
         """LARS / LAMB as a loop over tensors; each tensor's per-model norms by vector_norm."""
         op, B = prob.op, prob.B
         params = [p.clone() for p in prob.p0]
-        grads = prob.grads
+        grads = _next_grads(prob.grad_sets)
         lr = prob.lr
         bufs = [torch.zeros_like(p) for p in params]
         sqs = [torch.zeros_like(p) for p in params] if op == "lamb" else []
@@ -395,7 +478,7 @@ class LoopImpl(Impl):
 
         @torch.no_grad()
         def lars_step():
-            for p, g, buf in zip(params, grads, bufs):
+            for p, g, buf in zip(params, grads(), bufs):
                 wn, gn = norms(p), norms(g)
                 local = TRUST_COEFFICIENT * wn / (gn + WEIGHT_DECAY * wn + LARS_EPS)
                 local = torch.where((wn > 0) & (gn > 0), local, 1.0)
@@ -408,7 +491,7 @@ class LoopImpl(Impl):
             t = count[0]
             bc1 = 1 - beta1**t
             bc2_sqrt = math.sqrt(1 - beta2**t)
-            for p, g, m, v in zip(params, grads, bufs, sqs):
+            for p, g, m, v in zip(params, grads(), bufs, sqs):
                 m.mul_(beta1).add_(g, alpha=1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 r = (m / bc1) / (v.sqrt() / bc2_sqrt + LAMB_EPS) + WEIGHT_DECAY * p
@@ -473,7 +556,10 @@ class Runner:
     """Runs the implementations of one case after another and makes their rows."""
 
     def __init__(self, device: torch.device, timer, ceilings: dict, env: dict, *, width: int = 64,
-                 verbose: bool = False):
+                 verbose: bool = False, grads: str = "fresh"):
+        if grads not in GRAD_CONDITIONS:
+            raise ValueError(f"expected grads in {GRAD_CONDITIONS}, got {grads!r}")
+        self.grads = grads
         self.device = device
         self.timer = timer
         self.ceilings = ceilings
@@ -509,7 +595,8 @@ class Runner:
         return row
 
     def run_case(self, case: Case, impls: list[Impl]) -> list[dict]:
-        prob = make_problem(case.op, case.B, self.shapes, self.device)
+        prob = make_problem(case.op, case.B, self.shapes, self.device,
+                            placements=GRAD_PLACEMENTS if self.grads == "fresh" else 1)
         ref: list[Tensor] | None = None
         rows = []
         for impl in impls:
@@ -745,6 +832,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="file stem of the results (default optim_<device>_<date>)")
     p.add_argument("--ceilings", default=None, metavar="JSON",
                    help="ceilings written by bench/bandwidth.py --out (default: measure the copy bandwidth now)")
+    p.add_argument("--grads", choices=GRAD_CONDITIONS, default="fresh",
+                   help="fresh (default): new gradient tensors at new addresses at every timed step, as a "
+                        "training loop's zero_grad() + backward give; kept: the same tensors at every step")
     p.add_argument("--timer", choices=bandwidth.TIMERS, default="do_bench",
                    help="CUDA timer: do_bench (eager calls, launch overhead included) or "
                         "cuda_graph (replays of one captured call: the kernels' own time)")
@@ -841,6 +931,7 @@ def main(argv=None) -> int:
         "ceilings": ceilings,
         "settings": {
             "timer": timer.name, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "smoke": args.smoke,
+            "grads": args.grads, "grad_placements": GRAD_PLACEMENTS if args.grads == "fresh" else 1,
             "time_budget_s": args.time_budget, "model": MODEL, "width": args.width,
             "tensors_per_model": len(shapes), "params_per_model": param_count(shapes),
             # the ops run: earlier results, which hold the first three only, read alike
@@ -863,9 +954,9 @@ def main(argv=None) -> int:
           f"timer {timer.name}")
     print(f"copy bandwidth ceiling: {bw:.0f} GB/s" if bw else "copy bandwidth ceiling: not measured")
     print(f"{MODEL} width {args.width}: {len(shapes)} tensors, {param_count(shapes):,} parameters per model; "
-          f"{len(cases)} cases; writing {writer.csv_path}", flush=True)
+          f"gradients {args.grads}; {len(cases)} cases; writing {writer.csv_path}", flush=True)
 
-    runner = Runner(device, timer, ceilings, env, width=args.width, verbose=args.verbose)
+    runner = Runner(device, timer, ceilings, env, width=args.width, verbose=args.verbose, grads=args.grads)
     impls = make_impls(args.impls)
     report.run_cases(cases, lambda case: runner.run_case(case, impls), writer, meta, args.time_budget, t_start, device, '{:.3f}')
     if not args.no_table:

@@ -38,13 +38,15 @@ hfkern::DType dtype_from_code(int code) {
   return static_cast<hfkern::DType>(code);
 }
 
-hfkern::StepGroup make_group(uintptr_t tiles, int64_t n_tiles, int param_dtype, uintptr_t params,
-                             uintptr_t grads, uintptr_t state0, uintptr_t state1, uintptr_t state2,
-                             uintptr_t steps, uintptr_t hypers, int64_t hyper_row_stride,
-                             int64_t hyper_model_stride, uintptr_t skip) {
+hfkern::StepGroup make_group(uintptr_t tiles, int64_t n_tiles, uintptr_t addrs, uintptr_t gathers,
+                             int param_dtype, uintptr_t params, uintptr_t grads, uintptr_t state0,
+                             uintptr_t state1, uintptr_t state2, uintptr_t steps, uintptr_t hypers,
+                             int64_t hyper_row_stride, int64_t hyper_model_stride, uintptr_t skip) {
   hfkern::StepGroup g;
   g.tiles = ptr<const int64_t>(tiles);
   g.n_tiles = n_tiles;
+  g.addrs = ptr<const int64_t>(addrs);
+  g.gathers = ptr<const int64_t>(gathers);
   g.param_dtype = dtype_from_code(param_dtype);
   g.params = ptr<void>(params);
   g.grads = ptr<const void>(grads);
@@ -68,19 +70,29 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
   // The CMAKE_CUDA_ARCHITECTURES the kernels were built for ("80-real;90"), "" emulated.
   m.attr("CUDA_ARCHITECTURES") = py::str(HFKERN_CUDA_ARCHITECTURES);
   py::dict columns;
-  columns["param"] = int(hfkern::kColParam);
-  columns["grad"] = int(hfkern::kColGrad);
-  columns["state0"] = int(hfkern::kColState0);
-  columns["state1"] = int(hfkern::kColState1);
-  columns["state2"] = int(hfkern::kColState2);
-  columns["step"] = int(hfkern::kColStep);
+  columns["tensor"] = int(hfkern::kColTensor);
   columns["model"] = int(hfkern::kColModel);
+  columns["offset"] = int(hfkern::kColOffset);
+  columns["grad"] = int(hfkern::kColGrad);
+  columns["start"] = int(hfkern::kColStart);
   columns["length"] = int(hfkern::kColLength);
-  columns["aligned"] = int(hfkern::kColAligned);
+  columns["step"] = int(hfkern::kColStep);
+  columns["gather"] = int(hfkern::kColGather);
   columns["first"] = int(hfkern::kColFirst);
   columns["tiles"] = int(hfkern::kColTiles);
   columns["columns"] = int(hfkern::kTileColumns);
   m.attr("TILE_COLUMNS") = columns;
+  py::dict address_columns;
+  address_columns["param"] = int(hfkern::kAddrParam);
+  address_columns["grad"] = int(hfkern::kAddrGrad);
+  address_columns["state0"] = int(hfkern::kAddrState0);
+  address_columns["state1"] = int(hfkern::kAddrState1);
+  address_columns["state2"] = int(hfkern::kAddrState2);
+  address_columns["step"] = int(hfkern::kAddrStep);
+  address_columns["aligned"] = int(hfkern::kAddrAligned);
+  address_columns["columns"] = int(hfkern::kAddressColumns);
+  m.attr("ADDRESS_COLUMNS") = address_columns;
+  m.attr("MAX_GRAD_DIMS") = py::int_(hfkern::kMaxGradDims);
   // The hyperparameter rows the kernels read, in order (hfkern._optim_specs declares them).
   py::dict rows;
   rows["sgd"] = py::make_tuple("lr", "momentum", "dampening", "weight_decay");
@@ -107,29 +119,32 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
 
   m.def(
       "count_steps",
-      [](uintptr_t steps, uintptr_t offsets, int64_t n, int64_t B, uintptr_t skip, int threads,
+      [](uintptr_t steps, uintptr_t addrs, uintptr_t offsets, int64_t n, int64_t B, uintptr_t skip, int threads,
          uintptr_t stream, uintptr_t counted_by, int64_t counted_stride) {
         py::gil_scoped_release release;
-        hfkern::count_steps(ptr<float>(steps), ptr<const int64_t>(offsets), n, B, ptr<const uint8_t>(skip),
-                            ptr<const float>(counted_by), counted_stride, threads, ptr<void>(stream));
+        hfkern::count_steps(ptr<float>(steps), ptr<const int64_t>(addrs), ptr<const int64_t>(offsets), n, B,
+                            ptr<const uint8_t>(skip), ptr<const float>(counted_by), counted_stride, threads,
+                            ptr<void>(stream));
       },
-      py::arg("steps"), py::arg("offsets"), py::arg("n"), py::arg("B"), py::arg("skip"), py::arg("threads"),
-      py::arg("stream"), py::arg("counted_by") = 0, py::arg("counted_stride") = 0);
+      py::arg("steps"), py::arg("addrs"), py::arg("offsets"), py::arg("n"), py::arg("B"), py::arg("skip"),
+      py::arg("threads"), py::arg("stream"), py::arg("counted_by") = 0, py::arg("counted_stride") = 0);
 
-  // sgd_step / adam_step / lars_step / lamb_step: one dtype group's tile table (a
-  // trust-ratio step with `trust` runs its norm pass into `partials` first).
+  // sgd_step / adam_step / lars_step / lamb_step: one dtype group's tile table, the call's
+  // address table and the group's gather table (0: none) (a trust-ratio step with `trust`
+  // runs its norm pass into `partials` first).
   auto def_step = [&m](const char* name, void (*step)(const hfkern::StepGroup&, const hfkern::StepOptions&, int,
                                                      void*)) {
     m.def(
         name,
-        [step](uintptr_t tiles, int64_t n_tiles, int param_dtype, uintptr_t params, uintptr_t grads,
-               uintptr_t state0, uintptr_t state1, uintptr_t state2, uintptr_t steps, uintptr_t hypers,
-               int64_t hyper_row_stride, int64_t hyper_model_stride, uintptr_t skip,
-               bool maximize, bool has_weight_decay, bool decoupled_weight_decay, bool momentum, bool nesterov,
-               bool amsgrad, int threads, uintptr_t stream, uintptr_t partials, bool trust, bool bias_correction) {
+        [step](uintptr_t tiles, int64_t n_tiles, uintptr_t addrs, uintptr_t gathers, int param_dtype,
+               uintptr_t params, uintptr_t grads, uintptr_t state0, uintptr_t state1, uintptr_t state2,
+               uintptr_t steps, uintptr_t hypers, int64_t hyper_row_stride, int64_t hyper_model_stride,
+               uintptr_t skip, bool maximize, bool has_weight_decay, bool decoupled_weight_decay, bool momentum,
+               bool nesterov, bool amsgrad, int threads, uintptr_t stream, uintptr_t partials, bool trust,
+               bool bias_correction) {
           hfkern::StepGroup group =
-              make_group(tiles, n_tiles, param_dtype, params, grads, state0, state1, state2, steps, hypers,
-                         hyper_row_stride, hyper_model_stride, skip);
+              make_group(tiles, n_tiles, addrs, gathers, param_dtype, params, grads, state0, state1, state2, steps,
+                         hypers, hyper_row_stride, hyper_model_stride, skip);
           group.partials = ptr<float>(partials);
           hfkern::StepOptions options;
           options.maximize = maximize;
@@ -143,7 +158,8 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
           py::gil_scoped_release release;
           step(group, options, threads, ptr<void>(stream));
         },
-        py::arg("tiles"), py::arg("n_tiles"), py::arg("param_dtype"), py::arg("params"), py::arg("grads"),
+        py::arg("tiles"), py::arg("n_tiles"), py::arg("addrs"), py::arg("gathers"), py::arg("param_dtype"),
+        py::arg("params"), py::arg("grads"),
         py::arg("state0"), py::arg("state1"), py::arg("state2"), py::arg("steps"), py::arg("hypers"),
         py::arg("hyper_row_stride"), py::arg("hyper_model_stride"), py::arg("skip"),
         py::arg("maximize"), py::arg("has_weight_decay"), py::arg("decoupled_weight_decay"),

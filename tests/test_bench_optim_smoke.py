@@ -159,6 +159,33 @@ def test_every_implementation_follows_torch_per_model_over_steps(bo, op):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"{impl.name}: {m}")
 
 
+def test_fresh_gradients_are_new_tensors_at_every_step(bo):
+    """The default condition: each step's gradients are new tensors at new (16-byte aligned)
+    addresses, the first step's the problem's own; every implementation steps with set k at
+    its k-th step."""
+    shapes = bo.resnet18_cifar_shapes(width=2)[:5]
+    cpu = torch.device("cpu")
+    prob = bo.make_problem("adam", 3, shapes, cpu, seed=1, placements=bo.GRAD_PLACEMENTS)
+    kept = bo.make_problem("adam", 3, shapes, cpu, seed=1)
+    assert len(kept.grad_sets) == 1 and len(prob.grad_sets) == bo.GRAD_PLACEMENTS
+    assert all(torch.equal(a, b) for a, b in zip(prob.grads, kept.grads))
+    assert all(torch.equal(a, b) for a, b in zip(prob.p0, kept.p0))
+    assert len({tuple(g.data_ptr() for g in gs) for gs in prob.grad_sets}) == bo.GRAD_PLACEMENTS
+    assert all(g.data_ptr() % 16 == 0 for gs in prob.grad_sets for g in gs)
+    assert not torch.equal(prob.grad_sets[1][0], prob.grads[0])
+    runs = {}
+    for name, p in (("fresh", prob), ("kept", kept)):
+        for impl in bo.make_impls(["torch", "foreach_per_model", "loop"]):
+            step, params = impl.build(p)
+            for _ in range(3):
+                step()
+            runs[name, impl.name] = [t.clone() for t in params()]
+    for name in ("foreach_per_model", "loop"):
+        for a, b in zip(runs["fresh", name], runs["fresh", "torch"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not all(torch.allclose(a, b) for a, b in zip(runs["fresh", "torch"], runs["kept", "torch"]))
+
+
 def test_one_list_expected_is_the_reference_at_model_0_lr(bo):
     prob = bo.make_problem("adam", 3, bo.resnet18_cifar_shapes(width=2)[:4], torch.device("cpu"))
     ref, got = [], []

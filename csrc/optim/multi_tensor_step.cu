@@ -1,10 +1,14 @@
 // multi_tensor_step.cu: one launch updates every parameter of every model.
 //
-// The apex multi_tensor_apply pattern on hfkern's tile table: the Python glue
+// The apex multi_tensor_apply pattern on hfkern's tables: the Python glue
 // (hfkern/cuda/optim.py, tables from hfkern/_multi_tensor.py) cuts model b's
 // slice of every parameter into tiles of at most a chunk of elements, one int64
-// row per tile holding element offsets from the first tensor of each list, the
-// tile's model, length and whether every access may be a 16-byte vector. One
+// row per tile (its tensor, model, offsets within the tensor, length) in a table
+// that depends only on shapes, dtypes and layouts, and passes at every step a
+// small per-tensor address table (each tensor's element offset from the first
+// tensor of its list, and whether every access may be a 16-byte vector), as
+// apex's and torch's fused optimizers pass addresses per launch. A gradient laid
+// out unlike its parameter is read where it lies through its gather row. One
 // thread block runs one tile:
 //
 //   * it reads model b's hyperparameter column hypers[:, b] and its (already
@@ -281,6 +285,45 @@ struct HasNorms<Opt, decltype(void(&Opt::norm_terms))> {
   static constexpr bool value = true;
 };
 
+// Offset in a gradient's model slice of element j of its parameter's slice: the gather
+// row's (size, stride) pairs, innermost first (padding (1, 0) adds 0).
+__device__ __forceinline__ int64_t gathered(const int64_t* layout, int64_t j) {
+  int64_t o = 0;
+HFKERN_UNROLL
+  for (int d = 0; d < kMaxGradDims; ++d) {
+    const int64_t size = layout[2 * d];
+    o += (j % size) * layout[2 * d + 1];
+    j /= size;
+  }
+  return o;
+}
+
+// Where one tile of a step lives: each list's first element, the gradient's gather row
+// (nullptr: laid out like its parameter), the tile's start in its slice and length.
+template <typename P, int kStates>
+struct TileAt {
+  P* p;
+  const P* g;
+  float* s[kStates > 0 ? kStates : 1];
+  const int64_t* gather;
+  int64_t start, n;
+  bool aligned;
+
+  __device__ TileAt(const StepGroup& group, const int64_t* row, const int64_t* addr) {
+    const int64_t offset = row[kColOffset];
+    p = static_cast<P*>(group.params) + addr[kAddrParam] + offset;
+    g = static_cast<const P*>(group.grads) + addr[kAddrGrad] + row[kColGrad];
+    for (int j = 0; j < kStates; ++j) s[j] = group.state[j] + addr[kAddrState0 + j] + offset;
+    gather = row[kColGather] >= 0 ? group.gathers + row[kColGather] * kGatherColumns : nullptr;
+    start = row[kColStart];
+    n = row[kColLength];
+    aligned = addr[kAddrAligned] != 0;  // never for a gathered gradient
+  }
+
+  // Element i of the tile's gradient.
+  __device__ P grad(int64_t i) const { return gather == nullptr ? g[i] : g[gathered(gather, start + i)]; }
+};
+
 // The pair's two sums of squares: its tiles' partials in row order.
 __device__ __forceinline__ Norms pair_norms(const float* partials, const int64_t* row) {
   Norms n;
@@ -295,21 +338,22 @@ __device__ __forceinline__ Norms pair_norms(const float* partials, const int64_t
 template <class Opt, typename P>
 __global__ void __launch_bounds__(kMaxThreads) step_kernel(StepGroup group, StepOptions options) {
   const int64_t* row = group.tiles + static_cast<int64_t>(blockIdx.x) * kTileColumns;
+  const int64_t* addr = group.addrs + row[kColTensor] * kAddressColumns;
   const int64_t b = row[kColModel];
   if (group.skip != nullptr && group.skip[b] != 0) return;  // nothing of a skipped model is written
 
-  const float t = Opt::kReadsSteps ? group.steps[row[kColStep]] : 0.0f;
+  const float t = Opt::kReadsSteps ? group.steps[addr[kAddrStep] + row[kColStep]] : 0.0f;
   const int64_t rs = group.hyper_row_stride;
   const Norms norms = HasNorms<Opt>::value && options.trust ? pair_norms(group.partials, row) : Norms{};
   const typename Opt::Scalars c = Opt::scalars(group.hypers + b * group.hyper_model_stride, rs, t, norms, options);
 
-  P* __restrict__ p = static_cast<P*>(group.params) + row[kColParam];
-  const P* __restrict__ g = static_cast<const P*>(group.grads) + row[kColGrad];
-  float* s[Opt::kStates > 0 ? Opt::kStates : 1];
-  for (int j = 0; j < Opt::kStates; ++j) s[j] = group.state[j] + row[kColState0 + j];
-  const int64_t n = row[kColLength];
+  const TileAt<P, Opt::kStates> at(group, row, addr);
+  P* __restrict__ p = at.p;
+  const P* __restrict__ g = at.g;
+  float* const* s = at.s;
+  const int64_t n = at.n;
 
-  if (row[kColAligned] != 0) {
+  if (at.aligned) {
     // Whole packs only: an aligned tile's length is a multiple of kVec.
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * kVec; i < n; i += static_cast<int64_t>(blockDim.x) * kVec) {
       Pack<P, kVec> pv = *reinterpret_cast<const Pack<P, kVec>*>(p + i);
@@ -330,7 +374,7 @@ HFKERN_UNROLL
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
       float st[Opt::kStates > 0 ? Opt::kStates : 1];
       for (int j = 0; j < Opt::kStates; ++j) st[j] = s[j][i];
-      p[i] = from_float<P>(Opt::update(c, options, to_float(p[i]), to_float(g[i]), st));
+      p[i] = from_float<P>(Opt::update(c, options, to_float(p[i]), to_float(at.grad(i)), st));
       for (int j = 0; j < Opt::kStates; ++j) s[j][i] = st[j];
     }
   }
@@ -342,24 +386,24 @@ template <class Opt, typename P>
 __global__ void __launch_bounds__(kMaxThreads) norm_kernel(StepGroup group, StepOptions options) {
   __shared__ float sums[2][kMaxThreads];
   const int64_t* row = group.tiles + static_cast<int64_t>(blockIdx.x) * kTileColumns;
+  const int64_t* addr = group.addrs + row[kColTensor] * kAddressColumns;
   const int64_t b = row[kColModel];
   if (group.skip != nullptr && group.skip[b] != 0) return;  // no update of this model reads its partials
 
-  const float t = Opt::kReadsSteps ? group.steps[row[kColStep]] : 0.0f;
+  const float t = Opt::kReadsSteps ? group.steps[addr[kAddrStep] + row[kColStep]] : 0.0f;
   const typename Opt::Scalars c =
       Opt::scalars(group.hypers + b * group.hyper_model_stride, group.hyper_row_stride, t, Norms{}, options);
-  const P* __restrict__ p = static_cast<const P*>(group.params) + row[kColParam];
-  const P* __restrict__ g = static_cast<const P*>(group.grads) + row[kColGrad];
-  float* s[Opt::kStates > 0 ? Opt::kStates : 1];
-  for (int j = 0; j < Opt::kStates; ++j) s[j] = group.state[j] + row[kColState0 + j];
-  const int64_t n = row[kColLength];
+  const TileAt<P, Opt::kStates> at(group, row, addr);
+  const P* __restrict__ p = at.p;
+  float* const* s = at.s;
+  const int64_t n = at.n;
 
   float w_sq = 0.0f, x_sq = 0.0f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     float st[Opt::kStates > 0 ? Opt::kStates : 1];
     for (int j = 0; j < Opt::kStates; ++j) st[j] = s[j][i];
     float w, x;
-    Opt::norm_terms(c, options, to_float(p[i]), to_float(g[i]), st, w, x);
+    Opt::norm_terms(c, options, to_float(p[i]), to_float(at.grad(i)), st, w, x);
     if (Opt::kNormWritesState)
       for (int j = 0; j < Opt::kStates; ++j) s[j][i] = st[j];
     w_sq += w * w;
@@ -385,13 +429,13 @@ __global__ void __launch_bounds__(kMaxThreads) norm_kernel(StepGroup group, Step
 }
 
 __global__ void __launch_bounds__(kMaxThreads)
-    count_kernel(float* steps, const int64_t* offsets, int64_t n, int64_t B, const uint8_t* skip,
-                 const float* counted_by, int64_t counted_stride) {
+    count_kernel(float* steps, const int64_t* addrs, const int64_t* offsets, int64_t n, int64_t B,
+                 const uint8_t* skip, const float* counted_by, int64_t counted_stride) {
   const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (k >= n) return;
   if (skip != nullptr && skip[k % B] != 0) return;
   if (counted_by != nullptr && counted_by[(k % B) * counted_stride] == 0.0f) return;
-  steps[offsets[k]] += 1.0f;
+  steps[addrs[(k / B) * kAddressColumns + kAddrStep] + offsets[k]] += 1.0f;
 }
 
 void check_threads(int threads) {
@@ -416,6 +460,8 @@ void launch_group(const StepGroup& group, const StepOptions& options, int thread
   if (group.n_tiles == 0) return;
   if (HasNorms<Opt>::value && options.trust && group.partials == nullptr)
     throw std::invalid_argument("hfkern: a trust-ratio step needs partials (2 floats per tile)");
+  if (group.tiles == nullptr || group.addrs == nullptr)
+    throw std::invalid_argument("hfkern: a step needs a tile table and an address table");
   const dim3 grid(static_cast<unsigned>(group.n_tiles)), block(static_cast<unsigned>(threads));
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   switch (group.param_dtype) {
@@ -437,14 +483,16 @@ void launch_group(const StepGroup& group, const StepOptions& options, int thread
 
 }  // namespace
 
-void count_steps(float* steps, const int64_t* offsets, int64_t n, int64_t B, const uint8_t* skip,
-                 const float* counted_by, int64_t counted_stride, int threads, void* stream) {
+void count_steps(float* steps, const int64_t* addrs, const int64_t* offsets, int64_t n, int64_t B,
+                 const uint8_t* skip, const float* counted_by, int64_t counted_stride, int threads, void* stream) {
   check_threads(threads);
   if (n <= 0) return;
   if (B <= 0) throw std::invalid_argument("hfkern: expected B >= 1, got " + std::to_string(B));
+  if (addrs == nullptr || offsets == nullptr)
+    throw std::invalid_argument("hfkern: counting steps needs an address table and step offsets");
   const dim3 grid(static_cast<unsigned>((n + threads - 1) / threads)), block(static_cast<unsigned>(threads));
-  HFKERN_LAUNCH(count_kernel, grid, block, 0, reinterpret_cast<cudaStream_t>(stream), steps, offsets, n, B, skip,
-                counted_by, counted_stride);
+  HFKERN_LAUNCH(count_kernel, grid, block, 0, reinterpret_cast<cudaStream_t>(stream), steps, addrs, offsets, n, B,
+                skip, counted_by, counted_stride);
 }
 
 void sgd_step(const StepGroup& group, const StepOptions& options, int threads, void* stream) {

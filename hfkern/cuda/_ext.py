@@ -23,11 +23,16 @@ __all__ = ["DTYPE_CODES", "load", "architectures", "covering", "availability", "
 # Element-type codes of the binding (csrc/include/hfkern/dtype_code.h).
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
-# What the binding's TILE_COLUMNS must say (csrc/include/hfkern/multi_tensor_step.h).
+# What the binding's TILE_COLUMNS, ADDRESS_COLUMNS and MAX_GRAD_DIMS must say
+# (csrc/include/hfkern/multi_tensor_step.h).
 _TILE_COLUMNS = {
-    "param": mt.COL_P, "grad": mt.COL_G, "state0": mt.COL_S0, "state1": mt.COL_S1, "state2": mt.COL_S2,
-    "step": mt.COL_STEP, "model": mt.COL_MODEL, "length": mt.COL_LEN, "aligned": mt.COL_ALIGNED,
+    "tensor": mt.COL_TENSOR, "model": mt.COL_MODEL, "offset": mt.COL_OFFSET, "grad": mt.COL_GRAD,
+    "start": mt.COL_START, "length": mt.COL_LEN, "step": mt.COL_STEP, "gather": mt.COL_GATHER,
     "first": mt.COL_FIRST, "tiles": mt.COL_TILES, "columns": mt.COLS,
+}
+_ADDRESS_COLUMNS = {
+    "param": mt.ADDR_P, "grad": mt.ADDR_G, "state0": mt.ADDR_S0, "state1": mt.ADDR_S1, "state2": mt.ADDR_S2,
+    "step": mt.ADDR_STEP, "aligned": mt.ADDR_ALIGNED, "columns": mt.ADDR_COLS,
 }
 
 _BUILD_HINT = (
@@ -47,10 +52,13 @@ def load(emulated: bool = False) -> ModuleType:
         what = "HFKERN_BUILD_EMU=1" if emulated else "HFKERN_BUILD_CUDA=1"
         raise ImportError(f"the compiled extension {name} could not be loaded ({e}); "
                           + _BUILD_HINT.replace("HFKERN_BUILD_CUDA=1", what)) from e
-    if dict(module.TILE_COLUMNS) != _TILE_COLUMNS:
+    built = (dict(getattr(module, "TILE_COLUMNS", {})), dict(getattr(module, "ADDRESS_COLUMNS", {})),
+             getattr(module, "MAX_GRAD_DIMS", None))
+    expected = (_TILE_COLUMNS, _ADDRESS_COLUMNS, mt.MAX_GRAD_DIMS)
+    if built != expected:
         raise RuntimeError(
-            f"{name} was built from other sources than this hfkern: its tile columns are "
-            f"{dict(module.TILE_COLUMNS)}, expected {_TILE_COLUMNS}; rebuild it"
+            f"{name} was built from other sources than this hfkern: its tile columns, address columns "
+            f"and gather dims are {built}, expected {expected}; rebuild it"
         )
     rows = {spec.name: spec.rows for spec in OPTIMIZER_SPECS}
     for opt, built in dict(module.OPTIMIZER_ROWS).items():

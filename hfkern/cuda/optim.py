@@ -8,9 +8,13 @@ one launch increments the step counts of every (tensor, model) not skipped
 (SGD's only where the model has momentum), then one launch per parameter dtype
 updates every parameter of every model, one thread block per tile. The
 kernels read each model's hyperparameters and step count from device memory,
-so a step never synchronizes with the host, and the table is cached per set of
-tensors, so a training loop's steady-state step is a dict lookup and two
-launches.
+so a step never synchronizes with the host. The tile table depends only on the
+tensors' shapes, dtypes and layouts and is cached; the addresses of each call's
+tensors (gradients are new tensors after every ``zero_grad()``) reach the
+kernels in a small per-tensor address table, one pass over the tensors on the
+host and one non-blocking copy, so a training loop's steady-state step is a
+table lookup, that pass and two launches. A gradient laid out unlike its
+parameter (channels-last) is read where it lies, through its gather row.
 
 A trust-ratio step (LARS, LAMB) launches its norm pass before the update (per-tile
 partial sums of squares into a scratch buffer, summed per (tensor, model) by
@@ -112,7 +116,7 @@ def _launch(spec: OptimizerSpec, args: Sequence[Any], emulate: bool, trust: bool
     absent = mt.N_STATES - n
     states = [*args[2 : 2 + n], *([[]] * absent)]
     names = [*spec.state_args, *(["unused"] * absent)]
-    plan, grads = _planner.plan(params, grads, states, names, steps)
+    plan, addrs, grads = _planner.plan(params, grads, states, names, steps)
     device = params[0].device
     if device.type == "cuda":
         ext.set_device(device.index if device.index is not None else torch.cuda.current_device())
@@ -126,20 +130,22 @@ def _launch(spec: OptimizerSpec, args: Sequence[Any], emulate: bool, trust: bool
         # Counts that follow a row (SGD's: its updates with momentum) read each model's value.
         row = spec.row(spec.counted_by) if spec.counted_by else None
         counted_by = hypers.data_ptr() + row * hypers.stride(0) * hypers.element_size() if row is not None else 0
-        ext.count_steps(steps[0].data_ptr(), plan.step_offs.data_ptr(), plan.n_steps, B, skip_ptr, threads, stream,
-                        counted_by=counted_by, counted_stride=hypers.stride(1))
+        ext.count_steps(steps[0].data_ptr(), addrs.data_ptr(), plan.step_offs.data_ptr(), plan.n_steps, B, skip_ptr,
+                        threads, stream, counted_by=counted_by, counted_stride=hypers.stride(1))
     launch = getattr(ext, _LAUNCHERS[spec.name])
     for group in plan.groups:
         first = group.index[0]
         # the norm pass's two sums of squares per tile (float32: the backend's math dtype)
         partials = torch.empty(2 * group.n_tiles, dtype=torch.float32, device=device) if trust else None
         launch(
-            tiles=group.tiles.data_ptr(), n_tiles=group.n_tiles, param_dtype=_ext.DTYPE_CODES[group.dtype],
+            tiles=group.tiles.data_ptr(), n_tiles=group.n_tiles, addrs=addrs.data_ptr(),
+            gathers=group.gathers.data_ptr() if group.gathers is not None else 0,
+            param_dtype=_ext.DTYPE_CODES[group.dtype],
             params=params[first].data_ptr(), grads=grads[first].data_ptr(),
             state0=states[0][first].data_ptr() if states[0] else 0,
             state1=states[1][first].data_ptr() if states[1] else 0,
             state2=states[2][first].data_ptr() if states[2] else 0,
-            steps=steps[first].data_ptr() if steps else 0,
+            steps=steps[0].data_ptr() if steps else 0,  # every step count is an offset from steps[0]
             hypers=hypers.data_ptr(), hyper_row_stride=hypers.stride(0), hyper_model_stride=hypers.stride(1),
             skip=skip_ptr,
             maximize=bool(flags["maximize"]),

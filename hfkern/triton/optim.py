@@ -20,17 +20,24 @@ element-wise math on one block (including its state's loads and stores).
 
 Tiles
 -----
-The launcher addresses every parameter of every model through a tile table
-(hfkern/_multi_tensor.py: one int64 row per (tensor, model, chunk) tile with
-element offsets from the first tensor of each list), built once per distinct
-set of tensors and cached. One program handles one tile: it reads model b's
+The launcher addresses every parameter of every model through two tables
+(hfkern/_multi_tensor.py): a tile table, one int64 row per (tensor, model,
+chunk) tile, which depends only on the tensors' shapes, dtypes and layouts and
+is built once and cached, and a small per-tensor address table made at each
+step (each tensor's element offset from the first tensor of its list, and
+whether its tiles are 16-byte aligned), which reaches the device with one
+non-blocking copy. New gradient tensors at every step (``zero_grad()``) change
+only the address table. One program handles one tile: it reads model b's
 hyperparameters ``hypers[:, b]`` and step count, computes in float32 (float64
 for float64 parameters) and writes parameter and state in place. Aligned tiles
 take a copy of the loop with divisibility hints, so loads and stores are
-16-byte vectors; the rest (small tensors of odd size) take the scalar copy. A
-cached step costs one dict lookup, the step-count launch and one launch per
-parameter dtype (parameters are grouped by dtype, each group addressed from its
-own first tensors).
+16-byte vectors; the rest (small tensors of odd size) take the scalar copy,
+and a gradient laid out unlike its parameter (channels-last) is read where it
+lies through its gather row (``GATHER``: compiled only for groups that have
+one). A steady-state step costs the table lookup, one pass over the tensors'
+addresses, the step-count launch and one launch per parameter dtype
+(parameters are grouped by dtype, each group addressed from its own first
+tensors).
 
 Trust ratios (LARS, LAMB)
 -------------------------
@@ -79,9 +86,7 @@ opaque to torch.compile, call them eagerly.
 
 from __future__ import annotations
 
-import collections
 import inspect
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -91,7 +96,6 @@ from torch import Tensor
 
 from .. import _backend, _multi_tensor as mt
 from .._device import sm_count
-from .._dtypes import FLOAT_DTYPES
 from .._optim_specs import (
     ADADELTA_SPEC, ADAGRAD_SPEC, ADAM_SPEC, LAMB_SPEC, LARS_SPEC, OPTIMIZER_SPECS, RMSPROP_SPEC, SGD_SPEC,
     TRUST_RATIO_SPECS, OptimizerSpec, trust_subsets,
@@ -106,16 +110,25 @@ __all__ = [
 # Named constants that host code and kernels share are tl.constexpr objects (the
 # only globals a kernel may read); host code takes their int().
 
-# The tile table's columns (hfkern/_multi_tensor.py) as kernel constants.
-(_COL_P, _COL_G, _COL_S0, _COL_S1, _COL_S2, _COL_STEP, _COL_MODEL, _COL_LEN, _COL_ALIGNED, _COL_FIRST,
+# The columns of the tile, address and gather tables (hfkern/_multi_tensor.py) as kernel constants.
+(_COL_TENSOR, _COL_MODEL, _COL_OFFSET, _COL_GRAD, _COL_START, _COL_LEN, _COL_STEP, _COL_GATHER, _COL_FIRST,
  _COL_TILES, _COLS) = (
-    tl.constexpr(c) for c in (mt.COL_P, mt.COL_G, mt.COL_S0, mt.COL_S1, mt.COL_S2, mt.COL_STEP, mt.COL_MODEL,
-                              mt.COL_LEN, mt.COL_ALIGNED, mt.COL_FIRST, mt.COL_TILES, mt.COLS)
+    tl.constexpr(c) for c in (mt.COL_TENSOR, mt.COL_MODEL, mt.COL_OFFSET, mt.COL_GRAD, mt.COL_START, mt.COL_LEN,
+                              mt.COL_STEP, mt.COL_GATHER, mt.COL_FIRST, mt.COL_TILES, mt.COLS)
+)
+_ADDR_P, _ADDR_G, _ADDR_S0, _ADDR_S1, _ADDR_S2, _ADDR_STEP, _ADDR_ALIGNED, _ADDR_COLS = (
+    tl.constexpr(c) for c in (mt.ADDR_P, mt.ADDR_G, mt.ADDR_S0, mt.ADDR_S1, mt.ADDR_S2, mt.ADDR_STEP,
+                              mt.ADDR_ALIGNED, mt.ADDR_COLS)
 )
 _N_STATES = mt.N_STATES
-_NF_G, _NF_PART, _NF_LEN, _NF_ALIGNED, _NF_COLS = (
-    tl.constexpr(c) for c in (mt.NF_G, mt.NF_PART, mt.NF_LEN, mt.NF_ALIGNED, mt.NF_COLS)
+_NF_TENSOR, _NF_OFFSET, _NF_PART, _NF_LEN, _NF_COLS = (
+    tl.constexpr(c) for c in (mt.NF_TENSOR, mt.NF_OFFSET, mt.NF_PART, mt.NF_LEN, mt.NF_COLS)
 )
+_NF_ADDR_G, _NF_ADDR_ALIGNED, _NF_ADDR_COLS = (
+    tl.constexpr(c) for c in (mt.NF_ADDR_G, mt.NF_ADDR_ALIGNED, mt.NF_ADDR_COLS)
+)
+_MAX_GRAD_DIMS = tl.constexpr(mt.MAX_GRAD_DIMS)
+_GATHER_COLS = tl.constexpr(mt.GATHER_COLS)
 _ALIGN_BYTES = mt.ALIGN_BYTES
 _LEN_ALIGN = tl.constexpr(mt.LEN_ALIGN)
 _MAX_CACHED = mt.MAX_CACHED
@@ -206,20 +219,36 @@ def _direction(g, p, wd, MAXIMIZE: tl.constexpr, WD: tl.constexpr, F64: tl.const
 
 
 @triton.jit
-def _step_count(row, steps_ptr):
+def _step_count(t_ptr):
     """The tile's (already incremented) step count."""
-    return tl.load(steps_ptr + tl.load(row + _COL_STEP))
+    return tl.load(t_ptr)
 
 
 @triton.jit
-def _offset(row, COL: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, PRESENT: tl.constexpr):
+def _offset(arow, ACOL: tl.constexpr, tile_offset, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+            PRESENT: tl.constexpr):
+    """A tile's element offset in one list: the tensor's offset from the list's first
+    tensor (address row) plus the tile's offset in the tensor (tile row)."""
     if PRESENT:
         # Loaded here, once per loop copy, so the hint sits on this copy's load only.
-        o = tl.load(row + COL)
+        o = tl.load(arow + ACOL) + tile_offset
         if ALIGNED:
             o = tl.multiple_of(o, VEC)
     else:
         o = 0
+    return o
+
+
+@triton.jit
+def _gathered(grow, j):
+    """Offsets in a gradient's model slice of elements ``j`` of its parameter's slice:
+    the gather row's (size, stride) pairs, innermost first (padding (1, 0) adds 0)."""
+    r = j.to(tl.int64)
+    o = tl.zeros_like(r)
+    for d in tl.static_range(_MAX_GRAD_DIMS):
+        size = tl.load(grow + 2 * d)
+        o += (r % size) * tl.load(grow + 2 * d + 1)
+        r = r // size
     return o
 
 
@@ -231,7 +260,7 @@ def _offset(row, COL: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, PR
 # and returns the new parameter.
 
 @triton.jit
-def _sgd_scalars(h, stride_hr, row, steps_ptr, MOMENTUM: tl.constexpr, F64: tl.constexpr):
+def _sgd_scalars(h, stride_hr, t_ptr, MOMENTUM: tl.constexpr, F64: tl.constexpr):
     lr = tl.load(h + _SGD_LR * stride_hr)
     momentum = tl.load(h + _SGD_MOMENTUM * stride_hr)
     dampening = tl.load(h + _SGD_DAMPENING * stride_hr)
@@ -243,7 +272,7 @@ def _sgd_scalars(h, stride_hr, row, steps_ptr, MOMENTUM: tl.constexpr, F64: tl.c
     if MOMENTUM:
         # A model's first update with momentum (the count counts only those) sets its
         # buffer to the gradient, as torch's clone does.
-        first = _step_count(row, steps_ptr) == 1.0
+        first = _step_count(t_ptr) == 1.0
         decay = tl.where(first, 0.0, momentum)
         scale = tl.where(first, 1.0, scale)
     return _math(-lr, F64), _math(momentum, F64), _math(decay, F64), _math(scale, F64), _math(wd, F64), on
@@ -268,13 +297,13 @@ def _sgd_update(c, p, g, buf_ptrs, mask, MOMENTUM: tl.constexpr, NESTEROV: tl.co
 
 
 @triton.jit
-def _adam_scalars(h, stride_hr, row, steps_ptr, F64: tl.constexpr, H64: tl.constexpr):
+def _adam_scalars(h, stride_hr, t_ptr, F64: tl.constexpr, H64: tl.constexpr):
     lr = tl.load(h + _ADAM_LR * stride_hr)
     beta1 = tl.load(h + _ADAM_BETA1 * stride_hr)
     beta2 = tl.load(h + _ADAM_BETA2 * stride_hr)
     eps = tl.load(h + _ADAM_EPS * stride_hr)
     wd = tl.load(h + _ADAM_WD * stride_hr)
-    t = _step_count(row, steps_ptr)
+    t = _step_count(t_ptr)
     # Per-model scalars in the hyperparameters' dtype, as the torch path computes them.
     bc1 = _one_minus_pow(beta1, t).to(lr.dtype)
     bc2 = _one_minus_pow(beta2, t).to(lr.dtype)
@@ -309,12 +338,12 @@ def _adam_update(c, p, g, m_ptrs, v_ptrs, vmax_ptrs, mask, AMSGRAD: tl.constexpr
 
 
 @triton.jit
-def _adagrad_scalars(h, stride_hr, row, steps_ptr, F64: tl.constexpr, H64: tl.constexpr):
+def _adagrad_scalars(h, stride_hr, t_ptr, F64: tl.constexpr, H64: tl.constexpr):
     lr = tl.load(h + _ADAGRAD_LR * stride_hr)
     lr_decay = tl.load(h + _ADAGRAD_LR_DECAY * stride_hr)
     wd = tl.load(h + _ADAGRAD_WD * stride_hr)
     eps = tl.load(h + _ADAGRAD_EPS * stride_hr)
-    t = _step_count(row, steps_ptr).to(lr.dtype)
+    t = _step_count(t_ptr).to(lr.dtype)
     clr = _div(lr, 1.0 + (t - 1.0) * lr_decay, H64)
     return _math(-clr, F64), _math(eps, F64), _math(wd, F64)
 
@@ -437,7 +466,7 @@ def _lars_update(c, p, g, buf_ptrs, mask, MOMENTUM: tl.constexpr, MAXIMIZE: tl.c
 
 
 @triton.jit
-def _lamb_scalars(h, stride_hr, row, steps_ptr, w_sq, r_sq, TRUST: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+def _lamb_scalars(h, stride_hr, t_ptr, w_sq, r_sq, TRUST: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
                   F64: tl.constexpr, H64: tl.constexpr):
     lr = tl.load(h + _LAMB_LR * stride_hr)
     beta1 = tl.load(h + _LAMB_BETA1 * stride_hr)
@@ -445,7 +474,7 @@ def _lamb_scalars(h, stride_hr, row, steps_ptr, w_sq, r_sq, TRUST: tl.constexpr,
     eps = tl.load(h + _LAMB_EPS * stride_hr)
     wd = tl.load(h + _LAMB_WD * stride_hr)
     if BIAS_CORRECTION:
-        t = _step_count(row, steps_ptr)
+        t = _step_count(t_ptr)
         bc1 = _one_minus_pow(beta1, t).to(lr.dtype)
         bc2_sqrt = _sqrt(_one_minus_pow(beta2, t).to(lr.dtype), H64)
     else:
@@ -511,19 +540,19 @@ def _lamb_update(c, p, g, m_ptrs, v_ptrs, mask, TRUST: tl.constexpr, MAXIMIZE: t
 
 
 @triton.jit
-def _scalars(OPT: tl.constexpr, h, stride_hr, row, steps_ptr, w_sq, x_sq, HAS_S0: tl.constexpr,
+def _scalars(OPT: tl.constexpr, h, stride_hr, t_ptr, w_sq, x_sq, HAS_S0: tl.constexpr,
              TRUST: tl.constexpr, BIAS_CORRECTION: tl.constexpr, F64: tl.constexpr, H64: tl.constexpr):
     # w_sq, x_sq: the sums of squares of the tile's (tensor, model) pair (TRUST), else unused
     if OPT == "lars":
         return _lars_scalars(h, stride_hr, w_sq, x_sq, TRUST, F64, H64)
     elif OPT == "lamb":
-        return _lamb_scalars(h, stride_hr, row, steps_ptr, w_sq, x_sq, TRUST, BIAS_CORRECTION, F64, H64)
+        return _lamb_scalars(h, stride_hr, t_ptr, w_sq, x_sq, TRUST, BIAS_CORRECTION, F64, H64)
     elif OPT == "sgd":
-        return _sgd_scalars(h, stride_hr, row, steps_ptr, HAS_S0, F64)
+        return _sgd_scalars(h, stride_hr, t_ptr, HAS_S0, F64)
     elif OPT == "adam":
-        return _adam_scalars(h, stride_hr, row, steps_ptr, F64, H64)
+        return _adam_scalars(h, stride_hr, t_ptr, F64, H64)
     elif OPT == "adagrad":
-        return _adagrad_scalars(h, stride_hr, row, steps_ptr, F64, H64)
+        return _adagrad_scalars(h, stride_hr, t_ptr, F64, H64)
     elif OPT == "adadelta":
         return _adadelta_scalars(h, stride_hr, F64)
     else:
@@ -558,17 +587,23 @@ def _update(OPT: tl.constexpr, c, p, g, s0, s1, s2, mask,
 
 @triton.jit
 def _tile(
-    row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr,
+    row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr,
     OPT: tl.constexpr, HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
     NESTEROV: tl.constexpr, DECOUPLED: tl.constexpr, TRUST: tl.constexpr, MAXIMIZE: tl.constexpr,
-    HAS_WD: tl.constexpr, F64: tl.constexpr, ALIGNED: tl.constexpr, VEC_P: tl.constexpr, VEC_S: tl.constexpr,
-    BLOCK: tl.constexpr,
+    HAS_WD: tl.constexpr, F64: tl.constexpr, ALIGNED: tl.constexpr, GATHER: tl.constexpr,
+    VEC_P: tl.constexpr, VEC_S: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    o_p = _offset(row, _COL_P, VEC_P, ALIGNED, True)
-    o_g = _offset(row, _COL_G, VEC_P, ALIGNED, True)
-    o_0 = _offset(row, _COL_S0, VEC_S, ALIGNED, HAS_S0)
-    o_1 = _offset(row, _COL_S1, VEC_S, ALIGNED, HAS_S1)
-    o_2 = _offset(row, _COL_S2, VEC_S, ALIGNED, HAS_S2)
+    # ALIGNED: 16-byte vectors throughout; GATHER: the gradient is read through the
+    # tile's gather row (never aligned).
+    off = tl.load(row + _COL_OFFSET)
+    o_p = _offset(arow, _ADDR_P, off, VEC_P, ALIGNED, True)
+    o_g = _offset(arow, _ADDR_G, tl.load(row + _COL_GRAD), VEC_P, ALIGNED, True)
+    o_0 = _offset(arow, _ADDR_S0, off, VEC_S, ALIGNED, HAS_S0)
+    o_1 = _offset(arow, _ADDR_S1, off, VEC_S, ALIGNED, HAS_S1)
+    o_2 = _offset(arow, _ADDR_S2, off, VEC_S, ALIGNED, HAS_S2)
+    if GATHER:
+        grow = gat_ptr + tl.load(row + _COL_GATHER) * _GATHER_COLS
+        start = tl.load(row + _COL_START)
     # The tile's length, 0 for a skipped model (its loop then runs zero times).
     n = tl.where(live, tl.load(row + _COL_LEN), 0)
     if ALIGNED:
@@ -577,7 +612,10 @@ def _tile(
         idx = k * BLOCK + tl.arange(0, BLOCK)
         mask = idx < n
         p = _math(tl.load(p_ptr + o_p + idx, mask=mask), F64)
-        g = tl.load(g_ptr + o_g + idx, mask=mask)
+        if GATHER:
+            g = tl.load(g_ptr + o_g + _gathered(grow, start + idx), mask=mask)
+        else:
+            g = tl.load(g_ptr + o_g + idx, mask=mask)
         p = _update(OPT, c, p, g, s0_ptr + o_0 + idx, s1_ptr + o_1 + idx, s2_ptr + o_2 + idx, mask,
                     HAS_S0, HAS_S1, HAS_S2, NESTEROV, DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64)
         tl.store(p_ptr + o_p + idx, p.to(p_ptr.dtype.element_ty), mask=mask)
@@ -586,12 +624,14 @@ def _tile(
 @triton.jit
 def _step_kernel(
     tiles_ptr,  # [T, _COLS] int64 tile rows (module docstring)
+    addr_ptr,  # [n, _ADDR_COLS] int64 this call's address rows, one per tensor
+    gat_ptr,  # [G, _GATHER_COLS] int64 gather rows of the gradients read in another layout (read with GATHER)
     p_ptr,  # the group's first parameter [B, ...]; every parameter is an offset from it
     g_ptr,  # the group's first gradient (parameter dtype)
     s0_ptr,  # the group's first tensor of each state list, in the op's argument order
     s1_ptr,  # (state dtype); an absent list's pointer is the parameter's, never read
     s2_ptr,
-    steps_ptr,  # the group's first step count [B] float32, already incremented (unread without steps)
+    steps_ptr,  # steps[0]: [B] float32, already incremented (unread without steps)
     hyp_ptr,  # [R, B]: the op's hyperparameter rows
     stride_hr, stride_hb,
     skip_ptr,  # [B] bool
@@ -601,23 +641,38 @@ def _step_kernel(
     NESTEROV: tl.constexpr, DECOUPLED: tl.constexpr, TRUST: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
     MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
     HAS_SKIP: tl.constexpr, F64: tl.constexpr, H64: tl.constexpr,
+    GATHER: tl.constexpr,  # some tile of the table reads its gradient through a gather row
     VEC_P: tl.constexpr, VEC_S: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tiles_ptr + tl.program_id(0).to(tl.int64) * _COLS
+    arow = addr_ptr + tl.load(row + _COL_TENSOR) * _ADDR_COLS
     b = tl.load(row + _COL_MODEL)
     if HAS_SKIP:
         live = tl.load(skip_ptr + b) == 0
     else:
         live = b >= 0
     w_sq, x_sq = _pair_sums(row, part_ptr, TRUST, BLOCK)
-    c = _scalars(OPT, hyp_ptr + b * stride_hb, stride_hr, row, steps_ptr, w_sq, x_sq, HAS_S0, TRUST,
+    t_ptr = steps_ptr + tl.load(arow + _ADDR_STEP) + tl.load(row + _COL_STEP)
+    c = _scalars(OPT, hyp_ptr + b * stride_hb, stride_hr, t_ptr, w_sq, x_sq, HAS_S0, TRUST,
                  BIAS_CORRECTION, F64, H64)
-    if tl.load(row + _COL_ALIGNED) != 0:
-        _tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, OPT, HAS_S0, HAS_S1, HAS_S2, NESTEROV,
-              DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64, True, VEC_P, VEC_S, BLOCK)
+    # A gathered tensor's address row is never aligned (hfkern/_multi_tensor.py).
+    aligned = tl.load(arow + _ADDR_ALIGNED) != 0
+    if GATHER:
+        if tl.load(row + _COL_GATHER) >= 0:
+            _tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, OPT, HAS_S0, HAS_S1,
+                  HAS_S2, NESTEROV, DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64, False, True, VEC_P, VEC_S, BLOCK)
+        elif aligned:
+            _tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, OPT, HAS_S0, HAS_S1,
+                  HAS_S2, NESTEROV, DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64, True, False, VEC_P, VEC_S, BLOCK)
+        else:
+            _tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, OPT, HAS_S0, HAS_S1,
+                  HAS_S2, NESTEROV, DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64, False, False, VEC_P, VEC_S, BLOCK)
+    elif aligned:
+        _tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, OPT, HAS_S0, HAS_S1, HAS_S2,
+              NESTEROV, DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64, True, False, VEC_P, VEC_S, BLOCK)
     else:
-        _tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, OPT, HAS_S0, HAS_S1, HAS_S2, NESTEROV,
-              DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64, False, VEC_P, VEC_S, BLOCK)
+        _tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, OPT, HAS_S0, HAS_S1, HAS_S2,
+              NESTEROV, DECOUPLED, TRUST, MAXIMIZE, HAS_WD, F64, False, False, VEC_P, VEC_S, BLOCK)
 
 
 @triton.jit
@@ -640,13 +695,17 @@ def _pair_sums(row, part_ptr, TRUST: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _norm_tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT: tl.constexpr, MAXIMIZE: tl.constexpr,
-               HAS_WD: tl.constexpr, F64: tl.constexpr, ALIGNED: tl.constexpr, VEC_P: tl.constexpr,
-               VEC_S: tl.constexpr, BLOCK: tl.constexpr):
-    o_p = _offset(row, _COL_P, VEC_P, ALIGNED, True)
-    o_g = _offset(row, _COL_G, VEC_P, ALIGNED, True)
-    o_0 = _offset(row, _COL_S0, VEC_S, ALIGNED, OPT == "lamb")
-    o_1 = _offset(row, _COL_S1, VEC_S, ALIGNED, OPT == "lamb")
+def _norm_tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT: tl.constexpr,
+               MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr, F64: tl.constexpr, ALIGNED: tl.constexpr,
+               GATHER: tl.constexpr, VEC_P: tl.constexpr, VEC_S: tl.constexpr, BLOCK: tl.constexpr):
+    off = tl.load(row + _COL_OFFSET)
+    o_p = _offset(arow, _ADDR_P, off, VEC_P, ALIGNED, True)
+    o_g = _offset(arow, _ADDR_G, tl.load(row + _COL_GRAD), VEC_P, ALIGNED, True)
+    o_0 = _offset(arow, _ADDR_S0, off, VEC_S, ALIGNED, OPT == "lamb")
+    o_1 = _offset(arow, _ADDR_S1, off, VEC_S, ALIGNED, OPT == "lamb")
+    if GATHER:
+        grow = gat_ptr + tl.load(row + _COL_GATHER) * _GATHER_COLS
+        start = tl.load(row + _COL_START)
     n = tl.where(live, tl.load(row + _COL_LEN), 0)
     if ALIGNED:
         n = tl.multiple_of(n, _LEN_ALIGN)
@@ -660,7 +719,10 @@ def _norm_tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT: tl.constexpr, MA
         idx = k * BLOCK + tl.arange(0, BLOCK)
         mask = idx < n
         p = _math(tl.load(p_ptr + o_p + idx, mask=mask), F64)
-        g = tl.load(g_ptr + o_g + idx, mask=mask)
+        if GATHER:
+            g = tl.load(g_ptr + o_g + _gathered(grow, start + idx), mask=mask)
+        else:
+            g = tl.load(g_ptr + o_g + idx, mask=mask)
         if OPT == "lars":
             w, x = _lars_norm_terms(c, p, g, F64)
         else:
@@ -675,32 +737,46 @@ def _norm_tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT: tl.constexpr, MA
 @triton.jit
 def _norms_kernel(
     tiles_ptr,  # [T, _COLS] int64 tile rows (module docstring)
+    addr_ptr, gat_ptr,  # as _step_kernel's
     p_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, steps_ptr,  # as _step_kernel's
     hyp_ptr,  # [R, B]: the op's hyperparameter rows
     stride_hr, stride_hb,
     skip_ptr,  # [B] bool
     part_ptr,  # [T, 2] out: the tile's sums of squares of ``w`` and of the ratio's other vector
     OPT: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
-    HAS_SKIP: tl.constexpr, F64: tl.constexpr, H64: tl.constexpr,
+    HAS_SKIP: tl.constexpr, F64: tl.constexpr, H64: tl.constexpr, GATHER: tl.constexpr,
     VEC_P: tl.constexpr, VEC_S: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # The first pass of a trust-ratio step: one program per tile (a skipped model's
     # tiles write zeros, which no update reads).
     pid = tl.program_id(0).to(tl.int64)
     row = tiles_ptr + pid * _COLS
+    arow = addr_ptr + tl.load(row + _COL_TENSOR) * _ADDR_COLS
     b = tl.load(row + _COL_MODEL)
     if HAS_SKIP:
         live = tl.load(skip_ptr + b) == 0
     else:
         live = b >= 0
-    c = _scalars(OPT, hyp_ptr + b * stride_hb, stride_hr, row, steps_ptr, 0.0, 0.0, False, False,
+    t_ptr = steps_ptr + tl.load(arow + _ADDR_STEP) + tl.load(row + _COL_STEP)
+    c = _scalars(OPT, hyp_ptr + b * stride_hb, stride_hr, t_ptr, 0.0, 0.0, False, False,
                  BIAS_CORRECTION, F64, H64)
-    if tl.load(row + _COL_ALIGNED) != 0:
-        w_sq, x_sq = _norm_tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT, MAXIMIZE, HAS_WD, F64, True,
-                                VEC_P, VEC_S, BLOCK)
+    aligned = tl.load(arow + _ADDR_ALIGNED) != 0
+    if GATHER:
+        if tl.load(row + _COL_GATHER) >= 0:
+            w_sq, x_sq = _norm_tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT, MAXIMIZE,
+                                    HAS_WD, F64, False, True, VEC_P, VEC_S, BLOCK)
+        elif aligned:
+            w_sq, x_sq = _norm_tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT, MAXIMIZE,
+                                    HAS_WD, F64, True, False, VEC_P, VEC_S, BLOCK)
+        else:
+            w_sq, x_sq = _norm_tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT, MAXIMIZE,
+                                    HAS_WD, F64, False, False, VEC_P, VEC_S, BLOCK)
+    elif aligned:
+        w_sq, x_sq = _norm_tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT, MAXIMIZE, HAS_WD,
+                                F64, True, False, VEC_P, VEC_S, BLOCK)
     else:
-        w_sq, x_sq = _norm_tile(row, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT, MAXIMIZE, HAS_WD, F64, False,
-                                VEC_P, VEC_S, BLOCK)
+        w_sq, x_sq = _norm_tile(row, arow, gat_ptr, live, c, p_ptr, g_ptr, s0_ptr, s1_ptr, OPT, MAXIMIZE, HAS_WD,
+                                F64, False, False, VEC_P, VEC_S, BLOCK)
     tl.store(part_ptr + pid * 2, w_sq)
     tl.store(part_ptr + pid * 2 + 1, x_sq)
 
@@ -708,7 +784,8 @@ def _norms_kernel(
 @triton.jit
 def _count_kernel(
     steps_ptr,  # steps[0]: [B] float32; every step count of the call is an offset from it
-    offs_ptr,  # [n * B] int64: element offset of steps[i][b] at i * B + b
+    addr_ptr,  # [n, _ADDR_COLS] int64 this call's address rows: steps[i]'s offset at _ADDR_STEP
+    offs_ptr,  # [n * B] int64: b * steps[i].stride(0) at i * B + b
     skip_ptr,  # [B] bool
     hyp_ptr,  # [R, B]: the op's hyperparameter rows (read with COUNTED_BY only)
     stride_hr, stride_hb,
@@ -723,7 +800,8 @@ def _count_kernel(
         mask = mask & (tl.load(skip_ptr + k % B, mask=mask, other=1) == 0)
     if COUNTED_BY >= 0:
         mask = mask & (tl.load(hyp_ptr + COUNTED_BY * stride_hr + (k % B) * stride_hb, mask=mask, other=0) != 0)
-    off = tl.load(offs_ptr + k, mask=mask, other=0)
+    off = tl.load(addr_ptr + (k // B).to(tl.int64) * _ADDR_COLS + _ADDR_STEP, mask=mask, other=0)
+    off += tl.load(offs_ptr + k, mask=mask, other=0)
     t = tl.load(steps_ptr + off, mask=mask)
     tl.store(steps_ptr + off, t + 1.0, mask=mask)
 
@@ -731,9 +809,9 @@ def _count_kernel(
 # ---- non-finite check ----------------------------------------------------------------
 
 @triton.jit
-def _nonfinite_tile(row, g_ptr, ALIGNED: tl.constexpr, F64: tl.constexpr, VEC: tl.constexpr,
+def _nonfinite_tile(row, arow, g_ptr, ALIGNED: tl.constexpr, F64: tl.constexpr, VEC: tl.constexpr,
                     BLOCK: tl.constexpr):
-    o = _offset(row, _NF_G, VEC, ALIGNED, True)
+    o = _offset(arow, _NF_ADDR_G, tl.load(row + _NF_OFFSET), VEC, ALIGNED, True)
     n = tl.load(row + _NF_LEN)
     if ALIGNED:
         n = tl.multiple_of(n, _LEN_ALIGN)
@@ -755,16 +833,18 @@ def _nonfinite_tile(row, g_ptr, ALIGNED: tl.constexpr, F64: tl.constexpr, VEC: t
 
 @triton.jit
 def _nonfinite_tiles_kernel(
-    tiles_ptr,  # [T, _NF_COLS] int64: gradient offset, partial index, length, aligned
+    tiles_ptr,  # [T, _NF_COLS] int64: tensor, gradient offset, partial index, length
+    addr_ptr,  # [n, _NF_ADDR_COLS] int64 this call's address rows: gradient offset, aligned
     g_ptr,  # the group's first gradient; every gradient is an offset from it
     part_ptr,  # [B, Tm] int32 per-tile flags
     F64: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tiles_ptr + tl.program_id(0).to(tl.int64) * _NF_COLS
-    if tl.load(row + _NF_ALIGNED) != 0:
-        bad = _nonfinite_tile(row, g_ptr, True, F64, VEC, BLOCK)
+    arow = addr_ptr + tl.load(row + _NF_TENSOR) * _NF_ADDR_COLS
+    if tl.load(arow + _NF_ADDR_ALIGNED) != 0:
+        bad = _nonfinite_tile(row, arow, g_ptr, True, F64, VEC, BLOCK)
     else:
-        bad = _nonfinite_tile(row, g_ptr, False, F64, VEC, BLOCK)
+        bad = _nonfinite_tile(row, arow, g_ptr, False, F64, VEC, BLOCK)
     tl.store(part_ptr + tl.load(row + _NF_PART), bad)
 
 
@@ -794,7 +874,7 @@ _step = Tuned(
     [triton.Config({"BLOCK": 512}, num_warps=4), triton.Config({"BLOCK": 1024}, num_warps=4),
      triton.Config({"BLOCK": 1024}, num_warps=8), triton.Config({"BLOCK": 2048}, num_warps=8)],
     ["OPT", "HAS_SKIP", "HAS_S0", "HAS_S1", "HAS_S2", "NESTEROV", "DECOUPLED", "TRUST", "BIAS_CORRECTION",
-     "MAXIMIZE", "HAS_WD"],
+     "MAXIMIZE", "HAS_WD", "GATHER"],
     interpret_config=_INTERPRET_BLOCK,
 )
 # The norm pass writes LAMB's moments, so it cannot be timed on live tensors: one config.
@@ -825,7 +905,9 @@ def _chunk(total: int, device: torch.device) -> int:
 _planner = mt.Planner("triton", _chunk)
 _plans = _planner.plans
 _plan = _planner.plan
-_model_major = mt.model_major
+# Tables of the scratch tensors configs are timed on: apart, so that they never evict
+# (or count as) a live call's.
+_scratch_planner = mt.Planner("triton", _chunk)
 
 _dummies: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
@@ -850,7 +932,8 @@ _best: dict[tuple, triton.Config] = {}
 # Elements of each scratch tensor a kernel variant is timed on: well past L2, like a real array.
 _SCRATCH_ELEMS = 1 << 23
 # The constexprs of the norm pass (a subset of the update's).
-_NORMS_META = ("OPT", "BIAS_CORRECTION", "MAXIMIZE", "HAS_WD", "HAS_SKIP", "F64", "H64", "VEC_P", "VEC_S")
+_NORMS_META = ("OPT", "BIAS_CORRECTION", "MAXIMIZE", "HAS_WD", "HAS_SKIP", "F64", "H64", "GATHER", "VEC_P",
+               "VEC_S")
 
 
 def _run(spec: OptimizerSpec, args: Sequence[Any]) -> None:
@@ -881,24 +964,26 @@ def _launch(spec: OptimizerSpec, args: Sequence[Any], trust: bool) -> None:
     names = [*spec.state_args, *(["unused"] * absent)]
     steps, hypers, skip = args[2 + n], args[3 + n], args[-1]
     flags = dict(zip(spec.flags, args[4 + n : -1]))
-    plan, grads = _plan(params, grads, states, names, steps)
+    plan, addrs, grads = _plan(params, grads, states, names, steps)
     skip_arg = skip if skip is not None else _dummy(device, torch.bool)
     if plan.step_offs is not None and plan.n_steps:
         n_steps = plan.n_steps
         counted_by = spec.counted_by
         _count[lambda meta: (triton.cdiv(n_steps, meta["BLOCK"]),)](
-            steps[0], plan.step_offs, skip_arg, hypers, hypers.stride(0), hypers.stride(1), n_steps,
+            steps[0], addrs, plan.step_offs, skip_arg, hypers, hypers.stride(0), hypers.stride(1), n_steps,
             params[0].size(0), HAS_SKIP=skip is not None,
             COUNTED_BY=spec.row(counted_by) if counted_by else -1,
         )
+    # Every group's step counts are offsets from steps[0] (the address table's ADDR_STEP).
+    step_base = steps[0] if steps else _dummy(device, torch.float32)
     for group in plan.groups:
         if group.n_tiles == 0:
             continue
         first = group.index[0]
         bases = [params[first], grads[first]] + [s[first] if s else params[first] for s in states]
-        # The group's step offsets count from its own first step tensor.
-        step_base = steps[first] if steps else _dummy(device, torch.float32)
-        kernel_args = (group.tiles, *bases, step_base, hypers, hypers.stride(0), hypers.stride(1), skip_arg)
+        gathers = group.gathers if group.gathers is not None else _dummy(device, torch.int64)
+        kernel_args = (group.tiles, addrs, gathers, *bases, step_base, hypers, hypers.stride(0), hypers.stride(1),
+                       skip_arg)
         f64 = group.dtype == torch.float64
         meta = dict(
             OPT=spec.name, HAS_S0=bool(states[0]), HAS_S1=bool(states[1]), HAS_S2=bool(states[2]),
@@ -909,6 +994,7 @@ def _launch(spec: OptimizerSpec, args: Sequence[Any], trust: bool) -> None:
             # an excluded parameter of a trust-ratio optimizer gets no weight decay
             HAS_WD=bool(flags["has_weight_decay"]) and (trust or spec not in TRUST_RATIO_SPECS),
             HAS_SKIP=skip is not None, F64=f64, H64=hypers.dtype == torch.float64,
+            GATHER=group.gathers is not None,
             VEC_P=_ALIGN_BYTES // params[first].element_size(),
             VEC_S=_ALIGN_BYTES // (8 if f64 else 4),  # state: float64 or float32
         )
@@ -937,7 +1023,7 @@ def _tune_on_scratch(args: Sequence[Any], hypers: Tensor, meta: dict[str, Any]) 
     first one under the interpreter or with HFKERN_TRITON_AUTOTUNE=0)."""
     if not interpreting() and not autotuning():
         return _step.configs[0]
-    p, g = args[1], args[2]
+    p, g = args[3], args[4]
     B = hypers.size(1)
     n = max(int(_LEN_ALIGN), _SCRATCH_ELEMS // B // int(_LEN_ALIGN) * int(_LEN_ALIGN))
 
@@ -945,21 +1031,22 @@ def _tune_on_scratch(args: Sequence[Any], hypers: Tensor, meta: dict[str, Any]) 
         return torch.rand(B, n, device=like.device).to(like.dtype)
 
     sp, sg = scratch(p), scratch(g)
-    states = [scratch(args[3 + j]) if meta[f"HAS_S{j}"] else sp for j in range(_N_STATES)]
+    states = [[scratch(args[5 + j])] if meta[f"HAS_S{j}"] else [] for j in range(_N_STATES)]
     steps = [torch.ones(B, device=p.device)]
-    lists = [[sp], [sg]] + [[t] for t in states]
-    tiles = mt.build_tiles(lists, ["scratch"] * len(lists), steps, B, _chunk(B * n, p.device), backend="triton")
+    plan, addrs, _ = _scratch_planner.plan([sp], [sg], states, ["scratch"] * _N_STATES, steps)
+    (group,) = plan.groups
     # Every model live (same dtype as the live mask: the autotuner's key), so all tiles do work.
     s_skip = torch.zeros(B, dtype=torch.bool, device=p.device)
     # Zero partials: with TRUST every ratio is then 1 (the timing does not depend on it).
-    s_part = torch.zeros(tiles.size(0) * 2, dtype=torch.float64 if meta["F64"] else torch.float32,
+    s_part = torch.zeros(group.n_tiles * 2, dtype=torch.float64 if meta["F64"] else torch.float32,
                          device=p.device)
-    s_args = (tiles.to(p.device), sp, sg, *states, steps[0], hypers, hypers.stride(0), hypers.stride(1),
-              s_skip, s_part)
+    # A scratch gradient is laid out like its parameter: the gather rows are the live call's.
+    s_args = (group.tiles, addrs, args[2], sp, sg, *(s[0] if s else sp for s in states), steps[0], hypers,
+              hypers.stride(0), hypers.stride(1), s_skip, s_part)
     if interpreting():
-        _step[(tiles.size(0),)](*s_args, **meta)
+        _step[(group.n_tiles,)](*s_args, **meta)
         return _step.interpret_config
-    _step.tuned[(tiles.size(0),)](*s_args, **meta)  # eager on scratch tensors: no tracing wrapper
+    _step.tuned[(group.n_tiles,)](*s_args, **meta)  # eager on scratch tensors: no tracing wrapper
     return _step.tuned.best_config
 
 
@@ -995,16 +1082,6 @@ lamb_step_ = _launcher(LAMB_SPEC, auto=False)
 
 # ---- non-finite check ----------------------------------------------------------------
 
-@dataclass
-class _CheckPlan:
-    groups: list[tuple[list[int], Tensor, int]]  # (positions, tiles on the device, n_tiles) per dtype
-    partials: Tensor  # [B, Tm] int32 scratch flags
-    tm: int
-
-
-_checks: collections.OrderedDict = collections.OrderedDict()
-
-
 @_backend.implements("nonfinite_models", "triton", device_types=("cuda",), auto=False)
 def nonfinite_models(grads: list[Tensor]) -> Tensor:
     """hfkern::nonfinite_models on CUDA tensors: per-tile flags, then one reduction per model."""
@@ -1015,34 +1092,11 @@ def nonfinite_models(grads: list[Tensor]) -> Tensor:
     if g0.is_cuda and g0.device.index != torch.cuda.current_device():
         with torch.cuda.device(g0.device):
             return nonfinite_models(grads)
-    key = (mt.signature(grads), mt.shapes_dtypes(grads), g0.device)
-    plan = _checks.get(key)
-    if plan is None:
-        # Read only: any layout the table cannot address is checked through a dense copy.
-        dense = [g if _model_major(g) else g.contiguous() for g in grads]
-        chunk = _chunk(sum(g.numel() for g in grads), g0.device)
-        sizes = [triton.cdiv(g.numel() // B, chunk) if B and g.numel() else 0 for g in dense]
-        groups, col = [], 0
-        tm = sum(sizes)
-        for dtype in FLOAT_DTYPES:
-            index = [i for i, g in enumerate(dense) if g.dtype == dtype and sizes[i]]
-            if not index:
-                continue
-            tiles = mt.build_tiles([[dense[i] for i in index]], ["grads"], None, B, chunk, part=(tm, col),
-                                   backend="triton")
-            col += sum(sizes[i] for i in index)
-            groups.append((index, mt.to_device(tiles, g0.device), tiles.size(0)))
-        others = [g for g in dense if g.dtype not in FLOAT_DTYPES and g.numel()]
-        if others:
-            raise TypeError(f"expected floating-point gradients, got {others[0].dtype}")
-        plan = _CheckPlan(groups, torch.zeros(max(1, B * tm), dtype=torch.int32, device=g0.device), tm)
-        if all(d is g for d, g in zip(dense, grads)):
-            mt.remember(_checks, key, plan)
-        grads = dense
+    plan, addrs, grads = _planner.check(grads)
     out = torch.empty(B, dtype=torch.bool, device=g0.device)
     for index, tiles, n_tiles in plan.groups:
         g = grads[index[0]]
-        _nonfinite_tiles[(n_tiles,)](tiles, g, plan.partials, F64=g.dtype == torch.float64,
+        _nonfinite_tiles[(n_tiles,)](tiles, addrs, g, plan.partials, F64=g.dtype == torch.float64,
                                      VEC=_ALIGN_BYTES // g.element_size())
     if B:
         _nonfinite_reduce[(B,)](plan.partials, out, plan.tm)

@@ -83,8 +83,9 @@ def test_emulated_low_precision_and_mixed_dtypes(name):
 @pytest.mark.emulator
 def test_emulated_layouts_and_misaligned_tensors():
     """Permuted inner dims (state shares the parameter's strides), gradients laid out unlike
-    their parameter (read through a copy), tensors at odd element offsets (the scalar path),
-    a strided hyperparameter table and skip mask; interleaved models are refused."""
+    their parameter or not dense (read where they lie, through a gather row), tensors at odd
+    element offsets (the scalar path), a strided hyperparameter table and skip mask;
+    interleaved models are refused."""
     B = 3
     p0 = torch.randn(B, 11, 5).transpose(1, 2)  # [B, 5, 11], model-major, inner dims permuted
     buf = torch.randn(1 + B * 64)
@@ -128,11 +129,14 @@ def test_binding_checks_its_arguments():
     module = _ext.load(emulated=True)
     assert module.EMULATED and module.CUDA_ARCHITECTURES == ""
     with pytest.raises(ValueError, match=r"threads per block a multiple of 32 in \[32, 512\], got 48"):
-        module.count_steps(0, 0, 1, 1, 0, 48, 0)
-    kwargs = dict(tiles=0, n_tiles=0, param_dtype=0, params=0, grads=0, state0=0, state1=0, state2=0, steps=0,
-                  hypers=0, hyper_row_stride=1, hyper_model_stride=1, skip=0, maximize=False,
-                  has_weight_decay=False, decoupled_weight_decay=False, momentum=False, nesterov=True,
-                  amsgrad=False, threads=32, stream=0)
+        module.count_steps(0, 0, 0, 1, 1, 0, 48, 0)
+    with pytest.raises(ValueError, match="needs an address table and step offsets"):
+        module.count_steps(0, 0, 0, 1, 1, 0, 32, 0)
+    table = torch.zeros(1, 16, dtype=torch.int64)  # stands in for the tables: nothing is launched
+    kwargs = dict(tiles=table.data_ptr(), n_tiles=0, addrs=table.data_ptr(), gathers=0, param_dtype=0, params=0,
+                  grads=0, state0=0, state1=0, state2=0, steps=0, hypers=0, hyper_row_stride=1,
+                  hyper_model_stride=1, skip=0, maximize=False, has_weight_decay=False,
+                  decoupled_weight_decay=False, momentum=False, nesterov=True, amsgrad=False, threads=32, stream=0)
     with pytest.raises(ValueError, match="nesterov needs momentum buffers"):
         module.sgd_step(**kwargs)
     with pytest.raises(ValueError, match="got dtype code 3"):
@@ -141,6 +145,8 @@ def test_binding_checks_its_arguments():
         module.lamb_step(**{**kwargs, "nesterov": False, "n_tiles": 1, "trust": True})
     with pytest.raises(ValueError, match="excluded parameter .* takes no weight decay"):
         module.lars_step(**{**kwargs, "nesterov": False, "has_weight_decay": True})
+    with pytest.raises(ValueError, match="needs a tile table and an address table"):
+        module.adam_step(**{**kwargs, "nesterov": False, "n_tiles": 1, "addrs": 0})
 
 
 def test_registered_as_explicit_cuda_backend():
@@ -270,11 +276,16 @@ def test_gpu_rejects_float64_and_steady_state_never_syncs():
     opt = hoptim.Adam(params, lr=[0.01, 0.02, 0.03, 0.04], amsgrad=True)
     with hfkern.use_backend("cuda"):
         opt.step()  # builds the tables
+        builds = ck._planner.builds
         start = [p.detach().clone() for p in params]
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(3):
+                opt.zero_grad()  # new gradient tensors at every step, as a training loop's
+                for p in params:
+                    p.grad = torch.randn_like(p)
                 opt.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    assert ck._planner.builds == builds
     assert all(not torch.equal(p, p0) for p, p0 in zip(params, start))

@@ -83,8 +83,8 @@ def test_float64_and_mixed_dtypes(name):
 @pytest.mark.interpreter
 def test_layouts():
     """Model-major parameters with permuted inner dims work (state shares their strides); a
-    gradient laid out unlike its parameter is read through a copy; a parameter whose models
-    interleave in memory is refused."""
+    gradient laid out unlike its parameter, or not dense, is read where it lies (its gather
+    row); a parameter whose models interleave in memory is refused."""
     B = 3
     p0 = torch.randn(B, 11, 5).transpose(1, 2)  # [B, 5, 11], model-major, inner dims permuted
     p1 = torch.randn(B, 40)
@@ -110,27 +110,35 @@ def test_layouts():
 
 
 @pytest.mark.interpreter
-def test_plan_is_cached_per_tensor_set_and_holds_no_tensors():
+def test_plan_is_cached_per_shapes_and_holds_no_tensors():
+    """The tile table depends on shapes, dtypes and layouts, never on addresses: new
+    gradient tensors (as after zero_grad(set_to_none=True)) and even new parameters of
+    the same shapes reuse it; the cache holds none of the call's tensors and stays bounded."""
     tk._plans.clear()
+    builds = tk._planner.builds
     case = Case("adam", dict(amsgrad=False), 3)
     want = case.clone()
     grads = [torch.randn_like(p) for p in case.params]
     for _ in range(3):
         case.run(tk, grads)
         want.run(ref, grads)
-    assert len(tk._plans) == 1
-    fresh = [g.clone() for g in grads]  # new gradient tensors (as after zero_grad(set_to_none=True))
+    assert len(tk._plans) == 1 and tk._planner.builds == builds + 1
+    fresh = [g.clone() for g in grads]
     case.run(tk, fresh)
     want.run(ref, fresh)
     assert_same_state(case, want, rtol=1e-5, atol=1e-6)
-    assert len(tk._plans) == 2
-    refs = [weakref.ref(t) for t in case.mutated() + fresh]
-    del case, want, fresh, grads
+    other = want.clone()  # other tensors of the same shapes: the same table, other addresses
+    other.run(tk, fresh)
+    want.run(ref, fresh)
+    assert_same_state(other, want, rtol=1e-5, atol=1e-6)
+    assert len(tk._plans) == 1 and tk._planner.builds == builds + 1
+    refs = [weakref.ref(t) for t in case.mutated() + other.mutated() + fresh]
+    del case, want, other, fresh, grads
     gc.collect()
     assert all(r() is None for r in refs)
-    for _ in range(tk._MAX_CACHED + 3):
-        c = Case("sgd", dict(momentum=False), 1, shapes=[(3,)])
-        c.run(tk, [torch.randn(1, 3)])
+    for k in range(tk._MAX_CACHED + 3):
+        c = Case("sgd", dict(momentum=False), 1, shapes=[(3 + k,)])
+        c.run(tk, [torch.randn(1, 3 + k)])
     assert len(tk._plans) == tk._MAX_CACHED
 
 
@@ -166,14 +174,15 @@ def test_configs_are_timed_on_scratch_tensors(monkeypatch):
     case = Case("rmsprop", dict(centered=False, momentum=True, wd=True), 3)
     grads = [torch.randn_like(p) for p in case.params]
     names = ["square_avgs", "grad_avgs", "momentum_buffers"]
-    plan, _ = tk._plan(case.params, grads, case.states, names, case.steps)
+    plan, addrs, _ = tk._plan(case.params, grads, case.states, names, case.steps)
     before = [t.clone() for t in case.mutated()]
     bases = [case.params[0], grads[0], case.states[0][0], case.params[0], case.states[2][0], case.steps[0]]
     skip = torch.tensor([False, True, False])
-    args = (plan.groups[0].tiles, *bases, case.hypers, case.hypers.stride(0), case.hypers.stride(1), skip)
+    args = (plan.groups[0].tiles, addrs, tk._dummy(addrs.device, torch.int64), *bases, case.hypers,
+            case.hypers.stride(0), case.hypers.stride(1), skip)
     meta = dict(OPT="rmsprop", HAS_S0=True, HAS_S1=False, HAS_S2=True, NESTEROV=False, DECOUPLED=False,
-                MAXIMIZE=False, HAS_WD=True, HAS_SKIP=True, F64=False, H64=False, VEC_P=4, VEC_S=4,
-                TRUST=False, BIAS_CORRECTION=False)
+                MAXIMIZE=False, HAS_WD=True, HAS_SKIP=True, F64=False, H64=False, GATHER=False, VEC_P=4,
+                VEC_S=4, TRUST=False, BIAS_CORRECTION=False)
     config = tk._tune_on_scratch(args, case.hypers, meta)
     assert config.kwargs["BLOCK"] > 0
     assert all(torch.equal(a, b) for a, b in zip(case.mutated(), before))
@@ -302,24 +311,27 @@ def test_gpu_optimizers_match_torch_backend(cls_name, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_steady_state_step_hits_the_cache_without_syncing():
+def test_gpu_steady_state_step_builds_nothing_without_syncing():
+    """New gradient tensors at every step (zero_grad(), then new ones, as a training loop's)
+    build no table and never synchronize; only the small address table is copied."""
     params = [torch.nn.Parameter(torch.randn(4, *s, device=DEV)) for s in GPU_SHAPES]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = hoptim.Adam(params, lr=[0.01, 0.02, 0.03, 0.04], amsgrad=True, skip_nonfinite=True)
     with hfkern.use_backend("triton"):
         opt.step()  # builds the tables and times the kernel variant
-        cached = (len(tk._plans), len(tk._checks))
+        builds = tk._planner.builds
         start = [p.detach().clone() for p in params]
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(3):
+                opt.zero_grad()
                 for p in params:
-                    p.grad.normal_()  # the same gradient tensors, as a training loop's
+                    p.grad = torch.randn_like(p)
                 opt.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert (len(tk._plans), len(tk._checks)) == cached
+    assert tk._planner.builds == builds
     assert all(not torch.equal(p, p0) for p, p0 in zip(params, start))
 
 
