@@ -332,6 +332,17 @@ convergence() {
         "$PY" bench/convergence.py --steps 50 --out "$OUT"
 }
 
+# finish: the stages' summary and the files; the run's exit status.
+finish() {
+    echo
+    echo "=== stages (exit status, seconds) ==="
+    cat "$STAGES"
+    echo "total: $(($(date +%s) - START)) s; files in $OUT:"
+    ls -l "$OUT"
+    rm -rf "$WORK"
+    return $FAILED
+}
+
 # train_e2e: the cells the targets are about, most important first, then the profile of
 # the slowest hfkern mode; the budget stops new cells, SIGINT makes it write what it has.
 train_e2e() {
@@ -366,13 +377,7 @@ main_all() {
     fi
     run_stage report report
     run_stage report_optim report_optim
-    echo
-    echo "=== stages (exit status, seconds) ==="
-    cat "$STAGES"
-    echo "total: $(($(date +%s) - START)) s; files in $OUT:"
-    ls -l "$OUT"
-    rm -rf "$WORK"
-    return $FAILED
+    finish
 }
 
 main_train() {
@@ -382,13 +387,7 @@ main_train() {
     run_stage environment environment
     run_stage train train
     run_stage convergence convergence
-    echo
-    echo "=== stages (exit status, seconds) ==="
-    cat "$STAGES"
-    echo "total: $(($(date +%s) - START)) s; files in $OUT:"
-    ls -l "$OUT"
-    rm -rf "$WORK"
-    return $FAILED
+    finish
 }
 
 main() {
@@ -419,13 +418,7 @@ for n, fam in sorted(f.discover().items(), key=lambda kv: (len(kv[1].shapes), kv
     run_stage report report
     run_stage report_graph report_graph
     run_stage report_optim report_optim
-    echo
-    echo "=== stages (exit status, seconds) ==="
-    cat "$STAGES"
-    echo "total: $(($(date +%s) - START)) s; files in $OUT:"
-    ls -l "$OUT"
-    rm -rf "$WORK"
-    return $FAILED
+    finish
 }
 
 if [[ $PART == train ]]; then
