@@ -12,6 +12,8 @@ graph does. On a GPU the real graphs must equal eager steps bit for bit over
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ from torch.utils._pytree import tree_flatten
 import hfkern
 from hfkern import graphs
 from _fuse_models import DigitsCNN
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for bench.models
 
 B = 3
 STEPS = 20
@@ -207,3 +211,65 @@ def test_values_that_change_the_work_force_a_new_capture(simulated):
     run(*batches[3])
     run(*batches[4])
     assert (run.eager_calls, run.graphs) == (2, 2)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records the torch calls that read device values on the host (a CUDA graph cannot hold
+    them: on a GPU each would synchronize, and under capture it fails)."""
+
+    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "unique",
+             "unique_consecutive", "masked_select", "equal", "argwhere"}
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        index = args[1] if name == "__getitem__" and len(args) > 1 else None
+        boolean_index = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                            for i in (index if isinstance(index, tuple) else (index,)))
+        if name in self.NAMES or boolean_index:
+            self.found.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("workload", ["resnet18", "pointnet"])
+def test_the_captured_part_of_a_fused_training_step_reads_nothing_on_the_host(workload):
+    """What capture_step would record of a fused workload's step (forward, per-model losses,
+    backward, the hfkern optimizer; the scheduler is deferred) makes no call that reads device
+    values on the host, so it can be captured. Checked on the CPU before any GPU sees it."""
+    from bench.models import WORKLOADS
+
+    w = WORKLOADS[workload]
+    torch.manual_seed(0)
+    nets = {n: hfkern.fuse([w.build(n, "smoke") for _ in range(B)]) for n in w.nets}
+    name, kwargs = w.optimizer
+    cls = {"sgd": hfkern.optim.SGD, "adam": hfkern.optim.Adam, "adamw": hfkern.optim.AdamW}[name]
+    opts = {n: cls(a.parameters(), lr=w.learning_rates(B), **kwargs) for n, a in nets.items()}
+    scheds = {n: hfkern.optim.lr_scheduler.StepLR(o, step_size=2) for n, o in opts.items()}
+    batch = w.batch("smoke", seed=0)
+
+    def apply(net, *inputs, per_model=False):
+        if not per_model:
+            inputs = tuple(hfkern.broadcast(x, B) for x in inputs)
+        return nets[net](*inputs).float()
+
+    def update(net, losses):
+        opts[net].zero_grad()
+        losses.sum().backward()
+        opts[net].step()
+        scheds[net].step()
+
+    for _ in range(2):  # warm-up: state is allocated at the first step
+        w.step(apply, update, batch)
+    reads = _HostReads()
+    graphs._recording.capturing, graphs._recording.host_steps = True, []
+    try:
+        with reads:
+            w.step(apply, update, batch)
+        deferred = graphs._recording.host_steps
+    finally:
+        graphs._recording.capturing, graphs._recording.host_steps = False, []
+    assert reads.found == []
+    assert len(deferred) == len(w.nets)  # each net's scheduler step waits for the replay
