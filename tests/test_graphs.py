@@ -273,3 +273,19 @@ def test_the_captured_part_of_a_fused_training_step_reads_nothing_on_the_host(wo
         graphs._recording.capturing, graphs._recording.host_steps = False, []
     assert reads.found == []
     assert len(deferred) == len(w.nets)  # each net's scheduler step waits for the replay
+
+
+def test_the_captured_part_with_a_grad_scaler_and_skip_masks_reads_nothing_on_the_host():
+    fused, opt, sched, scaler, step = _setup()
+    batches = _batches(8)
+    for batch in batches[:2]:
+        step(*batch)
+    reads = _HostReads()
+    graphs._recording.capturing, graphs._recording.host_steps = True, []
+    try:
+        with reads:
+            step(*batches[5])  # a batch with a skip mask
+        deferred = graphs._recording.host_steps
+    finally:
+        graphs._recording.capturing, graphs._recording.host_steps = False, []
+    assert reads.found == [] and len(deferred) == 1
