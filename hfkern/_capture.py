@@ -435,7 +435,10 @@ class _Tracer(fx.Tracer):
         return self.create_proxy("call_function", RandomDraw(fn), args, kwargs)
 
     def _draw_inplace(self, tensor: torch.Tensor, name: str, original: Callable, args: tuple, kwargs: dict):
-        if _library_file(sys._getframe(2).f_code.co_filename):
+        caller = sys._getframe(1)
+        while caller is not None and caller.f_code.co_filename == __file__:
+            caller = caller.f_back  # past the patch's own frames
+        if caller is not None and _library_file(caller.f_code.co_filename):
             return original(tensor, *args, **kwargs)  # torch's own code (a layer's initialization)
         self._refuse(f"forward draws random numbers in place into a tensor that is not a traced value "
                      f"(`.{name}()`)", "it would be drawn once at capture, not per model and per call; "
@@ -446,10 +449,20 @@ class _Tracer(fx.Tracer):
         tracer = self
         saved: list[tuple[Any, str, Any]] = []
 
+        thread = threading.get_ident()
+
         def patch(owner: Any, name: str, new: Any) -> None:
             own = name in vars(owner)  # else inherited: shadowed here, and the shadow deleted after
             saved.append((owner, name, vars(owner)[name] if own else _MISSING))
-            setattr(owner, name, new)
+            original = getattr(owner, name, None)
+
+            # The patches are process-wide while they last: other threads get torch's own.
+            def dispatch(*args: Any, **kwargs: Any) -> Any:
+                if original is not None and threading.get_ident() != thread:
+                    return original(*args, **kwargs)
+                return new(*args, **kwargs)
+
+            setattr(owner, name, dispatch)
 
         setattr_orig = nn.Module.__setattr__
         patch(nn.Module, "__setattr__", lambda m, n, v: tracer._setattr(m, n, v, setattr_orig))

@@ -499,3 +499,42 @@ def test_compiled_fused_model_keeps_regions_and_buffer_updates():
         ref.sum().backward()
     assert_close(compiled_model.ema, eager.ema, **TOL)
     assert_close(compiled_model.fc.weight.grad, eager.fc.weight.grad, **TOL)
+
+
+def test_other_threads_are_untouched_while_a_capture_runs():
+    """The capture's own patches (random factories, module attributes, grad-mode regions) serve
+    the capturing thread only. (torch.fx patches module calls process-wide while it traces, so
+    another thread calling a module then is fx's limitation, not tested here.)"""
+    import threading
+
+    started, done = threading.Event(), threading.Event()
+    seen = []
+
+    class Waits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            started.set()
+            done.wait(10)  # the other thread works while this forward is being captured
+            return self.fc(x)
+
+    def other():
+        started.wait(10)
+        try:
+            seen.append(type(torch.randn(2)))
+            m = nn.Linear(2, 2)
+            m.steps = 1
+            w = torch.ones(2, requires_grad=True)
+            with torch.no_grad():
+                seen.append((w * 2).requires_grad)
+            seen.append(m.steps)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    hfkern.fuse([Waits() for _ in range(B)])
+    thread.join(10)
+    assert seen == [torch.Tensor, False, 1]
