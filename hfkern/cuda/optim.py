@@ -91,10 +91,10 @@ def _check(spec: OptimizerSpec, params: Sequence[Tensor], hypers: Tensor, skip: 
 def _run(spec: OptimizerSpec, args: Sequence[Any], emulate: bool) -> None:
     """One step of ``spec``'s op; ``args`` in the op's argument order (``spec.args``)."""
     n = len(spec.states)
-    params, grads = args[0], args[1]
+    params = args[0]
     if not params or mt.traced(params[0], "cuda"):
         return
-    steps, hypers, skip = args[2 + n], args[3 + n], args[-1]
+    hypers, skip = args[3 + n], args[-1]
     _check(spec, params, hypers, skip, "cpu" if emulate else "cuda")
     if spec not in TRUST_RATIO_SPECS:
         return _launch(spec, args, emulate, trust=False)

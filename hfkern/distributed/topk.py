@@ -72,7 +72,6 @@ The step counter advances after the last bucket of a backward pass
 """
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -570,7 +569,7 @@ def _future_like(t: torch.Tensor) -> torch.futures.Future:
 
 def _hierarchical(state, index, plan, buf, res, k, cap, seed, density, last):
     nodes: NodeGroups = state.nodes
-    L, N, l = nodes.node_size, nodes.num_nodes, nodes.local_rank
+    L, N = nodes.node_size, nodes.num_nodes
     R, m = plan.rows, plan.m
     s, shard_pos, shard_where = state._shard(plan, buf.device)
     acc = _rows(plan, buf)
