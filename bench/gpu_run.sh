@@ -10,15 +10,16 @@
 # Default ("all"), each stage's exit status recorded, a failing stage never stopping the next:
 #   1. build        hfkern._C for the device (as in part "kernels" below)
 #   2. environment  versions, the device, which backend serves each op and why
-#   3. train_e2e    bench/train_throughput.py: ResNet-18 and PointNet at B = 32 and 8, bf16
+#   3. train_e2e    bench/train_throughput.py: ResNet-18 and PointNet at B = 8 and 32, bf16
 #                   and fp32, modes serial, hfta (the HFTA-style grouped array in plain torch
 #                   ops), array per backend (torch, triton, cuda where available) and
-#                   array+capture (hfkern.capture_step), the ResNet-18 bf16 B = 32 cell first;
+#                   array+capture (hfkern.capture_step), the ResNet-18 bf16 cells first (B ascending:
+#                   a mode that fails at a B is not tried at larger ones);
 #                   then a profile summary of the slowest hfkern mode at B = 32 (host time,
 #                   GPU time and kernel launches per step, top kernels); capped at
 #                   HFKERN_E2E_SECONDS (default 250)
 #   4. gpu_tests    python -m pytest -m gpu tests, capped at HFKERN_TEST_SECONDS (default 120)
-#   5. kernels      the kernel, optimizer and top-k benchmarks with whatever time is left
+#   5. kernels      the optimizer, layer-norm and conv benchmarks with whatever time is left
 #   Results in $OUT: train_<device>_<date>.json / .md, gpu_tests.log, the kernel CSV/JSON
 #   files (below) and gpu_run.log.
 #
@@ -351,7 +352,7 @@ train_e2e() {
     echo "train_throughput.py (end to end): time budget ${budget} s"
     # shellcheck disable=SC2086  # TRAIN_ARGS is a list
     timeout -s INT -k 30 $((budget + 60)) "$PY" bench/train_throughput.py --size full \
-        --workloads resnet18 pointnet --precisions bf16 fp32 --B 32 8 \
+        --workloads resnet18 pointnet --precisions bf16 fp32 --B 8 32 \
         --modes serial hfta array array+capture --rounds 3 --steps 3 \
         --profile-B 32 --profile-precisions bf16 --profile-modes slowest-array \
         --time-budget "$budget" --out "$OUT" $TRAIN_ARGS
