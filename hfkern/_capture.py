@@ -110,7 +110,15 @@ _HOST_READS = {"item", "tolist", "numpy", "nonzero", "unique", "unique_consecuti
 
 
 # ---- what the graph records beyond fx's own nodes -----------------------------------------
-class AssignState:
+class GraphTarget:
+    """A callable object that a graph node calls: fx's code generation names it by these."""
+
+    def _named(self, label: str) -> None:
+        self.__name__ = self.__qualname__ = label
+        self.__module__ = type(self).__module__
+
+
+class AssignState(GraphTarget):
     """Graph target of ``module.<name> = value`` in forward (``kind``: "buffer" or "attribute").
 
     The rewrite of :func:`hfkern.fuse` turns it into the assignment on the fused
@@ -119,14 +127,13 @@ class AssignState:
 
     def __init__(self, path: str, name: str, kind: str):
         self.path, self.name, self.kind = path, name, kind
-        self.__name__ = self.__qualname__ = f"assign_{kind}_{name}"
-        self.__module__ = __name__
+        self._named(f"assign_{kind}_{name}")
 
     def __call__(self, value: Any) -> None:
         raise RuntimeError("AssignState is a capture record; hfkern.fuse rewrites it")
 
 
-class RandomDraw:
+class RandomDraw(GraphTarget):
     """Graph target of a random factory call without a traced argument (``torch.randn(3)``).
 
     The rewrite of :func:`hfkern.fuse` draws it once per model at every call.
@@ -134,8 +141,7 @@ class RandomDraw:
 
     def __init__(self, fn: Callable):
         self.fn = fn
-        self.__name__ = self.__qualname__ = f"draw_{getattr(fn, '__name__', 'random')}"
-        self.__module__ = __name__
+        self._named(f"draw_{getattr(fn, '__name__', 'random')}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -153,13 +159,12 @@ def open_regions() -> list:
     return stack
 
 
-class EnterRegion:
+class EnterRegion(GraphTarget):
     """Graph target: enter a fresh copy of a mode context (no_grad, inference_mode, autocast, ...)."""
 
     def __init__(self, template: Any):
         self.template = template  # as it was before its __enter__ at capture time
-        self.__name__ = self.__qualname__ = f"enter_{type(template).__name__}"
-        self.__module__ = __name__
+        self._named(f"enter_{type(template).__name__}")
 
     def __call__(self) -> Any:
         ctx = copy.copy(self.template)
@@ -242,11 +247,11 @@ class _StateProxy(fx.Proxy):
                         "`.data` can be assigned in a captured forward")
 
 
-class SetData:
+class SetData(GraphTarget):
     """Graph target of ``tensor.data = value`` on a parameter or buffer (rewritten by hfkern.fuse)."""
 
-    __name__ = __qualname__ = "set_data"
-    __module__ = __name__
+    def __init__(self) -> None:
+        self._named("set_data")
 
     def __call__(self, tensor: torch.Tensor, value: Any) -> None:
         tensor.data = value

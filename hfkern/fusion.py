@@ -459,7 +459,7 @@ def _aligned(dims: Any, value: Any, rank: int) -> Any:
     return out if isinstance(value, list) else tuple(out)
 
 
-class _ArrayCall:
+class _ArrayCall(_capture.GraphTarget):
     """A captured function or method call with array arguments, run per model.
 
     ``marks`` has the shape of the call's ``(args, kwargs)`` with True where an
@@ -470,9 +470,7 @@ class _ArrayCall:
         self.fn = fn
         self.marks = marks
         self.method = method
-        self.__name__ = label
-        self.__qualname__ = label
-        self.__module__ = __name__
+        self._named(label)
         if method is not None:
             self.elementwise = method in _ELEMENTWISE_METHODS
             self.translate = _TRANSLATED_METHODS.get(method)
@@ -517,13 +515,12 @@ class _ArrayCall:
         return _vmap_call(lambda *a, **k: self._call(a, k), dims, args, kwargs)
 
 
-class _Metadata:
+class _Metadata(_capture.GraphTarget):
     """A shape query on array values: the answer for one model (model 0's slice)."""
 
     def __init__(self, fn: Callable, marks: Any, label: str, method: str | None = None):
         self.fn, self.marks, self.method = fn, marks, method
-        self.__name__ = self.__qualname__ = label
-        self.__module__ = __name__
+        self._named(label)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         dims = _in_dims(self.marks, (args, kwargs))
@@ -574,7 +571,7 @@ def _rebind(module: nn.Module, rebound: dict[str, torch.Tensor]) -> None:
         owner._buffers[attr] = value
 
 
-class _ModuleCall:
+class _ModuleCall(_capture.GraphTarget):
     """A leaf module without an array version, run per model over its stacked parameters.
 
     ``strategy`` "vmap" runs the module's forward once under torch.vmap; "loop"
@@ -591,8 +588,7 @@ class _ModuleCall:
         self.templates = [template] + [copy.deepcopy(template) for _ in range(B - 1 if strategy == "loop" else 0)]
         self.marks = marks
         self.strategy = strategy
-        self.__name__ = self.__qualname__ = label
-        self.__module__ = __name__
+        self._named(label)
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         for template in self.templates:
@@ -1217,7 +1213,14 @@ def _constants(captured: dict, models: list[nn.Module], attribute_state: list[tu
     return out
 
 
-class _Assign:
+def _every_model(value: torch.Tensor, B: int, copy: bool) -> torch.Tensor:
+    """A value every model shares as an array value (``[B, *value.shape]``); ``copy``: own memory
+    (for state that may be updated in place), else a broadcast view."""
+    value = value.unsqueeze(0).expand(B, *value.shape)
+    return value.clone() if copy else value
+
+
+class _Assign(_capture.GraphTarget):
     """``module.<name> = value`` of a captured forward, on the fused model's module.
 
     A value that is not an array value (a tensor made from Python values) is every
@@ -1226,41 +1229,36 @@ class _Assign:
 
     def __init__(self, name: str, kind: str, array: bool, B: int):
         self.name, self.kind, self.array, self.B = name, kind, array, B
-        self.__name__ = self.__qualname__ = f"assign_{kind}_{name}"
-        self.__module__ = __name__
+        self._named(f"assign_{kind}_{name}")
 
     def __call__(self, owner: nn.Module, value: Any) -> None:
         if isinstance(value, torch.Tensor) and not self.array:
-            value = value.unsqueeze(0).expand(self.B, *value.shape)
-            if self.kind == "buffer":
-                value = value.clone()
+            value = _every_model(value, self.B, copy=self.kind == "buffer")
         if self.kind == "buffer":
             owner._buffers[self.name] = value  # what Module.__setattr__ does for a registered buffer
         else:
             object.__setattr__(owner, self.name, value)
 
 
-class _SetData:
+class _SetData(_capture.GraphTarget):
     """``tensor.data = value`` of a captured forward, on a stacked parameter or buffer."""
 
     def __init__(self, array: bool, B: int):
         self.array, self.B = array, B
-        self.__name__ = self.__qualname__ = "per_model_set_data"
-        self.__module__ = __name__
+        self._named("per_model_set_data")
 
     def __call__(self, tensor: torch.Tensor, value: Any) -> None:
         if not self.array:
-            value = value.unsqueeze(0).expand(self.B, *value.shape).clone()
+            value = _every_model(value, self.B, copy=True)
         tensor.data = value
 
 
-class _Draw:
+class _Draw(_capture.GraphTarget):
     """A random factory call of a captured forward (``torch.randn(3)``), drawn once per model."""
 
     def __init__(self, fn: Callable, B: int):
         self.fn, self.B = fn, B
-        self.__name__ = self.__qualname__ = f"per_model_{getattr(fn, '__name__', 'draw')}"
-        self.__module__ = __name__
+        self._named(f"per_model_{getattr(fn, '__name__', 'draw')}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.stack([self.fn(*args, **kwargs) for _ in range(self.B)])
