@@ -25,6 +25,10 @@ Modes (``--modes``):
 * ``array+capture``: the same whole step (forward, losses, backward, optimizer)
   under :func:`hfkern.capture_step`: one CUDA graph replay per step after the
   warm-up calls (on a CPU it runs eagerly, as ``array``).
+* ``array+cl``, ``array+capture+cl``: ``array`` and ``array+capture`` with the
+  fused models' images in channels-last array memory
+  (``fused.to(memory_format=torch.channels_last)``, ``[N, H, W, B, C]``: the
+  layout cuDNN's grouped convolutions use without conversions).
 
 Every mode trains the same networks from the same initial weights (model b of
 every mode is built under the same seed) on the same synthetic batch, with the
@@ -89,9 +93,10 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-MODES = ("serial", "concurrent", "vmap", "hfta", "array", "array+compile", "array+capture")
+MODES = ("serial", "concurrent", "vmap", "hfta", "array", "array+compile", "array+capture", "array+cl",
+         "array+capture+cl")
 PRECISIONS = ("fp32", "bf16")
-ARRAY_MODES = ("array", "array+compile", "array+capture")
+ARRAY_MODES = ("array", "array+compile", "array+capture", "array+cl", "array+capture+cl")
 
 
 # ==== the worker side: one mode's models, optimizers and data in one process ====================
@@ -177,7 +182,8 @@ class Runner:
         if self.mode == "hfta":
             from bench.models import hfta
 
-            # The same contiguous grouped layout as array[torch] (no channels-last in any mode).
+            # HFTA's own layout: the contiguous grouped [N, B*C, H, W] (what array[torch] keeps
+            # unless a +cl mode asks for channels-last).
             self.hfta = {n: hfta.fuse(self.w.name, n, ms) for n, ms in models.items()}
             self.opts = {n: hfta.optimizer(opt_name, f.parameters(), self.B, lr=lrs, **opt_kwargs)
                          for n, f in self.hfta.items()}
@@ -194,11 +200,13 @@ class Runner:
             self.opts = {n: array_opt(list(self.stacked[n][1].values()), lr=lrs, **opt_kwargs) for n in self.w.nets}
             return
         self.arrays = {n: hfkern.fuse(ms) for n, ms in models.items()}
+        if self.mode.endswith("+cl"):  # before the optimizer: its state follows the weights' strides
+            self.arrays = {n: a.to(memory_format=torch.channels_last) for n, a in self.arrays.items()}
         self.opts = {n: array_opt(a.parameters(), lr=lrs, **opt_kwargs) for n, a in self.arrays.items()}
         self.forward = dict(self.arrays)
         if self.mode == "array+compile":
             self.forward = {n: torch.compile(a, backend=spec["compile_backend"]) for n, a in self.arrays.items()}
-        if self.mode == "array+capture":
+        if self.mode.startswith("array+capture"):
             self.captured = hfkern.capture_step(
                 lambda *batch: self.w.step(self._array_apply, self._array_update, batch), *self.batch)
 
@@ -258,7 +266,7 @@ class Runner:
             return torch.cat([self.w.step(*self._one_model(k), self.batch) for k in range(len(self.indices))])
         apply = {"vmap": self._vmap_apply, "hfta": self._hfta_apply}.get(self.mode, self._array_apply)
         with (self.hfkern.use_backend(self.backend) if self.backend else contextlib.nullcontext()):
-            if self.mode == "array+capture":
+            if self.mode.startswith("array+capture"):
                 return self.captured(*self.batch)
             return self.w.step(apply, self._array_update, self.batch)
 

@@ -135,17 +135,102 @@ def fold(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.
     return folded, unfold
 
 
-def new_batch_major(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """An uninitialized ``[B, N, *rest]`` tensor (``shape``) stored as
-    ``[N, B, *rest]`` memory, with ``like``'s dtype and device.
+def fold_planes(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """:func:`fold` for ops that treat every (sample, channel) plane on its own
+    (pooling, interpolation): a channels-last array image ``[B, N, C, H, W]`` is
+    folded into its grouped view ``[N, B*C, H, W]`` instead (free, and
+    channels-last, which torch's kernels keep), and ``unfold`` maps a
+    ``[N, B*C, H', W']`` result back to the same memory format."""
+    if array_memory_format(x) == torch.channels_last and not is_shared(x):
+        B = x.size(0)
+        return to_grouped(x), lambda y: from_grouped(y, B, torch.channels_last)
+    return fold(x)
 
-    Allocated with those strides rather than as a transposed view, so that an op
+
+def new_batch_major(
+    like: torch.Tensor, shape: Sequence[int], memory_format: torch.memory_format = torch.contiguous_format
+) -> torch.Tensor:
+    """An uninitialized ``[B, N, *rest]`` tensor (``shape``) in array memory, with
+    ``like``'s dtype and device: ``[N, B, *rest]`` memory, or for
+    ``memory_format=torch.channels_last`` (``shape`` ``[B, N, C, H, W]``) the
+    ``[N, H, W, B, C]`` memory of :func:`array_memory_format`.
+
+    Allocated with those strides rather than as a permuted view, so that an op
     returning it returns a tensor of its own (see :func:`op_result`).
     """
-    B, N, *rest = shape
-    inner = math.prod(rest)
-    strides = [inner, B * inner] + [math.prod(rest[i + 1:]) for i in range(len(rest))]
+    if memory_format == torch.channels_last:
+        B, N, C, H, W = shape
+        strides = [C, H * W * B * C, 1, W * B * C, B * C]
+    else:
+        B, N, *rest = shape
+        inner = math.prod(rest)
+        strides = [inner, B * inner] + [math.prod(rest[i + 1:]) for i in range(len(rest))]
     return like.new_empty_strided(tuple(shape), tuple(strides))
+
+
+# ---- memory formats of array images --------------------------------------------
+#
+# An array image [B, N, C, H, W] lives in one of two memories, named by the
+# torch memory format its grouped view [N, B*C, H, W] has:
+#   torch.contiguous_format  [N, B, C, H, W]  (NCHW of the grouped view; the default)
+#   torch.channels_last      [N, H, W, B, C]  (NHWC: cuDNN's fast grouped convs read
+#                                              and write it without a conversion)
+# Array ops keep the memory they are given: an output follows its input's format.
+
+MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last)
+_TO_NHWBC, _FROM_NHWBC = (1, 3, 4, 0, 2), (3, 0, 4, 1, 2)  # [B, N, C, H, W] <-> [N, H, W, B, C]
+
+
+def array_memory_format(x: torch.Tensor, shared: bool = False) -> torch.memory_format:
+    """The memory format of an array image: ``torch.channels_last`` for an
+    ``[B, N, C, H, W]`` tensor stored as ``[N, H, W, B, C]`` memory (or, with
+    ``shared``, a per-batch ``[N, C, H, W]`` input in channels-last memory),
+    else ``torch.contiguous_format``. Memory that is both (``H = W = 1``) counts
+    as ``contiguous_format``; other ranks are always ``contiguous_format``.
+    """
+    if shared or (x.dim() == 5 and is_shared(x)):
+        x = x[0] if x.dim() == 5 else x
+        channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
+            and not x.is_contiguous()
+    else:
+        channels_last = x.dim() == 5 and x.permute(_TO_NHWBC).is_contiguous() \
+            and not x.transpose(0, 1).is_contiguous()
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+def check_memory_format(where: str, memory_format: object, allow_none: bool = False) -> torch.memory_format | None:
+    """``memory_format`` if it is one of :data:`MEMORY_FORMATS` (or None when allowed), else raise."""
+    if (memory_format is None and allow_none) or any(memory_format is f for f in MEMORY_FORMATS):
+        return memory_format
+    if isinstance(memory_format, torch.memory_format):
+        raise ValueError(
+            f"{where}: array images support torch.contiguous_format and torch.channels_last, "
+            f"got {memory_format}"
+        )
+    raise TypeError(f"{where}: expected a torch.memory_format, got {type(memory_format).__name__} "
+                    f"{memory_format!r}")
+
+
+def to_array_memory_format(x: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """The array image ``x`` (``[B, N, C, H, W]``, possibly shared) in ``memory_format``:
+    ``x`` itself when it is already, else a copy (differentiable)."""
+    if array_memory_format(x) == memory_format:
+        return x
+    if is_shared(x):
+        return x[0].contiguous(memory_format=memory_format).expand(x.shape)
+    if memory_format == torch.channels_last:
+        return x.permute(_TO_NHWBC).contiguous().permute(_FROM_NHWBC)
+    return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def like_weight(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A gradient of ``weight``'s shape in the layout of ``torch.empty_like(weight)``
+    (``weight``'s strides for a dense weight): ``grad`` itself when its strides
+    already are, else a copy. Weight-gradient ops return this so that a
+    gradient matches its parameter's memory and its fake's strides."""
+    if grad.stride() == weight.stride():
+        return grad
+    return torch.empty_like(weight, dtype=grad.dtype).copy_(grad)
 
 
 def op_result(y: torch.Tensor) -> torch.Tensor:
@@ -161,14 +246,19 @@ def op_result(y: torch.Tensor) -> torch.Tensor:
 
 
 def to_grouped(x: torch.Tensor) -> torch.Tensor:
-    """``[B, N, C, *s]`` -> ``[N, B*C, *s]``: a view when ``x`` has ``[N, B, ...]`` memory."""
+    """``[B, N, C, *s]`` -> ``[N, B*C, *s]``: a view when ``x`` has ``[N, B, ...]`` memory
+    (or ``[N, H, W, B, C]`` memory, whose grouped view is channels-last)."""
     B, N = x.shape[:2]
     return x.transpose(0, 1).reshape(N, B * x.shape[2], *x.shape[3:])
 
 
-def from_grouped(y: torch.Tensor, B: int) -> torch.Tensor:
-    """``[N, B*C, *s]`` -> a ``[B, N, C, *s]`` view of ``[N, B, C, *s]`` memory."""
-    y = y.contiguous()
+def from_grouped(
+    y: torch.Tensor, B: int, memory_format: torch.memory_format = torch.contiguous_format
+) -> torch.Tensor:
+    """``[N, B*C, *s]`` -> a ``[B, N, C, *s]`` view of array memory: ``[N, B, C, *s]``,
+    or ``[N, H, W, B, C]`` for ``memory_format=torch.channels_last`` (a copy only
+    where ``y`` is not already in that format)."""
+    y = y.contiguous(memory_format=memory_format)
     return y.view(y.shape[0], B, y.shape[1] // B, *y.shape[2:]).transpose(0, 1)
 
 

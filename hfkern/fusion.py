@@ -74,7 +74,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import _capture
-from ._array import broadcast, check_B, fold
+from ._array import broadcast, check_B, fold_planes
 from ._capture import FuseError
 from .nn._base import ArrayModule, _zero_slot_, seeded
 
@@ -274,7 +274,7 @@ def _folded(fn: Callable, batched_rank: int):
             return fn(input, *args, **kwargs)
         if nd != batched_rank:
             raise _Fallback
-        folded, unfold = fold(input)
+        folded, unfold = fold_planes(input)
         out = fn(folded, *args, **kwargs)
         return tuple(unfold(o) for o in out) if isinstance(out, tuple) else unfold(out)
     return op

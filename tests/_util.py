@@ -18,7 +18,9 @@ def array_input(shape: Sequence[int], B: int, *, shared: bool = False, layout: s
 
     ``shape`` is one model's input shape. ``layout``: "contiguous" ([B, ...]
     memory), "batch_major" ([N, B, ...] memory, what an array conv produces; needs
-    a batch dim) or "strided" (every other element of an over-allocated last dim).
+    a batch dim), "channels_last" ([N, H, W, B, C] memory, a channels-last array
+    image; ``shape`` [N, C, H, W]) or "strided" (every other element of an
+    over-allocated last dim).
     Returns ``(x_array, [x_0, ..., x_{B-1}], leaf)``: the per-model inputs are
     separate leaves; ``leaf`` is the tensor the array input's gradient lands on
     (``x_array`` itself, or the unexpanded tensor of a shared input).
@@ -33,6 +35,9 @@ def array_input(shape: Sequence[int], B: int, *, shared: bool = False, layout: s
         data = torch.randn(B, *shape, dtype=dtype)
     elif layout == "batch_major":
         data = torch.randn(shape[0], B, *shape[1:], dtype=dtype).transpose(0, 1)
+    elif layout == "channels_last":
+        N, C, H, W = shape
+        data = torch.randn(N, H, W, B, C, dtype=dtype).permute(3, 0, 4, 1, 2)
     elif layout == "strided":
         data = torch.randn(B, *shape[:-1], 2 * shape[-1], dtype=dtype)[..., ::2]
     else:

@@ -29,7 +29,8 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
     proc = _run("train_throughput.py", "--smoke", "--precisions", "fp32", "--out", str(tmp_path), "--name", "t")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     record = json.loads((tmp_path / "t.json").read_text())
-    keys = ["serial", "concurrent", "vmap", "hfta", "array[torch]", "array+compile[torch]", "array+capture[torch]"]
+    keys = ["serial", "concurrent", "vmap", "hfta", "array[torch]", "array+compile[torch]", "array+capture[torch]",
+            "array+cl[torch]", "array+capture+cl[torch]"]
     rows = record["rows"]
     assert {(r["workload"], r["key"]) for r in rows} == {(w, k) for w in WORKLOADS for k in keys}
     for r in rows:
@@ -39,7 +40,7 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
         assert r["peak_mb"] is None or r["peak_mb"] >= 0
         if r["mode"] != "serial":
             assert r["vs_serial"] > 0
-        if r["mode"] in ("array", "array+compile", "array+capture"):
+        if r["mode"].startswith("array"):
             assert r["vs_hfta"] > 0                  # the HFTA-style baseline at the same B
     # a profile of every mode of every workload at the profiled B, and the gap of each slower mode
     assert set(record["profiles"]) == {f"{w}|fp32|2" for w in WORKLOADS}
@@ -53,8 +54,8 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
     for w in WORKLOADS:
         assert f"## {w}, fp32" in summary
         assert (tmp_path / f"t_{w}.png").stat().st_size > 0
-    assert ("| B | serial | concurrent | vmap | hfta | array[torch] | array+compile[torch] | array+capture[torch] |"
-            in summary)
+    assert ("| B | serial | concurrent | vmap | hfta | array[torch] | array+compile[torch] | array+capture[torch] "
+            "| array+cl[torch] | array+capture+cl[torch] |" in summary)
     assert "Profiled steps (per step of all B models)" in summary
     # the summary and plots are rendered again from the saved JSON alone
     (tmp_path / "t.md").unlink()

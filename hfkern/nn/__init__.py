@@ -5,7 +5,7 @@ plain ``torch.nn`` modules on array tensors.
 """
 
 from . import functional
-from ._base import ArrayModule, StateDictError
+from ._base import ArrayModule, StateDictError, set_memory_format
 from .activation import PReLU
 from .attention import MultiheadAttention
 from .conv import Conv1d, Conv2d, ConvTranspose1d, ConvTranspose2d
@@ -27,6 +27,7 @@ from .pooling import (
 __all__ = [
     "ArrayModule",
     "StateDictError",
+    "set_memory_format",
     "functional",
     "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d",
     "Linear",

@@ -21,9 +21,31 @@ import torch
 from torch import nn
 from torch.nn import init
 
-from .._array import check_B
+from .._array import check_B, check_memory_format
 
-__all__ = ["ArrayModule", "StateDictError"]
+__all__ = ["ArrayModule", "StateDictError", "set_memory_format"]
+
+
+def set_memory_format(module: nn.Module, memory_format: torch.memory_format | None) -> nn.Module:
+    """Keep the array images of every 2-D array conv in ``module`` in ``memory_format``.
+
+    ``torch.channels_last`` stores each conv's images as ``[N, H, W, B, C]``
+    memory (the grouped view ``[N, B*C, H, W]`` channels-last, which cuDNN's
+    grouped convolutions read and write without conversions) and its weight to
+    match; ``torch.contiguous_format`` as ``[N, B, C, H, W]``; None lets each
+    conv choose by committed measurements (:mod:`hfkern._evidence`), keeping
+    its input's memory otherwise. The models compute the same in every format,
+    up to the rounding of the convolution algorithms. Works on any module tree
+    (an ``nn.Sequential`` of array modules included); ``array_model.to(
+    memory_format=...)`` calls it. Change formats before building the
+    optimizer: state it already holds keeps the old strides. Returns ``module``.
+    """
+    check_memory_format("set_memory_format", memory_format, allow_none=True)
+    for m in module.modules():
+        setter = getattr(m, "_set_memory_format", None)
+        if setter is not None:
+            setter(memory_format)
+    return module
 
 
 class StateDictError(RuntimeError, ValueError):
@@ -164,6 +186,16 @@ class ArrayModule(nn.Module):
         if B is None and required:
             raise TypeError(f"{type(self).__name__}: the keyword argument B (array size) is required")
         self.B = None if B is None else check_B(B)
+
+    def to(self, *args, **kwargs):
+        """``torch.nn.Module.to``, where ``memory_format`` lays out the array images
+        (:func:`set_memory_format`) instead of converting 4-D and 5-D parameters
+        (an array conv's weights are 5-D stacks of 4-D ones)."""
+        if "memory_format" in kwargs:
+            memory_format = kwargs.pop("memory_format")
+            if memory_format is not torch.preserve_format:
+                set_memory_format(self, check_memory_format(f"{type(self).__name__}.to", memory_format))
+        return super().to(*args, **kwargs) if args or kwargs else self
 
     # ---- configuration --------------------------------------------------
     @classmethod

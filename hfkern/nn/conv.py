@@ -4,6 +4,19 @@ Input ``[B, N, C_in, *s]`` (or ``[B, C_in, *s]`` for unbatched models), output
 ``[B, N, C_out, *s']`` stored as ``[N, B, C_out, *s']`` memory, which the next
 conv, norm or pooling layer reads without a copy. A shared input
 (:func:`hfkern.broadcast`) runs one dense convolution over the B weights.
+
+Memory format (2-D convs). ``model.to(memory_format=torch.channels_last)`` on
+an array model (or :func:`hfkern.nn.set_memory_format`) keeps its images as
+``[N, H, W, B, C]`` memory instead, the channels-last memory of the grouped
+view ``[N, B*C, H, W]`` that cuDNN's grouped convolutions read and write
+without layout conversions; each conv then converts an input in the other
+format once, and stores its weight so that the grouped weight is
+channels-last too. Every layer between two convs (norms, activations,
+pooling, residual adds) keeps the memory it is given. Results are the same up
+to the rounding of the algorithms cuDNN picks. Left at ``None`` (auto), a conv
+converts only where a committed whole-step measurement shows the format
+faster on the device (:mod:`hfkern._evidence`), and otherwise keeps its
+input's memory.
 """
 
 from __future__ import annotations
@@ -14,7 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._array import check_channels, check_input, conv_output_size, from_grouped, is_shared, to_grouped
+from .. import _evidence
+from .._array import (
+    array_memory_format, check_channels, check_input, conv_output_size, from_grouped,
+    is_shared, to_array_memory_format, to_grouped,
+)
 from ..ops.conv import array_conv
 from ._base import ArrayModule, reset_kaiming_uniform
 
@@ -24,6 +41,8 @@ __all__ = ["Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d"]
 class _ArrayConvNd(ArrayModule):
     _n: int  # spatial dims
     _transposed = False
+    # The memory format of the images of a 2-D conv (None: auto); see the module docstring.
+    memory_format: torch.memory_format | None = None
     _config_fields = (
         "in_channels", "out_channels", "kernel_size", "stride", "padding",
         "dilation", "groups", "bias", "padding_mode",
@@ -56,8 +75,42 @@ class _ArrayConvNd(ArrayModule):
         check_channels(name, x, 2, self.in_channels)
         return x, unbatched
 
+    def _set_memory_format(self, memory_format: torch.memory_format | None) -> None:
+        """Keep this conv's images (and its weight) in ``memory_format`` (None: auto).
+
+        The weight ``[B, A, C/g, kh, kw]`` is stored so that its grouped view
+        ``[B*A, C/g, kh, kw]`` is in the same format (a channels-last weight
+        spares cuDNN a conversion per call); it stays the same Parameter, so an
+        optimizer holding it goes on working, but optimizer state created
+        before the change keeps the old strides: change formats before
+        building the optimizer, as with ``Module.to``. 1-D convs have no
+        channels-last form and ignore it, as torch's ``Module.to`` leaves 3-D
+        weights alone.
+        """
+        if self._n != 2:
+            return
+        self.memory_format = memory_format
+        w = self.weight
+        flat = w.detach().reshape(w.shape[0] * w.shape[1], *w.shape[2:])
+        target = torch.contiguous_format if memory_format is None else memory_format
+        if not flat.is_contiguous(memory_format=target):
+            relaid = flat.contiguous(memory_format=target)
+            w.data = relaid.view(w.shape)  # splitting the leading dim is a view in either format
+
+    def _input_memory_format(self, x: torch.Tensor) -> torch.memory_format | None:
+        """The memory format the input is converted to, or None to keep the input's."""
+        if self._n != 2:
+            return None
+        if self.memory_format is not None:
+            return self.memory_format
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        return _evidence.auto_memory_format(x.device, dtype)
+
     def _conv(self, x: torch.Tensor, padding, output_padding) -> torch.Tensor:
         """x: [B, N, C, *s] (possibly shared) already padded for non-zero modes."""
+        memory_format = self._input_memory_format(x)
+        if memory_format is not None:
+            x = to_array_memory_format(x, memory_format)
         if is_shared(x):
             x = x[0]
         return array_conv(
@@ -94,7 +147,7 @@ class _ArrayConv(_ArrayConvNd):
             if is_shared(x):
                 x = F.pad(x[0], pad, mode=mode).expand(x.shape[0], -1, -1, *([-1] * self._n))
             else:
-                x = from_grouped(F.pad(to_grouped(x), pad, mode=mode), x.shape[0])
+                x = from_grouped(F.pad(to_grouped(x), pad, mode=mode), x.shape[0], array_memory_format(x))
         else:
             conv_padding = left
         y = self._conv(x, conv_padding, [0] * self._n)

@@ -3,9 +3,10 @@
 Input ``[B, N, C, *s]`` (or ``[B, C, *s]`` for models fed unbatched inputs),
 output ``[B, N, C, *s']`` (resp. ``[B, C, *s']``). Every (model, sample,
 channel) plane is pooled on its own, so the array dim is folded into torch's
-batch dim (:func:`hfkern._array.fold`): a conv output's ``[N, B, C, *s]``
-memory comes out as ``[N, B, C, *s']`` memory, ready for the next conv without a
-copy. A shared input (:func:`hfkern.broadcast`) is pooled once and the result
+batch dim (:func:`hfkern._array.fold_planes`): a conv output's ``[N, B, C, *s]``
+memory comes out as ``[N, B, C, *s']`` memory, and channels-last ``[N, H, W, B,
+C]`` memory (pooled as the channels-last grouped view ``[N, B*C, H, W]``) as
+``[N, H', W', B, C]``, ready for the next conv without a copy. A shared input (:func:`hfkern.broadcast`) is pooled once and the result
 is shared by the B models (a broadcast view, gradients summed over the models).
 
 Configuration is torch's own: each module builds its namesake to store the
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._array import check_input, fold, is_shared
+from .._array import check_input, fold_planes, is_shared
 from ._base import ArrayModule
 
 __all__ = [
@@ -56,7 +57,7 @@ class _ArrayPool(ArrayModule):
             return out.expand(B, *out.shape)
         # Folding B into dim 0 keeps the rank, so a model's unbatched [C, *s]
         # input stays an unbatched [B*C, *s] input for torch.
-        folded, unfold = fold(x)
+        folded, unfold = fold_planes(x)
         out = self._pool(folded)
         if isinstance(out, tuple):
             return tuple(unfold(o) for o in out)

@@ -6,11 +6,19 @@ Ops (all registered with torch.library, implementations chosen by the registry):
     x ``[B, N, C_in, *s]`` (or ``[N, C_in, *s]`` for an input shared by all B
     models), weight ``[B, C_out, C_in/groups, *k]`` (transposed:
     ``[B, C_in, C_out/groups, *k]``), bias ``[B, C_out]`` or None.
-    Returns ``[B, N, C_out, *s']``, stored as ``[N, B, C_out, *s']`` memory.
+    Returns ``[B, N, C_out, *s']``, stored as ``[N, B, C_out, *s']`` memory, or
+    for a 2-D conv of a channels-last input (``[N, H, W, B, C_in]`` memory, or a
+    shared ``[N, C_in, H, W]`` in ``torch.channels_last``) as ``[N, H', W', B,
+    C_out]`` memory (:func:`hfkern._array.array_memory_format`): the output
+    keeps the input's memory format, whatever the weight's.
 ``array_conv_input_grad(grad_out, weight, input_size, ...)``
-    The input gradient (for a shared input: summed over the models).
+    The input gradient (for a shared input: summed over the models), in
+    grad_out's memory format.
 ``array_conv_weight_grad(grad_out, x, weight, ...)``
-    The weight gradient, shaped like ``weight``.
+    The weight gradient, shaped and laid out like ``weight``
+    (``torch.empty_like(weight)``): an array conv module stores its weight so
+    that the grouped weight ``[B*C_out, C_in/g, kh, kw]`` is channels-last when
+    its activations are, and its gradient follows.
 
 ``*s`` and ``*k`` are one or two spatial dims, and ``stride``, ``padding``,
 ``dilation`` and ``output_padding`` have one entry per spatial dim. 3-D
@@ -37,7 +45,8 @@ from torch import Tensor
 from .. import _backend
 from . import _autocast
 from .._array import (
-    check_conv_args, conv_output_size, from_grouped, new_batch_major, op_result, per_model_memory_first, to_grouped,
+    array_memory_format, check_conv_args, conv_output_size, from_grouped, like_weight, new_batch_major, op_result,
+    per_model_memory_first, to_grouped,
 )
 
 __all__ = ["array_conv", "array_conv_input_grad", "array_conv_weight_grad"]
@@ -111,6 +120,7 @@ def _pointwise(x: Tensor, weight: Tensor, stride, padding, dilation, transposed:
     holds the measurement this rule rests on; CUDA keeps cuDNN's grouped conv.
     """
     if not (x.device.type == "cpu" and x.dim() == weight.dim() and not transposed and groups == 1
+            and array_memory_format(x) == torch.contiguous_format
             and all(k == 1 for k in weight.shape[3:]) and all(v == 1 for v in stride)
             and all(v == 0 for v in padding) and all(v == 1 for v in dilation)):
         return False
@@ -131,6 +141,7 @@ def array_conv_torch(
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
 ) -> Tensor:
     B = weight.shape[0]
+    fmt = array_memory_format(x, shared=x.dim() != weight.dim())
     if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
         y = _pointwise_matmul(weight.flatten(2), x)
         if bias is not None:
@@ -141,7 +152,7 @@ def array_conv_torch(
             to_grouped(x), _flat_weight(weight), None if bias is None else bias.reshape(-1),
             stride, padding, dilation, transposed, output_padding, B * groups,
         )
-        return op_result(from_grouped(y, B))
+        return op_result(from_grouped(y, B, fmt))
     # shared input [N, C_in, *s]: one dense conv
     dense_bias = None
     if bias is not None:
@@ -150,7 +161,7 @@ def array_conv_torch(
         x, _dense_weight(weight, transposed, groups), dense_bias,
         stride, padding, dilation, transposed, output_padding, groups,
     )
-    return op_result(from_grouped(_swap_channel_blocks(y, groups, B), B))
+    return op_result(from_grouped(_swap_channel_blocks(y, groups, B), B, fmt))
 
 
 @_backend.implements(_DGRAD, "torch")
@@ -162,6 +173,7 @@ def array_conv_input_grad_torch(
     """d(loss)/dx: the adjoint convolution of grad_out (a transposed conv for a conv)."""
     B = weight.shape[0]
     shared = len(input_size) == weight.dim() - 1
+    fmt = array_memory_format(grad_out)
     if not shared and _pointwise(grad_out, weight, stride, padding, dilation, transposed, groups):
         return op_result(_pointwise_matmul(weight.flatten(2).transpose(1, 2), grad_out))
     if shared:  # the sum over the B models falls out of the dense conv
@@ -178,7 +190,7 @@ def array_conv_input_grad_torch(
                                    True, [0] * nd)
         adjoint_padding = [i - r for i, r in zip(input_size[-nd:], reached)]
     gx = aten.convolution(gy, w, None, stride, padding, dilation, not transposed, adjoint_padding, g)
-    return gx if shared else op_result(from_grouped(gx, B))
+    return gx.contiguous(memory_format=fmt) if shared else op_result(from_grouped(gx, B, fmt))
 
 
 @_backend.implements(_WGRAD, "torch")
@@ -194,7 +206,7 @@ def array_conv_weight_grad_torch(
             stride, padding, dilation, transposed, output_padding, B * groups,
             [False, True, False],
         )[1]
-        return gw.reshape(weight.shape)
+        return like_weight(gw.reshape(weight.shape), weight)
     gw = aten.convolution_backward(
         _swap_channel_blocks(to_grouped(grad_out), B, groups), x,
         _dense_weight(weight, transposed, groups), None,
@@ -202,9 +214,9 @@ def array_conv_weight_grad_torch(
         [False, True, False],
     )[1]
     if transposed:  # [C_in, B*C_out/g, *k] -> [B, C_in, C_out/g, *k]
-        return gw.reshape(gw.shape[0], B, -1, *gw.shape[2:]).transpose(0, 1).contiguous()
+        return like_weight(gw.reshape(gw.shape[0], B, -1, *gw.shape[2:]).transpose(0, 1), weight)
     # [(g, B, c), C_in/g, *k] -> [B, (g, c), C_in/g, *k]
-    return gw.reshape(groups, B, -1, *gw.shape[1:]).transpose(0, 1).reshape(weight.shape)
+    return like_weight(gw.reshape(groups, B, -1, *gw.shape[1:]).transpose(0, 1).reshape(weight.shape), weight)
 
 
 # ---- the ops -------------------------------------------------------------------
@@ -233,7 +245,8 @@ def _(x, weight, bias, stride, padding, dilation, transposed, output_padding, gr
     out = conv_output_size(x.shape[-nd:], weight.shape[-nd:], stride, padding, dilation, transposed,
                            output_padding)
     C_out = _out_channels(weight, transposed, groups)
-    return new_batch_major(x, (weight.shape[0], x.shape[-nd - 2], C_out, *out))
+    fmt = array_memory_format(x, shared=x.dim() != weight.dim())
+    return new_batch_major(x, (weight.shape[0], x.shape[-nd - 2], C_out, *out), fmt)
 
 
 @torch.library.custom_op("hfkern::array_conv_input_grad", mutates_args=())
@@ -258,9 +271,10 @@ def array_conv_input_grad(
 def _(grad_out, weight, input_size, stride, padding, dilation, transposed, output_padding, groups):
     check_conv_args(_DGRAD, len(input_size), weight, stride, padding, dilation, output_padding,
                     groups, grad_out=grad_out)
+    fmt = array_memory_format(grad_out)
     if len(input_size) == weight.dim() - 1:  # shared input
-        return grad_out.new_empty(input_size)
-    return new_batch_major(grad_out, input_size)
+        return torch.empty(input_size, dtype=grad_out.dtype, device=grad_out.device, memory_format=fmt)
+    return new_batch_major(grad_out, input_size, fmt)
 
 
 @torch.library.custom_op("hfkern::array_conv_weight_grad", mutates_args=())
@@ -285,7 +299,7 @@ def array_conv_weight_grad(
 def _(grad_out, x, weight, stride, padding, dilation, transposed, output_padding, groups):
     check_conv_args(_WGRAD, x.dim(), weight, stride, padding, dilation, output_padding, groups,
                     grad_out=grad_out)
-    return torch.empty_like(weight, memory_format=torch.contiguous_format)
+    return torch.empty_like(weight)
 
 
 # Every formula runs its ops pinned to the backend that served the op it
@@ -322,12 +336,17 @@ def _bias_grad(grad_out: Tensor) -> Tensor:
     over N and s together, whose kept channel dims lie between them in memory,
     runs at a third to half that speed (bench/profile_step.py's digits CNN).
     """
+    acc = torch.promote_types(grad_out.dtype, torch.float32)
+    if array_memory_format(grad_out) == torch.channels_last:
+        # channels innermost: one reduction over (N, H, W) of the grouped view
+        # reads the memory in order and keeps the (model, channel) pairs apart.
+        B, C = grad_out.shape[0], grad_out.shape[2]
+        return to_grouped(grad_out).sum(dim=(0, 2, 3), dtype=acc).view(B, C).to(grad_out.dtype)
     n_first = per_model_memory_first(grad_out)
     # Both sums accumulate in float32 at least: a low-precision intermediate
     # would round every per-sample sum, and those round-offs survive the
     # cancellation of the second sum (a conv followed by batch norm has a bias
     # gradient near zero made of per-sample terms that are not).
-    acc = torch.promote_types(grad_out.dtype, torch.float32)
     per_sample = (grad_out.transpose(0, 1) if n_first else grad_out).sum(
         dim=list(range(3, grad_out.dim())), dtype=acc)
     return per_sample.sum(dim=0 if n_first else 1).to(grad_out.dtype)

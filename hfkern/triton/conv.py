@@ -19,7 +19,11 @@ Each is one GEMM per (model, group) on ``program_id(2)``: rows are
 output pixels ``(n, oh, ow)``, columns output channels, the reduction runs over
 ``(input channel, kh, kw)``. Tensors are addressed through their strides, so the
 ``[N, B, C, H, W]`` memory behind the array conv's ``[B, N, C, H, W]`` views is
-read and written in place, and a shared input is a model stride of 0. A shared
+read and written in place, and a shared input is a model stride of 0. Outputs
+keep the op contract's memory format (channels-last ``[N, H, W, B, C]`` for a
+channels-last input): the kernels only see other strides. Their tiles are
+tuned for ``[N, B, C, H, W]`` memory; channels-last arrays run them only on an
+explicit request (``auto`` keeps convs on cuDNN). A shared
 input with one group per model folds the B weights into one GEMM (B*C_out
 columns) in the forward and one reduction over B*C_out in the input gradient.
 
@@ -41,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._array import check_conv_args, conv_output_size, new_batch_major
+from .._array import array_memory_format, check_conv_args, conv_output_size, like_weight, new_batch_major
 from .._device import sm_count
 from ._common import Tuned, interpreting
 
@@ -359,7 +363,7 @@ def array_conv(
     H, W = x2.shape[-2:]
     out_spatial = conv_output_size(x.shape[-nd:], weight.shape[-nd:], stride, padding, dilation,
                                    transposed, output_padding)
-    y = new_batch_major(x, (B, N, C_out, *out_spatial))
+    y = new_batch_major(x, (B, N, C_out, *out_spatial), array_memory_format(x, shared=shared))
     y2 = _as_2d(y, nd)
     OH, OW = y2.shape[-2:]
     y_strides = tuple(y2.stride())
@@ -407,11 +411,12 @@ def array_conv_input_grad(
     geom = _geometry(stride, padding, dilation, nd)
     gy2 = _as_2d(grad_out, nd)
     _, N, C_out, OH, OW = gy2.shape
+    fmt = array_memory_format(grad_out)
     if shared:
-        gx = grad_out.new_empty(input_size)
+        gx = torch.empty(input_size, dtype=grad_out.dtype, device=grad_out.device, memory_format=fmt)
         C_in = input_size[1]
     else:
-        gx = new_batch_major(grad_out, input_size)
+        gx = new_batch_major(grad_out, input_size, fmt)
         C_in = input_size[2]
     gx2 = _as_2d(gx, nd)
     H, W = gx2.shape[-2:]
@@ -436,11 +441,11 @@ def array_conv_input_grad(
                          gx2, (0, *gx2.stride()), (N, OH, OW, H, W, B * C_out, C_in),
                          geom, 1, 1, grad_out.dtype)
             return gx
-        per_model = new_batch_major(grad_out, (B, N, *input_size[1:]))
+        per_model = new_batch_major(grad_out, (B, N, *input_size[1:]), fmt)
         pm2 = _as_2d(per_model, nd)
         _launch_gemm(adjoint, gy2, tuple(gy2.stride()), weight, w_strides, None,
                      pm2, tuple(pm2.stride()), sizes, geom, B, groups, grad_out.dtype)
-        return per_model.sum(0)  # fixed-order reduction over the models
+        return per_model.sum(0).contiguous(memory_format=fmt)  # fixed-order reduction over the models
     _launch_gemm(adjoint, gy2, tuple(gy2.stride()), weight, w_strides, None,
                  gx2, tuple(gx2.stride()), sizes, geom, B, groups, grad_out.dtype)
     return gx
@@ -484,7 +489,7 @@ def array_conv_weight_grad(
     CK = C_g * kh * kw
     P = N * OH * OW
     if P == 0:  # a sum over no output pixels: nothing to launch
-        return torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        return torch.zeros_like(weight)
     chunk = _wgrad_chunk(P, A_g, CK, B * groups, weight.numel(), weight.device)
     splits = triton.cdiv(P, chunk)
     partial = torch.empty((splits, B, groups, A_g, CK), device=weight.device, dtype=torch.float32)
@@ -502,7 +507,7 @@ def array_conv_weight_grad(
     )
     # Fixed-order sum of the per-split partials: deterministic.
     gw = partial.sum(0) if splits > 1 else partial[0]
-    return gw.reshape(weight.shape).to(weight.dtype)
+    return like_weight(gw.reshape(weight.shape).to(weight.dtype), weight)
 
 
 def _wgrad_chunk(P: int, A_g: int, CK: int, models_groups: int, weight_numel: int,

@@ -1,0 +1,299 @@
+"""Channels-last array images: [N, H, W, B, C] memory through convs, norms,
+activations, pooling, residual adds and the classifier, against B torch models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hfkern
+import hfkern.nn as hnn
+from hfkern import _evidence
+from hfkern._array import array_memory_format, to_array_memory_format, to_grouped
+from _util import GRAD_TOL, array_input, compare_modules, torch_modules
+
+CL, NCHW = torch.channels_last, torch.contiguous_format
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _cl(shape, B, **kw):
+    return array_input(shape, B, layout="channels_last", **kw)
+
+
+# ---- the memory format helpers -------------------------------------------------
+
+def test_array_memory_format_names_the_grouped_views_format():
+    x, _, _ = _cl((2, 3, 4, 5), 3)
+    assert array_memory_format(x) == CL
+    assert to_grouped(x).is_contiguous(memory_format=CL) and to_grouped(x).data_ptr() == x.data_ptr()
+    nchw, _, _ = array_input((2, 3, 4, 5), 3, layout="batch_major")
+    assert array_memory_format(nchw) == NCHW
+    assert array_memory_format(torch.randn(3, 2, 3, 4, 5)) == NCHW
+    # H = W = 1: both memories at once counts as the default
+    assert array_memory_format(torch.randn(2, 1, 1, 3, 4).permute(3, 0, 4, 1, 2)) == NCHW
+    shared = torch.randn(2, 3, 4, 5).contiguous(memory_format=CL)
+    assert array_memory_format(shared, shared=True) == CL
+    assert array_memory_format(hfkern.broadcast(shared, 3)) == CL
+    y = to_array_memory_format(nchw, CL)
+    assert array_memory_format(y) == CL and torch.equal(y, nchw)
+    assert to_array_memory_format(y, CL) is y
+    back = to_array_memory_format(y, NCHW)
+    assert back.transpose(0, 1).is_contiguous() and torch.equal(back, nchw)
+
+
+# ---- the conv ops keep the input's format ----------------------------------------
+
+def _conv_fns(backend):
+    """(forward, input grad, weight grad) of one backend, called as the ops are."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from hfkern.triton import conv as tc
+        return tc.array_conv, tc.array_conv_input_grad, tc.array_conv_weight_grad
+    ops = torch.ops.hfkern
+    return ops.array_conv, ops.array_conv_input_grad, ops.array_conv_weight_grad
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("groups,transposed", [(1, False), (2, False), (1, True)])
+def test_conv_ops_follow_the_input_memory_format(backend, shared, groups, transposed):
+    B, N, C, H, W = 3, 2, 4, 5, 6
+    torch.manual_seed(0)
+    if shared:
+        x_ref = torch.randn(N, C, H, W)
+        x = x_ref.contiguous(memory_format=CL)
+    else:
+        x, _, _ = _cl((N, C, H, W), B, requires_grad=False)
+        x_ref = x.contiguous()
+    w_shape = (B, C, 6 // groups, 3, 3) if transposed else (B, 6, C // groups, 3, 3)
+    weight = torch.randn(w_shape)
+    bias = torch.randn(B, 6)
+    args = ([2, 1], [1, 1], [1, 1], transposed, [1, 0] if transposed else [0, 0], groups)
+    conv, input_grad, weight_grad = _conv_fns(backend)
+    ops = torch.ops.hfkern  # the torch path on the default memory: the reference
+    y = conv(x, weight, bias, *args)
+    y_ref = ops.array_conv(x_ref, weight, bias, *args)
+    assert array_memory_format(y) == CL
+    torch.testing.assert_close(y, y_ref, **TOL)
+    g = to_array_memory_format(torch.randn_like(y_ref), CL)
+    gx = input_grad(g, weight, list(x.shape), *args)
+    gx_ref = ops.array_conv_input_grad(g.contiguous(), weight, list(x.shape), *args)
+    assert array_memory_format(gx, shared=shared) == CL
+    torch.testing.assert_close(gx, gx_ref, **TOL)
+    # a channels-last weight: its gradient is laid out like it
+    w_cl = weight.flatten(0, 1).contiguous(memory_format=CL).view(weight.shape)
+    gw = weight_grad(g, x, w_cl, *args)
+    gw_ref = ops.array_conv_weight_grad(g.contiguous(), x_ref, weight, *args)
+    assert gw.stride() == w_cl.stride() and gw_ref.is_contiguous()
+    torch.testing.assert_close(gw, gw_ref, **TOL)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_opcheck_conv_ops_on_channels_last_images(shared):
+    B, N, C = 2, 2, 3
+    x = torch.randn(N, C, 5, 4).contiguous(memory_format=CL) if shared else _cl((N, C, 5, 4), B)[0].detach()
+    weight = torch.randn(B, 4, C, 3, 3).flatten(0, 1).contiguous(memory_format=CL).view(B, 4, C, 3, 3)
+    args = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    y = torch.ops.hfkern.array_conv(x, weight, None, *args)
+    torch.library.opcheck(torch.ops.hfkern.array_conv.default, (x, weight, None, *args))
+    g = torch.randn_like(y)
+    torch.library.opcheck(torch.ops.hfkern.array_conv_input_grad.default, (g, weight, list(x.shape), *args))
+    torch.library.opcheck(torch.ops.hfkern.array_conv_weight_grad.default, (g, x, weight, *args))
+
+
+# ---- modules ---------------------------------------------------------------------
+
+def test_conv_module_to_channels_last_relays_the_weight_and_converts_the_input():
+    torch.manual_seed(0)
+    B = 3
+    modules = torch_modules(lambda: nn.Conv2d(4, 5, 3, padding=1), B)
+    conv = hnn.Conv2d.from_modules(modules)
+    weight = conv.weight
+    assert conv.to(memory_format=CL) is conv
+    assert conv.weight is weight  # the same Parameter: an optimizer holding it still works
+    assert conv.weight.flatten(0, 1).is_contiguous(memory_format=CL)
+    x, xs, leaf = array_input((2, 4, 6, 5), B, layout="batch_major")
+    y = compare_modules(conv, modules, x, xs, leaf)
+    assert array_memory_format(y) == CL
+    conv.to(memory_format=NCHW)
+    assert conv.weight.is_contiguous()
+    assert array_memory_format(conv(x)) == NCHW
+
+
+def test_set_memory_format_reaches_array_convs_in_plain_containers():
+    seq = nn.Sequential(hnn.Conv2d(3, 4, 3, B=2), nn.ReLU(), hnn.Conv1d(4, 4, 1, B=2))
+    assert hnn.set_memory_format(seq, CL) is seq
+    assert seq[0].memory_format is CL and seq[0].weight.flatten(0, 1).is_contiguous(memory_format=CL)
+    assert seq[2].memory_format is None  # 1-D convs have no channels-last form
+    hnn.set_memory_format(seq, None)
+    assert seq[0].memory_format is None and seq[0].weight.is_contiguous()
+
+
+def test_bad_memory_formats_raise_before_anything_changes():
+    conv = hnn.Conv2d(3, 4, 3, B=2)
+    strides = conv.weight.stride()
+    with pytest.raises(ValueError, match="channels_last_3d"):
+        conv.to(memory_format=torch.channels_last_3d)
+    with pytest.raises(TypeError, match="memory_format"):
+        hnn.set_memory_format(conv, "channels_last")
+    assert conv.memory_format is None and conv.weight.stride() == strides
+
+
+def test_auto_converts_only_where_a_record_cites_a_measurement(monkeypatch):
+    record = _evidence.LayoutEvidence("channels_last", "H200", ("bfloat16",), "bench/results/x.json", "s")
+    assert _evidence.memory_format_record("NVIDIA H200", torch.bfloat16, (record,)) is record
+    assert _evidence.memory_format_record("NVIDIA H200", torch.float32, (record,)) is None
+    assert _evidence.memory_format_record("NVIDIA H100 80GB HBM3", torch.bfloat16, (record,)) is None
+    assert _evidence.auto_memory_format(torch.device("cpu"), torch.float32) is None
+    conv = hnn.Conv2d(3, 4, 3, B=2)
+    x, _, _ = array_input((2, 3, 5, 5), 2, layout="batch_major")
+    assert array_memory_format(conv(x)) == NCHW  # no record: the input's memory is kept
+    monkeypatch.setattr(_evidence, "auto_memory_format", lambda device, dtype: CL)
+    assert array_memory_format(conv(x)) == CL
+    conv.to(memory_format=NCHW)  # an explicit choice wins over auto
+    assert array_memory_format(conv(x)) == NCHW
+
+
+@pytest.mark.parametrize("cls,kw", [
+    (hnn.MaxPool2d, dict(kernel_size=2, return_indices=True)),
+    (hnn.AvgPool2d, dict(kernel_size=3, stride=2, padding=1)),
+    (hnn.AdaptiveAvgPool2d, dict(output_size=(2, 3))),
+])
+def test_pooling_keeps_channels_last_memory(cls, kw):
+    B = 3
+    pool = cls(**kw)
+    x, xs, leaf = _cl((2, 4, 7, 6), B)
+    out = pool(x)
+    ys = [getattr(F, {hnn.MaxPool2d: "max_pool2d", hnn.AvgPool2d: "avg_pool2d",
+                      hnn.AdaptiveAvgPool2d: "adaptive_avg_pool2d"}[cls])(xb, **kw) for xb in xs]
+    if isinstance(out, tuple):
+        torch.testing.assert_close(out[1], torch.stack([y[1] for y in ys]), atol=0, rtol=0)
+        out, ys = out[0], [y[0] for y in ys]
+    torch.testing.assert_close(out, torch.stack(ys), **TOL)
+    assert array_memory_format(out) == CL
+
+
+# ---- whole networks ----------------------------------------------------------------
+
+class _Block(nn.Module):
+    def __init__(self, c_in, c_out, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.short = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.short = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.short(x))
+
+
+class _SmallResNet(nn.Module):
+    """ResNet's pieces: stem conv + BN + ReLU, max pool, residual blocks with a
+    projection shortcut, global average pool, flatten, linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.pool = nn.MaxPool2d(2)
+        self.layer1 = _Block(4, 4, 1)
+        self.layer2 = _Block(4, 6, 2)
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.bn(self.stem(x))))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def _conv_formats(monkeypatch):
+    """Record (input format, output format) of every array_conv call."""
+    import hfkern.ops.conv as conv_ops
+
+    seen, resolve = [], conv_ops._backend.resolve
+
+    def spy(op, *args):
+        fn = resolve(op, *args)
+        if op != "array_conv":
+            return fn
+
+        def run(x, weight, *rest):
+            y = fn(x, weight, *rest)
+            seen.append((array_memory_format(x, shared=x.dim() != weight.dim()), array_memory_format(y)))
+            return y
+        return run
+
+    monkeypatch.setattr(conv_ops._backend, "resolve", spy)
+    return seen
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_fused_resnet_in_channels_last_matches_torch_models(B, monkeypatch):
+    torch.manual_seed(0)
+    models = [_SmallResNet() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    assert fused.to(memory_format=CL) is fused
+    seen = _conv_formats(monkeypatch)
+    x = torch.randn(5, 3, 9, 9)  # odd sizes: the strided conv and the pool drop a row
+    out = fused(hfkern.broadcast(x, B))
+    refs = [m(x) for m in models]
+    torch.testing.assert_close(out, torch.stack(refs), **TOL)
+    # every conv read and wrote channels-last memory: no layout conversion on the way
+    assert seen and all(f == (CL, CL) for f in seen), seen
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    for b, (m, r) in enumerate(zip(models, refs)):
+        r.backward(grad[b])
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(fused.get_parameter(name).grad[b], p.grad, **GRAD_TOL)
+        for name, buf in m.named_buffers():
+            torch.testing.assert_close(fused.get_buffer(name)[b], buf, **TOL)
+    fused.eval()
+    [m.eval() for m in models]
+    torch.testing.assert_close(fused(hfkern.broadcast(x, B)), torch.stack([m(x) for m in models]), **TOL)
+
+
+def test_channels_last_array_trains_like_the_default_and_round_trips():
+    torch.manual_seed(0)
+    B = 2
+    models = [_SmallResNet() for _ in range(B)]
+    default, cl = hfkern.fuse(models), hfkern.fuse(models)
+    cl.to(memory_format=CL)
+    opts = [hfkern.optim.SGD(m.parameters(), lr=[0.1, 0.05], momentum=0.9) for m in (default, cl)]
+    x, target = torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))
+    for _ in range(3):
+        for m, opt in zip((default, cl), opts):
+            opt.zero_grad()
+            out = m(hfkern.broadcast(x, B))
+            loss = F.cross_entropy(out.flatten(0, 1), target.repeat(B), reduction="sum") / 6
+            loss.backward()
+            opt.step()
+    for (name, p), q in zip(default.named_parameters(), cl.parameters()):
+        torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4, msg=name)
+    # extract_model gives the torch architecture with the same weights
+    extracted = cl.extract_model(1)
+    for name, p in extracted.named_parameters():
+        torch.testing.assert_close(p, cl.get_parameter(name)[1], atol=0, rtol=0)
+    state = cl.state_dict()
+    default.load_state_dict(state)
+    torch.testing.assert_close(default(hfkern.broadcast(x, B)), cl(hfkern.broadcast(x, B)), **TOL)
+
+
+def test_channels_last_under_cpu_autocast():
+    torch.manual_seed(0)
+    B = 2
+    models = [_SmallResNet() for _ in range(B)]
+    fused = hfkern.fuse(models).to(memory_format=CL)
+    x = torch.randn(4, 3, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fused(hfkern.broadcast(x, B))
+        refs = torch.stack([m(x) for m in models])
+    assert out.dtype == refs.dtype
+    torch.testing.assert_close(out.float(), refs.float(), atol=5e-2, rtol=5e-2)
