@@ -297,3 +297,15 @@ def test_channels_last_under_cpu_autocast():
         refs = torch.stack([m(x) for m in models])
     assert out.dtype == refs.dtype
     torch.testing.assert_close(out.float(), refs.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_group_norm_keeps_channels_last_memory(B):
+    torch.manual_seed(0)
+    modules = torch_modules(lambda: nn.GroupNorm(2, 4), B)
+    for m in modules:
+        nn.init.normal_(m.weight)
+        nn.init.normal_(m.bias)
+    x, xs, leaf = _cl((2, 4, 5, 3), B)
+    y = compare_modules(hnn.GroupNorm.from_modules(modules), modules, x, xs, leaf)
+    assert array_memory_format(y) == CL
