@@ -181,20 +181,42 @@ MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last)
 _TO_NHWBC, _FROM_NHWBC = (1, 3, 4, 0, 2), (3, 0, 4, 1, 2)  # [B, N, C, H, W] <-> [N, H, W, B, C]
 
 
+def _canonical_strides(x: torch.Tensor, memory_format: torch.memory_format, image: bool) -> tuple[int, ...]:
+    """The strides ``memory_format`` gives ``x``'s shape: of an ``[N, C, H, W]``
+    image (``image``) or of an array image ``[B, N, C, H, W]``."""
+    if image:
+        N, C, H, W = x.shape
+        return (C * H * W, H * W, W, 1) if memory_format == torch.contiguous_format else (H * W * C, 1, W * C, C)
+    B, N, C, H, W = x.shape
+    if memory_format == torch.contiguous_format:
+        return (C * H * W, B * C * H * W, H * W, W, 1)
+    return (C, H * W * B * C, 1, W * B * C, B * C)
+
+
 def array_memory_format(x: torch.Tensor, shared: bool = False) -> torch.memory_format:
     """The memory format of an array image: ``torch.channels_last`` for an
     ``[B, N, C, H, W]`` tensor stored as ``[N, H, W, B, C]`` memory (or, with
     ``shared``, a per-batch ``[N, C, H, W]`` input in channels-last memory),
-    else ``torch.contiguous_format``. Memory that is both (``H = W = 1``) counts
-    as ``contiguous_format``; other ranks are always ``contiguous_format``.
+    else ``torch.contiguous_format``. Memory that is both (one channel, or
+    ``H = W = 1``) is channels-last only with exactly the strides
+    :func:`new_batch_major` (or ``torch.empty(..., memory_format=
+    torch.channels_last)``) gives it. Other ranks are ``contiguous_format``.
     """
-    if shared or (x.dim() == 5 and is_shared(x)):
+    image = shared or (x.dim() == 5 and is_shared(x))
+    if image:
         x = x[0] if x.dim() == 5 else x
-        channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
-            and not x.is_contiguous()
+        if x.dim() != 4:
+            return torch.contiguous_format
+        channels_last = x.is_contiguous(memory_format=torch.channels_last)
+        nchw = x.is_contiguous()
     else:
-        channels_last = x.dim() == 5 and x.permute(_TO_NHWBC).is_contiguous() \
-            and not x.transpose(0, 1).is_contiguous()
+        if x.dim() != 5:
+            return torch.contiguous_format
+        channels_last = x.permute(_TO_NHWBC).is_contiguous()
+        nchw = x.transpose(0, 1).is_contiguous()
+    if channels_last and nchw:  # both: the exact strides decide
+        cl_strides = _canonical_strides(x, torch.channels_last, image)
+        channels_last = x.stride() == cl_strides != _canonical_strides(x, torch.contiguous_format, image)
     return torch.channels_last if channels_last else torch.contiguous_format
 
 
@@ -217,10 +239,9 @@ def to_array_memory_format(x: torch.Tensor, memory_format: torch.memory_format) 
     if array_memory_format(x) == memory_format:
         return x
     if is_shared(x):
-        return x[0].contiguous(memory_format=memory_format).expand(x.shape)
-    if memory_format == torch.channels_last:
-        return x.permute(_TO_NHWBC).contiguous().permute(_FROM_NHWBC)
-    return x.transpose(0, 1).contiguous().transpose(0, 1)
+        image = x[0]
+        return torch.empty_like(image, memory_format=memory_format).copy_(image).expand(x.shape)
+    return new_batch_major(x, x.shape, memory_format).copy_(x)
 
 
 def like_weight(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -258,7 +279,14 @@ def from_grouped(
     """``[N, B*C, *s]`` -> a ``[B, N, C, *s]`` view of array memory: ``[N, B, C, *s]``,
     or ``[N, H, W, B, C]`` for ``memory_format=torch.channels_last`` (a copy only
     where ``y`` is not already in that format)."""
-    y = y.contiguous(memory_format=memory_format)
+    if memory_format == torch.channels_last:
+        # Memory that is both formats at once must have exactly the channels-last
+        # strides to count as channels-last (array_memory_format): a fake's strides.
+        if not y.is_contiguous(memory_format=memory_format) or \
+                (y.is_contiguous() and y.stride() != _canonical_strides(y, memory_format, image=True)):
+            y = torch.empty_like(y, memory_format=memory_format).copy_(y)
+    else:
+        y = y.contiguous()
     return y.view(y.shape[0], B, y.shape[1] // B, *y.shape[2:]).transpose(0, 1)
 
 

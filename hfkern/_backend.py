@@ -424,5 +424,6 @@ def backend_info() -> dict:
                 row[device_type] = f"error: {e}"
         ops[op] = row
     evidence = [dict(vars(record)) for record in _evidence.EVIDENCE]
+    layout_evidence = [dict(vars(record)) for record in _evidence.LAYOUT_EVIDENCE]
     return {"requested": get_backend(), "source": source, "backends": backends, "ops": ops,
-            "evidence": evidence}
+            "evidence": evidence, "layout_evidence": layout_evidence}

@@ -31,8 +31,13 @@ def test_array_memory_format_names_the_grouped_views_format():
     nchw, _, _ = array_input((2, 3, 4, 5), 3, layout="batch_major")
     assert array_memory_format(nchw) == NCHW
     assert array_memory_format(torch.randn(3, 2, 3, 4, 5)) == NCHW
-    # H = W = 1: both memories at once counts as the default
-    assert array_memory_format(torch.randn(2, 1, 1, 3, 4).permute(3, 0, 4, 1, 2)) == NCHW
+    # H = W = 1: memory in both formats at once; the exact strides decide
+    assert array_memory_format(torch.randn(2, 1, 1, 3, 4).permute(3, 0, 4, 1, 2)) == CL
+    assert array_memory_format(torch.randn(2, 3, 4, 1, 1).transpose(0, 1)) == NCHW
+    one_channel = torch.randn(2, 1, 4, 5)  # both formats: the default unless strided as channels-last
+    assert array_memory_format(one_channel, shared=True) == NCHW
+    assert array_memory_format(torch.empty_like(one_channel, memory_format=CL), shared=True) == CL
+    assert array_memory_format(to_array_memory_format(hfkern.broadcast(one_channel, 2), CL)) == CL
     shared = torch.randn(2, 3, 4, 5).contiguous(memory_format=CL)
     assert array_memory_format(shared, shared=True) == CL
     assert array_memory_format(hfkern.broadcast(shared, 3)) == CL
@@ -308,4 +313,16 @@ def test_group_norm_keeps_channels_last_memory(B):
         nn.init.normal_(m.bias)
     x, xs, leaf = _cl((2, 4, 5, 3), B)
     y = compare_modules(hnn.GroupNorm.from_modules(modules), modules, x, xs, leaf)
+    assert array_memory_format(y) == CL
+
+
+def test_one_input_channel_still_gives_channels_last_images():
+    """Grayscale images are in both memories at once; a channels-last conv still
+    writes channels-last memory, and the net after it stays there."""
+    torch.manual_seed(0)
+    B = 2
+    modules = torch_modules(lambda: nn.Conv2d(1, 3, 3, padding=1), B)
+    conv = hnn.Conv2d.from_modules(modules).to(memory_format=CL)
+    x, xs, leaf = array_input((4, 1, 6, 5), B, shared=True)
+    y = compare_modules(conv, modules, x, xs, leaf, shared=True)
     assert array_memory_format(y) == CL

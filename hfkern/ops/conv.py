@@ -10,7 +10,7 @@ Ops (all registered with torch.library, implementations chosen by the registry):
     for a 2-D conv of a channels-last input (``[N, H, W, B, C_in]`` memory, or a
     shared ``[N, C_in, H, W]`` in ``torch.channels_last``) as ``[N, H', W', B,
     C_out]`` memory (:func:`hfkern._array.array_memory_format`): the output
-    keeps the input's memory format, whatever the weight's.
+    keeps the input's memory format.
 ``array_conv_input_grad(grad_out, weight, input_size, ...)``
     The input gradient (for a shared input: summed over the models), in
     grad_out's memory format.
@@ -45,8 +45,8 @@ from torch import Tensor
 from .. import _backend
 from . import _autocast
 from .._array import (
-    array_memory_format, check_conv_args, conv_output_size, from_grouped, like_weight, new_batch_major, op_result,
-    per_model_memory_first, to_grouped,
+    array_memory_format, check_conv_args, conv_output_size, from_grouped, like_weight,
+    new_batch_major, op_result, per_model_memory_first, to_grouped,
 )
 
 __all__ = ["array_conv", "array_conv_input_grad", "array_conv_weight_grad"]
