@@ -10,7 +10,11 @@ implementation runs on the same random inputs:
 
 The families, their shape suites, inputs, byte counts and baselines are
 described in ``bench/families/`` (one module each); a family without a shape
-suite is not benchmarked here.
+suite is not benchmarked here. ``--suite bytes`` runs the named suite beside
+the default one: the published workloads' shapes in both array layouts (NCHW
+and channels-last memory) with the cost of a layout conversion, norms with a
+fused activation against the unfused pair, and ReLU / residual add / copy_,
+each row's bytes against the copy bandwidth.
 
 Directions: ``fwd`` (forward under ``torch.no_grad``), ``bwd`` (the backward
 alone: ``torch.autograd.grad`` over a forward graph built once and retained),
@@ -23,6 +27,8 @@ torch backend's: ``rel_err`` = max over outputs of ||out - ref|| / ||ref||.
     python bench/bench_kernels.py --ops layer_norm --dtypes bf16 --B 8
     python bench/bench_kernels.py --time-budget 300  # stop starting cases after 300 s
     python bench/bench_kernels.py --smoke            # tiny shapes on the CPU, seconds
+    python bench/bench_kernels.py --suite bytes --dtypes bf16 --time-budget 90
+    python bench/bench_kernels.py --show results.json  # the table and summaries of a result file again
 
 Results go to ``<out>/<name>.csv`` and ``.json`` (bench/README.md explains the
 columns and how bytes and FLOPs are counted); a table and the summary are
@@ -39,6 +45,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -61,10 +68,13 @@ from families import Impl  # noqa: E402
 
 import hfkern  # noqa: E402
 
-# The families with a shape suite, by name.
-FAMILIES = {name: f for name, f in families.discover().items() if f.shapes}
+# The families with a shape suite (the default one or a named one), by name.
+FAMILIES = {name: f for name, f in families.discover().items() if f.shapes or f.suites}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 B_VALUES = (4, 8, 16)
+# Array sizes of a named suite, where not B_VALUES: the bytes suite is at the
+# published batch sizes, so B = 32 is what an H100's memory holds at most.
+SUITE_B_VALUES = {"bytes": (8, 32)}
 QUICK_B_VALUES = (8,)
 SMOKE_B_VALUES = (2,)
 SMOKE_DTYPES = ("fp32", "bf16")
@@ -73,6 +83,17 @@ B_PRIORITY = (8, 16, 4)
 # Rotation needs the last-level cache size; the CPU figure only sizes --smoke's rotation.
 CPU_CACHE_BYTES = 4 * 2**20
 MAX_ROTATE = 8
+# A case's device memory, estimated as this many times its fwd+bwd bytes: the
+# canonical inputs and gradients, a baseline's converted copies, outputs and
+# saved tensors. Cases over the memory budget (by default this fraction of the
+# device's memory) are not planned.
+MEMORY_FACTOR = 2
+MEMORY_FRACTION = 0.75
+
+
+def suite_families(suite: str = "default", smoke: bool = False) -> dict:
+    """{name: Family} of the families with shapes in ``suite``."""
+    return {n: f for n, f in FAMILIES.items() if f.suite(name=suite, smoke=smoke)}
 
 
 @dataclass(frozen=True)
@@ -112,6 +133,9 @@ def cost(case: Case, elem: int) -> tuple[int, int | None]:
 
 def build_fn(impl: Impl, d: dict, direction: str) -> tuple[Callable, Callable]:
     """(the timed callable, a map of its result to canonical tensors)."""
+    own = impl.timed(d, direction)
+    if own is not None:
+        return own
     args, diff = impl.inputs(d, grad=direction != "fwd")
     if direction == "fwd":
         def fn():
@@ -205,11 +229,17 @@ class Runner:
         rows, ref = [], None
         for impl in impls:
             row = self.base_row(case, impl.name, impl.kind)
-            row.update(bytes=nbytes, flops=flops, rotate=rotate)
+            # An implementation that runs more passes than the op (an unfused
+            # norm + activation, a layout conversion) counts the bytes of its own.
+            row.update(bytes=impl.moved_bytes(nbytes, datasets[0], case.direction),
+                       flops=flops if impl.computes_op else None, rotate=rotate,
+                       note=getattr(impl, "note", None))
             failed = False
 
             def check(result, impl=impl, row=row):
                 nonlocal ref
+                if not impl.computes_op:
+                    return
                 if impl.name == "torch":
                     ref = result
                 elif ref is not None:
@@ -244,11 +274,11 @@ class Runner:
                     torch.cuda.empty_cache()
                 rows.append(row)
                 continue
-            row.update(status="ok", ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9)
+            row.update(status="ok", ms=ms, gbps=row["bytes"] / (ms * 1e-3) / 1e9)
             copy = self.ceilings.get("copy_gbps")
             row["frac_copy_bw"] = row["gbps"] / copy if copy else None
-            if flops is not None:
-                row["tflops"] = flops / (ms * 1e-3) / 1e12
+            if row["flops"] is not None:
+                row["tflops"] = row["flops"] / (ms * 1e-3) / 1e12
                 row["frac_matmul"] = self._frac_matmul(case.dtype, row["tflops"])
             rows.append(row)
         rows.extend(family.derived_rows(rows))
@@ -289,39 +319,80 @@ def plan(args) -> list[Case]:
 
     The ``--quick`` subset (quick shapes, B=8, the directions the targets
     need, the headline direction first) comes first, then the rest of the
-    suite by B (8, 16, 4); ops are interleaved so that a cut leaves every op
-    measured.
+    suite by B (8, 16, 4, then larger); ops are interleaved so that a cut
+    leaves every op measured. ``args.suite`` names the suite (``default``:
+    each family's ``shapes``); a shape with ``directions`` runs in those only.
     """
+    suite = args.suite
     if args.smoke:
-        tiers = [[(op, s, B, dt, d) for s in FAMILIES[op].suite(smoke=True) for B in args.B
-                  for dt in args.dtypes for d in _directions(FAMILIES[op], args.directions)]
+        tiers = [[(op, s, B, dt, d) for s in FAMILIES[op].suite(smoke=True, name=suite) for B in args.B
+                  for dt in args.dtypes for d in _directions(FAMILIES[op], args.directions, shape=s)]
                  for op in args.ops]
-        return _filtered(_interleave(tiers), args.filter)
+        return _filtered(_interleave(tiers), args)
     quick, rest = [], []
     for op in args.ops:
         family = FAMILIES[op]
-        dirs_q = _directions(family, args.directions, quick=True)
-        dirs = _directions(family, args.directions)
-        q = [(op, s, B, dt, d) for d in dirs_q for s in family.suite(quick=True) for B in args.B
-             if B in QUICK_B_VALUES or args.B_given
+        dirs_q = _directions(family, args.directions, quick=True, suite=suite)
+        q = [(op, s, B, dt, d) for d in dirs_q for s in family.suite(quick=True, name=suite)
+             if d in _directions(family, args.directions, quick=True, suite=suite, shape=s)
+             for B in args.B if B in QUICK_B_VALUES or args.B_given
              for dt in args.dtypes]
         quick.append(q)
         seen = set(q)
-        r = [(op, s, B, dt, d) for B in sorted(args.B, key=_b_priority) for s in family.suite()
-             for dt in args.dtypes for d in dirs]
+        r = [(op, s, B, dt, d) for B in sorted(args.B, key=_b_priority) for s in family.suite(name=suite)
+             for dt in args.dtypes for d in _directions(family, args.directions, shape=s)]
         rest.append([c for c in r if c not in seen])
-    return _filtered(_interleave(quick) + ([] if args.quick else _interleave(rest)), args.filter)
+    return _filtered(_interleave(quick) + ([] if args.quick else _interleave(rest)), args)
 
 
-def _directions(family, asked: list[str] | None, quick: bool = False) -> list[str]:
-    """The directions ``--directions`` asked for that the family benchmarks, else its own."""
+def _directions(family, asked: list[str] | None, quick: bool = False, suite: str = "default",
+                shape=None) -> list[str]:
+    """The directions ``--directions`` asked for that the family benchmarks, else its own
+    (of the suite's --quick subset with ``quick``); only the shape's own where it has them."""
     if asked:
-        return [d for d in asked if d in family.directions]
-    return list(family.quick_directions if quick else family.directions)
+        dirs = [d for d in asked if d in family.directions]
+    else:
+        dirs = list(family.quick_directions_of(suite) if quick else family.directions)
+    own = getattr(shape, "directions", None)
+    return [d for d in dirs if own is None or d in own]
 
 
-def _filtered(cases: list[tuple], text: str | None) -> list[Case]:
-    return [Case(*c) for c in cases if not text or text in f"{c[1].model}.{c[1].layer}"]
+def _filtered(cases: list[tuple], args) -> list[Case]:
+    """``--filter``: only layers whose ``model.layer`` contains the text; ``--exclude``:
+    none that contains any of its texts."""
+    text, exclude = args.filter, args.exclude or []
+
+    def keep(c):
+        name = f"{c[1].model}.{c[1].layer}"
+        return (not text or text in name) and not any(e in name for e in exclude)
+
+    return [Case(*c) for c in cases if keep(c)]
+
+
+def footprint(case: Case) -> int:
+    """Estimated device memory of a case: MEMORY_FACTOR times its fwd+bwd bytes,
+    whatever its direction (a shape and B fit or not in every direction)."""
+    elem = torch.empty(0, dtype=DTYPES[case.dtype]).element_size()
+    fwd, bwd = FAMILIES[case.op].cost(case.shape, case.B, elem)
+    return MEMORY_FACTOR * (fwd[0] + bwd[0])
+
+
+def memory_budget(args, device: torch.device) -> float | None:
+    """Bytes a case may take: ``--memory-budget`` GB, else MEMORY_FRACTION of the
+    device's memory on CUDA; None (no limit) on the CPU."""
+    if args.memory_budget is not None:
+        return args.memory_budget * 1e9
+    if device.type == "cuda":
+        return MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def within_memory(cases: list[Case], budget: float | None) -> tuple[list[Case], list[Case]]:
+    """(the cases whose footprint fits the budget, the others)."""
+    if budget is None:
+        return cases, []
+    fits = [c for c in cases if footprint(c) <= budget]
+    return fits, [c for c in cases if footprint(c) > budget]
 
 
 def _b_priority(B: int) -> int:
@@ -389,9 +460,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="op families:\n" + "\n".join(
-                                    f"  {name}: {f.summary}" for name, f in FAMILIES.items()))
-    p.add_argument("--ops", type=_csv_list(str, FAMILIES), default=list(FAMILIES),
-                   help="comma list of op families (default: all of %(default)s)")
+                                    f"  {name}: {f.summary}" for name, f in FAMILIES.items())
+                                + "\nsuites:\n" + "\n".join(f"  {n}: {t}" for n, t in families.SUITES.items()))
+    p.add_argument("--suite", choices=list(families.SUITES), default="default",
+                   help="the shape suite (default: each family's own; bytes: layouts, fused norms, "
+                        "elementwise ops at the published workloads' shapes)")
+    p.add_argument("--ops", type=_csv_list(str, FAMILIES), default=None,
+                   help=f"comma list of op families (default: every family with shapes in the suite; "
+                        f"{', '.join(FAMILIES)})")
     p.add_argument("--dtypes", type=_csv_list(str, DTYPES), default=None,
                    help="comma list of fp32, bf16, fp16 (default: all; --smoke: fp32,bf16)")
     p.add_argument("--B", type=_csv_list(int), default=None,
@@ -402,6 +478,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impls", type=_csv_list(str, all_impls), default=None,
                    help=f"comma list of implementations (default: all; --smoke: all but triton): {all_impls}")
     p.add_argument("--filter", default=None, help="only layers whose 'model.layer' contains this text")
+    p.add_argument("--exclude", type=_csv_list(str), default=None,
+                   help="comma list: no layer whose 'model.layer' contains any of these texts")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                   help=f"plan no case whose estimated memory ({MEMORY_FACTOR}x its fwd+bwd bytes) exceeds "
+                        f"this (default on CUDA: {MEMORY_FRACTION:.0%} of the device's memory)")
     p.add_argument("--quick", action="store_true", help="only the quick subset (a few minutes)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU, perf_counter timing, torch backend only (seconds)")
@@ -419,28 +500,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-table", action="store_true", help="print only the summary")
     p.add_argument("--list", action="store_true", help="print the planned cases and exit")
     p.add_argument("--verbose", action="store_true", help="print the traceback of every error row")
+    p.add_argument("--show", nargs="+", default=None, metavar="FILE",
+                   help="print the table (unless --no-table) and summaries of result files, run nothing")
     args = p.parse_args(argv)
     args.B_given = args.B is not None
+    if args.ops is None:
+        args.ops = list(suite_families(args.suite, smoke=args.smoke))
     if args.smoke:
         args.dtypes = args.dtypes or list(SMOKE_DTYPES)
         args.B = args.B or list(SMOKE_B_VALUES)
-        args.impls = args.impls or [i for i in all_impls if i != "triton"]
+        # the CPU has no Triton: neither the backend nor a baseline run under it
+        args.impls = args.impls or [i for i in all_impls if i != "triton" and not i.endswith("_triton")]
     else:
         args.dtypes = args.dtypes or list(DTYPES)
-        args.B = args.B or list(B_VALUES)
+        args.B = args.B or list(SUITE_B_VALUES.get(args.suite, B_VALUES))
         args.impls = args.impls or all_impls
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cases = plan(args)
+    if args.show:
+        return show(args.show, table=not args.no_table)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    budget = memory_budget(args, device)
+    cases, over_memory = within_memory(plan(args), budget)
     if args.list:
         for i, c in enumerate(cases):
             print(f"{i:5d} {c.label()}  [{c.shape.describe()}]")
+        for c in over_memory:
+            print(f"  over the memory budget: {c.label()}  [{c.shape.describe()}]")
         return 0
     t_start = time.monotonic()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cuda":
         # cuDNN picks the fastest algorithm per shape, for the torch backend
         # and the baselines alike.
@@ -470,9 +561,10 @@ def main(argv=None) -> int:
         ceilings = bandwidth.measure_ceilings(device, timer, smoke=args.smoke)
         ceilings["device"] = env["device"]
 
-    stem = args.name or f"kernels_{report.slug(env['device'].split(' (')[0])}_{env['date']}"
+    tag = "" if args.suite == "default" else f"-{args.suite}"
+    stem = args.name or f"kernels{tag}_{report.slug(env['device'].split(' (')[0])}_{env['date']}"
     if args.smoke and not args.name:
-        stem = f"kernels_smoke_{env['date']}"
+        stem = f"kernels{tag}_smoke_{env['date']}"
     meta = {
         "benchmark": "bench/bench_kernels.py",
         "argv": sys.argv[1:] if argv is None else list(argv),
@@ -488,11 +580,14 @@ def main(argv=None) -> int:
             "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32) if device.type == "cuda" else None,
             "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else None,
             "cache_bytes": _cache_bytes(device), "quick": args.quick, "smoke": args.smoke,
-            "time_budget_s": args.time_budget,
+            "time_budget_s": args.time_budget, "suite": args.suite,
+            "memory_budget_bytes": budget, "memory_factor": MEMORY_FACTOR,
         },
         "backends": _backend_summary(),
         "planned_cases": len(cases),
         "skipped_cases": 0,
+        # Cases left out of the plan because their estimated memory exceeds the budget.
+        "over_memory_budget": [c.label() for c in over_memory],
         # True once the plan ran to its end or to the time budget; False after
         # an abort (CUDA context lost) or an interrupt.
         "finished": False,
@@ -506,15 +601,143 @@ def main(argv=None) -> int:
           + ", ".join(f"{k} {v:.1f}" for k, v in (ceilings.get('matmul_tflops') or {}).items())
           if bw else "copy bandwidth ceiling: not measured")
     print(f"{len(cases)} cases; writing {writer.csv_path}", flush=True)
+    if over_memory:
+        print(f"{len(over_memory)} cases over the memory budget of {budget / 1e9:.0f} GB not planned: "
+              + ", ".join(c.label() for c in over_memory[:6]) + (", ..." if len(over_memory) > 6 else ""))
 
     runner = Runner(args, device, timer, ceilings, env)
     report.run_cases(cases, lambda case: runner.run_case(case, args.impls), writer, meta, args.time_budget, t_start, device)
     if not args.no_table:
         report.print_table(writer.rows)
     meta["summary"] = report.print_summary(writer.rows, meta)
+    if any(_split_layer(r["layer"])[2] or r["op"] == "elementwise" for r in writer.rows):
+        meta["bytes_summary"] = bytes_summary(writer.rows)
+        print("\n".join(["", "=== where the bytes go ==="] + bytes_summary_lines(meta["bytes_summary"])))
     writer.write_json(complete=True)
     print(f"wrote {writer.csv_path} and {writer.json_path} ({len(writer.rows)} rows)")
     return 0 if meta["finished"] else 3
+
+
+def show(paths: list[str], table: bool = True) -> int:
+    """The table and summaries of result files (several are merged)."""
+    meta, rows = report.merge(paths)
+    if table:
+        report.print_table(rows)
+    report.print_summary(rows, meta)
+    if any(_split_layer(r["layer"])[2] or r["op"] == "elementwise" for r in rows):
+        print("\n".join(["", "=== where the bytes go ==="] + bytes_summary_lines(bytes_summary(rows))))
+    return 0
+
+
+# ---- the bytes suite's summary -------------------------------------------------
+
+def _split_layer(layer: str) -> tuple[str, str | None, str | None]:
+    """(layer, fused activation, layout) of a layer name such as ``layer1.bn+relu@nhwc``."""
+    base, _, layout = (layer or "").partition("@")
+    base, _, act = base.partition("+")
+    return base, act or None, layout or None
+
+
+def _reads_case_memory(impl: str) -> bool:
+    """Whether an implementation computes on the case's own layout (the baselines
+    that convert or copy their inputs before the timing do not)."""
+    return impl in families.BACKENDS or impl == "grouped" or impl.startswith("unfused_")
+
+
+def _stats(values: list[float], mean: str = "geomean") -> dict:
+    centre = report.geomean(values) if mean == "geomean" else statistics.median(values)
+    return {mean: centre, "min": min(values), "max": max(values), "n": len(values)}
+
+
+def bytes_summary(rows: list[dict]) -> dict:
+    """What the bytes suite shows, from its rows:
+
+    * ``layout``: time in nhwc memory over time in nchw memory, per op,
+      direction, implementation and dtype, geometric mean over the shapes and
+      B where both ran (< 1: channels-last is faster);
+    * ``conversion``: the ``convert`` row's time over the op's (its faster
+      hfkern backend) in the same case, median per op, direction, layout, dtype;
+    * ``fusion``: ``unfused_<backend>`` time over the fused op's under that
+      backend (> 1: fusing wins), geometric mean per op, activation, direction,
+      backend and dtype, with the fused op's median fraction of the copy bandwidth;
+    * ``elementwise``: the fraction of the copy bandwidth of torch's
+      elementwise ops, median per op, direction, layout and dtype.
+    """
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("ms")]
+    layout_pairs: dict[tuple, dict[str, float]] = {}
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for r in ok:
+        base, act, layout = _split_layer(r["layer"])
+        by_case.setdefault((r["op"], r["model"], r["layer"], r["B"], r["dtype"], r["direction"]), {})[r["impl"]] = r
+        if layout and _reads_case_memory(r["impl"]):
+            key = (r["op"], r["model"], base, act, r["B"], r["dtype"], r["direction"], r["impl"])
+            layout_pairs.setdefault(key, {})[layout] = r["ms"]
+    layout_ratios: dict[str, list[float]] = {}
+    for (op, _m, _l, act, _B, dtype, direction, impl), t in layout_pairs.items():
+        if "nchw" in t and "nhwc" in t:
+            name = f"{op}{'+' + act if act else ''} {direction} {impl} {dtype}"
+            layout_ratios.setdefault(name, []).append(t["nhwc"] / t["nchw"])
+    conversion: dict[str, list[float]] = {}
+    fusion: dict[str, list[float]] = {}
+    fused_frac: dict[str, list[float]] = {}
+    elementwise: dict[str, list[float]] = {}
+    for (op, _m, layer, _B, dtype, direction), impls in by_case.items():
+        base, act, layout = _split_layer(layer)
+        conv = impls.get("convert")
+        ops = [impls[b] for b in families.BACKENDS if b in impls]
+        if conv and ops:
+            fastest = min(ops, key=lambda r: r["ms"])
+            conversion.setdefault(f"{op} {direction} {layout} {dtype}", []).append(conv["ms"] / fastest["ms"])
+        if act:
+            for b in families.BACKENDS:
+                fused, unfused = impls.get(b), impls.get(f"unfused_{b}")
+                if fused and unfused:
+                    name = f"{op}+{act} {direction} {b} {dtype}"
+                    fusion.setdefault(name, []).append(unfused["ms"] / fused["ms"])
+                    if fused.get("frac_copy_bw") is not None:
+                        fused_frac.setdefault(name, []).append(fused["frac_copy_bw"])
+        if op == "elementwise" and "torch" in impls and impls["torch"].get("frac_copy_bw") is not None:
+            ew = base.rsplit(".", 1)[-1]
+            elementwise.setdefault(f"{ew} {direction} {layout} {dtype}", []).append(impls["torch"]["frac_copy_bw"])
+    return {
+        "layout_nhwc_over_nchw": {k: _stats(v) for k, v in layout_ratios.items()},
+        "conversion_over_op": {k: _stats(v, "median") for k, v in conversion.items()},
+        "unfused_over_fused": {k: {**_stats(v), "fused_frac_copy_bw": statistics.median(fused_frac[k])
+                                   if fused_frac.get(k) else None} for k, v in fusion.items()},
+        "elementwise_frac_copy_bw": {k: _stats(v, "median") for k, v in elementwise.items()},
+    }
+
+
+def bytes_summary_lines(summary: dict) -> list[str]:
+    lines = []
+
+    def block(title, stats, fmt):
+        lines.append(title)
+        if not stats:
+            lines.append("  n/a (no case where both ran)")
+        for key, st in sorted(stats.items()):
+            lines.append(f"  {key}: {fmt(st)}")
+
+    def ratio(centre):
+        return lambda st: (f"{st[centre]:.2f}x {centre} over {st['n']} cases "
+                           f"(min {st['min']:.2f}x, max {st['max']:.2f}x)")
+
+    block("layout: time in nhwc memory over time in nchw memory (< 1: channels-last faster)",
+          summary["layout_nhwc_over_nchw"], ratio("geomean"))
+    block("layout conversion to the other layout and back: its time over the op's (fastest hfkern backend)",
+          summary["conversion_over_op"], ratio("median"))
+
+    def fused(st):
+        frac = st.get("fused_frac_copy_bw")
+        return ratio("geomean")(st) + ("" if frac is None else f"; fused at {100 * frac:.0f}% of copy bandwidth")
+
+    block("fused norm + activation: unfused pair's time over the fused op's (> 1: fusion faster)",
+          summary["unfused_over_fused"], fused)
+    block("elementwise ops (torch): % of copy bandwidth",
+          summary["elementwise_frac_copy_bw"],
+          lambda st: f"{100 * st['median']:.0f}% median over {st['n']} cases "
+                     f"(min {100 * st['min']:.0f}%, max {100 * st['max']:.0f}%)")
+    return lines
 
 
 def _backend_summary() -> dict:

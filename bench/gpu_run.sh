@@ -13,15 +13,32 @@
 #   3. train_e2e    bench/train_throughput.py: ResNet-18 and PointNet at B = 8 and 32, bf16
 #                   and fp32, modes serial, hfta (the HFTA-style grouped array in plain torch
 #                   ops), array per backend (torch, triton, cuda where available) and
-#                   array+capture (hfkern.capture_step), the ResNet-18 bf16 cells first (B ascending:
+#                   array+capture (hfkern.capture_step) and array+capture+cl (the same with the
+#                   images in channels-last array memory), the ResNet-18 bf16 cells first (B ascending:
 #                   a mode that fails at a B is not tried at larger ones);
 #                   then a profile summary of the slowest hfkern mode at B = 32 (host time,
 #                   GPU time and kernel launches per step, top kernels); capped at
 #                   HFKERN_E2E_SECONDS (default 250)
-#   4. gpu_tests    python -m pytest -m gpu tests, capped at HFKERN_TEST_SECONDS (default 120)
-#   5. kernels      the optimizer, layer-norm and conv benchmarks with whatever time is left
+#   4. gpu_tests    python -m pytest -m gpu tests, capped at HFKERN_TEST_SECONDS (default 100 here)
+#   5. ceilings     the device's copy bandwidth and matmul rates (bench/bandwidth.py)
+#   6. bench_bytes  bench/bench_kernels.py --suite bytes: where the bytes go at the published
+#                   workloads' shapes (ResNet-18 at batch 128, PointNet at 32 x 2,500 points,
+#                   MobileNetV2, the transformers' layer norms): conv and batch norm in array
+#                   NCHW and array channels-last memory with the cost of a layout conversion,
+#                   batch norm / layer norm with ReLU or GELU fused against the unfused pair,
+#                   ReLU, residual add and copy_ against the copy bandwidth; bf16, B = 8 then 32,
+#                   the quick subset first; a time budget of at most HFKERN_BYTES_SECONDS (90)
+#                   and at most two thirds of what the run has left
+#   7. kernels      the optimizer, layer-norm and conv benchmarks with whatever time is left
 #   Results in $OUT: train_<device>_<date>.json / .md, gpu_tests.log, the kernel CSV/JSON
 #   files (below) and gpu_run.log.
+#   How the 9 minutes add up: the stages after the end-to-end one share what is left of
+#   HFKERN_RUN_SECONDS (510 s; the rest of 540 is the slack for a stage that overruns by its
+#   last case): with train_e2e at its full 250 s (plus up to 90 s finishing its cell) and the
+#   build and environment, about 200 s are left; the GPU tests take up to 100 s, the
+#   ceilings ~15 s, bench_bytes two thirds of the rest. The bytes stage's time comes out of the
+#   kernel stages after it (optimizer, layer norm, conv), which only run when more than
+#   100 / 80 s are left, so a default run often skips them; part "kernels" runs them in full.
 #
 # Part "train" (after the build and environment stages below):
 #   train        bench/train_throughput.py at the published sizes (bench/models, size
@@ -50,28 +67,32 @@
 #   5. benchmark    bench/bench_kernels.py once per op family with a shape suite
 #                   (bench/families), smallest suite first, each in its own process
 #                   with a time budget, so that a kernel that breaks the CUDA
-#                   context loses only its own family's rows; before the largest
-#                   suite (conv), bench/bench_optim.py (optimizer
-#                   steps of B ResNet-18 models) in its own process and budget.
+#                   context loses only its own family's rows; then the bytes suite
+#                   (bench_bytes above; at most a quarter of what is left), then
+#                   bench/bench_optim.py (optimizer steps of B ResNet-18 models)
+#                   in its own process and budget.
 #                   These time eager calls (do_bench): launch overhead included.
 #                   Then bench/bench_topk.py (top-k selection of every backend
 #                   against torch.topk, n = 1e5..1e8) in its own process and budget.
+#                   The bytes stage's time comes out of the conv and graph stages
+#                   after it, which take what is left.
 #   6. graph        bench/bench_kernels.py --quick --timer cuda_graph: the quick
 #                   subset of every op timed as CUDA-graph replays, the kernels'
 #                   own time without launch overhead
 #   7. report       the kernel parts merged into one CSV + JSON and summarized;
 #                   the graph-timed and optimizer summaries printed last
 #
-# Results go to $OUT (default bench/results/gpu_run), flat, at most 9 files:
+# Results go to $OUT (default bench/results/gpu_run), flat, at most 11 files:
 #   gpu_run.log  everything printed, ending with each stage's exit status and seconds;
 #   gpu_tests.log  the pytest output;
 #   kernels_<device>_<date>.csv / .json        the eager kernel benchmark rows (bench/README.md);
+#   kernels-bytes_<device>_<date>.csv / .json  the bytes suite's rows (layouts, fused norms, elementwise);
 #   graph_kernels_<device>_<date>.csv / .json  the graph-timed rows;
 #   optim_<device>_<date>.csv / .json          the optimizer-step rows;
 #   topk_<device>_<date>.json                  the top-k selection rows.
 #
 # Settings (environment variables):
-#   HFKERN_RUN_SECONDS   wall-clock target for the whole script (default 530)
+#   HFKERN_RUN_SECONDS   wall-clock target for the whole script (default 510)
 #   HFKERN_TEST_SECONDS  cap on the GPU tests (default 180)
 #   HFKERN_TEST_WORKERS  pytest-xdist processes for the GPU tests, where xdist is
 #                        installed (default 8)
@@ -80,6 +101,10 @@
 #   HFKERN_OPTIM_SECONDS cap on the optimizer benchmark's time budget (default 75)
 #   HFKERN_TOPK_SECONDS  cap on the top-k benchmark's time budget (default 60)
 #   HFKERN_GRAPH_SECONDS cap on the graph-timed benchmark's time budget (default 90)
+#   HFKERN_BYTES_SECONDS cap on the bytes suite's time budget (default 90)
+#   BYTES_ARGS           options for the bytes suite (default: bf16, the implementations
+#                        that answer it: "--dtypes bf16 --impls torch,triton,grouped_nchw,
+#                        grouped_nhwc,grouped,convert,unfused_torch,unfused_triton")
 #   HFKERN_CUDA_ARCHS    the architectures hfkern._C is built for (default 90: H100/H200)
 #   TRAIN_B              the array sizes of part "train" (default "1 4 16 32 64")
 #   TRAIN_ARGS           extra options for train_throughput.py, e.g. "--workloads resnet18"
@@ -102,6 +127,10 @@ BENCH_ARGS=${BENCH_ARGS:-}
 OPTIM_ARGS=${OPTIM_ARGS:-}
 OPTIM_SECONDS=${HFKERN_OPTIM_SECONDS:-75}
 GRAPH_SECONDS=${HFKERN_GRAPH_SECONDS:-90}
+BYTES_SECONDS=${HFKERN_BYTES_SECONDS:-90}
+# The bytes suite asks how the layouts, a conversion and fusion compare; B separate calls
+# (loop) and vmap answer other questions and would take half its time.
+BYTES_ARGS=${BYTES_ARGS:---dtypes bf16 --impls torch,triton,grouped_nchw,grouped_nhwc,grouped,convert,unfused_torch,unfused_triton}
 XDIST_WORKERS=${HFKERN_TEST_WORKERS:-8}
 TRAIN_B=${TRAIN_B:-1 4 16 32 64}
 TRAIN_ARGS=${TRAIN_ARGS:-}
@@ -285,6 +314,35 @@ bench_graph() {
     return $rc
 }
 
+# bench_bytes CAP: bench_kernels.py --suite bytes with a time budget of at most CAP seconds
+# out of what the run has left (keeping RESERVE); its CSV + JSON are copied to $OUT.
+bench_bytes() {
+    local cap=$1 budget ceil=() rc
+    budget=$(max 20 "$(min "$cap" $(($(left) - RESERVE)))")
+    [[ -f $WORK/ceilings.json ]] && ceil=(--ceilings "$WORK/ceilings.json")
+    echo "bench_kernels.py --suite bytes: time budget ${budget} s"
+    # shellcheck disable=SC2086  # BYTES_ARGS is a list of options
+    timeout -s INT -k 15 $((budget + 45)) "$PY" bench/bench_kernels.py --suite bytes \
+        --time-budget "$budget" --out "$WORK/bytes" --no-table ${ceil[@]+"${ceil[@]}"} $BYTES_ARGS
+    rc=$?
+    shopt -s nullglob
+    local files=("$WORK"/bytes/*.csv "$WORK"/bytes/*.json)
+    shopt -u nullglob
+    ((${#files[@]})) || { echo "no bytes-suite results"; return 1; }
+    cp "${files[@]}" "$OUT"/ || rc=1
+    return $rc
+}
+
+# report_bytes: the bytes suite's table and summaries again, at the end of the log.
+report_bytes() {
+    local files=("$WORK"/bytes/*.json)
+    if [[ ! -e ${files[0]} ]]; then
+        echo "no bytes-suite results to report"
+        return 1
+    fi
+    "$PY" bench/bench_kernels.py --show "${files[@]}"
+}
+
 report_graph() {
     local files=("$OUT"/graph_*.json)
     if [[ ! -e ${files[0]} ]]; then
@@ -353,7 +411,7 @@ train_e2e() {
     # shellcheck disable=SC2086  # TRAIN_ARGS is a list
     timeout -s INT -k 30 $((budget + 60)) "$PY" bench/train_throughput.py --size full \
         --workloads resnet18 pointnet --precisions bf16 fp32 --B 8 32 \
-        --modes serial hfta array array+capture --rounds 3 --steps 3 \
+        --modes serial hfta array array+capture array+capture+cl --rounds 3 --steps 3 \
         --profile-B 32 --profile-precisions bf16 --profile-modes slowest-array \
         --time-budget "$budget" --out "$OUT" $TRAIN_ARGS
 }
@@ -364,9 +422,12 @@ main_all() {
     run_stage build build_extension
     run_stage environment environment
     run_stage train_e2e train_e2e
-    TEST_SECONDS=$(min "$TEST_SECONDS" 120)
+    TEST_SECONDS=$(min "$TEST_SECONDS" 100)
     run_stage gpu_tests gpu_tests
     run_stage ceilings ceilings
+    if (($(left) > RESERVE + 40)); then
+        run_stage bench_bytes bench_bytes "$(min "$BYTES_SECONDS" $(max 30 $((($(left) - RESERVE) * 2 / 3))))"
+    fi
     if (($(left) > RESERVE + 60)); then
         run_stage bench_optim bench_optim "$(min "$OPTIM_SECONDS" $(max 20 $((($(left) - RESERVE) / 2))))"
     fi
@@ -378,6 +439,7 @@ main_all() {
     fi
     run_stage report report
     run_stage report_optim report_optim
+    run_stage report_bytes report_bytes
     finish
 }
 
@@ -409,6 +471,7 @@ for n, fam in sorted(f.discover().items(), key=lambda kv: (len(kv[1].shapes), kv
     for ((i = 0; i < n - 1; i++)); do
         run_stage "bench_${families[i]}" bench "${families[i]}" $(max 20 $((($(left) - RESERVE) / (n - i + 4))))
     done
+    run_stage bench_bytes bench_bytes "$(min "$BYTES_SECONDS" $(max 30 $((($(left) - RESERVE) / 4))))"
     run_stage bench_optim bench_optim "$(min "$OPTIM_SECONDS" $(max 30 $((($(left) - RESERVE) / 3))))"
     run_stage bench_topk bench_topk "$(min "${HFKERN_TOPK_SECONDS:-60}" $(max 20 $((($(left) - RESERVE) / 4))))"
     local graph_cap
@@ -419,6 +482,7 @@ for n, fam in sorted(f.discover().items(), key=lambda kv: (len(kv[1].shapes), kv
     run_stage report report
     run_stage report_graph report_graph
     run_stage report_optim report_optim
+    run_stage report_bytes report_bytes
     finish
 }
 

@@ -65,16 +65,22 @@ def test_smoke_writes_csv_and_json(smoke_run, bench):
     assert meta["ceilings"]["copy_gbps"] > 0
     assert meta["versions"]["torch"] == torch.__version__
 
-    # every family with a suite, each of its directions and every smoke dtype is there, and ran
-    assert {"conv", "layer_norm", "embedding"} <= set(bk.FAMILIES)
-    for op, family in bk.FAMILIES.items():
+    # every family with a default suite, each of its directions and every smoke dtype is there, and ran
+    default = bk.suite_families("default", smoke=True)
+    assert {"conv", "layer_norm", "embedding"} <= set(default)
+    for op, family in default.items():
         for direction in family.directions:
             for dtype in bk.SMOKE_DTYPES:
                 got = [r for r in rows if (r["op"], r["direction"], r["dtype"]) == (op, direction, dtype)]
                 assert got and all(r["status"] == "ok" for r in got), (op, direction, dtype)
     impls = {(r["op"], r["impl"]) for r in rows}
-    expected = {(op, i) for op, f in bk.FAMILIES.items() for i in f.report_order() if i != "triton"}
-    assert impls == expected  # --smoke runs the torch backend only, never triton
+    # --smoke runs the torch backend only, never triton; each family's implementations that
+    # apply to its default suite (a layout conversion or an unfused pair applies to none)
+    expected = {(op, i.name) for op, f in default.items() for s in f.suite(smoke=True)
+                for i in f.make_impls(s, f.impl_names()) if i.backend != "triton"}
+    expected |= {(op, n) for op, f in default.items() for n, b in f.baselines.items()
+                 if isinstance(b, bench["families"].Fastest)}
+    assert impls == expected
     assert {i for op, i in impls if op == "conv"} == {
         "torch", "grouped_nchw", "grouped_nhwc", "grouped_best", "vmap", "loop"}
 
@@ -220,9 +226,10 @@ def test_plan_orders_quick_subset_first_and_time_budget_stops(bench, tmp_path):
     n_quick = len(bk.plan(bk.parse_args(["--quick"])))
     assert 0 < n_quick < len(cases)
     assert all(c.shape.quick and c.B == 8 for c in cases[:n_quick])
-    assert {c.op for c in cases[:len(bk.FAMILIES)]} == set(bk.FAMILIES)  # ops interleaved
+    default = bk.suite_families("default")
+    assert {c.op for c in cases[:len(default)]} == set(default)  # ops interleaved
     assert len(cases) == len(set(cases))
-    full = sum(len(f.suite()) * len(f.directions) for f in bk.FAMILIES.values()) * 3 * 3  # B, dtypes
+    full = sum(len(f.suite()) * len(f.directions) for f in default.values()) * 3 * 3  # B, dtypes
     assert len(cases) == full
     # budget 0: nothing starts, the files still say what was planned
     rc = bk.main(["--smoke", "--ops", "embedding", "--time-budget", "0", "--out", str(tmp_path),

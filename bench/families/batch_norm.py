@@ -6,34 +6,71 @@ leaves: ResNet-18 for CIFAR-10, MobileNetV2 for CIFAR-10 and DCGAN at 64x64.
 Baselines: ``grouped``, torch's batch norm on the grouped view
 ``[N, B*C, H, W]`` (the original horizontally fused training's method), and
 ``loop``, B separate ``F.batch_norm`` calls.
+
+Suite ``bytes``: the published workloads' batch norms at their own batch sizes
+(bench/models, size full) in both array layouts (``@nchw`` / ``@nhwc`` layer
+suffix, with the ``convert`` row): ResNet-18 for CIFAR-10 at batch 128 (each
+stage), PointNet's BatchNorm1d over ``[N, C, P]`` at batch 32 x 2,500 points
+(64, 128 and 1024 channels), MobileNetV2 at batch 128; and with the activation
+that follows them fused (``activation``, the ``+relu`` / ``+gelu`` layer
+suffix), against ``unfused_<backend>``: the op with activation "none" under
+that backend, then ``torch.relu`` / ``F.gelu``. With an activation, ``grouped``
+and ``loop`` run it unfused after their batch norm too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from . import Family, Impl, Loop, leaf
+from . import (
+    ACTIVATIONS,
+    BACKENDS,
+    LAYOUTS,
+    Family,
+    Impl,
+    LayoutConversion,
+    Loop,
+    Suite,
+    activation_bytes,
+    array_randn,
+    leaf,
+)
 
 EPS, MOMENTUM = 1e-5, 0.1
 
 
 @dataclass(frozen=True)
 class BatchNormShape:
-    """One model's BatchNorm2d over ``[N, C, H, W]`` activations."""
+    """One model's BatchNorm2d over ``[N, C, H, W]`` activations (``H=None``:
+    BatchNorm1d over ``[N, C, W]``).
+
+    ``layout``: None for an array conv's own ``[N, B, C, *S]`` memory, or one of
+    families.LAYOUTS (the layout axis, with the conversion row). ``activation``:
+    "none", or the activation fused into the op ("relu", "gelu").
+    """
 
     model: str
     layer: str
     N: int
     C: int
-    H: int
+    H: int | None
     W: int
     quick: bool = False
+    layout: str | None = None
+    activation: str = "none"
+
+    @property
+    def spatial(self) -> tuple[int, ...]:
+        return (self.W,) if self.H is None else (self.H, self.W)
 
     def describe(self) -> str:
-        return f"[{self.N}, {self.C}, {self.H}, {self.W}]"
+        act = f" +{self.activation}" if self.activation != "none" else ""
+        lay = f" {self.layout}" if self.layout else ""
+        return f"[{', '.join(map(str, (self.N, self.C, *self.spatial)))}]{act}{lay}"
 
 
 SHAPES: list[BatchNormShape] = [
@@ -50,25 +87,93 @@ SHAPES: list[BatchNormShape] = [
 SMOKE_SHAPES = [BatchNormShape("smoke", "bn", 3, 5, 4, 3)]
 
 
+def variants(shapes, activations=("none",)) -> list:
+    """Each shape once per array layout and activation; both in the layer name
+    (``layer1.bn+relu@nhwc``), as the result tables key a case by model and layer."""
+    out = []
+    for s in shapes:
+        for act in activations:
+            for layout in LAYOUTS:
+                name = s.layer + ("" if act == "none" else f"+{act}") + f"@{layout}"
+                out.append(replace(s, layer=name, layout=layout, activation=act))
+    return out
+
+
+def _bytes_suite() -> list[BatchNormShape]:
+    """The published workloads' batch norms at their own batch sizes (bench/models, size full).
+
+    Every one is followed by a ReLU in its model (MobileNetV2's ReLU6 is the
+    nearest fusable activation, ReLU); GELU on the widest of each model shows
+    a fused activation that costs arithmetic.
+    """
+    r, p, m = "resnet18", "pointnet", "mobilenet_v2"
+    quick = {"layer1.bn+relu@nchw", "layer1.bn+relu@nhwc", "layer1.bn@nchw", "layer1.bn@nhwc",
+             "bn3+relu@nchw", "bn3+relu@nhwc"}
+    shapes = variants([
+        BatchNormShape(r, "layer1.bn", 128, 64, 32, 32),
+        BatchNormShape(p, "bn3", 32, 1024, None, 2500),
+    ], ("none", "relu", "gelu")) + variants([
+        BatchNormShape(r, "layer2.bn", 128, 128, 16, 16),
+        BatchNormShape(r, "layer3.bn", 128, 256, 8, 8),
+        BatchNormShape(r, "layer4.bn", 128, 512, 4, 4),
+        BatchNormShape(p, "bn1", 32, 64, None, 2500),
+        BatchNormShape(p, "bn2", 32, 128, None, 2500),
+        BatchNormShape(m, "stem.bn", 128, 32, 16, 16),
+        BatchNormShape(m, "features.2.expand.bn", 128, 96, 16, 16),
+        BatchNormShape(m, "features.3.expand.bn", 128, 144, 8, 8),
+    ], ("none", "relu"))
+    return [replace(s, quick=s.layer in quick) for s in shapes]
+
+
+BYTES_SHAPES = _bytes_suite()
+BYTES_SMOKE_SHAPES = (variants([BatchNormShape("smoke", "bn", 3, 5, 4, 3)], ("none", "relu", "gelu"))
+                      + variants([BatchNormShape("smoke", "bn1d", 3, 4, None, 7)], ("relu",)))
+
+
 def make_data(s: BatchNormShape, B: int, dtype: torch.dtype, device, grad: bool) -> dict:
-    """x, gy: [B, N, C, H, W] views of [N, B, C, H, W] memory (an array conv's
-    output); w, b and the running statistics: [B, C] in float32 (float64 for
-    float64 x), as mixed-precision training keeps them."""
-    x = torch.randn(s.N, B, s.C, s.H, s.W, device=device, dtype=dtype).transpose(0, 1)
+    """x, gy: [B, N, C, *S] views of [N, B, C, *S] memory (an array conv's
+    output; ``s.layout`` "nhwc": of [N, *S, B, C] memory); w, b and the running
+    statistics: [B, C] in float32 (float64 for float64 x), as mixed-precision
+    training keeps them."""
+    layout = s.layout or "nchw"
+    x = array_randn(B, s.N, s.C, s.spatial, layout, dtype=dtype, device=device)
     stats = torch.float64 if dtype == torch.float64 else torch.float32
     w = 1 + 0.1 * torch.randn(B, s.C, device=device, dtype=stats)
     b = 0.1 * torch.randn(B, s.C, device=device, dtype=stats)
     rm = torch.zeros(B, s.C, device=device, dtype=stats)
     rv = torch.ones(B, s.C, device=device, dtype=stats)
-    gy = torch.randn(s.N, B, s.C, s.H, s.W, device=device, dtype=dtype).transpose(0, 1) if grad else None
+    gy = array_randn(B, s.N, s.C, s.spatial, layout, dtype=dtype, device=device) if grad else None
     return {"B": B, "x": x, "w": w, "b": b, "rm": rm, "rv": rv, "gy": gy}
 
 
 def cost(s: BatchNormShape, B: int, elem: int) -> tuple:
-    n, p = B * s.N * s.C * s.H * s.W, B * s.C
+    """The op's least bytes; a fused activation moves nothing more (its backward
+    recomputes the pre-activation from x and reads b as well)."""
+    n, p = B * s.N * s.C * math.prod(s.spatial), B * s.C
+    fused = 4 * p if s.activation != "none" else 0
     fwd = (elem * 2 * n + 4 * 8 * p, None)  # x in, y out; w, b, stats read and written, mean/rstd out
-    bwd = (elem * 3 * n + 4 * 5 * p, None)  # gy, x in, gx out; w, mean, rstd in, gw, gb out
+    bwd = (elem * 3 * n + 4 * 5 * p + fused, None)  # gy, x in, gx out; w, (b,) mean, rstd in, gw, gb out
     return fwd, bwd
+
+
+def unfused_bytes(s: BatchNormShape, B: int, elem: int, direction: str) -> int:
+    """Batch norm without an activation, then the activation as its own pass."""
+    fwd, bwd = cost(replace(s, activation="none"), B, elem)
+    norm = {"fwd": fwd[0], "bwd": bwd[0], "fwd+bwd": fwd[0] + bwd[0]}[direction]
+    return norm + activation_bytes(B * s.N * s.C * math.prod(s.spatial), elem, direction)
+
+
+class _Activated:
+    """A baseline that runs the shape's activation after its batch norm, as its own pass."""
+
+    def activate(self, y):
+        act = self.s.activation
+        return y if act == "none" else ACTIVATIONS[act](y)
+
+    def moved_bytes(self, op_bytes, d, direction):
+        if self.s.activation == "none":
+            return op_bytes
+        return unfused_bytes(self.s, d["B"], d["x"].element_size(), direction)
 
 
 class HfkernBatchNorm(Impl):
@@ -88,10 +193,38 @@ class HfkernBatchNorm(Impl):
         from hfkern.ops.batch_norm import array_batch_norm
 
         x, w, b, rm, rv = args
-        return [array_batch_norm(x, w, b, rm, rv, None, True, MOMENTUM, EPS)[0]]
+        if self.s.activation == "none":
+            return [array_batch_norm(x, w, b, rm, rv, None, True, MOMENTUM, EPS)[0]]
+        return [array_batch_norm(x, w, b, rm, rv, None, True, MOMENTUM, EPS, activation=self.s.activation)[0]]
 
 
-class GroupedBatchNorm(Impl):
+class UnfusedBatchNorm(_Activated, HfkernBatchNorm):
+    """The hfkern op with activation "none" under ``backend``, then the activation in torch."""
+
+    kind = "baseline"
+
+    def __init__(self, s, backend: str):
+        super().__init__(s, backend)
+        self.name = f"unfused_{backend}"
+
+    def forward(self, args):
+        from hfkern.ops.batch_norm import array_batch_norm
+
+        x, w, b, rm, rv = args
+        return [self.activate(array_batch_norm(x, w, b, rm, rv, None, True, MOMENTUM, EPS)[0])]
+
+
+def _unfused(backend: str):
+    return lambda s: UnfusedBatchNorm(s, backend) if s.activation != "none" else None
+
+
+def _conversion(s: BatchNormShape):
+    if s.layout is None:
+        return None
+    return LayoutConversion(s.layout, s.N, (s.C, *s.spatial), (s.C, *s.spatial))
+
+
+class GroupedBatchNorm(_Activated, Impl):
     """torch's batch norm on the ``[N, B*C, H, W]`` view of ``[N, B, C, H, W]`` memory."""
 
     name = "grouped"
@@ -106,11 +239,11 @@ class GroupedBatchNorm(Impl):
         return (x, w, b, d["rm"].view(-1), d["rv"].view(-1)), [x, w, b]
 
     def forward(self, args):
-        x, w, b, rm, rv = args  # x: [N, B, C, H, W]
+        x, w, b, rm, rv = args  # x: [N, B, C, *S]
         N, B, C = x.shape[:3]
         y = F.batch_norm(x.reshape(N, B * C, *x.shape[3:]), rm, rv, w.reshape(-1), b.reshape(-1),
                          True, MOMENTUM, EPS)
-        return [y.view(x.shape)]
+        return [self.activate(y).view(x.shape)]
 
     def grad_outputs(self, d):
         return [d["gy"].transpose(0, 1)]
@@ -123,14 +256,14 @@ class GroupedBatchNorm(Impl):
         return [gx.transpose(0, 1), gw, gb]
 
 
-class LoopBatchNorm(Loop):
+class LoopBatchNorm(_Activated, Loop):
     def inputs(self, d, grad):
         xs, ws, bs = self.per_model(d, ("x", "w", "b"), grad)
         stats = [list(d["rm"].unbind(0)), list(d["rv"].unbind(0))]
         return (xs, ws, bs, *stats), xs + ws + bs
 
     def forward(self, args):
-        return [F.batch_norm(x, rm, rv, w, b, True, MOMENTUM, EPS) for x, w, b, rm, rv in zip(*args)]
+        return [self.activate(F.batch_norm(x, rm, rv, w, b, True, MOMENTUM, EPS)) for x, w, b, rm, rv in zip(*args)]
 
 
 # ---- the launchers' code paths and the op samples --------------------------------
@@ -200,7 +333,9 @@ FAMILY = Family(
     make_data=make_data,
     cost=cost,
     backend_impl=HfkernBatchNorm,
-    baselines={"grouped": GroupedBatchNorm, "loop": LoopBatchNorm},
+    baselines={"grouped": GroupedBatchNorm, "loop": LoopBatchNorm, "convert": _conversion,
+               **{f"unfused_{backend}": _unfused(backend) for backend in BACKENDS}},
     compile_calls=compile_calls,
     samples=samples,
+    suites={"bytes": Suite(BYTES_SHAPES, BYTES_SMOKE_SHAPES)},
 )

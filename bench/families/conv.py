@@ -12,17 +12,37 @@ Baselines: ``grouped_nchw`` / ``grouped_nhwc``, one ``F.conv2d`` (or
 NCHW and in channels-last memory, ``grouped_best`` the faster of the two per
 case; ``vmap``, ``torch.func.vmap`` of the per-model call over the stacked
 parameters; ``loop``, B separate per-model calls.
+
+Suite ``bytes``: the published workloads (bench/models at size ``full``) at
+their own batch sizes, each layer in both array layouts (``layout``, the
+layer's ``@nchw`` / ``@nhwc`` suffix): ResNet-18 for CIFAR-10 at batch 128 (the
+stem and each stage's 3x3 conv), PointNet at batch 32 x 2,500 points (its three
+1x1 Conv1d layers, 3 -> 64 -> 128 -> 1024), MobileNetV2 on 32x32 inputs at
+batch 128 (the stride-2 stem leaves 16x16: expansion, depthwise and
+projection of its first blocks). Its ``convert`` row is the cost of converting
+the activations to the other layout and back (families.LayoutConversion).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from . import Family, Fastest, Impl, Loop, leaf
+from . import (
+    LAYOUTS,
+    Family,
+    Fastest,
+    Impl,
+    LayoutConversion,
+    Loop,
+    Suite,
+    array_randn,
+    leaf,
+    to_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -31,7 +51,12 @@ class ConvShape:
 
     Input ``[N, C_in, H, W]``, weight ``[C_out, C_in/groups, k, k]``
     (transposed: ``[C_in, C_out/groups, k, k]``); square kernels, symmetric
-    padding, no dilation.
+    padding, no dilation. ``H=None``: a 1-D convolution over ``[N, C_in, W]``
+    (PointNet's Conv1d over points).
+
+    ``layout``: None for the array conv's own ``[N, B, C, *S]`` memory; "nchw" or
+    "nhwc" (families.LAYOUTS) put the layer on the layout axis, inputs and output
+    gradients in that memory, with the conversion row beside it.
     """
 
     model: str
@@ -49,12 +74,22 @@ class ConvShape:
     output_padding: int = 0
     bias: bool = False
     quick: bool = False
+    layout: str | None = None
 
-    def out_hw(self) -> tuple[int, int]:
+    @property
+    def spatial(self) -> tuple[int, ...]:
+        return (self.W,) if self.H is None else (self.H, self.W)
+
+    @property
+    def nd(self) -> int:
+        return len(self.spatial)
+
+    def out_hw(self) -> tuple[int, ...]:
+        """The output's spatial size, (H_out, W_out) (1-D: (W_out,))."""
         k, s, p = self.kernel, self.stride, self.padding
         if self.transposed:
-            return tuple((i - 1) * s - 2 * p + k + self.output_padding for i in (self.H, self.W))
-        return tuple((i + 2 * p - k) // s + 1 for i in (self.H, self.W))
+            return tuple((i - 1) * s - 2 * p + k + self.output_padding for i in self.spatial)
+        return tuple((i + 2 * p - k) // s + 1 for i in self.spatial)
 
     def macs(self) -> int:
         """Multiply-accumulates of one model's forward pass.
@@ -62,26 +97,26 @@ class ConvShape:
         A transposed convolution is the adjoint of the convolution from its
         output to its input, so it does that convolution's MACs.
         """
-        k2 = self.kernel * self.kernel
+        taps = self.kernel ** self.nd
         if self.transposed:
-            return self.N * self.C_in * self.H * self.W * (self.C_out // self.groups) * k2
-        Ho, Wo = self.out_hw()
-        return self.N * self.C_out * Ho * Wo * (self.C_in // self.groups) * k2
+            return self.N * self.C_in * math.prod(self.spatial) * (self.C_out // self.groups) * taps
+        return self.N * self.C_out * math.prod(self.out_hw()) * (self.C_in // self.groups) * taps
 
     def weight_shape(self) -> tuple[int, ...]:
-        k = self.kernel
+        k = (self.kernel,) * self.nd
         if self.transposed:
-            return (self.C_in, self.C_out // self.groups, k, k)
-        return (self.C_out, self.C_in // self.groups, k, k)
+            return (self.C_in, self.C_out // self.groups, *k)
+        return (self.C_out, self.C_in // self.groups, *k)
 
     def describe(self) -> str:
-        Ho, Wo = self.out_hw()
         kind = "convT" if self.transposed else ("dwconv" if self.groups == self.C_in == self.C_out > 1 else "conv")
+        if self.nd == 1:
+            kind += "1d"
         g = f" g{self.groups}" if self.groups > 1 else ""
-        return (
-            f"{kind} N={self.N} {self.C_in}->{self.C_out} {self.H}x{self.W}->{Ho}x{Wo} "
-            f"k{self.kernel} s{self.stride} p{self.padding}{g}"
-        )
+        size = "x".join(map(str, self.spatial)) + "->" + "x".join(map(str, self.out_hw()))
+        lay = f" {self.layout}" if self.layout else ""
+        return (f"{kind} N={self.N} {self.C_in}->{self.C_out} {size} "
+                f"k{self.kernel} s{self.stride} p{self.padding}{g}{lay}")
 
 
 def _resnet18_cifar(N: int = 32) -> list[ConvShape]:
@@ -155,6 +190,58 @@ def _dcgan(N: int = 64) -> list[ConvShape]:
 
 SHAPES: list[ConvShape] = _resnet18_cifar() + _mobilenetv2_cifar() + _dcgan()
 
+
+def on_layouts(shapes) -> list:
+    """Each shape once per array layout, the layout in its layer name (``layer1.conv@nhwc``):
+    the result tables key a case by model and layer."""
+    return [replace(s, layout=layout, layer=f"{s.layer}@{layout}") for s in shapes for layout in LAYOUTS]
+
+
+def _bytes_suite() -> list[ConvShape]:
+    """The published workloads' convolutions at their own batch sizes (bench/models, size full)."""
+    r = "resnet18"  # CIFAR ResNet-18, batch 128, 32x32
+
+    def rc(layer, ci, co, hw, stride=1, quick=False):
+        return ConvShape(r, layer, 128, ci, co, hw, hw, 3, stride, 1, quick=quick)
+
+    p = "pointnet"  # batch 32 x 2,500 points; the Conv1d layers of the classifier (and its transforms)
+
+    def pc(layer, ci, co, quick=False):
+        return ConvShape(p, layer, 32, ci, co, None, 2500, 1, quick=quick)
+
+    m = "mobilenet_v2"  # 32x32 inputs, batch 128; the stride-2 stem leaves 16x16
+
+    def mpw(layer, ci, co, hw, quick=False):
+        return ConvShape(m, layer, 128, ci, co, hw, hw, 1, quick=quick)
+
+    def mdw(layer, c, hw, stride=1, quick=False):
+        return ConvShape(m, layer, 128, c, c, hw, hw, 3, stride, 1, groups=c, quick=quick)
+
+    return on_layouts([
+        rc("conv1", 3, 64, 32),
+        rc("layer1.conv", 64, 64, 32, quick=True),
+        rc("layer2.conv", 128, 128, 16),
+        rc("layer3.conv", 256, 256, 8, quick=True),
+        rc("layer4.conv", 512, 512, 4),
+        pc("conv1", 3, 64),
+        pc("conv2", 64, 128),
+        pc("conv3", 128, 1024, quick=True),
+        ConvShape(m, "stem", 128, 3, 32, 32, 32, 3, 2, 1),
+        mdw("features.1.dw", 32, 16),
+        mpw("features.2.expand", 16, 96, 16),
+        mdw("features.2.dw_s2", 96, 16, stride=2, quick=True),
+        mpw("features.3.expand", 24, 144, 8),
+        mdw("features.3.dw", 144, 8),
+        mpw("features.3.project", 144, 24, 8),
+    ])
+
+
+BYTES_SHAPES = _bytes_suite()
+BYTES_SMOKE_SHAPES = on_layouts([
+    ConvShape("smoke", "conv3x3", 2, 3, 4, 6, 6, 3, 1, 1),
+    ConvShape("smoke", "conv1d", 2, 3, 5, None, 7, 1),
+])
+
 # One of each code path (dense, strided 1x1, depthwise, transposed with bias) at a few KB each.
 SMOKE_SHAPES: list[ConvShape] = [
     ConvShape("smoke", "conv3x3", 2, 3, 4, 6, 6, 3, 1, 1, bias=True),
@@ -165,24 +252,24 @@ SMOKE_SHAPES: list[ConvShape] = [
 
 
 def make_data(s: ConvShape, B: int, dtype: torch.dtype, device, grad: bool) -> dict:
-    """x, gy: [B, N, C, H, W] views of [N, B, C, H, W] memory (the array conv's own
-    layout), w: [B, *weight_shape] scaled by fan-in**-0.5 so fp16 stays in range,
-    b: [B, C_out] or None."""
-    Ho, Wo = s.out_hw()
+    """x, gy: [B, N, C, *S] views of [N, B, C, *S] memory (the array conv's own
+    layout; ``s.layout`` "nhwc": of [N, *S, B, C] memory), w: [B, *weight_shape]
+    scaled by fan-in**-0.5 so fp16 stays in range, b: [B, C_out] or None."""
+    layout = s.layout or "nchw"
     fan_in = math.prod(s.weight_shape()[1:])
-    x = torch.randn(s.N, B, s.C_in, s.H, s.W, device=device, dtype=dtype).transpose(0, 1)
+    x = array_randn(B, s.N, s.C_in, s.spatial, layout, dtype=dtype, device=device)
     w = torch.randn(B, *s.weight_shape(), device=device, dtype=dtype) * fan_in**-0.5
     b = torch.randn(B, s.C_out, device=device, dtype=dtype) if s.bias else None
-    gy = torch.randn(s.N, B, s.C_out, Ho, Wo, device=device, dtype=dtype).transpose(0, 1) if grad else None
+    gy = array_randn(B, s.N, s.C_out, s.out_hw(), layout, dtype=dtype, device=device) if grad else None
     return {"B": B, "x": x, "w": w, "b": b, "gy": gy}
 
 
 def cost(s: ConvShape, B: int, elem: int) -> tuple:
     """FLOPs: 2 per multiply-accumulate; the backward does the input and the
-    weight gradient, each as many MACs as the forward."""
-    Ho, Wo = s.out_hw()
-    x = B * s.N * s.C_in * s.H * s.W
-    y = B * s.N * s.C_out * Ho * Wo
+    weight gradient, each as many MACs as the forward. Both layouts are dense:
+    the same bytes."""
+    x = B * s.N * s.C_in * math.prod(s.spatial)
+    y = B * s.N * s.C_out * math.prod(s.out_hw())
     w = B * math.prod(s.weight_shape())
     b = B * s.C_out if s.bias else 0
     fwd = (elem * (x + w + b + y), 2 * B * s.macs())
@@ -195,13 +282,15 @@ def cost(s: ConvShape, B: int, elem: int) -> tuple:
 class _ConvBase(Impl):
     def __init__(self, s: ConvShape):
         self.s = s
-        self.stride, self.padding = (s.stride,) * 2, (s.padding,) * 2
-        self.output_padding = (s.output_padding,) * 2
+        self.stride, self.padding = (s.stride,) * s.nd, (s.padding,) * s.nd
+        self.output_padding = (s.output_padding,) * s.nd
 
     def _call(self, x, w, b, groups):
         if self.s.transposed:
-            return F.conv_transpose2d(x, w, b, self.stride, self.padding, self.output_padding, groups)
-        return F.conv2d(x, w, b, self.stride, self.padding, 1, groups)
+            conv_t = F.conv_transpose1d if self.s.nd == 1 else F.conv_transpose2d
+            return conv_t(x, w, b, self.stride, self.padding, self.output_padding, groups)
+        conv = F.conv1d if self.s.nd == 1 else F.conv2d
+        return conv(x, w, b, self.stride, self.padding, 1, groups)
 
 
 class HfkernConv(_ConvBase):
@@ -221,23 +310,25 @@ class HfkernConv(_ConvBase):
         x, w, b = args
         s = self.s
         return [torch.ops.hfkern.array_conv(
-            x, w, b, list(self.stride), list(self.padding), [1, 1], s.transposed,
+            x, w, b, list(self.stride), list(self.padding), [1] * s.nd, s.transposed,
             list(self.output_padding), s.groups,
         )]
 
 
 class GroupedConv(_ConvBase):
-    """One grouped conv over [N, B*C, H, W]: the models are groups B*groups."""
+    """One grouped conv over [N, B*C, H, W]: the models are groups B*groups. Its
+    inputs are converted to its layout before the timing (the ``convert`` row of
+    a case on the layout axis says what that costs)."""
 
     def __init__(self, s, channels_last: bool):
         super().__init__(s)
         self.name = "grouped_nhwc" if channels_last else "grouped_nchw"
-        self.fmt = torch.channels_last if channels_last else torch.contiguous_format
+        self.layout = "nhwc" if channels_last else "nchw"
 
     def inputs(self, d, grad):
         s, B = self.s, d["B"]
-        x = d["x"].transpose(0, 1).reshape(s.N, B * s.C_in, s.H, s.W).contiguous(memory_format=self.fmt)
-        w = d["w"].reshape(B * d["w"].shape[1], *d["w"].shape[2:]).contiguous(memory_format=self.fmt)
+        x = to_layout(d["x"].transpose(0, 1).reshape(s.N, B * s.C_in, *s.spatial), self.layout)
+        w = to_layout(d["w"].reshape(B * d["w"].shape[1], *d["w"].shape[2:]), self.layout)
         b = None if d["b"] is None else d["b"].reshape(-1).contiguous()
         if grad:
             x, w, b = leaf(x), leaf(w), leaf(b)
@@ -249,21 +340,21 @@ class GroupedConv(_ConvBase):
 
     def grad_outputs(self, d):
         gy = d["gy"]
-        B, N, C, H, W = gy.shape
-        return [gy.transpose(0, 1).reshape(N, B * C, H, W).contiguous(memory_format=self.fmt)]
+        B, N, C = gy.shape[:3]
+        return [to_layout(gy.transpose(0, 1).reshape(N, B * C, *gy.shape[3:]), self.layout)]
 
     def canon_out(self, outs):
         y = outs[0]
-        N, BC, H, W = y.shape
+        N, BC = y.shape[:2]
         B = BC // self.s.C_out
-        return y.reshape(N, B, self.s.C_out, H, W).transpose(0, 1)
+        return y.reshape(N, B, self.s.C_out, *y.shape[2:]).transpose(0, 1)
 
     def canon_grads(self, grads):
         s = self.s
         gx, gw = grads[0], grads[1]
-        N, BC, H, W = gx.shape
+        N, BC = gx.shape[:2]
         B = BC // s.C_in
-        out = [gx.reshape(N, B, s.C_in, H, W).transpose(0, 1), gw.reshape(B, *s.weight_shape())]
+        out = [gx.reshape(N, B, s.C_in, *gx.shape[2:]).transpose(0, 1), gw.reshape(B, *s.weight_shape())]
         if len(grads) > 2:
             out.append(grads[2].reshape(B, s.C_out))
         return out
@@ -311,6 +402,12 @@ class LoopConv(Loop, _ConvBase):
 def _geometry(nd, transposed, stride=1, padding=1, dilation=1, output_padding=0, groups=1):
     """The ops' trailing arguments: stride, padding, dilation, transposed, output_padding, groups."""
     return [stride] * nd, [padding] * nd, [dilation] * nd, transposed, [output_padding] * nd, groups
+
+
+def _conversion(s: ConvShape):
+    if s.layout is None:
+        return None
+    return LayoutConversion(s.layout, s.N, (s.C_in, *s.spatial), (s.C_out, *s.out_hw()))
 
 
 def compile_calls():
@@ -405,7 +502,9 @@ FAMILY = Family(
         "grouped_best": Fastest(("grouped_nchw", "grouped_nhwc")),
         "vmap": VmapConv,
         "loop": LoopConv,
+        "convert": _conversion,
     },
     compile_calls=compile_calls,
     samples=samples,
+    suites={"bytes": Suite(BYTES_SHAPES, BYTES_SMOKE_SHAPES)},
 )

@@ -4,16 +4,24 @@ Benchmark suite: the layer norms of BERT-base (hidden 768, sequence 128 and
 512) and of a small transformer language model (d_model 256 and 512), over the
 last dim of ``[batch, seq, D]`` activations. Baseline: ``loop``, B separate
 ``F.layer_norm`` calls.
+
+Suite ``bytes``: the published transformers' shapes (bench/models, size full:
+the word-language-model transformer, d_model 200 at 20 x 35 tokens, and
+BERT-small, hidden 512 at 32 x 128 tokens) with an activation fused into the
+op (``activation``, the ``+relu`` / ``+gelu`` layer suffix), against
+``unfused_<backend>``: the op with activation "none" under that backend, then
+``torch.relu`` / ``F.gelu``; ``loop`` runs the activation after each model's
+layer norm.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from . import Family, Impl, Loop, leaf
+from . import ACTIVATIONS, BACKENDS, Family, Impl, Loop, Suite, activation_bytes, leaf
 
 EPS = 1e-5
 
@@ -28,13 +36,15 @@ class LayerNormShape:
     seq: int
     D: int
     quick: bool = False
+    activation: str = "none"  # fused into the op: "none", "relu", "gelu"
 
     @property
     def rows(self) -> int:
         return self.batch * self.seq
 
     def describe(self) -> str:
-        return f"[{self.batch}, {self.seq}, {self.D}] (rows {self.rows})"
+        act = f" +{self.activation}" if self.activation != "none" else ""
+        return f"[{self.batch}, {self.seq}, {self.D}] (rows {self.rows}){act}"
 
 
 SHAPES: list[LayerNormShape] = [
@@ -44,6 +54,18 @@ SHAPES: list[LayerNormShape] = [
     LayerNormShape("lm-small", "d512", 16, 512, 512, quick=True),
 ]
 SMOKE_SHAPES = [LayerNormShape("smoke", "ln", 2, 5, 12)]
+
+
+def _activated(shapes, activations=("relu", "gelu")) -> list:
+    """Each shape once per fused activation, the activation in its layer name (``ln+gelu``)."""
+    return [replace(s, layer=f"{s.layer}+{act}", activation=act) for s in shapes for act in activations]
+
+
+BYTES_SHAPES = _activated([
+    LayerNormShape("transformer_lm", "ln", 20, 35, 200),
+    LayerNormShape("bert_small", "ln", 32, 128, 512, quick=True),
+])
+BYTES_SMOKE_SHAPES = _activated(SMOKE_SHAPES)
 
 
 def make_data(s: LayerNormShape, B: int, dtype: torch.dtype, device, grad: bool) -> dict:
@@ -56,10 +78,29 @@ def make_data(s: LayerNormShape, B: int, dtype: torch.dtype, device, grad: bool)
 
 
 def cost(s: LayerNormShape, B: int, elem: int) -> tuple:
+    """The op's least bytes; a fused activation moves nothing more (its backward
+    recomputes the pre-activation from x and reads b as well)."""
     rows, n, p = B * s.rows, B * s.rows * s.D, B * s.D
+    fused = elem * p if s.activation != "none" else 0
     fwd = (elem * (2 * n + 2 * p) + 8 * rows, None)  # x, w, b in; y, mean, rstd out
-    bwd = (elem * (3 * n + 3 * p) + 8 * rows, None)  # gy, x, w, mean, rstd in; gx, gw, gb out
+    bwd = (elem * (3 * n + 3 * p) + 8 * rows + fused, None)  # gy, x, w, (b,) mean, rstd in; gx, gw, gb out
     return fwd, bwd
+
+
+class _Activated:
+    """A baseline that runs the shape's activation after its layer norm, as its own pass."""
+
+    def activate(self, y):
+        act = self.s.activation
+        return y if act == "none" else ACTIVATIONS[act](y)
+
+    def moved_bytes(self, op_bytes, d, direction):
+        if self.s.activation == "none":
+            return op_bytes
+        elem = d["x"].element_size()
+        fwd, bwd = cost(replace(self.s, activation="none"), d["B"], elem)
+        norm = {"fwd": fwd[0], "bwd": bwd[0], "fwd+bwd": fwd[0] + bwd[0]}[direction]
+        return norm + activation_bytes(d["x"].numel(), elem, direction)
 
 
 class HfkernLayerNorm(Impl):
@@ -77,16 +118,36 @@ class HfkernLayerNorm(Impl):
 
     def forward(self, args):
         x, w, b = args
-        return [torch.ops.hfkern.array_layer_norm(x, w, b, 1, EPS)[0]]
+        if self.s.activation == "none":
+            return [torch.ops.hfkern.array_layer_norm(x, w, b, 1, EPS)[0]]
+        return [torch.ops.hfkern.array_layer_norm(x, w, b, 1, EPS, self.s.activation)[0]]
 
 
-class LoopLayerNorm(Loop):
+class UnfusedLayerNorm(_Activated, HfkernLayerNorm):
+    """The hfkern op with activation "none" under ``backend``, then the activation in torch."""
+
+    kind = "baseline"
+
+    def __init__(self, s, backend: str):
+        super().__init__(s, backend)
+        self.name = f"unfused_{backend}"
+
+    def forward(self, args):
+        x, w, b = args
+        return [self.activate(torch.ops.hfkern.array_layer_norm(x, w, b, 1, EPS)[0])]
+
+
+def _unfused(backend: str):
+    return lambda s: UnfusedLayerNorm(s, backend) if s.activation != "none" else None
+
+
+class LoopLayerNorm(_Activated, Loop):
     def inputs(self, d, grad):
         xs, ws, bs = self.per_model(d, ("x", "w", "b"), grad)
         return (xs, ws, bs), xs + ws + bs
 
     def forward(self, args):
-        return [F.layer_norm(x, (self.s.D,), w, b, EPS) for x, w, b in zip(*args)]
+        return [self.activate(F.layer_norm(x, (self.s.D,), w, b, EPS)) for x, w, b in zip(*args)]
 
 
 # ---- the launchers' code paths and the op samples --------------------------------
@@ -154,7 +215,8 @@ FAMILY = Family(
     make_data=make_data,
     cost=cost,
     backend_impl=HfkernLayerNorm,
-    baselines={"loop": LoopLayerNorm},
+    baselines={"loop": LoopLayerNorm, **{f"unfused_{backend}": _unfused(backend) for backend in BACKENDS}},
     compile_calls=compile_calls,
     samples=samples,
+    suites={"bytes": Suite(BYTES_SHAPES, BYTES_SMOKE_SHAPES, quick_directions=("fwd+bwd", "fwd"))},
 )
