@@ -58,7 +58,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["FuseError", "Captured", "capture", "AssignState", "RandomDraw", "SetData", "open_regions"]
+__all__ = ["FuseError", "Captured", "capture", "AssignState", "RandomDraw", "SetData", "open_regions",
+           "changes_mode"]
 
 
 class FuseError(ValueError):
@@ -186,6 +187,13 @@ def exit_region(ctx: Any) -> None:
     if stack and stack[-1] is ctx:
         stack.pop()
     ctx.__exit__(None, None, None)
+
+
+def changes_mode(node: fx.Node) -> bool:
+    """Whether a captured node enters or leaves a grad-mode or autocast region: code on either
+    side of it runs in different modes (a rewrite must not move work across it)."""
+    t = node.target
+    return isinstance(t, EnterRegion) or t is exit_region or t is set_grad_enabled_call
 
 
 def leave_open_regions(depth: int) -> None:

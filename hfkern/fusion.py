@@ -15,6 +15,14 @@ rewritten op by op.
   dropout probability) carried over. The heavy work runs in array kernels.
 * **Element-wise leaf modules** (ReLU, GELU, Tanh, Identity, ...) stay the
   torch modules they are and run on the ``[B, ...]`` tensors directly.
+* **A norm and its activation** become one call: a BatchNorm or LayerNorm
+  leaf whose output's only user is a ReLU (``F.relu``, ``torch.relu``,
+  ``Tensor.relu``, ``nn.ReLU``, in place or not) or an exact GELU
+  (``F.gelu``, ``nn.GELU()``) runs as one array op with the activation fused,
+  backward included (the graph shows a ``norm_relu``/``norm_gelu`` call and
+  no activation node). Not where the norm output has another user, a hook
+  could see it, or a grad-mode or autocast region starts or ends between the
+  two; the models' own modules and state are unchanged by it.
 * **Everything else** in the captured code (reshapes such as
   ``x.view(x.size(0), -1)``, ``torch.flatten(x, 1)``, concatenations, chunks,
   residual adds, functional calls, reductions over dims, parameters used
@@ -77,6 +85,8 @@ from . import _capture
 from ._array import broadcast, check_B, fold_planes
 from ._capture import FuseError
 from .nn._base import ArrayModule, _zero_slot_, seeded
+from .nn.normalization import LayerNorm as _ArrayLayerNorm
+from .nn.normalization import _BatchNorm as _ArrayBatchNorm
 
 __all__ = ["FuseError", "FusedModel", "fuse", "unfuse"]
 
@@ -652,6 +662,99 @@ def _share(value: Any, B: int) -> Any:
 # Positional arguments of an array module that are its data (shared when they
 # are not array values); other tensor arguments (masks) are passed as they are.
 _DATA_ARGS: dict[str, tuple[int, ...]] = {"MultiheadAttention": (0, 1, 2)}
+
+
+# ---- a norm and its activation as one call ---------------------------------------------
+# A batch norm or layer norm leaf whose output goes only into a ReLU or an exact GELU
+# runs as one array op with the activation fused (hfkern.ops: the activation's own
+# pass over the tensor, forward and backward, disappears). Same semantics: the ops
+# compute act(norm(x)) as the two calls do, up to the rounding of the norm output.
+
+_NORM_CLASSES = (_ArrayBatchNorm, _ArrayLayerNorm)
+_ACTIVATION_FUNCTIONS = {"relu": F.relu, "gelu": F.gelu}
+_RELU_FUNCTIONS = (F.relu, torch.relu, torch.relu_)  # F.relu_ is torch.relu_
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hooked(module: nn.Module | None) -> bool:
+    """Whether a call of ``module`` runs hooks (its own or global ones), which would see the
+    norm's output or its gradient."""
+    if module is None:
+        return False
+    return any(getattr(module, h, None) for h in _HOOKS) or any(
+        getattr(nn.modules.module, "_global" + h, None) for h in _HOOKS)
+
+
+def _activation_of(node: fx.Node, norm: fx.Node, model: nn.Module) -> str | None:
+    """"relu" or "gelu" if ``node`` applies that activation (exact GELU) to ``norm`` and
+    nothing else (F.relu, torch.relu, Tensor.relu, nn.ReLU, in place or not; F.gelu,
+    nn.GELU), else None."""
+    if not node.args or node.args[0] is not norm:
+        return None
+    rest, kwargs = node.args[1:], dict(node.kwargs)
+    if any(isinstance(a, fx.Node) for a in (*rest, *kwargs.values())):
+        return None
+    if node.op == "call_function" and node.target in _RELU_FUNCTIONS:
+        extra = (1 if node.target is F.relu else 0)  # F.relu(input, inplace)
+        return "relu" if len(rest) <= extra and set(kwargs) <= {"inplace"} else None
+    if node.op == "call_function" and node.target is F.gelu:
+        approximate = kwargs.get("approximate", rest[0] if rest else "none")
+        return "gelu" if len(rest) <= 1 and set(kwargs) <= {"approximate"} and approximate == "none" else None
+    if node.op == "call_method" and node.target in ("relu", "relu_"):
+        return "relu" if not rest and not kwargs else None
+    if node.op == "call_module" and not rest and not kwargs:
+        module = model.get_submodule(node.target)
+        if _hooked(module):
+            return None
+        if type(module) is nn.ReLU:
+            return "relu"
+        if type(module) is nn.GELU and module.approximate == "none":
+            return "gelu"
+    return None
+
+
+def _norm_activations(graph: fx.Graph, model: nn.Module, leaves: dict[str, nn.Module],
+                      array_classes: dict) -> dict[fx.Node, tuple[str, fx.Node]]:
+    """norm node -> (activation, activation node) for every norm leaf call that can run
+    with its activation fused: a BatchNorm/LayerNorm leaf called on one input, whose
+    output's only user is a ReLU or exact GELU of it, in the same grad and autocast
+    mode (no region entered or left between them), no hooks on either module."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    mode_changes = [order[n] for n in graph.nodes if _capture.changes_mode(n)]
+    found = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or node.target not in leaves:
+            continue
+        module = leaves[node.target]
+        if not issubclass(array_classes.get(type(module), type(None)), _NORM_CLASSES):
+            continue
+        if len(node.args) != 1 or not isinstance(node.args[0], fx.Node) or node.kwargs or _hooked(module):
+            continue
+        if len(node.users) != 1:
+            continue
+        (user,) = node.users
+        activation = _activation_of(user, node, model)
+        if activation is None or any(order[node] < i < order[user] for i in mode_changes):
+            continue
+        found[node] = (activation, user)
+    return found
+
+
+class _NormActivation(_capture.GraphTarget):
+    """A norm leaf and the activation on its output, as one call of the array norm with the
+    activation fused. ``act_module``: the activation's module where the model calls one."""
+
+    def __init__(self, activation: str):
+        self.activation = activation
+        self._named(f"norm_{activation}")
+
+    def __call__(self, norm: nn.Module, x: torch.Tensor, act_module: nn.Module | None = None) -> Any:
+        if norm.activation == "none" and not _hooked(norm) and not _hooked(act_module):
+            return norm._normalize(x, self.activation)
+        # Something observes the norm's output (hooks added since), or the norm already has an
+        # activation of its own: the two calls, as the model makes them.
+        y = norm(x)
+        return act_module(y) if act_module is not None else _ACTIVATION_FUNCTIONS[self.activation](y)
 
 
 # ---- the fused model -----------------------------------------------------------------
@@ -1275,7 +1378,12 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     array: dict[fx.Node, bool] = {}
+    norm_activations = _norm_activations(graph, model, leaves, array_classes)
+    fused_into = {act: norm for norm, (_, act) in norm_activations.items()}
     for node in graph.nodes:
+        if node in fused_into:  # the activation ran in its norm's call: its value is that call's
+            env[node], array[node] = env[fused_into[node]], array[fused_into[node]]
+            continue
         marks = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), lambda n: array[n])
         any_array = any(array[n] for n in node.all_input_nodes)
         args = fx.node.map_arg(node.args, lambda n: env[n])
@@ -1302,7 +1410,13 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
                     out.call_function(_share, (a, B)) if i in data and isinstance(a, fx.Node)
                     and not array[node.args[i]] else a
                     for i, a in enumerate(args))
-                env[node] = out.call_module(node.target, args, kwargs)
+                if node in norm_activations:
+                    activation, act = norm_activations[node]
+                    act_module = (out.get_attr(act.target),) if act.op == "call_module" else ()
+                    env[node] = out.call_function(
+                        _NormActivation(activation), (out.get_attr(node.target), *args, *act_module))
+                else:
+                    env[node] = out.call_module(node.target, args, kwargs)
             elif isinstance(module, _ELEMENTWISE_MODULES) and type(module) in _ELEMENTWISE_MODULES:
                 env[node] = out.call_module(node.target, args, kwargs)
             elif not array[node]:

@@ -515,7 +515,7 @@ def test_ops_dispatch_through_registry():
         y.sum().backward()
     finally:
         _backend.register("array_batch_norm", "torch", orig)
-    assert calls == [(True, 0.5, 1e-4)]
+    assert calls == [(True, 0.5, 1e-4, "none")]  # training, momentum, eps, activation
 
 
 def test_module_runs_the_op():
@@ -536,3 +536,60 @@ def test_module_runs_the_op():
         _backend.register("array_batch_norm", "torch", orig)
     assert calls == [True, False]
     assert math.isclose(float(module.num_batches_tracked[0]), 1)
+
+
+class _NativeSpy(TorchDispatchMode):
+    """Counts torch's own batch-norm kernels (the grouped path) under the ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.native_batch_norm.default, torch.ops.aten.native_batch_norm_backward.default):
+            self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["batch_major", "channels_last_array"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_mixed_precision_runs_torchs_kernel_on_the_grouped_view(dtype, layout, affine):
+    """Autocast's case: reduced-precision activations, float32 parameters and statistics;
+    the grouped path (torch's own kernels) serves it, with float32 statistics."""
+    B, N, C, H, W = 3, 4, 5, 3, 4
+    if layout == "batch_major":
+        x32 = make_x(B, (N, C, H, W), "batch_major")
+    else:  # [N, H, W, B, C] memory
+        x32 = torch.randn(N, H, W, B, C).permute(3, 0, 4, 1, 2)
+    x = x32.to(dtype).requires_grad_()  # keeps the memory order
+    w, b = params(B, C, affine, affine, requires_grad=True)
+    rm, rv, _ = running(B, C)
+    rm32, rv32 = rm.clone(), rv.clone()
+    forward, backward = (_backend._registry[op]["torch"].load()
+                         for op in ("array_batch_norm", "array_batch_norm_backward"))
+    with _NativeSpy() as spy:
+        y, mean, rstd = forward(x.detach(), w, b, rm, rv, None, True, 0.1, EPS)
+    assert spy.calls == [torch.ops.aten.native_batch_norm.default]
+    assert y.dtype == dtype and mean.dtype == rstd.dtype == torch.float32 and y.stride() == x.stride()
+    xr = x.detach().float().requires_grad_()
+    wr, br = (None if t is None else t.detach().clone().requires_grad_() for t in (w, b))
+    yr, mean_r, rstd_r = array_batch_norm(xr, wr, br, rm32, rv32, None, True, 0.1, EPS)
+    torch.testing.assert_close(mean, mean_r, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rstd, rstd_r, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(rm, rm32, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rv, rv32, atol=1e-5, rtol=1e-5)
+    tol = dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y.float(), yr, **tol)
+    g = torch.randn_like(yr)
+    mask = [True, affine, affine]
+    with _NativeSpy() as spy:
+        gx, gw, gb = backward(g.to(dtype), x.detach(), w, mean, rstd, True, mask)
+    assert spy.calls == [torch.ops.aten.native_batch_norm_backward.default]
+    ref = torch.autograd.grad(yr, [xr] + ([wr, br] if affine else []), g)
+    assert gx.dtype == dtype and gx.stride() == x.stride()
+    torch.testing.assert_close(gx.float(), ref[0], **tol)
+    if affine:
+        assert gw.dtype == gb.dtype == torch.float32
+        torch.testing.assert_close(gw, ref[1], **tol)
+        torch.testing.assert_close(gb, ref[2], **tol)

@@ -8,6 +8,14 @@ grouped view ``[N, B*C, *]`` with the per-model parameters viewed as ``[B*C]``;
 that view is free for ``[N, B, C, *]`` memory. For ``[B, N, C, *]`` memory (a
 Linear output, or a user's stacked tensor) it folds the samples into the
 groups instead of copying the activation.
+
+An hfkern addition: LayerNorm and BatchNorm take a keyword-only
+``activation`` (``"none"``, ``"relu"`` or ``"gelu"``, the exact
+``torch.nn.GELU()``) and then compute ``act(norm(x))`` in one op, backward
+included, without the activation's separate pass over the tensor
+(:func:`hfkern.fuse` uses it for a norm followed by ReLU or GELU). It is not
+a field of the torch namesake: ``from_modules`` builds modules without it,
+and ``extract_model``/``to_modules`` return the norm alone.
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn import init
 
-from .._array import check_channels, check_input, is_shared, per_model_memory_first
+from .._array import (
+    array_memory_format, check_channels, check_input, from_grouped, is_shared, per_model_memory_first, to_grouped,
+)
 from .._dtypes import acc_dtype
 from ..ops.batch_norm import array_batch_norm
-from ..ops.layer_norm import array_layer_norm, array_rms_norm
+from ..ops.layer_norm import NORM_ACTIVATIONS, array_layer_norm, array_rms_norm
 from ._base import ArrayModule, torch_module
 
 __all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d"]
@@ -42,21 +52,45 @@ def _check_trailing(
     return check_input(module, input, B, (input.dim() - 1,), param)
 
 
-class LayerNorm(ArrayModule):
+def _check_activation(module: str, activation: object) -> str:
+    if not isinstance(activation, str) or activation not in NORM_ACTIVATIONS:
+        raise ValueError(
+            f"{module}: expected activation to be one of {', '.join(map(repr, NORM_ACTIVATIONS))}, "
+            f"got {activation!r}"
+        )
+    return activation
+
+
+class _FusedActivation:
+    """The ``activation`` keyword of LayerNorm and BatchNorm (an hfkern addition, not a
+    field of the torch namesake): shown in the repr where it is not "none"."""
+
+    activation: str
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        return text if self.activation == "none" else f"{text}, activation={self.activation!r}"
+
+
+class LayerNorm(_FusedActivation, ArrayModule):
     """B ``torch.nn.LayerNorm`` models.
 
     Input ``[B, *, *normalized_shape]`` (any strides), output of the same shape
     in the input's memory order; weight and bias ``[B, *normalized_shape]``.
     ``B`` is required when ``elementwise_affine`` (the models have parameters).
+    ``activation`` (hfkern's, keyword-only): ``"relu"`` or ``"gelu"`` computes
+    ``act(layer_norm(x))`` in the same op (see the module docstring).
     """
 
     _torch_cls = nn.LayerNorm
     _config_fields = ("normalized_shape", "eps", "elementwise_affine", "bias")
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, *, B: int | None = None, device=None, dtype=None):
+                 bias: bool = True, *, activation: str = "none", B: int | None = None, device=None,
+                 dtype=None):
         super().__init__()
         template = nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias, device="meta")
+        self.activation = _check_activation("LayerNorm", activation)
         self._set_B(B, required=elementwise_affine)
         self.normalized_shape = template.normalized_shape
         self.eps = eps
@@ -80,12 +114,16 @@ class LayerNorm(ArrayModule):
             init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
+        return self._normalize(input, self.activation)
+
+    def _normalize(self, input: Tensor, activation: str) -> Tensor:
+        """act(layer_norm(input)) for the given ``activation`` (hfkern.fuse calls it)."""
         x = _check_trailing("LayerNorm", input, self.B, self.normalized_shape, self.weight)
         n = len(self.normalized_shape)
         if is_shared(x) and self.weight is None and self.bias is None:
             # Without parameters the B models compute the same thing: once.
-            return array_layer_norm(x[:1], None, None, n, self.eps)[0].expand(x.shape)
-        return array_layer_norm(x, self.weight, self.bias, n, self.eps)[0]
+            return array_layer_norm(x[:1], None, None, n, self.eps, activation)[0].expand(x.shape)
+        return array_layer_norm(x, self.weight, self.bias, n, self.eps, activation)[0]
 
 
 class RMSNorm(ArrayModule):
@@ -202,13 +240,14 @@ class GroupNorm(ArrayModule):
             y = y * w.view(shape) if w is not None else y
             y = y + b.view(shape) if b is not None else y
             return y.transpose(0, 1)
-        if per_model_memory_first(x):
-            xg = x.transpose(0, 1).reshape(N, B * C, *rest)
+        memory_format = array_memory_format(x)
+        if per_model_memory_first(x) or memory_format == torch.channels_last:
+            # [N, B, C, *] or channels-last [N, H, W, B, C] memory: the grouped view is free
             y = torch.group_norm(
-                xg, B * G, None if w is None else w.reshape(-1),
+                to_grouped(x), B * G, None if w is None else w.reshape(-1),
                 None if b is None else b.reshape(-1), self.eps, cudnn,
             )
-            return y.view(N, B, C, *rest).transpose(0, 1)
+            return from_grouped(y, B, memory_format)
         # Each (model, sample) pair is its own set of G groups of a [1, B*N*C, *]
         # input, so the activation is only viewed; the per-channel affine is
         # expanded over the samples instead.
@@ -221,7 +260,7 @@ class GroupNorm(ArrayModule):
         return y.view(x.shape)
 
 
-class _BatchNorm(ArrayModule):
+class _BatchNorm(_FusedActivation, ArrayModule):
     _model_ndims: tuple[int, ...]
     _config_fields = ("num_features", "eps", "momentum", "affine", "track_running_stats", "bias")
     # torch's BatchNorm state dict version: 2 added num_batches_tracked.
@@ -229,10 +268,11 @@ class _BatchNorm(ArrayModule):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, *, bias: bool = True,
-                 B: int | None = None, device=None, dtype=None):
+                 activation: str = "none", B: int | None = None, device=None, dtype=None):
         super().__init__()
         torch_module(self._torch_cls, num_features, eps, momentum, affine, track_running_stats,
                      bias=bias, device="meta")
+        self.activation = _check_activation(type(self).__name__, activation)
         self._set_B(B, required=affine or track_running_stats)
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
@@ -283,6 +323,10 @@ class _BatchNorm(ArrayModule):
             init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
+        return self._normalize(input, self.activation)
+
+    def _normalize(self, input: Tensor, activation: str) -> Tensor:
+        """act(batch_norm(input)) for the given ``activation`` (hfkern.fuse calls it)."""
         name = type(self).__name__
         param = self.weight if self.weight is not None else self.running_mean
         x = check_input(name, input, self.B, self._model_ndims, param)
@@ -307,11 +351,11 @@ class _BatchNorm(ArrayModule):
         if is_shared(x) and self.weight is None and self.bias is None and self.running_mean is None:
             # One shared batch, its own statistics, no per-model state: the B
             # models compute the same thing, once.
-            y = array_batch_norm(x[:1], None, None, None, None, None, True, None, self.eps)[0]
+            y = array_batch_norm(x[:1], None, None, None, None, None, True, None, self.eps, activation)[0]
             return y.expand(x.shape)
         return array_batch_norm(
             x, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
-            use_batch_stats, self.momentum, self.eps,
+            use_batch_stats, self.momentum, self.eps, activation,
         )[0]
 
 
@@ -321,7 +365,9 @@ class BatchNorm1d(_BatchNorm):
     Parameters and ``running_mean``/``running_var`` are ``[B, C]``,
     ``num_batches_tracked`` is ``[B]``; every model's statistics and running
     averages are its own, exactly as B torch modules would keep them. ``B`` is
-    required when ``affine`` or ``track_running_stats``.
+    required when ``affine`` or ``track_running_stats``. ``activation``
+    (hfkern's, keyword-only): ``"relu"`` or ``"gelu"`` computes
+    ``act(batch_norm(x))`` in the same op (see the module docstring).
     """
 
     _torch_cls = nn.BatchNorm1d
@@ -333,8 +379,11 @@ class BatchNorm2d(_BatchNorm):
 
     Parameters and ``running_mean``/``running_var`` are ``[B, C]``,
     ``num_batches_tracked`` is ``[B]``. Any input strides are read as they are;
-    ``[N, B, C, H, W]`` memory (an array conv's output) keeps that memory order.
-    ``B`` is required when ``affine`` or ``track_running_stats``.
+    ``[N, B, C, H, W]`` memory (an array conv's output) and the ``[N, H, W, B, C]``
+    memory of a channels-last array image keep their memory order. ``B`` is
+    required when ``affine`` or ``track_running_stats``. ``activation``
+    (hfkern's, keyword-only): ``"relu"`` or ``"gelu"`` computes
+    ``act(batch_norm(x))`` in the same op (see the module docstring).
     """
 
     _torch_cls = nn.BatchNorm2d

@@ -3,10 +3,11 @@
 Ops (registered with torch.library, implementations chosen by the registry):
 
 ``array_batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked,``
-``training, momentum, eps) -> (y, mean, rstd)``
+``training, momentum, eps, activation="none") -> (y, mean, rstd)``
     x ``[B, N, C, *S]`` with 0 to 3 spatial dims ``S`` and any strides (an
-    array conv's ``[N, B, C, *S]`` memory behind its ``[B, N, C, *S]`` view, a
-    strided slice, channels-last memory, a shared input with stride 0 on B).
+    array conv's ``[N, B, C, *S]`` memory behind its ``[B, N, C, *S]`` view, or
+    the ``[N, H, W, B, C]`` memory of a channels-last array image, a strided
+    slice, channels-last memory, a shared input with stride 0 on B).
     weight and bias ``[B, C]`` or None. running_mean and running_var ``[B, C]``,
     both or neither. num_batches_tracked ``[B]`` (an integer dtype) or None.
     ``n = N * prod(S)`` values per (model, channel).
@@ -27,6 +28,12 @@ Ops (registered with torch.library, implementations chosen by the registry):
     ``training=False``: y is normalized with the running statistics, which are
     then required (ValueError otherwise) and are not changed.
 
+    ``y = act(z)``, ``z = (x - mean) * rstd * weight + bias`` the batch-norm
+    output and ``act`` the fused ``activation``: ``"none"`` (identity),
+    ``"relu"`` or ``"gelu"`` (the exact erf form, ``torch.nn.GELU()``). Any
+    other value raises ValueError before anything is changed. The statistics
+    are z's, whatever the activation.
+
     ``y`` has x's dtype and the layout of ``torch.empty_like(x)`` (x's strides
     when x is dense and non-overlapping, so ``[N, B, C, *S]`` memory stays
     that way). ``mean`` and ``rstd = 1 / sqrt(var + eps)`` are the statistics
@@ -34,15 +41,20 @@ Ops (registered with torch.library, implementations chosen by the registry):
     contiguous ``[B, C]`` in the accumulation dtype (float32, float64 for
     float64 x), and not differentiable.
 
-``array_batch_norm_backward(grad_y, x, weight, mean, rstd, training, output_mask)``
-``-> (grad_x, grad_weight, grad_bias)``
-    ``mean`` and ``rstd`` as the forward returned them. With
-    ``xhat = (x - mean) * rstd`` and sums over N and S per (model, channel)::
+``array_batch_norm_backward(grad_y, x, weight, mean, rstd, training, output_mask,``
+``bias=None, activation="none") -> (grad_x, grad_weight, grad_bias)``
+    ``mean`` and ``rstd`` as the forward returned them; ``bias`` and
+    ``activation`` the forward's (bias is only read with an activation). With
+    ``xhat = (x - mean) * rstd``, ``g = grad_y * act'(xhat * weight + bias)``
+    (``grad_y`` without an activation; ``z`` recomputed in the accumulation
+    dtype where ``x`` is read, so the backward needs nothing but what the
+    plain batch norm saves, plus the bias) and sums over N and S per (model,
+    channel)::
 
-        grad_bias   = sum(grad_y)
-        grad_weight = sum(grad_y * xhat)
-        grad_x      = weight * rstd * (grad_y - grad_bias / n - xhat * grad_weight / n)   training
-        grad_x      = weight * rstd * grad_y                                              eval
+        grad_bias   = sum(g)
+        grad_weight = sum(g * xhat)
+        grad_x      = weight * rstd * (g - grad_bias / n - xhat * grad_weight / n)   training
+        grad_x      = weight * rstd * g                                              eval
 
     One op with an ``output_mask``, as ``array_layer_norm_backward``: the three
     gradients share the two per-channel sums, so a backend reduces ``x`` and
@@ -70,8 +82,10 @@ norm backward: its formula differentiates the reference math
 (:func:`batch_norm_backward_math`) with ``torch.func.vjp``. In training,
 ``mean`` and ``rstd`` are differentiated as the functions of x they are (the
 gradient with respect to x is the total one) and get no gradient of their
-own; in eval they are constants. It only runs when a backward is itself
-differentiated (``create_graph=True``).
+own; in eval they are constants. With an activation, ``act'(z)`` depends on
+x, weight and bias, and the bias (an input of the backward op then) gets its
+gradient too. It only runs when a backward is itself differentiated
+(``create_graph=True``).
 """
 
 from __future__ import annotations
@@ -83,8 +97,11 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._array import from_grouped, is_shared, op_result, per_model_memory_first, to_grouped
+from .._array import (
+    array_memory_format, from_grouped, is_shared, op_result, per_model_memory_first, to_grouped,
+)
 from .._dtypes import acc_dtype
+from .layer_norm import activate_, activation_grad, check_activation
 
 __all__ = ["array_batch_norm", "array_batch_norm_backward", "batch_norm_backward_math"]
 
@@ -137,24 +154,67 @@ def _update_running(
         buf.copy_(factor * new.to(torch.float64) + (1 - factor) * buf.to(torch.float64))
 
 
-def _grouped_ok(x: Tensor, *tensors: Tensor | None) -> bool:
+def _grouped_format(x: Tensor) -> torch.memory_format | None:
+    """The memory format of x's grouped view ``[N, B*C, *S]`` where that view is free:
+    contiguous for ``[N, B, C, *S]`` memory (an array conv's output), channels-last for
+    the ``[N, H, W, B, C]`` memory of a channels-last array image; None otherwise.
+    Memory that is both (one channel, or H = W = 1) is what array_memory_format says."""
+    if array_memory_format(x) == torch.channels_last:
+        return torch.channels_last
+    if per_model_memory_first(x):
+        return torch.contiguous_format
+    return None
+
+
+def _grouped_ok(x: Tensor, *per_channel: Tensor | None, grad_y: Tensor | None = None) -> bool:
     """Whether torch's own batch norm can serve ``x`` on the free grouped view
-    ``[N, B*C, *S]``: ``[N, B, C, *S]`` memory (an array conv's output), and
-    every per-channel tensor of x's dtype (float32 or float64, so the
-    statistics are in the accumulation dtype either way)."""
+    ``[N, B*C, *S]`` (see :func:`_grouped_format`): float32 or float64 ``x`` with
+    every per-channel tensor of its dtype, or torch's mixed precision (bfloat16 or
+    float16 ``x``, as autocast's convs give it, with float32 per-channel tensors);
+    the statistics are in the accumulation dtype either way."""
     # B > 1: for B = 1 the view's strides would differ from torch.empty_like(x)'s
-    return (x.dtype in (torch.float32, torch.float64) and x.numel() > 0 and x.dim() > 3 and x.size(0) > 1
-            and per_model_memory_first(x) and not is_shared(x)
-            and all(t is None or t.dtype == x.dtype for t in tensors))
+    return (x.dtype in _PARAM_DTYPE and x.numel() > 0 and x.dim() > 3 and x.size(0) > 1
+            and not is_shared(x) and _grouped_format(x) is not None
+            and all(t is None or t.dtype == _PARAM_DTYPE[x.dtype] for t in per_channel)
+            and (grad_y is None or grad_y.dtype == x.dtype))
+
+
+# The per-channel dtype torch's batch norm takes with each activation dtype on the grouped
+# path: its own, or float32 (mixed precision: reduced-precision activations, float32
+# parameters, running and saved statistics).
+_PARAM_DTYPE = {torch.float64: torch.float64, torch.float32: torch.float32,
+                torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
+def _grouped_params(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """weight and bias flat ``[B*C]`` for torch's kernel. Without them, mixed precision
+    gets float32 ones and zeros (the same math): without a float32 parameter torch's
+    kernels take the reduced dtype for the statistics too."""
+    if weight is not None or x.dtype == _PARAM_DTYPE[x.dtype]:
+        return _flat(weight), _flat(bias)
+    n = x.shape[0] * x.shape[2]
+    return x.new_ones(n, dtype=torch.float32), (_flat(bias) if bias is not None else x.new_zeros(n, dtype=torch.float32))
 
 
 def _flat(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.reshape(-1)
 
 
-def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps):
-    """Training on ``[N, B, C, *S]`` memory: torch's kernel (cuDNN, oneDNN) on the
-    grouped view, about twice as fast as strided reductions over ``x``."""
+def _from_grouped_like(y: Tensor, x: Tensor) -> Tensor:
+    """torch's grouped output ``[N, B*C, *S]`` as ``[B, N, C, *S]`` in x's memory, with x's
+    strides also on size-1 dims (the same elements: one channel in channels-last memory),
+    so the layout is exactly ``torch.empty_like(x)``'s, as the fake promises."""
+    out = from_grouped(y, x.shape[0], _grouped_format(x))
+    if out.stride() != x.stride() and all(
+            n == 1 or a == b for n, a, b in zip(x.shape, out.stride(), x.stride())):
+        out = out.as_strided(x.shape, x.stride(), out.storage_offset())
+    return op_result(out)
+
+
+def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
+                     activation):
+    """Training on memory whose grouped view is free: torch's kernel (cuDNN, oneDNN) on
+    the grouped view, about twice as fast as strided reductions over ``x``."""
     B, C = x.shape[0], x.shape[2]
     running, factor = (None, None), 0.0
     if running_mean is not None and momentum is not None:
@@ -162,14 +222,28 @@ def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tra
     elif running_mean is not None:
         # Per-model factors: torch writes the batch mean and unbiased variance
         # (momentum 1 into zeros), blended per model below.
-        running, factor = (x.new_zeros(B * C), x.new_zeros(B * C)), 1.0
+        stats = _PARAM_DTYPE[x.dtype]
+        running, factor = (x.new_zeros(B * C, dtype=stats), x.new_zeros(B * C, dtype=stats)), 1.0
     y, mean, rstd = torch.native_batch_norm(
-        to_grouped(x), _flat(weight), _flat(bias), *running, True, factor, eps
+        to_grouped(x), *_grouped_params(x, weight, bias), *running, True, factor, eps
     )
+    activate_(y, activation)
     if running_mean is not None and momentum is None:
         _update_running(running_mean, running_var, num_batches_tracked,
                         running[0].view(B, C), running[1].view(B, C), None)
-    return op_result(from_grouped(y, B)), mean.view(B, C), rstd.view(B, C)
+    return _from_grouped_like(y, x), mean.view(B, C), rstd.view(B, C)
+
+
+def _affine(centered: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
+            out: Tensor | None = None) -> Tensor:
+    """z = (x - mean) * (rstd * weight) + bias from ``centered = x - mean`` (accumulation
+    dtype), into ``out`` when given: the forward's expression, which the backward repeats
+    to recompute z for an activation's derivative."""
+    acc = rstd.dtype
+    scale = _channel_view(rstd if weight is None else rstd * weight.to(acc), x)
+    if bias is None:
+        return torch.mul(centered, scale, out=out)
+    return torch.addcmul(_channel_view(bias.to(acc), x), centered, scale, out=out)
 
 
 @_backend.implements(_FWD, "torch")
@@ -183,11 +257,13 @@ def array_batch_norm_torch(
     training: bool,
     momentum: float | None,
     eps: float,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     B, C = x.shape[0], x.shape[2]
     acc = acc_dtype(x.dtype)
     if training and values_per_channel(x) > 0 and _grouped_ok(x, weight, bias, running_mean, running_var):
-        return _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps)
+        return _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum,
+                                eps, activation)
     if training:
         n = values_per_channel(x)
         # A shared input is the same batch for every model: its statistics once.
@@ -206,13 +282,11 @@ def array_batch_norm_torch(
         # copies: an output may not alias an input
         mean = running_mean.to(dtype=acc, memory_format=torch.contiguous_format, copy=True)
         rstd = (running_var.to(acc) + eps).rsqrt_().contiguous()
-    scale = rstd if weight is None else rstd * weight.to(acc)
     centered = x.to(acc) - _channel_view(mean, x)
-    y = torch.empty_like(x)
-    if bias is None:
-        return torch.mul(centered, _channel_view(scale, x), out=y), mean, rstd
-    shift = _channel_view(bias.to(acc), x)
-    return torch.addcmul(shift, centered, _channel_view(scale, x), out=y), mean, rstd
+    # z rounded once into y, then the activation in place: what the separate
+    # activation computes on the rounded norm output
+    y = _affine(centered, x, rstd, weight, bias, out=torch.empty_like(x))
+    return activate_(y, activation), mean, rstd
 
 
 @_backend.implements(_BWD, "torch")
@@ -224,34 +298,45 @@ def array_batch_norm_backward_torch(
     rstd: Tensor,
     training: bool,
     output_mask: Sequence[bool],
+    bias: Tensor | None = None,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias); an output whose mask entry is False is ``[0]``."""
-    if training and _grouped_ok(x, grad_y, weight, mean):
+    acc = mean.dtype
+    if training and _grouped_ok(x, weight, bias, mean, grad_y=grad_y):
         B, N, C = x.shape[:3]
-        if not per_model_memory_first(grad_y):
+        fmt = _grouped_format(x)
+        if activation != "none":
+            # g = grad_y * act'(z) in one pass, written in x's layout for the grouped view
+            z = _affine(x - _channel_view(mean, x), x, rstd, weight, bias)
+            grad_y = activation_grad(grad_y, z, activation, out=torch.empty_like(x))
+        elif _grouped_format(grad_y) != fmt:
             # e.g. the gradient of a max over points (PointNet), in [B, N, ...]
             # memory: one copy into x's layout costs less than the strided
             # reductions of the general path (several passes over x and grad_y).
-            grad_y = grad_y.transpose(0, 1).contiguous().transpose(0, 1)
+            grad_y = torch.empty_like(x).copy_(grad_y)
         # CUDA's kernel reads the weight's device even when it is undefined ("tensor does not
         # have a device"): a weight of ones is the same math on every device.
-        w = _flat(weight) if weight is not None else x.new_ones(B * C)
+        w = _flat(weight) if weight is not None else x.new_ones(B * C, dtype=_PARAM_DTYPE[x.dtype])
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
             to_grouped(grad_y), to_grouped(x), w, None, None, mean.view(-1), rstd.view(-1),
             True, 0.0, list(output_mask),
         )
         # unrequested outputs: distinct empties, as custom-op outputs may not alias
         return (
-            op_result(from_grouped(gx, B)) if output_mask[0] else x.new_empty(0),
+            _from_grouped_like(gx, x) if output_mask[0] else x.new_empty(0),
             gw.view(B, C) if output_mask[1] else x.new_empty(0),
-            gb.view(B, C) if output_mask[2] else x.new_empty(0),
+            # without a weight, grad_bias has x's dtype (the contract), not the ones' float32
+            gb.view(B, C).to(x.dtype if weight is None else weight.dtype) if output_mask[2] else x.new_empty(0),
         )
-    acc = mean.dtype
     dims = _reduced_dims(x)
     n = values_per_channel(x)
     rstd_v = _channel_view(rstd, x)
-    xhat = (x.to(acc) - _channel_view(mean, x)).mul_(rstd_v)
+    centered = x.to(acc) - _channel_view(mean, x)
     gy = grad_y.to(acc)
+    if activation != "none":
+        gy = activation_grad(gy, _affine(centered, x, rstd, weight, bias), activation)
+    xhat = centered.mul_(rstd_v)
     param_dtype = x.dtype if weight is None else weight.dtype
     # Unrequested outputs are distinct empties: custom-op outputs may not alias.
     grad_x, grad_w, grad_b = x.new_empty(0), x.new_empty(0), x.new_empty(0)
@@ -289,11 +374,14 @@ def batch_norm_backward_math(
     rstd: Tensor,
     training: bool,
     output_mask: Sequence[bool],
+    bias: Tensor | None = None,
+    activation: str = "none",
 ) -> list[Tensor | None]:
     """The math of :func:`array_batch_norm_backward_torch` in differentiable ops,
     with mean and rstd as functions of x in training: (grad_x, grad_weight,
     grad_bias), None where the mask entry is False. What the double-backward
-    formula differentiates; slower than the backward op, which it matches."""
+    formula differentiates; slower than the backward op, which it matches.
+    With an activation, ``act'(z)`` is a function of x, weight and bias too."""
     acc = rstd.dtype
     dims = _reduced_dims(x)
     n = values_per_channel(x)
@@ -306,6 +394,10 @@ def batch_norm_backward_math(
         rstd_v = rstd_v * torch.rsqrt(1 + rstd_v.square() * (v - v.detach()))
     xhat = (xf - mean_v) * rstd_v
     gy = grad_y.to(acc)
+    if activation != "none":
+        z = xhat if weight is None else xhat * _channel_view(weight.to(acc), x)
+        z = z if bias is None else z + _channel_view(bias.to(acc), x)
+        gy = activation_grad(gy, z, activation)
     sum_gy = gy.sum(dim=dims, keepdim=True)
     sum_gy_xhat = (gy * xhat).sum(dim=dims, keepdim=True)
     param_dtype = x.dtype if weight is None else weight.dtype
@@ -352,8 +444,9 @@ def _check_per_channel(op: str, x: Tensor, **tensors: Tensor | None) -> None:
 
 
 def _check_forward(
-    x: Tensor, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum
+    x: Tensor, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, activation
 ) -> None:
+    check_activation(_FWD, activation)
     _check_x(_FWD, x)
     _check_per_channel(_FWD, x, weight=weight, bias=bias, running_mean=running_mean,
                        running_var=running_var)
@@ -392,13 +485,14 @@ def _check_forward(
         )
 
 
-def _check_backward(grad_y: Tensor, x: Tensor, weight, mean, rstd, output_mask) -> None:
+def _check_backward(grad_y: Tensor, x: Tensor, weight, mean, rstd, output_mask, bias, activation) -> None:
+    check_activation(_BWD, activation)
     _check_x(_BWD, x)
     if _shape(grad_y) != _shape(x):
         raise ValueError(
             f"hfkern::{_BWD}: expected grad_y of x's shape {_shape(x)}, got {_shape(grad_y)}"
         )
-    _check_per_channel(_BWD, x, weight=weight, mean=mean, rstd=rstd)
+    _check_per_channel(_BWD, x, weight=weight, mean=mean, rstd=rstd, bias=bias)
     if len(output_mask) != 3:
         raise ValueError(f"hfkern::{_BWD}: expected output_mask of length 3, got {list(output_mask)}")
     if output_mask[1] and weight is None:
@@ -416,16 +510,21 @@ def array_batch_norm_op(
     training: bool,
     momentum: float | None,
     eps: float,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The registered op (not differentiable: see the module docstring)."""
-    _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum)
+    _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum,
+                   activation)
     fn = _backend.resolve(_FWD, x.device, x.dtype)
-    return fn(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps)
+    return fn(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+              activation)
 
 
 @array_batch_norm_op.register_fake
-def _(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps):
-    _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum)
+def _(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+      activation="none"):
+    _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum,
+                   activation)
     stats = (x.shape[0], x.shape[2])
     acc = acc_dtype(x.dtype)
     return torch.empty_like(x), x.new_empty(stats, dtype=acc), x.new_empty(stats, dtype=acc)
@@ -440,15 +539,17 @@ def array_batch_norm_backward(
     rstd: Tensor,
     training: bool,
     output_mask: list[bool],
+    bias: Tensor | None = None,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check_backward(grad_y, x, weight, mean, rstd, output_mask)
+    _check_backward(grad_y, x, weight, mean, rstd, output_mask, bias, activation)
     fn = _backend.resolve(_BWD, grad_y.device, x.dtype)
-    return fn(grad_y, x, weight, mean, rstd, training, output_mask)
+    return fn(grad_y, x, weight, mean, rstd, training, output_mask, bias, activation)
 
 
 @array_batch_norm_backward.register_fake
-def _(grad_y, x, weight, mean, rstd, training, output_mask):
-    _check_backward(grad_y, x, weight, mean, rstd, output_mask)
+def _(grad_y, x, weight, mean, rstd, training, output_mask, bias=None, activation="none"):
+    _check_backward(grad_y, x, weight, mean, rstd, output_mask, bias, activation)
     param_dtype = x.dtype if weight is None else weight.dtype
 
     def param_grad(wanted: bool) -> Tensor:
@@ -462,17 +563,21 @@ class _ArrayBatchNorm(torch.autograd.Function):
     """Autograd around the mutating forward op (which cannot carry a torch.library formula)."""
 
     @staticmethod
-    def forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps):
+    def forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+                activation):
         return array_batch_norm_op(
-            x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps
+            x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+            activation,
         )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, *_, training, _momentum, _eps = inputs
+        x, weight, bias, *_, training, _momentum, _eps, activation = inputs
         _, mean, rstd = output
-        ctx.save_for_backward(x, weight, mean, rstd)
+        # the bias only where the backward recomputes z for the activation's derivative
+        ctx.save_for_backward(x, weight, mean, rstd, bias if activation != "none" else None)
         ctx.training = training
+        ctx.activation = activation
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.mark_non_differentiable(mean, rstd)
         # No gradient flows into mean and rstd: autograd would otherwise hand the
@@ -484,17 +589,18 @@ class _ArrayBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_mean, grad_rstd):
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, weight, mean, rstd, bias = ctx.saved_tensors
         needs = ctx.needs_input_grad
         mask = [needs[0], weight is not None and needs[1], ctx.bias_dtype is not None and needs[2]]
-        none = (None,) * 6
+        none = (None,) * 7
         if not any(mask) or grad_y is None:
             return (None, None, None) + none
+        args = (grad_y, x, weight, mean, rstd, ctx.training, mask, bias, ctx.activation)
         if ctx.backend is None:
-            gx, gw, gb = array_batch_norm_backward(grad_y, x, weight, mean, rstd, ctx.training, mask)
+            gx, gw, gb = array_batch_norm_backward(*args)
         else:
             with _backend.pinned(ctx.backend):
-                gx, gw, gb = array_batch_norm_backward(grad_y, x, weight, mean, rstd, ctx.training, mask)
+                gx, gw, gb = array_batch_norm_backward(*args)
         return (
             gx if mask[0] else None,
             gw if mask[1] else None,
@@ -512,18 +618,21 @@ def array_batch_norm(
     training: bool,
     momentum: float | None,
     eps: float,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Batch norm of B models, differentiable: ``hfkern::array_batch_norm`` with autograd.
 
     x ``[B, N, C, *S]`` (0 to 3 spatial dims, any strides); weight, bias,
     running_mean, running_var ``[B, C]`` or None; num_batches_tracked ``[B]``
-    or None. Returns ``(y, mean, rstd)``: y ``[B, N, C, *S]`` in x's dtype and
-    memory order, mean and rstd ``[B, C]`` (accumulation dtype, not
-    differentiable). In training the running statistics are updated in place.
-    The full contract is the module docstring.
+    or None; ``activation`` one of ``"none"``, ``"relu"``, ``"gelu"`` (exact),
+    applied to the batch-norm output in the same op. Returns ``(y, mean,
+    rstd)``: y ``[B, N, C, *S]`` in x's dtype and memory order, mean and rstd
+    ``[B, C]`` (accumulation dtype, not differentiable). In training the
+    running statistics are updated in place. The full contract is the module
+    docstring.
     """
     return _ArrayBatchNorm.apply(
-        x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps
+        x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation
     )
 
 
@@ -534,28 +643,36 @@ def array_batch_norm(
 # the independent inputs of the op they are (a gradient penalty's grad_y
 # depends on x in the caller's graph) and the result stays differentiable.
 
+# The backward op's differentiable inputs, by position: grad_y, x, weight, and
+# bias (argument 7, through the activation).
+_BWD_BIAS = 7
+
+
 def _backward_setup_context(ctx, inputs, output):
-    grad_y, x, weight, mean, rstd, training, output_mask = inputs
-    ctx.save_for_backward(grad_y, x, weight, mean, rstd)
+    grad_y, x, weight, mean, rstd, training, output_mask, bias, activation = inputs
+    ctx.save_for_backward(grad_y, x, weight, mean, rstd, bias)
     ctx.training = training
     ctx.output_mask = list(output_mask)
+    ctx.activation = activation
 
 
 def _backward_backward(ctx, grad_grad_x, grad_grad_w, grad_grad_b):
-    grad_y, x, weight, mean, rstd = ctx.saved_tensors
+    grad_y, x, weight, mean, rstd, bias = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    wanted = [i for i, t in enumerate((grad_y, x, weight)) if needs[i] and t is not None]
+    inputs = {0: grad_y, 1: x, 2: weight, _BWD_BIAS: bias}
+    # needs_input_grad covers the arguments given: none past them (defaults) needs a gradient
+    wanted = [i for i, t in inputs.items() if i < len(needs) and needs[i] and t is not None]
     result: list[Tensor | None] = [None] * len(needs)
     if not wanted:
         return tuple(result)
     mask = ctx.output_mask
-    primals = [(grad_y, x, weight)[i] for i in wanted]
+    primals = [inputs[i] for i in wanted]
 
     def math_of(*differentiated):
-        args = [grad_y, x, weight]
-        for i, t in zip(wanted, differentiated):
-            args[i] = t
-        outs = batch_norm_backward_math(*args, mean, rstd, ctx.training, mask)
+        args = dict(inputs)
+        args.update(zip(wanted, differentiated))
+        outs = batch_norm_backward_math(args[0], args[1], args[2], mean, rstd, ctx.training, mask,
+                                        args[_BWD_BIAS], ctx.activation)
         return tuple(o for o in outs if o is not None)
 
     if any(mask):

@@ -2,16 +2,24 @@
 
 Ops (all registered with torch.library, implementations chosen by the registry):
 
-``array_layer_norm(x, weight, bias, norm_ndim, eps) -> (y, mean, rstd)``
+``array_layer_norm(x, weight, bias, norm_ndim, eps, activation="none") -> (y, mean, rstd)``
     x ``[B, *, *S]`` with any strides (``S`` = the trailing ``norm_ndim`` dims,
-    normalized_shape), weight and bias ``[B, *S]`` or None. ``y`` has x's dtype
-    and the layout of ``torch.empty_like(x)`` (x's strides when x is dense and
-    non-overlapping, so an ``[N, B, ...]``-memory conv output stays that way).
+    normalized_shape), weight and bias ``[B, *S]`` or None. ``y = act(z)`` with
+    ``z = xhat * weight + bias`` the layer-norm output and ``act`` the fused
+    ``activation``: ``"none"`` (identity), ``"relu"`` or ``"gelu"`` (the exact erf
+    form, ``torch.nn.GELU()``); any other value raises ValueError. ``y`` has x's
+    dtype and the layout of ``torch.empty_like(x)`` (x's strides when x is dense
+    and non-overlapping, so an ``[N, B, ...]``-memory conv output stays that way).
     ``mean`` and ``rstd`` are contiguous ``[B, M]`` (``M`` = product of ``*``) in
     the accumulation dtype: float32, or float64 for float64 x. They are not
     differentiable.
-``array_layer_norm_backward(grad_y, x, weight, mean, rstd, norm_ndim, output_mask)``
-    ``-> (grad_x, grad_weight, grad_bias)``.
+``array_layer_norm_backward(grad_y, x, weight, mean, rstd, norm_ndim, output_mask,``
+``bias=None, activation="none") -> (grad_x, grad_weight, grad_bias)``
+    With an activation, the gradients of ``act(z)``: ``grad_y`` is first
+    multiplied by ``act'(z)``, ``z`` recomputed (in the accumulation dtype) from
+    ``x``, the statistics, ``weight`` and ``bias`` (the forward's, which the
+    autograd formula saves for it), so nothing but ``x`` is kept for the
+    backward and the activation's output is never read back.
 ``array_rms_norm(x, weight, norm_ndim, eps) -> (y, rstd)``
     The same conventions; RMSNorm has no bias and no mean.
 ``array_rms_norm_backward(grad_y, x, weight, rstd, norm_ndim, output_mask)``
@@ -32,6 +40,12 @@ outputs: ``grad_x`` has x's dtype and the layout of ``torch.empty_like(x)``;
 ``grad_x`` of a shared input (stride 0 on B) is per model, ``[B, ...]``;
 autograd's expand backward sums it.
 
+Fused activation: a norm followed by ReLU or GELU (``hfkern.fuse`` finds the
+pattern, the modules take ``activation=``) is one op, backward included, so the
+activation's separate read and write of the activation tensor disappear. The
+torch path applies it in place on the output; backends apply it before the
+store and recompute ``z`` where they read ``x`` in the backward.
+
 Double backward: the backward ops are differentiable too (gradient penalties,
 MAML). Their formula differentiates the reference math
 (:func:`norm_backward_math`) with autograd, on every backend:
@@ -39,7 +53,8 @@ a Triton backward's own gradients run as torch ops. As for
 ``aten::native_layer_norm_backward``, ``mean`` and ``rstd`` must be the
 statistics the forward returned for ``x``; the formula differentiates them as
 functions of ``x`` (so the gradient with respect to ``x`` is the total one)
-and gives them no gradient of their own. The first backward is never slowed:
+and gives them no gradient of their own (with an activation, the bias, which
+enters ``act'(z)``, is differentiated too). The first backward is never slowed:
 the formula only runs when a backward is itself differentiated
 (``create_graph=True``).
 """
@@ -62,6 +77,52 @@ __all__ = [
 
 _LN_FWD, _LN_BWD = "array_layer_norm", "array_layer_norm_backward"
 _RMS_FWD, _RMS_BWD = "array_rms_norm", "array_rms_norm_backward"
+
+
+# ---- fused activations (shared with hfkern.ops.batch_norm) --------------------
+#
+# A norm's output z can go through an activation in the same op: y = act(z).
+# The backward multiplies grad_y by act'(z), with z recomputed from x and the
+# statistics where x is read anyway, so nothing extra is saved.
+
+NORM_ACTIVATIONS = ("none", "relu", "gelu")
+_SQRT1_2 = 0.7071067811865476  # 1 / sqrt(2)
+_INV_SQRT_2PI = 0.3989422804014327  # 1 / sqrt(2 * pi)
+
+
+def check_activation(op: str, activation: object) -> None:
+    """Raise ValueError unless ``activation`` is one of :data:`NORM_ACTIVATIONS`."""
+    if not isinstance(activation, str) or activation not in NORM_ACTIVATIONS:
+        raise ValueError(
+            f"hfkern::{op}: expected activation to be one of {', '.join(map(repr, NORM_ACTIVATIONS))}, "
+            f"got {activation!r}"
+        )
+
+
+def activate_(y: Tensor, activation: str) -> Tensor:
+    """``y <- act(y)`` in place (what ``nn.ReLU(inplace=True)`` and ``nn.GELU()`` compute on
+    the rounded norm output, so the fused op rounds exactly as the separate ops)."""
+    if activation == "relu":
+        return y.relu_()
+    if activation == "gelu":
+        return torch.ops.aten.gelu_(y)
+    return y
+
+
+def activation_grad(grad_y: Tensor, z: Tensor, activation: str, out: Tensor | None = None) -> Tensor:
+    """``grad_y * act'(z)`` (``z`` the norm output before the activation), written into
+    ``out`` when given (the layout a kernel wants), else differentiable.
+
+    ReLU: torch's rule, the gradient where ``z > 0`` and 0 elsewhere (also at 0). GELU: the
+    derivative of the exact form, ``Phi(z) + z * phi(z)``, as torch's gelu_backward computes it.
+    """
+    if activation == "relu":
+        return torch.where(z > 0, grad_y, grad_y.new_zeros(()), out=out)
+    if activation == "gelu":
+        cdf = 0.5 * (1 + torch.erf(z * _SQRT1_2))
+        pdf = torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
+        return torch.mul(grad_y, cdf + z * pdf, out=out)
+    return grad_y if out is None else out.copy_(grad_y)
 
 
 # ---- the torch implementations (CPU path and oracle) ---------------------------
@@ -128,18 +189,24 @@ def _write_affine(y: Tensor, xhat: Tensor, w: Tensor | None, b: Tensor | None) -
     return y.copy_(xhat)
 
 
+def _affine_params(x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, acc):
+    w = None if weight is None else _param_view(weight, x, norm_ndim).to(acc)
+    b = None if bias is None else _param_view(bias, x, norm_ndim).to(acc)
+    return w, b
+
+
 @_backend.implements("array_layer_norm", "torch")
 def array_layer_norm_torch(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     acc = acc_dtype(x.dtype)
     xf = x.to(acc)
     var, mean = torch.var_mean(xf, dim=_norm_dims(x, norm_ndim), correction=0, keepdim=True)
     rstd = var.add_(eps).rsqrt_()
     xhat = (xf - mean).mul_(rstd)
-    w = None if weight is None else _param_view(weight, x, norm_ndim).to(acc)
-    b = None if bias is None else _param_view(bias, x, norm_ndim).to(acc)
-    y = _write_affine(torch.empty_like(x), xhat, w, b)
+    w, b = _affine_params(x, weight, bias, norm_ndim, acc)
+    y = activate_(_write_affine(torch.empty_like(x), xhat, w, b), activation)
     return y, _stats_out(mean, x, norm_ndim), _stats_out(rstd, x, norm_ndim)
 
 
@@ -152,20 +219,27 @@ def array_layer_norm_backward_torch(
     rstd: Tensor,
     norm_ndim: int,
     output_mask: Sequence[bool],
+    bias: Tensor | None = None,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias); an output whose mask entry is False is ``[0]``.
 
-    With xhat = (x - mean) * rstd and g = grad_y * weight (or grad_y), per row::
+    With xhat = (x - mean) * rstd, gz = grad_y * act'(xhat * weight + bias) (grad_y
+    without an activation) and g = gz * weight (or gz), per row::
 
         grad_x      = rstd * (g - mean(g) - xhat * mean(g * xhat))
-        grad_weight = sum over rows of grad_y * xhat
-        grad_bias   = sum over rows of grad_y
+        grad_weight = sum over rows of gz * xhat
+        grad_bias   = sum over rows of gz
     """
     acc = mean.dtype
     dims = _norm_dims(x, norm_ndim)
     rstd_v = _stat_view(rstd, x, norm_ndim)
     xhat = (x.to(acc) - _stat_view(mean, x, norm_ndim)).mul_(rstd_v)
     gy = grad_y.to(acc)
+    if activation != "none":
+        # z as the forward computed it, before its rounding to x's dtype
+        w, b = _affine_params(x, weight, bias, norm_ndim, acc)
+        gy = activation_grad(gy, _write_affine(torch.empty_like(xhat), xhat, w, b), activation)
     param_dtype = x.dtype if weight is None else weight.dtype
     # Unrequested outputs are distinct empties: custom-op outputs may not alias.
     grad_x, grad_w, grad_b = x.new_empty(0), x.new_empty(0), x.new_empty(0)
@@ -273,17 +347,27 @@ def norm_backward_math(
     rstd: Tensor,
     norm_ndim: int,
     output_mask: Sequence[bool],
+    bias: Tensor | None = None,
+    activation: str = "none",
 ) -> list[Tensor | None]:
     """The math of :func:`array_layer_norm_backward_torch` (``mean`` given) or
     :func:`array_rms_norm_backward_torch` (``mean`` None) in differentiable ops, with
     mean and rstd as functions of x: (grad_x, grad_weight[, grad_bias]), None
     where the mask entry is False. What the double-backward formulas
     differentiate; slower than the backward functions above, which it matches.
+    With an activation, ``act'(z)`` is a function of x, weight and bias too.
     """
     xf, mean_v, rstd_v = _attached_stats(x, mean, rstd, norm_ndim)
     dims = _norm_dims(x, norm_ndim)
     xhat = (xf if mean_v is None else xf - mean_v) * rstd_v
     gy = grad_y.to(rstd.dtype)
+    if activation != "none":
+        z = xhat
+        if weight is not None:
+            z = z * _param_view(weight, x, norm_ndim).to(rstd.dtype)
+        if bias is not None:
+            z = z + _param_view(bias, x, norm_ndim).to(rstd.dtype)
+        gy = activation_grad(gy, z, activation)
     param_dtype = x.dtype if weight is None else weight.dtype
     outs: list[Tensor | None] = [None] * len(output_mask)
     if output_mask[0]:
@@ -345,16 +429,21 @@ def _fake_input_grad(x: Tensor, wanted: bool) -> Tensor:
 
 @torch.library.custom_op("hfkern::array_layer_norm", mutates_args=())
 def array_layer_norm(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Layer norm of B models, differentiable (see the module docstring): ``y = act(z)``
+    with ``activation`` in ``("none", "relu", "gelu")``."""
     _check(_LN_FWD, x, weight, bias, norm_ndim)
+    check_activation(_LN_FWD, activation)
     fn = _backend.resolve(_LN_FWD, x.device, x.dtype)
-    return fn(x, weight, bias, norm_ndim, eps)
+    return fn(x, weight, bias, norm_ndim, eps, activation)
 
 
 @array_layer_norm.register_fake
-def _(x, weight, bias, norm_ndim, eps):
+def _(x, weight, bias, norm_ndim, eps, activation="none"):
     _check(_LN_FWD, x, weight, bias, norm_ndim)
+    check_activation(_LN_FWD, activation)
     return torch.empty_like(x), _fake_stats(x, norm_ndim), _fake_stats(x, norm_ndim)
 
 
@@ -367,17 +456,21 @@ def array_layer_norm_backward(
     rstd: Tensor,
     norm_ndim: int,
     output_mask: list[bool],
+    bias: Tensor | None = None,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check(_LN_BWD, x, weight, None, norm_ndim)
+    _check(_LN_BWD, x, weight, bias, norm_ndim)
     _check_mask(_LN_BWD, output_mask, 3, weight)
+    check_activation(_LN_BWD, activation)
     fn = _backend.resolve(_LN_BWD, grad_y.device, x.dtype)
-    return fn(grad_y, x, weight, mean, rstd, norm_ndim, output_mask)
+    return fn(grad_y, x, weight, mean, rstd, norm_ndim, output_mask, bias, activation)
 
 
 @array_layer_norm_backward.register_fake
-def _(grad_y, x, weight, mean, rstd, norm_ndim, output_mask):
-    _check(_LN_BWD, x, weight, None, norm_ndim)
+def _(grad_y, x, weight, mean, rstd, norm_ndim, output_mask, bias=None, activation="none"):
+    _check(_LN_BWD, x, weight, bias, norm_ndim)
     _check_mask(_LN_BWD, output_mask, 3, weight)
+    check_activation(_LN_BWD, activation)
     return (
         _fake_input_grad(x, output_mask[0]),
         _fake_param_grad(x, weight, norm_ndim, output_mask[1]),
@@ -386,10 +479,12 @@ def _(grad_y, x, weight, mean, rstd, norm_ndim, output_mask):
 
 
 def _ln_setup_context(ctx, inputs, output):
-    x, weight, bias, norm_ndim, eps = inputs
+    x, weight, bias, norm_ndim, eps, activation = inputs
     _, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
+    # the bias only where the backward recomputes z for the activation's derivative
+    ctx.save_for_backward(x, weight, mean, rstd, bias if activation != "none" else None)
     ctx.norm_ndim = norm_ndim
+    ctx.activation = activation
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.mark_non_differentiable(mean, rstd)
     # The backward runs pinned to the forward's backend, whatever thread runs it.
@@ -397,17 +492,20 @@ def _ln_setup_context(ctx, inputs, output):
 
 
 def _ln_backward(ctx, grad_y, grad_mean, grad_rstd):
-    x, weight, mean, rstd = ctx.saved_tensors
+    x, weight, mean, rstd, bias = ctx.saved_tensors
     needs = ctx.needs_input_grad
     mask = [needs[0], weight is not None and needs[1], ctx.bias_dtype is not None and needs[2]]
     if not any(mask):
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     with _backend.pinned(ctx.backend):
-        gx, gw, gb = array_layer_norm_backward(grad_y, x, weight, mean, rstd, ctx.norm_ndim, mask)
+        gx, gw, gb = array_layer_norm_backward(
+            grad_y, x, weight, mean, rstd, ctx.norm_ndim, mask, bias, ctx.activation
+        )
     return (
         gx if mask[0] else None,
         gw if mask[1] else None,
         gb.to(ctx.bias_dtype) if mask[2] else None,
+        None,
         None,
         None,
     )
@@ -432,26 +530,40 @@ array_layer_norm.register_autograd(_ln_backward, setup_context=_ln_setup_context
 # derivatives are exact too. None of this runs unless a backward is itself
 # differentiated.
 
-def _norm_backward_setup_context(ctx, inputs, output):
-    grad_y, x, weight, *stats, norm_ndim, output_mask = inputs
-    ctx.save_for_backward(grad_y, x, weight, *stats)
-    ctx.norm_ndim = norm_ndim
-    ctx.output_mask = list(output_mask)
+# The backward ops' differentiable inputs, by position: grad_y, x, weight (both
+# ops) and bias (the layer-norm backward's argument 7, through the activation).
+_LN_BWD_BIAS = 7
+
+
+def _ln_backward_setup_context(ctx, inputs, output):
+    grad_y, x, weight, mean, rstd, norm_ndim, output_mask, bias, activation = inputs
+    ctx.save_for_backward(grad_y, x, weight, bias, mean, rstd)
+    ctx.norm_ndim, ctx.output_mask, ctx.activation = norm_ndim, list(output_mask), activation
+
+
+def _rms_backward_setup_context(ctx, inputs, output):
+    grad_y, x, weight, rstd, norm_ndim, output_mask = inputs
+    ctx.save_for_backward(grad_y, x, weight, None, rstd)
+    ctx.norm_ndim, ctx.output_mask, ctx.activation = norm_ndim, list(output_mask), "none"
 
 
 def _norm_backward_backward(ctx, *grad_outputs):
-    grad_y, x, weight, *stats = ctx.saved_tensors
+    grad_y, x, weight, bias, *stats = ctx.saved_tensors
     mean, rstd = stats if len(stats) == 2 else (None, stats[0])
     needs = ctx.needs_input_grad
-    wanted = [i for i, t in enumerate((grad_y, x, weight)) if needs[i] and t is not None]
+    inputs = {0: grad_y, 1: x, 2: weight}
+    if len(stats) == 2:
+        inputs[_LN_BWD_BIAS] = bias
+    # needs_input_grad covers the arguments given: none past them (defaults) needs a gradient
+    wanted = [i for i, t in inputs.items() if i < len(needs) and needs[i] and t is not None]
     mask = ctx.output_mask
-    primals = [(grad_y, x, weight)[i] for i in wanted]
+    primals = [inputs[i] for i in wanted]
 
     def math(*differentiated):
-        args = [grad_y, x, weight]
-        for i, t in zip(wanted, differentiated):
-            args[i] = t
-        outs = norm_backward_math(*args, mean, rstd, ctx.norm_ndim, mask)
+        args = dict(inputs)
+        args.update(zip(wanted, differentiated))
+        outs = norm_backward_math(args[0], args[1], args[2], mean, rstd, ctx.norm_ndim, mask,
+                                  args.get(_LN_BWD_BIAS), ctx.activation)
         return tuple(o for o in outs if o is not None)
 
     result: list[Tensor | None] = [None] * len(needs)
@@ -468,7 +580,7 @@ def _norm_backward_backward(ctx, *grad_outputs):
 
 
 array_layer_norm_backward.register_autograd(
-    _norm_backward_backward, setup_context=_norm_backward_setup_context
+    _norm_backward_backward, setup_context=_ln_backward_setup_context
 )
 
 
@@ -536,7 +648,7 @@ def _rms_backward(ctx, grad_y, grad_rstd):
 
 array_rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup_context)
 array_rms_norm_backward.register_autograd(
-    _norm_backward_backward, setup_context=_norm_backward_setup_context
+    _norm_backward_backward, setup_context=_rms_backward_setup_context
 )
 
 # torch runs layer norm in float32 under CUDA autocast and in its input's dtype on the CPU;

@@ -28,6 +28,12 @@ rstd, and updates the running statistics in place (one program per channel
 block: nothing else touches them). Then a third kernel normalizes. Eval: the
 second kernel turns the running statistics into mean and rstd.
 
+Fused activation (``activation`` "relu" or "gelu"): the normalize kernel
+applies it to the float32 ``z`` before the store; the backward kernels that
+read ``x`` (partial sums, grad_x) recompute ``z`` from ``x``, the statistics,
+weight and bias as the forward computed it and use ``g = grad_y * act'(z)``
+in place of ``grad_y``. In eval, grad_x then reads ``x`` too.
+
 Backward: the same partition; a program writes the float32 partial sums of
 ``grad_y`` and ``grad_y * xhat`` over its chunk, a second kernel sums the
 partials of each channel in chunk order (grad_bias, grad_weight, and the two
@@ -48,9 +54,11 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import _backend
-from .._device import sm_count
 from .._dtypes import KERNEL_DTYPES
+from .._norm_layout import layout as _layout
+from .._norm_layout import partition as _partition
 from ._common import Tuned, check_tensors, interpreting
+from .layer_norm import _activate, _activation_grad
 
 __all__ = ["array_batch_norm", "array_batch_norm_backward"]
 
@@ -99,6 +107,15 @@ def _program_tile(pid, R0, C, R1, n_cb, n_r0b, n_r1b,
     col_ok = cols < C
     mask = (r0 < R0)[:, None, None] & col_ok[None, :, None] & (r1 < R1)[None, None, :]
     return b, r0, cols, r1, col_ok, mask
+
+
+@triton.jit
+def _channel_scale(b, cols, col_ok, rstd, w_ptr, sw_b, sw_c, HAS_W: tl.constexpr):
+    """[BLOCK_C] float32: rstd * weight, the scale of z = (x - mean) * scale + bias."""
+    scale = rstd
+    if HAS_W:
+        scale = rstd * tl.load(w_ptr + b * sw_b + cols * sw_c, mask=col_ok, other=0.0).to(tl.float32)
+    return scale
 
 
 @triton.jit
@@ -223,6 +240,7 @@ def _bn_norm_kernel(
     n_cb, n_r0b, n_r1b,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BLOCK_R0: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R1: tl.constexpr,
@@ -232,14 +250,14 @@ def _bn_norm_kernel(
         tl.program_id(0), R0, C, R1, n_cb, n_r0b, n_r1b, BLOCK_R0, BLOCK_C, BLOCK_R1
     )
     mean = tl.load(mean_ptr + b * C + cols, mask=col_ok, other=0.0)
-    scale = tl.load(rstd_ptr + b * C + cols, mask=col_ok, other=0.0)
-    if HAS_W:
-        scale = scale * tl.load(w_ptr + b * sw_b + cols * sw_c, mask=col_ok, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + b * C + cols, mask=col_ok, other=0.0)
+    scale = _channel_scale(b, cols, col_ok, rstd, w_ptr, sw_b, sw_c, HAS_W)
     x = tl.load(x_ptr + _tile_offsets(b, r0, cols, r1, sx_b, sx_r0, sx_c, sx_r1), mask=mask, other=0.0)
     y = (x.to(tl.float32) - mean[None, :, None]) * scale[None, :, None]
     if HAS_B:
         shift = tl.load(bias_ptr + b * sbias_b + cols * sbias_c, mask=col_ok, other=0.0).to(tl.float32)
         y = y + shift[None, :, None]
+    y = _activate(y, ACTIVATION)
     y_offs = _tile_offsets(b, r0, cols, r1, sy_b, sy_r0, sy_c, sy_r1)
     tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -250,12 +268,18 @@ def _bn_bwd_partial_kernel(
     x_ptr,  # [B, R0, C, R1] through x's strides
     mean_ptr,  # [B, C] float32, contiguous
     rstd_ptr,  # [B, C] float32, contiguous
-    pg_ptr,  # [B, P, C] float32: per-chunk sums of grad_y
-    pgx_ptr,  # [B, P, C] float32: per-chunk sums of grad_y * xhat
+    w_ptr,  # [B, C] through strides (read for the activation only)
+    bias_ptr,  # [B, C] through strides (read for the activation only)
+    pg_ptr,  # [B, P, C] float32: per-chunk sums of g = grad_y * act'(z)
+    pgx_ptr,  # [B, P, C] float32: per-chunk sums of g * xhat
     R0, C, R1,
     sg_b, sg_r0, sg_c, sg_r1,
     sx_b, sx_r0, sx_c, sx_r1,
+    sw_b, sw_c, sbias_b, sbias_c,
     CHUNK0, CHUNK1, P, P1, n_cb,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BLOCK_R0: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R1: tl.constexpr,
@@ -267,8 +291,15 @@ def _bn_bwd_partial_kernel(
     r0_lo, r0_hi, r1_lo, r1_hi = _chunk_bounds(p, P1, R0, R1, CHUNK0, CHUNK1)
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
-    mean = tl.load(mean_ptr + b * C + cols, mask=col_ok, other=0.0)[None, :, None]
-    rstd = tl.load(rstd_ptr + b * C + cols, mask=col_ok, other=0.0)[None, :, None]
+    mean = tl.load(mean_ptr + b * C + cols, mask=col_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + b * C + cols, mask=col_ok, other=0.0)
+    if ACTIVATION != "none":
+        scale = _channel_scale(b, cols, col_ok, rstd, w_ptr, sw_b, sw_c, HAS_W)[None, :, None]
+        if HAS_B:
+            shift = tl.load(bias_ptr + b * sbias_b + cols * sbias_c, mask=col_ok, other=0.0)
+            shift = shift.to(tl.float32)[None, :, None]
+    mean = mean[None, :, None]
+    rstd = rstd[None, :, None]
     # Sums stay tiles across the chunk and are reduced once at the end.
     acc_g = tl.zeros([BLOCK_R0, BLOCK_C, BLOCK_R1], dtype=tl.float32)
     acc_gx = tl.zeros([BLOCK_R0, BLOCK_C, BLOCK_R1], dtype=tl.float32)
@@ -281,8 +312,14 @@ def _bn_bwd_partial_kernel(
             x_offs = _tile_offsets(b, r0, cols, r1, sx_b, sx_r0, sx_c, sx_r1)
             gy = tl.load(gy_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
             x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+            xc = x - mean
+            if ACTIVATION != "none":
+                z = xc * scale  # as the normalize kernel computed it
+                if HAS_B:
+                    z = z + shift
+                gy = _activation_grad(gy, z, ACTIVATION)
             acc_g += gy
-            acc_gx += gy * ((x - mean) * rstd)  # padding: grad_y is 0 there
+            acc_gx += gy * (xc * rstd)  # padding: grad_y (so g) is 0 there
     part = (b * P + p) * C + cols
     tl.store(pg_ptr + part, _sum_tile(acc_g), mask=col_ok)
     tl.store(pgx_ptr + part, _sum_tile(acc_gx), mask=col_ok)
@@ -330,16 +367,20 @@ def _bn_bwd_dx_kernel(
     mean_ptr,  # [B, C] float32, contiguous
     rstd_ptr,  # [B, C] float32, contiguous
     w_ptr,  # [B, C] through strides
+    bias_ptr,  # [B, C] through strides (read for the activation only)
     sums_ptr,  # [2, B, C] float32 (training only)
     B, R0, C, R1,
     sg_b, sg_r0, sg_c, sg_r1,
     sx_b, sx_r0, sx_c, sx_r1,
     sgx_b, sgx_r0, sgx_c, sgx_r1,
-    sw_b, sw_c,
+    sw_b, sw_c, sbias_b, sbias_c,
     inv_n,
     n_cb, n_r0b, n_r1b,
     TRAINING: tl.constexpr,
+    READ_X: tl.constexpr,  # TRAINING, or an activation whose derivative needs z
     HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BLOCK_R0: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R1: tl.constexpr,
@@ -349,18 +390,24 @@ def _bn_bwd_dx_kernel(
     )
     stats = b * C + cols
     rstd = tl.load(rstd_ptr + stats, mask=col_ok, other=0.0)
-    scale = rstd
-    if HAS_W:
-        scale = rstd * tl.load(w_ptr + b * sw_b + cols * sw_c, mask=col_ok, other=0.0).to(tl.float32)
+    scale = _channel_scale(b, cols, col_ok, rstd, w_ptr, sw_b, sw_c, HAS_W)
     gy = tl.load(gy_ptr + _tile_offsets(b, r0, cols, r1, sg_b, sg_r0, sg_c, sg_r1), mask=mask, other=0.0)
     gy = gy.to(tl.float32)
-    if TRAINING:
+    if READ_X:
         mean = tl.load(mean_ptr + stats, mask=col_ok, other=0.0)
-        c_g = tl.load(sums_ptr + stats, mask=col_ok, other=0.0) * inv_n
-        c_gx = tl.load(sums_ptr + B * C + stats, mask=col_ok, other=0.0) * inv_n
         x = tl.load(x_ptr + _tile_offsets(b, r0, cols, r1, sx_b, sx_r0, sx_c, sx_r1), mask=mask, other=0.0)
-        xhat = (x.to(tl.float32) - mean[None, :, None]) * rstd[None, :, None]
-        gy = gy - c_g[None, :, None] - xhat * c_gx[None, :, None]
+        xc = x.to(tl.float32) - mean[None, :, None]
+        if ACTIVATION != "none":
+            z = xc * scale[None, :, None]  # as the normalize kernel computed it
+            if HAS_B:
+                shift = tl.load(bias_ptr + b * sbias_b + cols * sbias_c, mask=col_ok, other=0.0)
+                z = z + shift.to(tl.float32)[None, :, None]
+            gy = _activation_grad(gy, z, ACTIVATION)
+        if TRAINING:
+            c_g = tl.load(sums_ptr + stats, mask=col_ok, other=0.0) * inv_n
+            c_gx = tl.load(sums_ptr + B * C + stats, mask=col_ok, other=0.0) * inv_n
+            xhat = xc * rstd[None, :, None]
+            gy = gy - c_g[None, :, None] - xhat * c_gx[None, :, None]
     gx = gy * scale[None, :, None]
     gx_offs = _tile_offsets(b, r0, cols, r1, sgx_b, sgx_r0, sgx_c, sgx_r1)
     tl.store(gx_ptr + gx_offs, gx.to(gx_ptr.dtype.element_ty), mask=mask)
@@ -387,42 +434,9 @@ _TILE, _INNER = 2048, 512
 _INTERPRET_TILE, _INTERPRET_INNER = 32, 8
 # channels per program of the per-channel kernels (finalize, reduce)
 _CHANNEL_BLOCK, _INTERPRET_CHANNEL_BLOCK = 128, 4
-# reduction programs per SM: enough to hide latency, few enough that the
-# [B, P, C] partial buffers stay small next to x
-_PROGRAMS_PER_SM = 4
 
 
 # ---- layout -------------------------------------------------------------------
-
-def _layout(tensors: Sequence[Tensor]):
-    """Strides of ``tensors`` (one shape ``[B, N, C, *S]``) as B x R0 x C x R1.
-
-    The reduced dims (N, S) are ordered by the first tensor's strides, largest
-    first, and merged where every tensor allows it. Returns ``(R0, R1,
-    [[s_b, s_r0, s_c, s_r1] per tensor])`` or None when more than two strided
-    dims remain.
-    """
-    shape = [int(s) for s in tensors[0].shape]
-    strides = [[int(s) for s in t.stride()] for t in tensors]
-    reduced = [d for d in [1, *range(3, len(shape))] if shape[d] != 1]
-    reduced.sort(key=lambda d: -strides[0][d])  # stable: ties keep logical order
-    merged: list[tuple[int, list[int]]] = []
-    for d in reduced:
-        st = [s[d] for s in strides]
-        if merged and all(outer == inner * shape[d] for outer, inner in zip(merged[-1][1], st)):
-            merged[-1] = (merged[-1][0] * shape[d], st)
-        else:
-            merged.append((shape[d], st))
-    if len(merged) > 2:
-        return None
-    # One dim left: it is R1 if it runs along memory more than the channels do.
-    if len(merged) == 1 and merged[0][1][0] > strides[0][2]:
-        merged.append((1, [0] * len(tensors)))
-    while len(merged) < 2:
-        merged.insert(0, (1, [0] * len(tensors)))
-    (R0, s0), (R1, s1) = merged
-    return R0, R1, [[s[0], a, s[2], c] for s, a, c in zip(strides, s0, s1)]
-
 
 def _blocks(R0: int, C: int, R1: int, s_c: int, s_r1: int) -> tuple[int, int, int]:
     """(BLOCK_R0, BLOCK_C, BLOCK_R1): long along the dim that runs along memory."""
@@ -436,22 +450,6 @@ def _blocks(R0: int, C: int, R1: int, s_c: int, s_r1: int) -> tuple[int, int, in
         block_r1 = min(np2(R1), max(1, inner // block_c))
     block_r0 = min(np2(R0), max(1, tile // (block_c * block_r1)))
     return block_r0, block_c, block_r1
-
-
-def _partition(device: torch.device, programs: int, R0: int, R1: int, block_r0: int, block_r1: int):
-    """Chunks of each (model, channel block)'s R0 x R1 elements, whole tiles each:
-    ``(CHUNK0, CHUNK1, P, P1)``, split over R0 first. ``programs``: models x channel blocks."""
-    if device.type != "cuda":  # the interpreter: a few programs, to exercise the partials
-        target = 2 * _PROGRAMS_PER_SM
-    else:
-        target = _PROGRAMS_PER_SM * sm_count(device)
-    per = max(1, triton.cdiv(target, programs))
-    n0, n1 = triton.cdiv(R0, block_r0), triton.cdiv(R1, block_r1)
-    tiles0 = triton.cdiv(n0, min(per, n0))
-    P0 = triton.cdiv(n0, tiles0)
-    tiles1 = triton.cdiv(n1, min(max(1, per // P0), n1))
-    P1 = triton.cdiv(n1, tiles1)
-    return tiles0 * block_r0, tiles1 * block_r1, P0 * P1, P1
 
 
 def _channel_block() -> int:
@@ -492,14 +490,15 @@ def array_batch_norm(
     training: bool,
     momentum: float | None,
     eps: float,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Batch norm of B models: see :mod:`hfkern.ops.batch_norm`.
 
     x ``[B, N, C, *S]`` (float32/float16/bfloat16, any strides); weight, bias,
     running_mean, running_var ``[B, C]`` or None; num_batches_tracked ``[B]``
-    or None. Returns y (x's dtype, ``empty_like(x)`` layout), mean and rstd
-    (float32 ``[B, C]``, contiguous); in training the running statistics are
-    updated in place.
+    or None; ``activation`` "none", "relu" or "gelu", applied to z. Returns y
+    (x's dtype, ``empty_like(x)`` layout), mean and rstd (float32 ``[B, C]``,
+    contiguous); in training the running statistics are updated in place.
     """
     check_tensors("array_batch_norm", x, weight, bias, running_mean, running_var)
     B, N, C = x.shape[:3]
@@ -556,7 +555,7 @@ def array_batch_norm(
         R0, C, R1, *sx, *sy,
         sw_b, sw_c, sb_b, sb_c,
         n_cb, n_r0b, n_r1b,
-        HAS_W=weight is not None, HAS_B=bias is not None,
+        HAS_W=weight is not None, HAS_B=bias is not None, ACTIVATION=activation,
         BLOCK_R0=block_r0, BLOCK_C=block_c, BLOCK_R1=block_r1,
     )
     if y_out is not y:
@@ -575,14 +574,16 @@ def array_batch_norm_backward(
     rstd: Tensor,
     training: bool,
     output_mask: Sequence[bool],
+    bias: Tensor | None = None,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias): see :mod:`hfkern.ops.batch_norm`.
 
-    grad_y, x ``[B, N, C, *S]`` (any strides), weight ``[B, C]`` or None, mean
-    and rstd float32 ``[B, C]``. An output whose ``output_mask`` entry is False
-    is an empty ``[0]`` tensor.
+    grad_y, x ``[B, N, C, *S]`` (any strides), weight and bias ``[B, C]`` or
+    None, mean and rstd float32 ``[B, C]``, ``activation`` the forward's. An
+    output whose ``output_mask`` entry is False is an empty ``[0]`` tensor.
     """
-    check_tensors("array_batch_norm_backward", x, grad_y, weight)
+    check_tensors("array_batch_norm_backward", x, grad_y, weight, bias)
     want_dx, want_dw, want_db = (bool(m) for m in output_mask)
     B, N, C = x.shape[:3]
     param_dtype = x.dtype if weight is None else weight.dtype
@@ -615,13 +616,20 @@ def array_batch_norm_backward(
     mean = mean.float().contiguous()
     rstd = rstd.float().contiguous()
     sums = mean  # a placeholder where the kernels do not read it
+    # the activation's derivative needs z: weight and bias are read where x is
+    fused = activation != "none"
+    w, sw_b, sw_c = _param(weight, mean)
+    b, sb_b, sb_c = _param(bias if fused else None, mean)
+    has_b = fused and bias is not None
     if need_sums:
         chunk0, chunk1, P, P1 = _partition(x.device, B * n_cb, R0, R1, block_r0, block_r1)
         partials = x.new_empty((2, B, P, C), dtype=torch.float32)
         _bwd_partial[(B * n_cb * P,)](
-            gy_in, x_in, mean, rstd, partials[0], partials[1],
+            gy_in, x_in, mean, rstd, w, b, partials[0], partials[1],
             R0, C, R1, *sg, *sx,
+            sw_b, sw_c, sb_b, sb_c,
             chunk0, chunk1, P, P1, n_cb,
+            HAS_W=weight is not None, HAS_B=has_b, ACTIVATION=activation,
             BLOCK_R0=block_r0, BLOCK_C=block_c, BLOCK_R1=block_r1,
         )
         sums = x.new_empty((2, B, C), dtype=torch.float32)
@@ -633,15 +641,15 @@ def array_batch_norm_backward(
             HAS_DW=want_dw, HAS_DB=want_db, BLOCK=channel_block,
         )
     if want_dx:
-        w, sw_b, sw_c = _param(weight, mean)
         n_r0b, n_r1b = triton.cdiv(R0, block_r0), triton.cdiv(R1, block_r1)
         _bwd_dx[(B * n_cb * n_r0b * n_r1b,)](
-            gy_in, x_in, gx_out, mean, rstd, w, sums,
+            gy_in, x_in, gx_out, mean, rstd, w, b, sums,
             B, R0, C, R1, *sg, *sx, *sgx,
-            sw_b, sw_c,
+            sw_b, sw_c, sb_b, sb_c,
             1.0 / (N * math.prod(x.shape[3:])),
             n_cb, n_r0b, n_r1b,
-            TRAINING=training, HAS_W=weight is not None,
+            TRAINING=training, READ_X=training or fused, HAS_W=weight is not None, HAS_B=has_b,
+            ACTIVATION=activation,
             BLOCK_R0=block_r0, BLOCK_C=block_c, BLOCK_R1=block_r1,
         )
         if gx_out is not grad_x:

@@ -21,6 +21,11 @@ elements (the autotuned parameter). A row of up to 4096 elements is read once;
 a longer one is swept in blocks (mean, centred variance, write). Statistics are
 float32 for float32/float16/bfloat16 ``x``; float64 is not served.
 
+Fused activation (``activation`` "relu" or "gelu", layer norm only): the
+forward applies it to the float32 ``z`` before the store; the backward
+recomputes ``z = xhat * weight + bias`` where it reads ``x`` and multiplies
+``grad_y`` by ``act'(z)`` first. The activation costs no memory traffic.
+
 Backward: the M rows of each model are split into ``P`` fixed chunks, one
 program each. A program writes grad_x for its rows and the float32 partial sums
 of ``grad_y * xhat`` (grad_weight) and ``grad_y`` (grad_bias) over its chunk
@@ -69,6 +74,45 @@ def _load_param(row_ptr, cols, col_ok, s_d):
     return tl.load(row_ptr + cols * s_d, mask=col_ok, other=0.0).to(tl.float32)
 
 
+# The fused activations of the norms (shared with the batch-norm kernels): the
+# ACTIVATION constexpr is the op's string, "none", "relu" or "gelu" (exact).
+
+@triton.jit
+def _activate(z, ACTIVATION: tl.constexpr):
+    """act(z), float32."""
+    if ACTIVATION == "relu":
+        z = tl.where(z < 0, 0.0, z)  # NaN stays NaN, as torch.relu
+    elif ACTIVATION == "gelu":
+        z = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+    return z
+
+
+@triton.jit
+def _activation_grad(g, z, ACTIVATION: tl.constexpr):
+    """g * act'(z): torch's rules (ReLU: g where z > 0, else 0; GELU: Phi(z) + z * phi(z))."""
+    if ACTIVATION == "relu":
+        g = tl.where(z > 0, g, 0.0)
+    elif ACTIVATION == "gelu":
+        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+        g = g * (cdf + z * pdf)
+    return g
+
+
+@triton.jit
+def _norm_activation_grad(gy, xhat, w_row, bias_row, cols, col_ok, sw_d, sbias_d,
+                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACTIVATION: tl.constexpr):
+    """gy * act'(z) of the rows' columns ``cols``, z = xhat * w + b recomputed as the forward did."""
+    if ACTIVATION != "none":
+        z = xhat
+        if HAS_W:
+            z = z * _load_param(w_row, cols, col_ok, sw_d)[None, :]
+        if HAS_B:
+            z = z + _load_param(bias_row, cols, col_ok, sbias_d)[None, :]
+        gy = _activation_grad(gy, z, ACTIVATION)
+    return gy
+
+
 @triton.jit
 def _norm_fwd_kernel(
     x_ptr,  # [B, M, D] through strides (rows M0 x M1, columns D0 x D1)
@@ -85,6 +129,7 @@ def _norm_fwd_kernel(
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     ROW2: tl.constexpr,
     COL2: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -122,6 +167,7 @@ def _norm_fwd_kernel(
             y = y * _load_param(w_row, cols, col_ok, sw_d)[None, :]
         if HAS_B:
             y = y + _load_param(bias_row, cols, col_ok, sbias_d)[None, :]
+        y = _activate(y, ACTIVATION)
         y_offs = y_rows[:, None] + _strided_offsets(cols, D1, sy_d0, sy_d1, COL2)[None, :]
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -162,6 +208,7 @@ def _norm_fwd_kernel(
                 y = y * _load_param(w_row, cols, col_ok, sw_d)[None, :]
             if HAS_B:
                 y = y + _load_param(bias_row, cols, col_ok, sbias_d)[None, :]
+            y = _activate(y, ACTIVATION)
             y_offs = y_rows[:, None] + _strided_offsets(cols, D1, sy_d0, sy_d1, COL2)[None, :]
             tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -177,6 +224,7 @@ def _norm_bwd_kernel(
     x_ptr,  # [B, M, D] through x's strides
     gx_ptr,  # [B, M, D] through grad_x's strides
     w_ptr,  # [B, D]
+    bias_ptr,  # [B, D] (read only to recompute z for the activation)
     mean_ptr,  # [B, M] float32, contiguous
     rstd_ptr,  # [B, M] float32, contiguous
     pw_ptr,  # [B, P, D] float32: per-chunk partial sums of grad_y * xhat
@@ -185,9 +233,11 @@ def _norm_bwd_kernel(
     sg_b, sg_m0, sg_m1, sg_d0, sg_d1,
     sx_b, sx_m0, sx_m1, sx_d0, sx_d1,
     sgx_b, sgx_m0, sgx_m1, sgx_d0, sgx_d1,
-    sw_b, sw_d,
+    sw_b, sw_d, sbias_b, sbias_d,
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     HAS_DX: tl.constexpr,
     HAS_DW: tl.constexpr,
     HAS_DB: tl.constexpr,
@@ -204,6 +254,7 @@ def _norm_bwd_kernel(
     row_start = chunk * CHUNK
     row_end = tl.minimum(row_start + CHUNK, M)
     w_row = w_ptr + bi * sw_b
+    bias_row = bias_ptr + bi * sbias_b
     # this program's own row of the partial buffers: nobody else reads or writes it
     pw_row = pw_ptr + (bi * P + chunk) * D
     pb_row = pb_ptr + (bi * P + chunk) * D
@@ -235,6 +286,8 @@ def _norm_bwd_kernel(
             else:
                 mean = tl.load(mean_ptr + stats, mask=row_ok, other=0.0)
                 xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            gy = _norm_activation_grad(gy, xhat, w_row, bias_row, cols, col_ok, sw_d, sbias_d,
+                                       HAS_W, HAS_B, ACTIVATION)
             if HAS_DX:
                 if HAS_W:
                     g = gy * w[None, :]
@@ -279,12 +332,14 @@ def _norm_bwd_kernel(
                     g_offs = g_rows[:, None] + _strided_offsets(cols, D1, sg_d0, sg_d1, COL2)[None, :]
                     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
                     g = tl.load(gy_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
-                    if HAS_W:
-                        g = g * _load_param(w_row, cols, col_ok, sw_d)[None, :]
                     if IS_RMS:
                         xhat = x * rstd[:, None]
                     else:
                         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                    g = _norm_activation_grad(g, xhat, w_row, bias_row, cols, col_ok, sw_d, sbias_d,
+                                              HAS_W, HAS_B, ACTIVATION)
+                    if HAS_W:
+                        g = g * _load_param(w_row, cols, col_ok, sw_d)[None, :]
                     acc_gx += g * xhat
                     acc_g += g
                 c_xhat = tl.sum(acc_gx, axis=1) / D
@@ -301,6 +356,8 @@ def _norm_bwd_kernel(
                     xhat = x * rstd[:, None]
                 else:
                     xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                gy = _norm_activation_grad(gy, xhat, w_row, bias_row, cols, col_ok, sw_d, sbias_d,
+                                           HAS_W, HAS_B, ACTIVATION)
                 if HAS_DX:
                     if HAS_W:
                         g = gy * _load_param(w_row, cols, col_ok, sw_d)[None, :]
@@ -511,7 +568,7 @@ def _empty_forward(x: Tensor, norm_ndim: int) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(x), x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
 
 
-def _forward(x: Tensor, weight, bias, norm_ndim: int, eps: float, is_rms: bool):
+def _forward(x: Tensor, weight, bias, norm_ndim: int, eps: float, is_rms: bool, activation: str = "none"):
     B = x.shape[0]
     M = _num_rows(x, norm_ndim)
     D = math.prod(x.shape[x.dim() - norm_ndim:])
@@ -538,7 +595,7 @@ def _forward(x: Tensor, weight, bias, norm_ndim: int, eps: float, is_rms: bool):
         *sx, *sy,
         sw_b, sw_d, sb_b, sb_d,
         eps,
-        IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
+        IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ACTIVATION=activation,
         ROW2=row2, COL2=col2, BLOCK_D=block_d, ONE_BLOCK=one_block,
     )
     if y_out is not y:
@@ -548,18 +605,19 @@ def _forward(x: Tensor, weight, bias, norm_ndim: int, eps: float, is_rms: bool):
 
 @_implements("array_layer_norm", auto=True)
 def array_layer_norm(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Layer norm of B models: see :mod:`hfkern.ops.layer_norm`.
 
     x ``[B, *, *S]`` (float32/float16/bfloat16, any strides), weight/bias
-    ``[B, *S]`` or None. Returns y (x's dtype, ``empty_like(x)`` layout) and
-    mean, rstd (float32 ``[B, M]``, contiguous).
+    ``[B, *S]`` or None, ``activation`` "none", "relu" or "gelu". Returns y (x's
+    dtype, ``empty_like(x)`` layout) and mean, rstd (float32 ``[B, M]``, contiguous).
     """
     check_tensors("array_layer_norm", x, weight, bias)
     if x.numel() == 0:
         return _empty_forward(x, norm_ndim)
-    return _forward(x, weight, bias, norm_ndim, eps, is_rms=False)
+    return _forward(x, weight, bias, norm_ndim, eps, is_rms=False, activation=activation)
 
 
 @_implements("array_rms_norm", auto=False)
@@ -579,7 +637,8 @@ def array_rms_norm(
 
 # ---- backward -----------------------------------------------------------------
 
-def _backward(grad_y, x, weight, mean, rstd, norm_ndim: int, mask: Sequence[bool], is_rms: bool):
+def _backward(grad_y, x, weight, mean, rstd, norm_ndim: int, mask: Sequence[bool], is_rms: bool,
+              bias: Tensor | None = None, activation: str = "none"):
     """(grad_x, grad_weight, grad_bias) as the ops return them; mask has three entries."""
     want_dx, want_dw, want_db = (bool(m) for m in mask)
     B = x.shape[0]
@@ -611,6 +670,9 @@ def _backward(grad_y, x, weight, mean, rstd, norm_ndim: int, mask: Sequence[bool
     sg, sx = strides[0], strides[1]
     sgx = strides[2] if want_dx else [0] * 5
     w, sw_b, sw_d = _param_2d(weight, B, D, x)
+    # the bias is read only to recompute z for the activation's derivative
+    bias = bias if activation != "none" else None
+    b, sb_b, sb_d = _param_2d(bias, B, D, x)
     rstd = rstd.reshape(B, M).contiguous()
     mean = rstd if mean is None else mean.reshape(B, M).contiguous()
 
@@ -630,11 +692,11 @@ def _backward(grad_y, x, weight, mean, rstd, norm_ndim: int, mask: Sequence[bool
         pw, pb = partials[0], partials[-1]
 
     _bwd[(B * P,)](
-        gy_in, x_in, gx_out if want_dx else x, w, mean, rstd, pw, pb,
+        gy_in, x_in, gx_out if want_dx else x, w, b, mean, rstd, pw, pb,
         M, M1, D, D1, chunk, P,
         *sg, *sx, *sgx,
-        sw_b, sw_d,
-        IS_RMS=is_rms, HAS_W=weight is not None,
+        sw_b, sw_d, sb_b, sb_d,
+        IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ACTIVATION=activation,
         HAS_DX=want_dx, HAS_DW=want_dw, HAS_DB=want_db,
         ROW2=row2, COL2=col2, BLOCK_D=block_d, ONE_BLOCK=one_block,
     )
@@ -661,15 +723,18 @@ def array_layer_norm_backward(
     rstd: Tensor,
     norm_ndim: int,
     output_mask: Sequence[bool],
+    bias: Tensor | None = None,
+    activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias): see :mod:`hfkern.ops.layer_norm`.
 
-    grad_y, x ``[B, *, *S]`` (any strides), weight ``[B, *S]`` or None, mean
-    and rstd float32 ``[B, M]``. An output whose ``output_mask`` entry is False
-    is an empty ``[0]`` tensor.
+    grad_y, x ``[B, *, *S]`` (any strides), weight and bias ``[B, *S]`` or None,
+    mean and rstd float32 ``[B, M]``, ``activation`` the forward's. An output
+    whose ``output_mask`` entry is False is an empty ``[0]`` tensor.
     """
-    check_tensors("array_layer_norm_backward", x, grad_y, weight)
-    return _backward(grad_y, x, weight, mean, rstd, norm_ndim, output_mask, is_rms=False)
+    check_tensors("array_layer_norm_backward", x, grad_y, weight, bias)
+    return _backward(grad_y, x, weight, mean, rstd, norm_ndim, output_mask, is_rms=False,
+                     bias=bias, activation=activation)
 
 
 @_implements("array_rms_norm_backward", auto=False)

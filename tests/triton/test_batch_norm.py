@@ -54,6 +54,8 @@ def make_x(B, shape, layout, dtype=torch.float32, device="cpu"):
         return torch.randn(N, B, *shape[1:], **kw).transpose(0, 1)
     if layout == "channels_last":  # [B, N, *S, C] memory: the channels run along memory
         return torch.randn(B, N, *S, C, **kw).movedim(-1, 2)
+    if layout == "array_channels_last":  # [N, H, W, B, C]: a channels-last array image
+        return torch.randn(N, *S, B, C, **kw).permute(3, 0, 4, 1, 2)
     if layout == "strided":  # every other element of the last dim: still two strided dims
         return torch.randn(B, *shape[:-1], 2 * shape[-1], **kw)[..., ::2]
     if layout == "shared":
@@ -107,14 +109,14 @@ def _tk():
     return tk
 
 
-def check(x, w, b, mode, mask_list, grad_y=None):
+def check(x, w, b, mode, mask_list, grad_y=None, activation="none"):
     training, momentum, tracked = mode
     tk = _tk()
     B, C = x.shape[0], x.shape[2]
     rm, rv, nbt = running(B, C, tracked)
     rm0, rv0 = (None, None) if rm is None else (rm.clone(), rv.clone())
-    y, mean, rstd = tk.array_batch_norm(x, w, b, rm, rv, nbt, training, momentum, EPS)
-    y0, mean0, rstd0 = ref.array_batch_norm(x, w, b, rm0, rv0, nbt, training, momentum, EPS)
+    y, mean, rstd = tk.array_batch_norm(x, w, b, rm, rv, nbt, training, momentum, EPS, activation)
+    y0, mean0, rstd0 = ref.array_batch_norm(x, w, b, rm0, rv0, nbt, training, momentum, EPS, activation)
     for got, exp in ((y, y0), (mean, mean0), (rstd, rstd0)):
         assert_same_layout(got, exp)
         torch.testing.assert_close(got, exp)
@@ -124,8 +126,8 @@ def check(x, w, b, mode, mask_list, grad_y=None):
         torch.testing.assert_close(rv, rv0)
     gy = torch.randn(y0.shape) if grad_y is None else grad_y
     for mask in mask_list:
-        got = tk.array_batch_norm_backward(gy, x, w, mean0, rstd0, training, mask)
-        exp = ref.array_batch_norm_backward(gy, x, w, mean0, rstd0, training, mask)
+        got = tk.array_batch_norm_backward(gy, x, w, mean0, rstd0, training, mask, b, activation)
+        exp = ref.array_batch_norm_backward(gy, x, w, mean0, rstd0, training, mask, b, activation)
         assert_grads(got, exp, mask)
 
 
@@ -171,6 +173,22 @@ def test_affine_and_masks(weight, bias, mode):
     x = make_x(2, (4, 3, 5), "batch_major")
     w, b = params(2, 3, weight, bias)
     check(x, w, b, mode, masks(weight))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("mode", [MODES[0], MODES[3]], ids=["train", "eval"])
+@pytest.mark.parametrize("B,shape,layout,weight,bias", [
+    (3, (5, 7), "contiguous", True, True),  # channels along memory
+    (2, (4, 5, 3, 3), "batch_major", True, False),  # z without a bias
+    (2, (3, 6, 2, 5), "array_channels_last", False, True),  # [N, H, W, B, C] memory, z without a weight
+    (3, (5, 3, 7), "shared", True, True),
+])
+def test_fused_activation(B, shape, layout, weight, bias, mode, activation):
+    """The activation in the normalize kernel, z recomputed in the partial-sum and grad_x kernels."""
+    x = make_x(B, shape, layout)
+    w, b = params(B, shape[1], weight, bias)
+    check(x, w, b, mode, masks(weight), activation=activation)
 
 
 def _partition_of(x):
@@ -311,13 +329,13 @@ def assert_as_accurate(got, torch_out, ref64):
     assert err <= 2 * torch_err + floor, (err, torch_err, floor)
 
 
-def _run_op(x, w, b, running_stats, mode, gy, backend):
+def _run_op(x, w, b, running_stats, mode, gy, backend, activation="none"):
     training, momentum, _ = mode
     leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
     rm, rv, nbt = (None if t is None else t.clone() for t in running_stats)
     with hfkern.use_backend(backend):
         y, mean, rstd = bnops.array_batch_norm(leaves[0], leaves[1], leaves[2], rm, rv, nbt,
-                                               training, momentum, EPS)
+                                               training, momentum, EPS, activation)
         grads = torch.autograd.grad(y, [t for t in leaves if t is not None], gy)
     outs = [y.detach(), mean, rstd] + ([rm, rv] if rm is not None else [])
     return outs, list(grads)
@@ -349,6 +367,26 @@ def test_gpu_matches_torch_backend(B, shape, layout, mode, dtype):
     dbl = [None if t is None else t.double() for t in (x, w, b)]
     stats64 = tuple(t.double() if t is not None and t.is_floating_point() else t for t in stats)
     outs_64, grads_64 = _run_op(*dbl, stats64, mode, gy.double(), "torch")
+    for got, exp, r64 in zip(outs + grads, outs_t + grads_t, outs_64 + grads_64):
+        assert_as_accurate(got, exp, r64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", [MODES[0], MODES[3]], ids=["train", "eval"])
+@pytest.mark.parametrize("B,shape,layout", [GPU_CASES[0], GPU_CASES[2], (4, (8, 32, 7, 7), "array_channels_last")])
+def test_gpu_fused_activation_matches_torch_backend(B, shape, layout, mode, dtype, activation):
+    C = shape[1]
+    x = make_x(B, shape, layout, dtype=dtype, device=GPU)
+    w, b = params(B, C, True, True, dtype=dtype, device=GPU)
+    stats = running(B, C, mode[2], dtype=torch.float32, device=GPU)
+    gy = torch.randn(x.shape, dtype=dtype, device=GPU)
+    outs, grads = _run_op(x, w, b, stats, mode, gy, "triton", activation)
+    outs_t, grads_t = _run_op(x, w, b, stats, mode, gy, "torch", activation)
+    dbl = [None if t is None else t.double() for t in (x, w, b)]
+    stats64 = tuple(t.double() if t is not None and t.is_floating_point() else t for t in stats)
+    outs_64, grads_64 = _run_op(*dbl, stats64, mode, gy.double(), "torch", activation)
     for got, exp, r64 in zip(outs + grads, outs_t + grads_t, outs_64 + grads_64):
         assert_as_accurate(got, exp, r64)
 

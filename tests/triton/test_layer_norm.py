@@ -95,18 +95,18 @@ def _tk():
     return tk
 
 
-def check_layer_norm(x, w, b, nd, masks, grad_y=None):
+def check_layer_norm(x, w, b, nd, masks, grad_y=None, activation="none"):
     tk = _tk()
-    y, mean, rstd = tk.array_layer_norm(x, w, b, nd, EPS)
-    y0, mean0, rstd0 = ref.array_layer_norm(x, w, b, nd, EPS)
+    y, mean, rstd = tk.array_layer_norm(x, w, b, nd, EPS, activation)
+    y0, mean0, rstd0 = ref.array_layer_norm(x, w, b, nd, EPS, activation)
     for got, exp in ((y, y0), (mean, mean0), (rstd, rstd0)):
         assert_same_layout(got, exp)
         torch.testing.assert_close(got, exp)
     assert mean.is_contiguous() and rstd.is_contiguous()
     gy = torch.randn(y0.shape) if grad_y is None else grad_y
     for mask in masks:
-        got = tk.array_layer_norm_backward(gy, x, w, mean0, rstd0, nd, mask)
-        exp = ref.array_layer_norm_backward(gy, x, w, mean0, rstd0, nd, mask)
+        got = tk.array_layer_norm_backward(gy, x, w, mean0, rstd0, nd, mask, b, activation)
+        exp = ref.array_layer_norm_backward(gy, x, w, mean0, rstd0, nd, mask, b, activation)
         assert_grads(got, exp, mask)
 
 
@@ -162,6 +162,19 @@ def test_layer_norm_affine_and_masks(weight, bias, D):
     x = make_x(2, (5, D), "batch_major")
     w, b = params(2, (D,), weight, bias)
     check_layer_norm(x, w, b, 1, ln_masks(weight))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("D", [9, 20], ids=["one_block", "swept"])
+@pytest.mark.parametrize("weight,bias", [(True, True), (False, True), (True, False)])
+def test_layer_norm_fused_activation(weight, bias, D, activation):
+    """The activation before the forward's store; z recomputed in both backward paths."""
+    x = make_x(3, (5, D), "batch_major")
+    w, b = params(3, (D,), weight, bias)
+    check_layer_norm(x, w, b, 1, ln_masks(weight), activation=activation)
+    xs = make_x(3, (4, 2, D), "shared")
+    check_layer_norm(xs, w, b, 1, [[True, weight, True]], activation=activation)
 
 
 @pytest.mark.interpreter
@@ -290,12 +303,12 @@ def assert_as_accurate(got, torch_out, ref64):
     assert err <= 2 * torch_err + floor, (err, torch_err, floor)
 
 
-def _run_op(kind, x, w, b, nd, gy, backend):
+def _run_op(kind, x, w, b, nd, gy, backend, activation="none"):
     leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
     xl, wl, bl = leaves
     with hfkern.use_backend(backend):
         if kind == "layer_norm":
-            outs = lnops.array_layer_norm(xl, wl, bl, nd, EPS)
+            outs = lnops.array_layer_norm(xl, wl, bl, nd, EPS, activation)
         else:
             outs = lnops.array_rms_norm(xl, wl, nd, EPS)
         inputs = [t for t in leaves if t is not None]
@@ -327,6 +340,23 @@ def test_gpu_matches_torch_backend(B, shape, nd, layout, kind, dtype):
     outs_t, grads_t = _run_op(kind, x, w, b, nd, gy, "torch")
     dbl = [None if t is None else t.double() for t in (x, w, b)]
     outs_64, grads_64 = _run_op(kind, *dbl, nd, gy.double(), "torch")
+    for got, exp, r64 in zip(outs + grads, outs_t + grads_t, outs_64 + grads_64):
+        assert_as_accurate(got, exp, r64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,shape,nd,layout", [GPU_CASES[0], GPU_CASES[3]], ids=["one_block", "swept"])
+def test_gpu_fused_activation_matches_torch_backend(B, shape, nd, layout, dtype, activation):
+    S = shape[len(shape) - nd:]
+    x = make_x(B, shape, layout, dtype=dtype, device=GPU)
+    w, b = params(B, S, True, True, dtype=dtype, device=GPU)
+    gy = torch.randn(x.shape, dtype=dtype, device=GPU)
+    outs, grads = _run_op("layer_norm", x, w, b, nd, gy, "triton", activation)
+    outs_t, grads_t = _run_op("layer_norm", x, w, b, nd, gy, "torch", activation)
+    dbl = [None if t is None else t.double() for t in (x, w, b)]
+    outs_64, grads_64 = _run_op("layer_norm", *dbl, nd, gy.double(), "torch", activation)
     for got, exp, r64 in zip(outs + grads, outs_t + grads_t, outs_64 + grads_64):
         assert_as_accurate(got, exp, r64)
 

@@ -1,0 +1,92 @@
+"""How the normalization kernels see their operands: layouts and reduction chunks.
+
+Shared by every GPU backend of the array batch norm (hfkern/triton/batch_norm.py,
+hfkern/cuda/batch_norm.py): what a backend needs to read ``x`` where it lies
+and to split each (model, channel)'s reduction into fixed chunks. Nothing here
+knows a kernel language; tile sizes are each backend's own.
+
+Layout. ``x`` is ``[B, N, C, *S]`` with any strides. The kernels see each
+model's input as ``[R0, C, R1]``: the reduced dims (N and the spatial dims)
+ordered by the first tensor's strides and merged where they are contiguous with
+each other in every tensor of the call, which must leave at most two strided
+dims, ``R0`` (outer) and ``R1`` (inner). That covers contiguous ``[B, N, C,
+*S]`` memory, the ``[N, B, C, *S]`` memory of an array conv's output,
+channels-last memory, strided slices of one dim, a shared input (stride 0 on B)
+and an expanded ``grad_y`` (stride 0 everywhere) without a copy.
+
+Partition. The ``R0 x R1`` elements of each (model, channel block) are split
+into ``P`` chunks of whole tiles, ``P0`` over R0 times ``P1`` over R1; chunk
+``p`` covers rows ``[p0 * CHUNK0, min((p0 + 1) * CHUNK0, R0))`` and inner
+elements ``[p1 * CHUNK1, min((p1 + 1) * CHUNK1, R1))`` with ``p0 = p // P1``,
+``p1 = p % P1``. It depends only on the shapes and the device's SM count, so
+the per-chunk partials are combined in the same order on every run.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ._device import sm_count
+
+__all__ = ["layout", "partition", "cdiv", "next_power_of_2", "PROGRAMS_PER_SM"]
+
+# reduction programs per SM: enough to hide latency, few enough that the
+# [B, P, C] partial buffers stay small next to x
+PROGRAMS_PER_SM = 4
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def layout(tensors: Sequence[Tensor]):
+    """Strides of ``tensors`` (one shape ``[B, N, C, *S]``) as B x R0 x C x R1.
+
+    The reduced dims (N, S) are ordered by the first tensor's strides, largest
+    first, and merged where every tensor allows it. Returns ``(R0, R1,
+    [[s_b, s_r0, s_c, s_r1] per tensor])`` or None when more than two strided
+    dims remain.
+    """
+    shape = [int(s) for s in tensors[0].shape]
+    strides = [[int(s) for s in t.stride()] for t in tensors]
+    reduced = [d for d in [1, *range(3, len(shape))] if shape[d] != 1]
+    reduced.sort(key=lambda d: -strides[0][d])  # stable: ties keep logical order
+    merged: list[tuple[int, list[int]]] = []
+    for d in reduced:
+        st = [s[d] for s in strides]
+        if merged and all(outer == inner * shape[d] for outer, inner in zip(merged[-1][1], st)):
+            merged[-1] = (merged[-1][0] * shape[d], st)
+        else:
+            merged.append((shape[d], st))
+    if len(merged) > 2:
+        return None
+    # One dim left: it is R1 if it runs along memory more than the channels do.
+    if len(merged) == 1 and merged[0][1][0] > strides[0][2]:
+        merged.append((1, [0] * len(tensors)))
+    while len(merged) < 2:
+        merged.insert(0, (1, [0] * len(tensors)))
+    (R0, s0), (R1, s1) = merged
+    return R0, R1, [[s[0], a, s[2], c] for s, a, c in zip(strides, s0, s1)]
+
+
+def partition(device: torch.device, programs: int, R0: int, R1: int, block_r0: int, block_r1: int):
+    """Chunks of each (model, channel block)'s R0 x R1 elements, whole tiles each:
+    ``(CHUNK0, CHUNK1, P, P1)``, split over R0 first. ``programs``: models x channel blocks."""
+    if device.type != "cuda":  # an interpreter or emulator: a few programs, to exercise the partials
+        target = 2 * PROGRAMS_PER_SM
+    else:
+        target = PROGRAMS_PER_SM * sm_count(device)
+    per = max(1, cdiv(target, programs))
+    n0, n1 = cdiv(R0, block_r0), cdiv(R1, block_r1)
+    tiles0 = cdiv(n0, min(per, n0))
+    P0 = cdiv(n0, tiles0)
+    tiles1 = cdiv(n1, min(max(1, per // P0), n1))
+    P1 = cdiv(n1, tiles1)
+    return tiles0 * block_r0, tiles1 * block_r1, P0 * P1, P1
