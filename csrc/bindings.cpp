@@ -9,10 +9,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
+#include "hfkern/batch_norm.h"
 #include "hfkern/multi_tensor_step.h"
 #include "hfkern/runtime.h"
 #include "hfkern/topk.h"
@@ -59,6 +61,49 @@ hfkern::StepGroup make_group(uintptr_t tiles, int64_t n_tiles, uintptr_t addrs, 
   g.hyper_model_stride = hyper_model_stride;
   g.skip = ptr<const uint8_t>(skip);
   return g;
+}
+
+// The batch norm's operands as the glue passes them (hfkern/cuda/batch_norm.py):
+// a data tensor as (address, dtype code, s_b, s_r0, s_c, s_r1), a per-channel one as
+// (address, dtype code, s_b, s_c) with address 0 when absent.
+hfkern::BnTensor bn_tensor(const std::array<int64_t, 6>& t) {
+  hfkern::BnTensor v;
+  v.data = ptr<void>(static_cast<uintptr_t>(t[0]));
+  v.dtype = dtype_from_code(static_cast<int>(t[1]));
+  v.s_b = t[2];
+  v.s_r0 = t[3];
+  v.s_c = t[4];
+  v.s_r1 = t[5];
+  return v;
+}
+
+hfkern::BnChannels bn_channels(const std::array<int64_t, 4>& t) {
+  hfkern::BnChannels v;
+  v.data = ptr<void>(static_cast<uintptr_t>(t[0]));
+  v.dtype = dtype_from_code(static_cast<int>(t[1]));
+  v.s_b = t[2];
+  v.s_c = t[3];
+  return v;
+}
+
+// (B, R0, C, R1)
+hfkern::BnShape bn_shape(const std::array<int64_t, 4>& s) { return {s[0], s[1], s[2], s[3]}; }
+
+// (tr0, tc, tr1, c_inner)
+hfkern::BnTile bn_tile(const std::array<int64_t, 4>& t) {
+  for (int i = 0; i < 3; ++i)
+    if (t[i] < 1 || t[i] > hfkern::kBnMaxThreads)
+      throw std::invalid_argument("hfkern: expected tile sizes in [1, " + std::to_string(hfkern::kBnMaxThreads) +
+                                  "], got " + std::to_string(t[i]));
+  return {static_cast<int>(t[0]), static_cast<int>(t[1]), static_cast<int>(t[2]), t[3] != 0};
+}
+
+// (chunk0, chunk1, P, P1)
+hfkern::BnChunks bn_chunks(const std::array<int64_t, 4>& c) { return {c[0], c[1], c[2], c[3]}; }
+
+hfkern::BnActivation bn_activation(int code) {
+  if (code < 0 || code > 2) throw std::invalid_argument("hfkern: unknown activation code " + std::to_string(code));
+  return static_cast<hfkern::BnActivation>(code);
 }
 
 }  // namespace
@@ -209,4 +254,120 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
       py::arg("bits"), py::arg("elem_bytes"), py::arg("R"), py::arg("n"), py::arg("threshold"), py::arg("quota"),
       py::arg("tie_offset"), py::arg("out_offset"), py::arg("values"), py::arg("indices"), py::arg("cap"),
       py::arg("P"), py::arg("tiles"), py::arg("mag_mask"), py::arg("nan_key"), py::arg("threads"), py::arg("stream"));
+
+  // The array batch norm (csrc/norm/batch_norm.cu; hfkern/cuda/batch_norm.py). Tensors are
+  // (address, dtype code, s_b, s_r0, s_c, s_r1), per-channel tensors (address, dtype code,
+  // s_b, s_c) with address 0 when absent; shape (B, R0, C, R1); tile (tr0, tc, tr1, c_inner);
+  // chunks (chunk0, chunk1, P, P1).
+  m.attr("BN_MAX_THREADS") = py::int_(hfkern::kBnMaxThreads);
+  py::dict activations;
+  activations["none"] = int(hfkern::BnActivation::None);
+  activations["relu"] = int(hfkern::BnActivation::Relu);
+  activations["gelu"] = int(hfkern::BnActivation::Gelu);
+  m.attr("BN_ACTIVATIONS") = activations;
+  using Tensor6 = std::array<int64_t, 6>;
+  using Quad = std::array<int64_t, 4>;
+  m.def(
+      "batch_norm_stats",
+      [](const Tensor6& x, const Quad& shape, const Quad& tile, const Quad& chunks, uintptr_t pmean, uintptr_t pm2,
+         uintptr_t stream) {
+        const auto xt = bn_tensor(x);
+        const auto s = bn_shape(shape);
+        const auto t = bn_tile(tile);
+        const auto ch = bn_chunks(chunks);
+        py::gil_scoped_release release;
+        hfkern::batch_norm_stats(xt, s, t, ch, ptr<float>(pmean), ptr<float>(pm2), ptr<void>(stream));
+      },
+      py::arg("x"), py::arg("shape"), py::arg("tile"), py::arg("chunks"), py::arg("pmean"), py::arg("pm2"),
+      py::arg("stream"));
+  m.def(
+      "batch_norm_finalize",
+      [](uintptr_t pmean, uintptr_t pm2, int64_t s_part_b, const Quad& running_mean, const Quad& running_var,
+         uintptr_t num_batches_tracked, int64_t s_nbt, bool training, bool update, bool cumulative, double momentum,
+         double unbias, double eps, const Quad& shape, const Quad& chunks, uintptr_t mean, uintptr_t rstd, int threads,
+         uintptr_t stream) {
+        hfkern::BnFinalize a;
+        a.pmean = ptr<const float>(pmean);
+        a.pm2 = ptr<const float>(pm2);
+        a.s_part_b = s_part_b;
+        a.running_mean = bn_channels(running_mean);
+        a.running_var = bn_channels(running_var);
+        a.num_batches_tracked = ptr<const int64_t>(num_batches_tracked);
+        a.s_nbt = s_nbt;
+        a.training = training;
+        a.update = update;
+        a.cumulative = cumulative;
+        a.momentum = momentum;
+        a.unbias = unbias;
+        a.eps = eps;
+        const auto s = bn_shape(shape);
+        const auto ch = bn_chunks(chunks);
+        py::gil_scoped_release release;
+        hfkern::batch_norm_finalize(a, s, ch, ptr<float>(mean), ptr<float>(rstd), threads, ptr<void>(stream));
+      },
+      py::arg("pmean"), py::arg("pm2"), py::arg("s_part_b"), py::arg("running_mean"), py::arg("running_var"),
+      py::arg("num_batches_tracked"), py::arg("s_nbt"), py::arg("training"), py::arg("update"),
+      py::arg("cumulative"), py::arg("momentum"), py::arg("unbias"), py::arg("eps"), py::arg("shape"),
+      py::arg("chunks"), py::arg("mean"), py::arg("rstd"), py::arg("threads"), py::arg("stream"));
+  m.def(
+      "batch_norm_apply",
+      [](const Tensor6& x, const Tensor6& y, const Quad& shape, const Quad& tile, uintptr_t mean, uintptr_t rstd,
+         const Quad& weight, const Quad& bias, int activation, uintptr_t stream) {
+        const auto xt = bn_tensor(x), yt = bn_tensor(y);
+        const auto s = bn_shape(shape);
+        const auto t = bn_tile(tile);
+        const auto w = bn_channels(weight), b = bn_channels(bias);
+        const auto act = bn_activation(activation);
+        py::gil_scoped_release release;
+        hfkern::batch_norm_apply(xt, yt, s, t, ptr<const float>(mean), ptr<const float>(rstd), w, b, act,
+                                 ptr<void>(stream));
+      },
+      py::arg("x"), py::arg("y"), py::arg("shape"), py::arg("tile"), py::arg("mean"), py::arg("rstd"),
+      py::arg("weight"), py::arg("bias"), py::arg("activation"), py::arg("stream"));
+  m.def(
+      "batch_norm_backward_partials",
+      [](const Tensor6& grad_y, const Tensor6& x, const Quad& shape, const Quad& tile, const Quad& chunks,
+         uintptr_t mean, uintptr_t rstd, const Quad& weight, const Quad& bias, int activation, uintptr_t pg,
+         uintptr_t pgx, uintptr_t stream) {
+        const auto gt = bn_tensor(grad_y), xt = bn_tensor(x);
+        const auto s = bn_shape(shape);
+        const auto t = bn_tile(tile);
+        const auto ch = bn_chunks(chunks);
+        const auto w = bn_channels(weight), b = bn_channels(bias);
+        const auto act = bn_activation(activation);
+        py::gil_scoped_release release;
+        hfkern::batch_norm_backward_partials(gt, xt, s, t, ch, ptr<const float>(mean), ptr<const float>(rstd), w, b,
+                                             act, ptr<float>(pg), ptr<float>(pgx), ptr<void>(stream));
+      },
+      py::arg("grad_y"), py::arg("x"), py::arg("shape"), py::arg("tile"), py::arg("chunks"), py::arg("mean"),
+      py::arg("rstd"), py::arg("weight"), py::arg("bias"), py::arg("activation"), py::arg("pg"), py::arg("pgx"),
+      py::arg("stream"));
+  m.def(
+      "batch_norm_backward_reduce",
+      [](uintptr_t pg, uintptr_t pgx, int64_t B, int64_t C, int64_t P, uintptr_t sums, const Quad& grad_weight,
+         const Quad& grad_bias, int threads, uintptr_t stream) {
+        const auto gw = bn_channels(grad_weight), gb = bn_channels(grad_bias);
+        py::gil_scoped_release release;
+        hfkern::batch_norm_backward_reduce(ptr<const float>(pg), ptr<const float>(pgx), B, C, P, ptr<float>(sums), gw,
+                                           gb, threads, ptr<void>(stream));
+      },
+      py::arg("pg"), py::arg("pgx"), py::arg("B"), py::arg("C"), py::arg("P"), py::arg("sums"),
+      py::arg("grad_weight"), py::arg("grad_bias"), py::arg("threads"), py::arg("stream"));
+  m.def(
+      "batch_norm_backward_dx",
+      [](const Tensor6& grad_y, const Tensor6& x, const Tensor6& grad_x, const Quad& shape, const Quad& tile,
+         uintptr_t mean, uintptr_t rstd, const Quad& weight, const Quad& bias, uintptr_t sums, double inv_n,
+         bool training, int activation, uintptr_t stream) {
+        const auto gt = bn_tensor(grad_y), xt = bn_tensor(x), ot = bn_tensor(grad_x);
+        const auto s = bn_shape(shape);
+        const auto t = bn_tile(tile);
+        const auto w = bn_channels(weight), b = bn_channels(bias);
+        const auto act = bn_activation(activation);
+        py::gil_scoped_release release;
+        hfkern::batch_norm_backward_dx(gt, xt, ot, s, t, ptr<const float>(mean), ptr<const float>(rstd), w, b,
+                                       ptr<const float>(sums), inv_n, training, act, ptr<void>(stream));
+      },
+      py::arg("grad_y"), py::arg("x"), py::arg("grad_x"), py::arg("shape"), py::arg("tile"), py::arg("mean"),
+      py::arg("rstd"), py::arg("weight"), py::arg("bias"), py::arg("sums"), py::arg("inv_n"), py::arg("training"),
+      py::arg("activation"), py::arg("stream"));
 }
