@@ -326,3 +326,43 @@ def test_one_input_channel_still_gives_channels_last_images():
     x, xs, leaf = array_input((4, 1, 6, 5), B, shared=True)
     y = compare_modules(conv, modules, x, xs, leaf, shared=True)
     assert array_memory_format(y) == CL
+
+
+# ---- on a GPU: cuDNN's grouped convs and torch's batch norm in both memories -----------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_resnet_in_channels_last_matches_the_default_memory(dtype):
+    torch.manual_seed(0)
+    B = 3
+    models = [_SmallResNet().cuda() for _ in range(B)]
+    default, cl = hfkern.fuse(models), hfkern.fuse(models).to(memory_format=CL)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    outs, grads = [], []
+    for fused in (default, cl):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = fused(hfkern.broadcast(x, B))
+        out.float().square().sum().backward()
+        outs.append(out.float())
+        grads.append([p.grad for p in fused.parameters()])
+    tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    for g_cl, g in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g_cl, g, **tol)
+    for (name, buf), buf_cl in zip(default.named_buffers(), cl.buffers()):
+        torch.testing.assert_close(buf_cl.float(), buf.float(), **tol, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_conv_ops_keep_channels_last(backend):
+    torch.manual_seed(0)
+    B, N, C = 4, 8, 16
+    x = torch.randn(N, 12, 12, B, C, device="cuda").permute(3, 0, 4, 1, 2)
+    weight = torch.randn(B, 32, C, 3, 3, device="cuda") * 0.1
+    args = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    with hfkern.use_backend(backend):
+        y = torch.ops.hfkern.array_conv(x, weight, None, *args)
+        ref = torch.ops.hfkern.array_conv(x.contiguous(), weight, None, *args)
+    assert array_memory_format(y) == CL
+    torch.testing.assert_close(y, ref, atol=1e-2, rtol=1e-2)  # TF32 where torch allows it
