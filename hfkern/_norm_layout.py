@@ -1,9 +1,12 @@
-"""How the normalization kernels see their operands: layouts and reduction chunks.
+"""How the normalization kernels see their operands: layouts, tiles and reduction chunks.
 
 Shared by every GPU backend of the array batch norm (hfkern/triton/batch_norm.py,
 hfkern/cuda/batch_norm.py): what a backend needs to read ``x`` where it lies
 and to split each (model, channel)'s reduction into fixed chunks. Nothing here
-knows a kernel language; tile sizes are each backend's own.
+knows a kernel language; tile sizes are each backend's own, the rule that shapes
+a tile is :func:`tile_shape`. The launchers' common prologue and epilogue
+(:func:`addressed`: a copy where no layout serves; :func:`backward_outputs`) and
+the fused activations' names serve the layer-norm launchers and the ops too.
 
 Layout. ``x`` is ``[B, N, C, *S]`` with any strides. The kernels see each
 model's input as ``[R0, C, R1]``: the reduced dims (N and the spatial dims)
@@ -24,14 +27,21 @@ the per-chunk partials are combined in the same order on every run.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ._device import sm_count
 
-__all__ = ["layout", "partition", "cdiv", "next_power_of_2", "PROGRAMS_PER_SM"]
+__all__ = [
+    "layout", "partition", "cdiv", "next_power_of_2", "tile_shape", "addressed", "backward_outputs",
+    "NORM_ACTIVATIONS", "PROGRAMS_PER_SM",
+]
+
+# The activations a norm op fuses, by the names the ops take (and the kernels' codes
+# are keyed by): identity, ReLU, and GELU in its exact erf form.
+NORM_ACTIVATIONS = ("none", "relu", "gelu")
 
 # reduction programs per SM: enough to hide latency, few enough that the
 # [B, P, C] partial buffers stay small next to x
@@ -90,3 +100,55 @@ def partition(device: torch.device, programs: int, R0: int, R1: int, block_r0: i
     tiles1 = cdiv(n1, min(max(1, per // P0), n1))
     P1 = cdiv(n1, tiles1)
     return tiles0 * block_r0, tiles1 * block_r1, P0 * P1, P1
+
+
+def tile_shape(R0: int, C: int, R1: int, s_c: int, s_r1: int, total: int, inner: int):
+    """``(t_r0, t_c, t_r1, channels_inner)``: a tile of at most ``total`` elements, long along
+    the dim that runs along memory, whose inner two dims hold at most ``inner``
+    (channels_inner: the channels run along memory, not R1)."""
+    np2 = next_power_of_2
+    if R1 > 1 and s_r1 <= s_c:  # channels-first memory: the reduced inner dim is contiguous
+        t_r1 = min(np2(R1), inner)
+        t_c = min(np2(C), max(1, inner // t_r1))
+        channels_inner = False
+    else:  # channels run along memory ([B, N, C], channels-last)
+        t_c = min(np2(C), inner)
+        t_r1 = min(np2(R1), max(1, inner // t_c))
+        channels_inner = True
+    t_r0 = min(np2(R0), max(1, total // (t_c * t_r1)))
+    return t_r0, t_c, t_r1, channels_inner
+
+
+def addressed(layout_of: Callable[[list[Tensor]], Any], inputs: Sequence[Tensor], out: Tensor | None):
+    """``(inputs, out, lay)`` as the kernels read and write them: the tensors themselves
+    where ``layout_of`` reduces their strides (``lay``, its result), else contiguous
+    copies of the inputs and a fresh contiguous ``out`` (rarer layouts; the caller
+    copies the kernels' output back into its own when it is not the one it passed).
+    ``out`` None: the call writes no full-size output."""
+    outs = [] if out is None else [out]
+    lay = layout_of([*inputs, *outs])
+    if lay is not None:
+        return list(inputs), out, lay
+    inputs = [t.contiguous() for t in inputs]
+    out = None if out is None else torch.empty_like(out, memory_format=torch.contiguous_format)
+    return inputs, out, layout_of([*inputs, *([] if out is None else [out])])
+
+
+def backward_outputs(x: Tensor, weight: Tensor | None, output_mask: Sequence[bool],
+                     param_shape: Sequence[int], *, launch: bool = False) -> tuple[Tensor, ...]:
+    """What a norm's backward op returns: grad_x ``empty_like(x)`` and one parameter
+    gradient ``param_shape`` in weight's dtype (x's without a weight) per further mask
+    entry; where the entry is False, a distinct empty ``[0]`` tensor of x's dtype
+    (custom-op outputs may not alias). ``launch``: for a launcher, whose kernels write
+    them; an empty x launches nothing, and its parameter gradients, sums over nothing,
+    are zeros."""
+    param_dtype = x.dtype if weight is None else weight.dtype
+
+    def param_grad(wanted: bool) -> Tensor:
+        if not wanted:
+            return x.new_empty(0)
+        grad = x.new_empty(tuple(param_shape), dtype=param_dtype)
+        return grad.zero_() if launch and x.numel() == 0 else grad
+
+    grad_x = torch.empty_like(x) if output_mask[0] else x.new_empty(0)
+    return (grad_x, *(param_grad(bool(m)) for m in output_mask[1:]))

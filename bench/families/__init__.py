@@ -27,7 +27,7 @@ import contextlib
 import importlib
 import math
 import pkgutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -182,6 +182,80 @@ def activation_bytes(n: int, elem: int, direction: str) -> int:
     saved tensor (ReLU's output, GELU's input) and writes the input gradient."""
     per = {"fwd": 2, "bwd": 3, "fwd+bwd": 5}[direction]
     return per * n * elem
+
+
+def unfused_bytes(cost: Callable, s: Any, B: int, elem: int, n: int, direction: str) -> int:
+    """The least bytes of a norm (the family's ``cost`` of shape ``s`` without its activation)
+    followed by its activation over ``n`` elements as a separate pass."""
+    fwd, bwd = cost(replace(s, activation="none"), B, elem)
+    norm = {"fwd": fwd[0], "bwd": bwd[0], "fwd+bwd": fwd[0] + bwd[0]}[direction]
+    return norm + activation_bytes(n, elem, direction)
+
+
+class Activated:
+    """A norm baseline that runs the shape's activation (``s.activation``) after its norm,
+    as its own pass. A family's subclass names its ``cost`` (a staticmethod)."""
+
+    s: Any
+    cost: Callable
+
+    def activate(self, y):
+        act = self.s.activation
+        return y if act == "none" else ACTIVATIONS[act](y)
+
+    def moved_bytes(self, op_bytes, d, direction):
+        if self.s.activation == "none":
+            return op_bytes
+        x = d["x"]
+        return unfused_bytes(self.cost, self.s, d["B"], x.element_size(), x.numel(), direction)
+
+
+class FusedNorm(Impl):
+    """An hfkern backend of a norm family whose shapes carry a fused ``activation``:
+    ``norm(args, activation)`` runs the op on ``(x, w, b, *d[k] for k in extra_inputs)``
+    (x, w and b differentiated) and returns its output."""
+
+    kind = "backend"
+    extra_inputs: tuple[str, ...] = ()
+
+    def __init__(self, s, backend: str):
+        self.s = s
+        self.name = self.backend = backend
+
+    def norm(self, args: tuple, activation: str):
+        raise NotImplementedError
+
+    def inputs(self, d, grad):
+        x, w, b = d["x"], d["w"], d["b"]
+        if grad:
+            x, w, b = leaf(x), leaf(w), leaf(b)
+        return (x, w, b, *(d[k] for k in self.extra_inputs)), [x, w, b]
+
+    def forward(self, args):
+        return [self.norm(args, self.s.activation)]
+
+
+class UnfusedNorm(Activated, FusedNorm):
+    """The hfkern op with activation "none" under ``backend``, then the activation in torch
+    (the baseline ``unfused_<backend>``; a family's subclass mixes it into its FusedNorm)."""
+
+    kind = "baseline"
+
+    def __init__(self, s, backend: str):
+        super().__init__(s, backend)
+        self.name = f"unfused_{backend}"
+
+    def forward(self, args):
+        return [self.activate(self.norm(args, "none"))]
+
+
+def unfused_baselines(unfused: Callable[[Any, str], Impl]) -> dict[str, Callable]:
+    """The ``unfused_<backend>`` baselines of a norm family, for every backend: rows only
+    for shapes with an activation."""
+    def make(backend):
+        return lambda s: unfused(s, backend) if s.activation != "none" else None
+
+    return {f"unfused_{backend}": make(backend) for backend in BACKENDS}
 
 
 class LayoutConversion(Impl):

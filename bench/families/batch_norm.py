@@ -27,17 +27,18 @@ import torch
 import torch.nn.functional as F
 
 from . import (
-    ACTIVATIONS,
-    BACKENDS,
     LAYOUTS,
+    Activated,
     Family,
+    FusedNorm,
     Impl,
     LayoutConversion,
     Loop,
     Suite,
-    activation_bytes,
+    UnfusedNorm,
     array_randn,
     leaf,
+    unfused_baselines,
 )
 
 EPS, MOMENTUM = 1e-5, 0.1
@@ -156,66 +157,22 @@ def cost(s: BatchNormShape, B: int, elem: int) -> tuple:
     return fwd, bwd
 
 
-def unfused_bytes(s: BatchNormShape, B: int, elem: int, direction: str) -> int:
-    """Batch norm without an activation, then the activation as its own pass."""
-    fwd, bwd = cost(replace(s, activation="none"), B, elem)
-    norm = {"fwd": fwd[0], "bwd": bwd[0], "fwd+bwd": fwd[0] + bwd[0]}[direction]
-    return norm + activation_bytes(B * s.N * s.C * math.prod(s.spatial), elem, direction)
+class _Activated(Activated):
+    cost = staticmethod(cost)
 
 
-class _Activated:
-    """A baseline that runs the shape's activation after its batch norm, as its own pass."""
+class HfkernBatchNorm(FusedNorm):
+    extra_inputs = ("rm", "rv")
 
-    def activate(self, y):
-        act = self.s.activation
-        return y if act == "none" else ACTIVATIONS[act](y)
-
-    def moved_bytes(self, op_bytes, d, direction):
-        if self.s.activation == "none":
-            return op_bytes
-        return unfused_bytes(self.s, d["B"], d["x"].element_size(), direction)
-
-
-class HfkernBatchNorm(Impl):
-    kind = "backend"
-
-    def __init__(self, s, backend: str):
-        self.s = s
-        self.name = self.backend = backend
-
-    def inputs(self, d, grad):
-        x, w, b = d["x"], d["w"], d["b"]
-        if grad:
-            x, w, b = leaf(x), leaf(w), leaf(b)
-        return (x, w, b, d["rm"], d["rv"]), [x, w, b]
-
-    def forward(self, args):
+    def norm(self, args, activation):
         from hfkern.ops.batch_norm import array_batch_norm
 
         x, w, b, rm, rv = args
-        if self.s.activation == "none":
-            return [array_batch_norm(x, w, b, rm, rv, None, True, MOMENTUM, EPS)[0]]
-        return [array_batch_norm(x, w, b, rm, rv, None, True, MOMENTUM, EPS, activation=self.s.activation)[0]]
+        return array_batch_norm(x, w, b, rm, rv, None, True, MOMENTUM, EPS, activation)[0]
 
 
-class UnfusedBatchNorm(_Activated, HfkernBatchNorm):
+class UnfusedBatchNorm(_Activated, UnfusedNorm, HfkernBatchNorm):
     """The hfkern op with activation "none" under ``backend``, then the activation in torch."""
-
-    kind = "baseline"
-
-    def __init__(self, s, backend: str):
-        super().__init__(s, backend)
-        self.name = f"unfused_{backend}"
-
-    def forward(self, args):
-        from hfkern.ops.batch_norm import array_batch_norm
-
-        x, w, b, rm, rv = args
-        return [self.activate(array_batch_norm(x, w, b, rm, rv, None, True, MOMENTUM, EPS)[0])]
-
-
-def _unfused(backend: str):
-    return lambda s: UnfusedBatchNorm(s, backend) if s.activation != "none" else None
 
 
 def _conversion(s: BatchNormShape):
@@ -268,6 +225,11 @@ class LoopBatchNorm(_Activated, Loop):
 
 # ---- the launchers' code paths and the op samples --------------------------------
 
+# The fused activations' kernel variants (forward normalize, backward partial sums and
+# grad_x, which recompute z), each once: ReLU in float32, GELU in bfloat16.
+COMPILE_ACTIVATIONS = (("relu", torch.float32), ("gelu", torch.bfloat16))
+
+
 def compile_calls():
     from hfkern.triton import batch_norm as bn
 
@@ -277,22 +239,31 @@ def compile_calls():
         "contiguous 1d": lambda dtype: torch.randn(B, N, C, dtype=dtype),
         "channels-last": lambda dtype: torch.randn(B, N, 5, 3, C, dtype=dtype).permute(0, 1, 4, 2, 3),
     }
+
+    def calls_of(x, training, affine, activation="none"):
+        def calls():
+            dtype = x.dtype
+            w = torch.randn(B, C, dtype=dtype) if affine else None
+            b = torch.randn(B, C, dtype=dtype) if affine else None
+            rm, rv = torch.randn(B, C), torch.rand(B, C) + 0.5
+            nbt = torch.full((B,), 2, dtype=torch.long)
+            _, mean, rstd = bn.array_batch_norm(x, w, b, rm, rv, nbt, training, None, EPS, activation)
+            gy = torch.randn_like(x)
+            for mask in ([True, affine, affine], [False, affine, True], [True, False, False]):
+                bn.array_batch_norm_backward(gy, x, w, mean, rstd, training, mask, b, activation)
+
+        return calls
+
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for layout, make in layouts.items():
             for training in (True, False):
                 for affine in (True, False):
-                    def calls(x=make(dtype), training=training, affine=affine):
-                        w = torch.randn(B, C, dtype=dtype) if affine else None
-                        b = torch.randn(B, C, dtype=dtype) if affine else None
-                        rm, rv = torch.randn(B, C), torch.rand(B, C) + 0.5
-                        nbt = torch.full((B,), 2, dtype=torch.long)
-                        _, mean, rstd = bn.array_batch_norm(x, w, b, rm, rv, nbt, training, None, EPS)
-                        gy = torch.randn_like(x)
-                        for mask in ([True, affine, affine], [False, affine, True], [True, False, False]):
-                            bn.array_batch_norm_backward(gy, x, w, mean, rstd, training, mask)
-
                     yield f"batch norm {layout}{' training' if training else ' eval'}" \
-                          f"{' affine' if affine else ''} {dtype}", calls
+                          f"{' affine' if affine else ''} {dtype}", calls_of(make(dtype), training, affine)
+    for activation, dtype in COMPILE_ACTIVATIONS:
+        for training in (True, False):
+            yield f"batch norm +{activation}{' training' if training else ' eval'} affine {dtype}", \
+                calls_of(layouts["conv output"](dtype), training, True, activation)
     # training without running statistics
     x = layouts["conv output"](torch.float32)
     yield "batch norm, no running statistics", lambda: bn.array_batch_norm(
@@ -334,7 +305,7 @@ FAMILY = Family(
     cost=cost,
     backend_impl=HfkernBatchNorm,
     baselines={"grouped": GroupedBatchNorm, "loop": LoopBatchNorm, "convert": _conversion,
-               **{f"unfused_{backend}": _unfused(backend) for backend in BACKENDS}},
+               **unfused_baselines(UnfusedBatchNorm)},
     compile_calls=compile_calls,
     samples=samples,
     suites={"bytes": Suite(BYTES_SHAPES, BYTES_SMOKE_SHAPES)},

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from . import ACTIVATIONS, BACKENDS, Family, Impl, Loop, Suite, activation_bytes, leaf
+from . import Activated, Family, FusedNorm, Loop, Suite, UnfusedNorm, unfused_baselines
 
 EPS = 1e-5
 
@@ -87,58 +87,18 @@ def cost(s: LayerNormShape, B: int, elem: int) -> tuple:
     return fwd, bwd
 
 
-class _Activated:
-    """A baseline that runs the shape's activation after its layer norm, as its own pass."""
-
-    def activate(self, y):
-        act = self.s.activation
-        return y if act == "none" else ACTIVATIONS[act](y)
-
-    def moved_bytes(self, op_bytes, d, direction):
-        if self.s.activation == "none":
-            return op_bytes
-        elem = d["x"].element_size()
-        fwd, bwd = cost(replace(self.s, activation="none"), d["B"], elem)
-        norm = {"fwd": fwd[0], "bwd": bwd[0], "fwd+bwd": fwd[0] + bwd[0]}[direction]
-        return norm + activation_bytes(d["x"].numel(), elem, direction)
+class _Activated(Activated):
+    cost = staticmethod(cost)
 
 
-class HfkernLayerNorm(Impl):
-    kind = "backend"
-
-    def __init__(self, s, backend: str):
-        self.s = s
-        self.name = self.backend = backend
-
-    def inputs(self, d, grad):
-        x, w, b = d["x"], d["w"], d["b"]
-        if grad:
-            x, w, b = leaf(x), leaf(w), leaf(b)
-        return (x, w, b), [x, w, b]
-
-    def forward(self, args):
+class HfkernLayerNorm(FusedNorm):
+    def norm(self, args, activation):
         x, w, b = args
-        if self.s.activation == "none":
-            return [torch.ops.hfkern.array_layer_norm(x, w, b, 1, EPS)[0]]
-        return [torch.ops.hfkern.array_layer_norm(x, w, b, 1, EPS, self.s.activation)[0]]
+        return torch.ops.hfkern.array_layer_norm(x, w, b, 1, EPS, activation)[0]
 
 
-class UnfusedLayerNorm(_Activated, HfkernLayerNorm):
+class UnfusedLayerNorm(_Activated, UnfusedNorm, HfkernLayerNorm):
     """The hfkern op with activation "none" under ``backend``, then the activation in torch."""
-
-    kind = "baseline"
-
-    def __init__(self, s, backend: str):
-        super().__init__(s, backend)
-        self.name = f"unfused_{backend}"
-
-    def forward(self, args):
-        x, w, b = args
-        return [self.activate(torch.ops.hfkern.array_layer_norm(x, w, b, 1, EPS)[0])]
-
-
-def _unfused(backend: str):
-    return lambda s: UnfusedLayerNorm(s, backend) if s.activation != "none" else None
 
 
 class LoopLayerNorm(_Activated, Loop):
@@ -152,30 +112,46 @@ class LoopLayerNorm(_Activated, Loop):
 
 # ---- the launchers' code paths and the op samples --------------------------------
 
+# The fused activations' kernel variants (forward, and the backward that recomputes z),
+# each once per row path: ReLU in float32, GELU in bfloat16.
+COMPILE_ACTIVATIONS = (("relu", torch.float32), ("gelu", torch.bfloat16))
+
+
 def compile_calls():
     from hfkern.triton import layer_norm as ln
 
     B = 3
+
+    def calls_of(x, w, b, rms, activation="none"):
+        def calls():
+            gy = torch.randn_like(x)
+            if rms:
+                _, rstd = ln.array_rms_norm(x, w, 1, 1e-5)
+                for mask in ([True, True], [False, True], [True, False]):
+                    ln.array_rms_norm_backward(gy, x, w, rstd, 1, mask)
+            else:
+                _, mean, rstd = ln.array_layer_norm(x, w, b, 1, 1e-5, activation)
+                for mask in ([True, True, True], [False, True, True], [True, False, False]):
+                    ln.array_layer_norm_backward(gy, x, w, mean, rstd, 1, mask, b, activation)
+
+        return calls
+
+    def data(D, dtype):
+        return (torch.randn(B, 5, D, dtype=dtype), torch.randn(B, D, dtype=dtype),
+                torch.randn(B, D, dtype=dtype))
+
+    # a short row held whole, and one long enough to be swept in blocks
+    row_lengths = (48, 20_000)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        # a short row held whole, and one long enough to be swept in blocks
-        for D in (48, 20_000):
-            x = torch.randn(B, 5, D, dtype=dtype)
-            w = torch.randn(B, D, dtype=dtype)
-            b = torch.randn(B, D, dtype=dtype)
+        for D in row_lengths:
+            x, w, b = data(D, dtype)
             for rms in (False, True):
                 for affine in (True, False):
-                    def calls(x=x, w=w if affine else None, b=b if affine else None, rms=rms):
-                        gy = torch.randn_like(x)
-                        if rms:
-                            y, rstd = ln.array_rms_norm(x, w, 1, 1e-5)
-                            for mask in ([True, True], [False, True], [True, False]):
-                                ln.array_rms_norm_backward(gy, x, w, rstd, 1, mask)
-                        else:
-                            y, mean, rstd = ln.array_layer_norm(x, w, b, 1, 1e-5)
-                            for mask in ([True, True, True], [False, True, True], [True, False, False]):
-                                ln.array_layer_norm_backward(gy, x, w, mean, rstd, 1, mask)
-
-                    yield f"{'rms' if rms else 'layer'} norm D={D}{' affine' if affine else ''} {dtype}", calls
+                    yield f"{'rms' if rms else 'layer'} norm D={D}{' affine' if affine else ''} {dtype}", \
+                        calls_of(x, w if affine else None, b if affine else None, rms)
+    for activation, dtype in COMPILE_ACTIVATIONS:
+        for D in row_lengths:
+            yield f"layer norm +{activation} D={D} affine {dtype}", calls_of(*data(D, dtype), False, activation)
     # a transposed layout ([N, B, D] memory) and a 2-D normalized shape
     x = torch.randn(5, B, 8, 6).transpose(0, 1)
     yield "layer norm strided, 2-D shape", lambda: ln.array_layer_norm(x, torch.randn(B, 8, 6), None, 2, 1e-5)
@@ -215,7 +191,7 @@ FAMILY = Family(
     make_data=make_data,
     cost=cost,
     backend_impl=HfkernLayerNorm,
-    baselines={"loop": LoopLayerNorm, **{f"unfused_{backend}": _unfused(backend) for backend in BACKENDS}},
+    baselines={"loop": LoopLayerNorm, **unfused_baselines(UnfusedLayerNorm)},
     compile_calls=compile_calls,
     samples=samples,
     suites={"bytes": Suite(BYTES_SHAPES, BYTES_SMOKE_SHAPES, quick_directions=("fwd+bwd", "fwd"))},

@@ -158,6 +158,29 @@ __device__ __forceinline__ void chan_combine(float& n, float& mean, float& m2, f
   n = total;
 }
 
+// A block's per-channel reduction over its tr0 x tr1 row lanes: each thread's slot in the
+// block's shared arrays, channel-major (the lanes of one channel adjacent).
+struct ChannelSlot {
+  int lanes, rl, slot;  // row lanes per channel, this thread's row lane, its slot
+
+  __device__ ChannelSlot(const BnTile& t, const Lanes& l)
+      : lanes(t.tr0 * t.tr1), rl(l.i1 + t.tr1 * l.i0), slot(l.ic * lanes + rl) {}
+};
+
+// Folds the values each thread has stored at its slot, the channel's threads in a fixed
+// tree: the upper half onto the lower, fold(dst, src) on slots, until the row lane 0 slot
+// holds the channel's result. Every thread of the block calls it (it synchronizes).
+template <typename Fold>
+__device__ __forceinline__ void fold_channel(const ChannelSlot& cs, Fold fold) {
+  __syncthreads();
+  for (int live = cs.lanes; live > 1;) {
+    const int half = (live + 1) / 2;
+    if (cs.rl < live - half) fold(cs.slot, cs.slot + half);
+    __syncthreads();
+    live = half;
+  }
+}
+
 // ---- forward ---------------------------------------------------------------------------
 
 template <typename T>
@@ -199,30 +222,22 @@ HFKERN_UNROLL
     }
   }
 
-  // the channel's threads, folded in a fixed tree: the upper half onto the lower
-  const int lanes = t.tr0 * t.tr1;
-  const int rl = l.i1 + t.tr1 * l.i0;
-  const int slot = l.ic * lanes + rl;
-  s_n[slot] = n;
-  s_mean[slot] = mean;
-  s_m2[slot] = m2;
-  __syncthreads();
-  for (int live = lanes; live > 1;) {
-    const int half = (live + 1) / 2;
-    if (rl < live - half) {
-      float a_n = s_n[slot], a_mean = s_mean[slot], a_m2 = s_m2[slot];
-      chan_combine(a_n, a_mean, a_m2, s_n[slot + half], s_mean[slot + half], s_m2[slot + half]);
-      s_n[slot] = a_n;
-      s_mean[slot] = a_mean;
-      s_m2[slot] = a_m2;
-    }
-    __syncthreads();
-    live = half;
-  }
-  if (rl == 0 && c < s.C) {
+  // the channel's threads, folded in a fixed tree with Chan's formula
+  const ChannelSlot cs(t, l);
+  s_n[cs.slot] = n;
+  s_mean[cs.slot] = mean;
+  s_m2[cs.slot] = m2;
+  fold_channel(cs, [&](int dst, int src) {
+    float a_n = s_n[dst], a_mean = s_mean[dst], a_m2 = s_m2[dst];
+    chan_combine(a_n, a_mean, a_m2, s_n[src], s_mean[src], s_m2[src]);
+    s_n[dst] = a_n;
+    s_mean[dst] = a_mean;
+    s_m2[dst] = a_m2;
+  });
+  if (cs.rl == 0 && c < s.C) {
     const int64_t part = (b * ch.P + p) * s.C + c;
-    pmean[part] = s_mean[slot];
-    pm2[part] = s_m2[slot];
+    pmean[part] = s_mean[cs.slot];
+    pm2[part] = s_m2[cs.slot];
   }
 }
 
@@ -387,25 +402,17 @@ HFKERN_UNROLL
     }
   }
 
-  const int lanes = t.tr0 * t.tr1;
-  const int rl = l.i1 + t.tr1 * l.i0;
-  const int slot = l.ic * lanes + rl;
-  s_g[slot] = sum_g;
-  s_gx[slot] = sum_gx;
-  __syncthreads();
-  for (int live = lanes; live > 1;) {
-    const int half = (live + 1) / 2;
-    if (rl < live - half) {
-      s_g[slot] += s_g[slot + half];
-      s_gx[slot] += s_gx[slot + half];
-    }
-    __syncthreads();
-    live = half;
-  }
-  if (rl == 0 && c < s.C) {
+  const ChannelSlot cs(t, l);
+  s_g[cs.slot] = sum_g;
+  s_gx[cs.slot] = sum_gx;
+  fold_channel(cs, [&](int dst, int src) {
+    s_g[dst] += s_g[src];
+    s_gx[dst] += s_gx[src];
+  });
+  if (cs.rl == 0 && c < s.C) {
     const int64_t part = (b * ch.P + p) * s.C + c;
-    pg[part] = s_g[slot];
-    pgx[part] = s_gx[slot];
+    pg[part] = s_g[cs.slot];
+    pgx[part] = s_gx[cs.slot];
   }
 }
 
@@ -521,6 +528,28 @@ unsigned grid_of(const char* what, int64_t blocks) {
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The element-wise kernels (bn_apply_kernel, bn_bwd_dx_kernel): their shape, tile and
+// per-channel operands, checked; blocks over (model, channel block, row block, inner block)
+// of kUnroll rows per thread.
+void check_elementwise(const char* what, const BnShape& s, const BnTile& t, const BnChannels& weight,
+                       const BnChannels& bias) {
+  check_shape(what, s);
+  check_tile(what, t);
+  check_channel_dtype(what, "weight", weight);
+  check_channel_dtype(what, "bias", bias);
+}
+
+bool no_elements(const BnShape& s) { return s.B == 0 || s.C == 0 || s.R0 == 0 || s.R1 == 0; }
+
+struct ElementGrid {
+  int64_t n_cb, n_r0b, n_r1b;
+  dim3 grid, block;
+
+  ElementGrid(const char* what, const BnShape& s, const BnTile& t)
+      : n_cb(cdiv(s.C, t.tc)), n_r0b(cdiv(s.R0, int64_t(t.tr0) * kUnroll)), n_r1b(cdiv(s.R1, t.tr1)),
+        grid(grid_of(what, s.B * n_cb * n_r0b * n_r1b)), block(static_cast<unsigned>(t.tr0 * t.tc * t.tr1)) {}
+};
+
 // Calls f(T{}) with the element type of a data tensor.
 template <typename F>
 void dispatch(const char* what, DType t, F&& f) {
@@ -572,19 +601,15 @@ void batch_norm_apply(const BnTensor& x, const BnTensor& y, const BnShape& s, co
                       const float* rstd, const BnChannels& weight, const BnChannels& bias, BnActivation act,
                       void* stream) {
   const char* what = "batch_norm_apply";
-  check_shape(what, s);
-  check_tile(what, t);
-  check_channel_dtype(what, "weight", weight);
-  check_channel_dtype(what, "bias", bias);
+  check_elementwise(what, s, t, weight, bias);
   if (x.dtype != y.dtype) fail(what, "expected y of x's dtype");
-  if (s.B == 0 || s.C == 0 || s.R0 == 0 || s.R1 == 0) return;
-  const int64_t n_cb = cdiv(s.C, t.tc), n_r0b = cdiv(s.R0, int64_t(t.tr0) * kUnroll), n_r1b = cdiv(s.R1, t.tr1);
-  const dim3 grid(grid_of(what, s.B * n_cb * n_r0b * n_r1b)), block(static_cast<unsigned>(t.tr0 * t.tc * t.tr1));
+  if (no_elements(s)) return;
+  const ElementGrid g(what, s, t);
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   dispatch(what, x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    HFKERN_LAUNCH((bn_apply_kernel<T>), grid, block, 0, st, x, y, s, t, n_cb, n_r0b, n_r1b, mean, rstd, weight,
-                  bias, act);
+    HFKERN_LAUNCH((bn_apply_kernel<T>), g.grid, g.block, 0, st, x, y, s, t, g.n_cb, g.n_r0b, g.n_r1b, mean, rstd,
+                  weight, bias, act);
   });
 }
 
@@ -630,22 +655,18 @@ void batch_norm_backward_dx(const BnTensor& gy, const BnTensor& x, const BnTenso
                             const BnChannels& bias, const float* sums, double inv_n, bool training, BnActivation act,
                             void* stream) {
   const char* what = "batch_norm_backward_dx";
-  check_shape(what, s);
-  check_tile(what, t);
-  check_channel_dtype(what, "weight", weight);
-  check_channel_dtype(what, "bias", bias);
+  check_elementwise(what, s, t, weight, bias);
   if (gx.dtype != x.dtype) fail(what, "expected grad_x of x's dtype");
   if (training && sums == nullptr) fail(what, "training needs the sums");
-  if (s.B == 0 || s.C == 0 || s.R0 == 0 || s.R1 == 0) return;
-  const int64_t n_cb = cdiv(s.C, t.tc), n_r0b = cdiv(s.R0, int64_t(t.tr0) * kUnroll), n_r1b = cdiv(s.R1, t.tr1);
-  const dim3 grid(grid_of(what, s.B * n_cb * n_r0b * n_r1b)), block(static_cast<unsigned>(t.tr0 * t.tc * t.tr1));
+  if (no_elements(s)) return;
+  const ElementGrid g(what, s, t);
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   dispatch(what, x.dtype, [&](auto xtag) {
     dispatch(what, gy.dtype, [&](auto gtag) {
       using T = decltype(xtag);
       using G = decltype(gtag);
-      HFKERN_LAUNCH((bn_bwd_dx_kernel<T, G>), grid, block, 0, st, gy, x, gx, s, t, n_cb, n_r0b, n_r1b, mean, rstd,
-                    weight, bias, sums, static_cast<float>(inv_n), training, act);
+      HFKERN_LAUNCH((bn_bwd_dx_kernel<T, G>), g.grid, g.block, 0, st, gy, x, gx, s, t, g.n_cb, g.n_r0b, g.n_r1b, mean,
+                    rstd, weight, bias, sums, static_cast<float>(inv_n), training, act);
     });
   });
 }

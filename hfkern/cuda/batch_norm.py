@@ -42,13 +42,21 @@ from torch import Tensor
 
 from .. import _backend
 from .._dtypes import KERNEL_DTYPES
-from .._norm_layout import cdiv, layout, next_power_of_2, partition
+from .._norm_layout import (
+    NORM_ACTIVATIONS,
+    addressed,
+    backward_outputs,
+    cdiv,
+    layout,
+    partition,
+    tile_shape,
+)
 from . import _ext
 
 __all__ = ["array_batch_norm", "array_batch_norm_backward", "emulated", "ACTIVATIONS"]
 
 _FWD, _BWD = "array_batch_norm", "array_batch_norm_backward"
-ACTIVATIONS = ("none", "relu", "gelu")
+ACTIVATIONS = NORM_ACTIVATIONS
 
 # Threads per block of the element and reduction kernels, and of the per-channel
 # kernels (finalize, reduce). Under the emulator every block is a group of host
@@ -59,17 +67,8 @@ _EMULATED_THREADS, _EMULATED_CHANNEL_THREADS = 16, 8
 
 def _tile(R0: int, C: int, R1: int, s_c: int, s_r1: int, threads: int) -> tuple[int, int, int, int]:
     """(tr0, tc, tr1, c_inner): the threads of a block, long along the dim that runs along memory."""
-    np2 = next_power_of_2
-    if R1 > 1 and s_r1 <= s_c:  # channels-first memory: the reduced inner dim is contiguous
-        tr1 = min(np2(R1), threads)
-        tc = min(np2(C), max(1, threads // tr1))
-        c_inner = 0
-    else:  # channels run along memory ([B, N, C], channels-last)
-        tc = min(np2(C), threads)
-        tr1 = min(np2(R1), max(1, threads // tc))
-        c_inner = 1
-    tr0 = min(np2(R0), max(1, threads // (tc * tr1)))
-    return tr0, tc, tr1, c_inner
+    tr0, tc, tr1, channels_inner = tile_shape(R0, C, R1, s_c, s_r1, threads, threads)
+    return tr0, tc, tr1, int(channels_inner)
 
 
 def _activation_code(op: str, activation: str, ext) -> int:
@@ -165,12 +164,8 @@ class _Launcher:
         shape, tile, chunks = (B, 1, C, 1), (1, 1, 1, 1), (1, 1, 0, 1)  # n == 0: no partials
         partials, s_part_b = None, 0
         if n > 0:
-            lay = layout([x, y])
-            if lay is None:  # more than two strided reduced dims: copied, the output copied back
-                x_in = x.contiguous()
-                y_out = torch.empty_like(x_in)
-                lay = layout([x_in, y_out])
-            R0, R1, (sx, sy) = lay
+            # more than two strided reduced dims: copied, the output copied back
+            (x_in,), y_out, (R0, R1, (sx, sy)) = addressed(layout, [x], y)
             tile = _tile(R0, C, R1, sx[2], sx[3], self.threads)
             shape = (B, R0, C, R1)
             if training:
@@ -225,30 +220,13 @@ class _Launcher:
         if act == 0:
             bias = None  # z is only needed for the activation's derivative
         want_dx, want_dw, want_db = (bool(m) for m in output_mask)
-        param_dtype = x.dtype if weight is None else weight.dtype
-        # Unrequested outputs are distinct empties: custom-op outputs may not alias.
-        grad_x, grad_w, grad_b = x.new_empty(0), x.new_empty(0), x.new_empty(0)
-        if want_dx:
-            grad_x = torch.empty_like(x)
-        if want_dw:
-            grad_w = x.new_empty((B, C), dtype=param_dtype)
-        if want_db:
-            grad_b = x.new_empty((B, C), dtype=param_dtype)
-        if x.numel() == 0:  # nothing to launch: parameter gradients are sums over nothing
-            return grad_x, grad_w.zero_() if want_dw else grad_w, grad_b.zero_() if want_db else grad_b
-        need_sums = want_dw or want_db or (want_dx and training)
-        if not (want_dx or need_sums):
+        grad_x, grad_w, grad_b = backward_outputs(x, weight, output_mask, (B, C), launch=True)
+        if x.numel() == 0 or not any(output_mask):
             return grad_x, grad_w, grad_b
+        need_sums = want_dw or want_db or (want_dx and training)
 
         stream = _ext.stream(x.device)
-        tensors = [x, grad_y] + ([grad_x] if want_dx else [])
-        lay = layout(tensors)
-        x_in, gy_in, gx_out = x, grad_y, grad_x
-        if lay is None:
-            x_in, gy_in = x.contiguous(), grad_y.contiguous()
-            gx_out = torch.empty_like(x_in) if want_dx else grad_x
-            lay = layout([x_in, gy_in] + ([gx_out] if want_dx else []))
-        R0, R1, strides = lay
+        (x_in, gy_in), gx_out, (R0, R1, strides) = addressed(layout, [x, grad_y], grad_x if want_dx else None)
         sx, sg = strides[0], strides[1]
         shape = (B, R0, C, R1)
         tile = _tile(R0, C, R1, sx[2], sx[3], self.threads)

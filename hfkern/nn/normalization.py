@@ -31,7 +31,8 @@ from .._array import (
 )
 from .._dtypes import acc_dtype
 from ..ops.batch_norm import array_batch_norm
-from ..ops.layer_norm import NORM_ACTIVATIONS, array_layer_norm, array_rms_norm
+from ..ops._norm import check_activation
+from ..ops.layer_norm import array_layer_norm, array_rms_norm
 from ._base import ArrayModule, torch_module
 
 __all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d"]
@@ -52,13 +53,26 @@ def _check_trailing(
     return check_input(module, input, B, (input.dim() - 1,), param)
 
 
-def _check_activation(module: str, activation: object) -> str:
-    if not isinstance(activation, str) or activation not in NORM_ACTIVATIONS:
-        raise ValueError(
-            f"{module}: expected activation to be one of {', '.join(map(repr, NORM_ACTIVATIONS))}, "
-            f"got {activation!r}"
-        )
-    return activation
+def _affine_parameters(module: nn.Module, shape: tuple[int, ...], affine: bool, bias: bool,
+                       factory: dict) -> None:
+    """weight and bias of ``shape`` as torch's norms make them: registered as None where
+    absent (``affine=False``, or ``bias=False``), initialized by :func:`_reset_affine`."""
+    if affine:
+        module.weight = nn.Parameter(torch.empty(shape, **factory))
+        if bias:
+            module.bias = nn.Parameter(torch.empty(shape, **factory))
+        else:
+            module.register_parameter("bias", None)
+    else:
+        module.register_parameter("weight", None)
+        module.register_parameter("bias", None)
+
+
+def _reset_affine(module: nn.Module) -> None:
+    if module.weight is not None:
+        init.ones_(module.weight)
+    if module.bias is not None:
+        init.zeros_(module.bias)
 
 
 class _FusedActivation:
@@ -90,28 +104,17 @@ class LayerNorm(_FusedActivation, ArrayModule):
                  dtype=None):
         super().__init__()
         template = nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias, device="meta")
-        self.activation = _check_activation("LayerNorm", activation)
+        self.activation = check_activation("LayerNorm", activation)
         self._set_B(B, required=elementwise_affine)
         self.normalized_shape = template.normalized_shape
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        factory = {"device": device, "dtype": dtype}
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty((self.B, *self.normalized_shape), **factory))
-            if bias:
-                self.bias = nn.Parameter(torch.empty((self.B, *self.normalized_shape), **factory))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        _affine_parameters(self, (self.B, *self.normalized_shape), elementwise_affine, bias,
+                           {"device": device, "dtype": dtype})
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.weight is not None:
-            init.ones_(self.weight)
-        if self.bias is not None:
-            init.zeros_(self.bias)
+        _reset_affine(self)
 
     def forward(self, input: Tensor) -> Tensor:
         return self._normalize(input, self.activation)
@@ -193,23 +196,11 @@ class GroupNorm(ArrayModule):
         self._set_B(B, required=affine)
         self.num_groups, self.num_channels = num_groups, num_channels
         self.eps, self.affine = eps, affine
-        factory = {"device": device, "dtype": dtype}
-        if affine:
-            self.weight = nn.Parameter(torch.empty((self.B, num_channels), **factory))
-            if bias:
-                self.bias = nn.Parameter(torch.empty((self.B, num_channels), **factory))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        _affine_parameters(self, (self.B, num_channels), affine, bias, {"device": device, "dtype": dtype})
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.weight is not None:
-            init.ones_(self.weight)
-        if self.bias is not None:
-            init.zeros_(self.bias)
+        _reset_affine(self)
 
     def forward(self, input: Tensor) -> Tensor:
         if isinstance(input, Tensor) and input.dim() < 3:
@@ -272,21 +263,13 @@ class _BatchNorm(_FusedActivation, ArrayModule):
         super().__init__()
         torch_module(self._torch_cls, num_features, eps, momentum, affine, track_running_stats,
                      bias=bias, device="meta")
-        self.activation = _check_activation(type(self).__name__, activation)
+        self.activation = check_activation(type(self).__name__, activation)
         self._set_B(B, required=affine or track_running_stats)
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
         factory = {"device": device, "dtype": dtype}
         C = num_features
-        if affine:
-            self.weight = nn.Parameter(torch.empty((self.B, C), **factory))
-            if bias:
-                self.bias = nn.Parameter(torch.empty((self.B, C), **factory))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        _affine_parameters(self, (self.B, C), affine, bias, factory)
         if track_running_stats:
             self.register_buffer("running_mean", torch.zeros((self.B, C), **factory))
             self.register_buffer("running_var", torch.ones((self.B, C), **factory))
@@ -317,10 +300,7 @@ class _BatchNorm(_FusedActivation, ArrayModule):
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        if self.weight is not None:
-            init.ones_(self.weight)
-        if self.bias is not None:
-            init.zeros_(self.bias)
+        _reset_affine(self)
 
     def forward(self, input: Tensor) -> Tensor:
         return self._normalize(input, self.activation)

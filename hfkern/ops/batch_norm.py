@@ -101,7 +101,10 @@ from .._array import (
     array_memory_format, from_grouped, is_shared, op_result, per_model_memory_first, to_grouped,
 )
 from .._dtypes import acc_dtype
-from .layer_norm import activate_, activation_grad, check_activation
+from ._norm import (
+    activate_, activation_grad, backward_of_backward, backward_outputs, check_activation, check_mask, grad_mask,
+    input_grads, save_forward,
+)
 
 __all__ = ["array_batch_norm", "array_batch_norm_backward", "batch_norm_backward_math"]
 
@@ -446,7 +449,7 @@ def _check_per_channel(op: str, x: Tensor, **tensors: Tensor | None) -> None:
 def _check_forward(
     x: Tensor, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, activation
 ) -> None:
-    check_activation(_FWD, activation)
+    check_activation(f"hfkern::{_FWD}", activation)
     _check_x(_FWD, x)
     _check_per_channel(_FWD, x, weight=weight, bias=bias, running_mean=running_mean,
                        running_var=running_var)
@@ -486,17 +489,14 @@ def _check_forward(
 
 
 def _check_backward(grad_y: Tensor, x: Tensor, weight, mean, rstd, output_mask, bias, activation) -> None:
-    check_activation(_BWD, activation)
+    check_activation(f"hfkern::{_BWD}", activation)
     _check_x(_BWD, x)
     if _shape(grad_y) != _shape(x):
         raise ValueError(
             f"hfkern::{_BWD}: expected grad_y of x's shape {_shape(x)}, got {_shape(grad_y)}"
         )
     _check_per_channel(_BWD, x, weight=weight, mean=mean, rstd=rstd, bias=bias)
-    if len(output_mask) != 3:
-        raise ValueError(f"hfkern::{_BWD}: expected output_mask of length 3, got {list(output_mask)}")
-    if output_mask[1] and weight is None:
-        raise ValueError(f"hfkern::{_BWD}: output_mask asks for grad_weight but weight is None")
+    check_mask(_BWD, output_mask, 3, weight)
 
 
 @torch.library.custom_op("hfkern::array_batch_norm", mutates_args=("running_mean", "running_var"))
@@ -550,13 +550,7 @@ def array_batch_norm_backward(
 @array_batch_norm_backward.register_fake
 def _(grad_y, x, weight, mean, rstd, training, output_mask, bias=None, activation="none"):
     _check_backward(grad_y, x, weight, mean, rstd, output_mask, bias, activation)
-    param_dtype = x.dtype if weight is None else weight.dtype
-
-    def param_grad(wanted: bool) -> Tensor:
-        return x.new_empty((x.shape[0], x.shape[2]), dtype=param_dtype) if wanted else x.new_empty(0)
-
-    grad_x = torch.empty_like(x) if output_mask[0] else x.new_empty(0)
-    return grad_x, param_grad(output_mask[1]), param_grad(output_mask[2])
+    return backward_outputs(x, weight, output_mask, (x.shape[0], x.shape[2]))
 
 
 class _ArrayBatchNorm(torch.autograd.Function):
@@ -574,12 +568,8 @@ class _ArrayBatchNorm(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, *_, training, _momentum, _eps, activation = inputs
         _, mean, rstd = output
-        # the bias only where the backward recomputes z for the activation's derivative
-        ctx.save_for_backward(x, weight, mean, rstd, bias if activation != "none" else None)
+        save_forward(ctx, x, weight, bias, mean, rstd, activation)
         ctx.training = training
-        ctx.activation = activation
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.mark_non_differentiable(mean, rstd)
         # No gradient flows into mean and rstd: autograd would otherwise hand the
         # backward two [B, C] zero tensors it allocates and fills every step.
         ctx.set_materialize_grads(False)
@@ -590,8 +580,7 @@ class _ArrayBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, grad_mean, grad_rstd):
         x, weight, mean, rstd, bias = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        mask = [needs[0], weight is not None and needs[1], ctx.bias_dtype is not None and needs[2]]
+        mask = grad_mask(ctx, weight)
         none = (None,) * 7
         if not any(mask) or grad_y is None:
             return (None, None, None) + none
@@ -601,11 +590,7 @@ class _ArrayBatchNorm(torch.autograd.Function):
         else:
             with _backend.pinned(ctx.backend):
                 gx, gw, gb = array_batch_norm_backward(*args)
-        return (
-            gx if mask[0] else None,
-            gw if mask[1] else None,
-            gb.to(ctx.bias_dtype) if mask[2] else None,
-        ) + none
+        return input_grads(ctx, mask, gx, gw, gb) + none
 
 
 def array_batch_norm(
@@ -658,31 +643,13 @@ def _backward_setup_context(ctx, inputs, output):
 
 def _backward_backward(ctx, grad_grad_x, grad_grad_w, grad_grad_b):
     grad_y, x, weight, mean, rstd, bias = ctx.saved_tensors
-    needs = ctx.needs_input_grad
-    inputs = {0: grad_y, 1: x, 2: weight, _BWD_BIAS: bias}
-    # needs_input_grad covers the arguments given: none past them (defaults) needs a gradient
-    wanted = [i for i, t in inputs.items() if i < len(needs) and needs[i] and t is not None]
-    result: list[Tensor | None] = [None] * len(needs)
-    if not wanted:
-        return tuple(result)
-    mask = ctx.output_mask
-    primals = [inputs[i] for i in wanted]
 
-    def math_of(*differentiated):
-        args = dict(inputs)
-        args.update(zip(wanted, differentiated))
-        outs = batch_norm_backward_math(args[0], args[1], args[2], mean, rstd, ctx.training, mask,
+    def math(args):
+        return batch_norm_backward_math(args[0], args[1], args[2], mean, rstd, ctx.training, ctx.output_mask,
                                         args[_BWD_BIAS], ctx.activation)
-        return tuple(o for o in outs if o is not None)
 
-    if any(mask):
-        _, vjp = torch.func.vjp(math_of, *primals)
-        grads = vjp(tuple(g for g, m in zip((grad_grad_x, grad_grad_w, grad_grad_b), mask) if m))
-    else:  # nothing was computed: zero gradients (what AOTAutograd derives, too)
-        grads = [torch.zeros_like(t) for t in primals]
-    for i, g in zip(wanted, grads):
-        result[i] = g
-    return tuple(result)
+    return backward_of_backward(ctx.needs_input_grad, {0: grad_y, 1: x, 2: weight, _BWD_BIAS: bias},
+                                ctx.output_mask, (grad_grad_x, grad_grad_w, grad_grad_b), math)
 
 
 array_batch_norm_backward.register_autograd(_backward_backward, setup_context=_backward_setup_context)

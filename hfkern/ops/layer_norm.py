@@ -69,6 +69,10 @@ from torch import Tensor
 
 from .. import _backend
 from . import _autocast
+from ._norm import (
+    activate_, activation_grad, backward_of_backward, backward_outputs, check_activation,
+    check_mask, grad_mask, input_grads, save_forward,
+)
 from .._dtypes import acc_dtype
 
 __all__ = [
@@ -77,52 +81,6 @@ __all__ = [
 
 _LN_FWD, _LN_BWD = "array_layer_norm", "array_layer_norm_backward"
 _RMS_FWD, _RMS_BWD = "array_rms_norm", "array_rms_norm_backward"
-
-
-# ---- fused activations (shared with hfkern.ops.batch_norm) --------------------
-#
-# A norm's output z can go through an activation in the same op: y = act(z).
-# The backward multiplies grad_y by act'(z), with z recomputed from x and the
-# statistics where x is read anyway, so nothing extra is saved.
-
-NORM_ACTIVATIONS = ("none", "relu", "gelu")
-_SQRT1_2 = 0.7071067811865476  # 1 / sqrt(2)
-_INV_SQRT_2PI = 0.3989422804014327  # 1 / sqrt(2 * pi)
-
-
-def check_activation(op: str, activation: object) -> None:
-    """Raise ValueError unless ``activation`` is one of :data:`NORM_ACTIVATIONS`."""
-    if not isinstance(activation, str) or activation not in NORM_ACTIVATIONS:
-        raise ValueError(
-            f"hfkern::{op}: expected activation to be one of {', '.join(map(repr, NORM_ACTIVATIONS))}, "
-            f"got {activation!r}"
-        )
-
-
-def activate_(y: Tensor, activation: str) -> Tensor:
-    """``y <- act(y)`` in place (what ``nn.ReLU(inplace=True)`` and ``nn.GELU()`` compute on
-    the rounded norm output, so the fused op rounds exactly as the separate ops)."""
-    if activation == "relu":
-        return y.relu_()
-    if activation == "gelu":
-        return torch.ops.aten.gelu_(y)
-    return y
-
-
-def activation_grad(grad_y: Tensor, z: Tensor, activation: str, out: Tensor | None = None) -> Tensor:
-    """``grad_y * act'(z)`` (``z`` the norm output before the activation), written into
-    ``out`` when given (the layout a kernel wants), else differentiable.
-
-    ReLU: torch's rule, the gradient where ``z > 0`` and 0 elsewhere (also at 0). GELU: the
-    derivative of the exact form, ``Phi(z) + z * phi(z)``, as torch's gelu_backward computes it.
-    """
-    if activation == "relu":
-        return torch.where(z > 0, grad_y, grad_y.new_zeros(()), out=out)
-    if activation == "gelu":
-        cdf = 0.5 * (1 + torch.erf(z * _SQRT1_2))
-        pdf = torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
-        return torch.mul(grad_y, cdf + z * pdf, out=out)
-    return grad_y if out is None else out.copy_(grad_y)
 
 
 # ---- the torch implementations (CPU path and oracle) ---------------------------
@@ -391,7 +349,7 @@ def _check(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_
             f"hfkern::{op}: expected x of shape [B, *, *normalized_shape] with norm_ndim >= 1 "
             f"trailing dims normalized, got norm_ndim={norm_ndim} and x of shape {list(x.shape)}"
         )
-    expected = [x.shape[0], *x.shape[x.dim() - norm_ndim:]]
+    expected = _param_shape(x, norm_ndim)
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and list(p.shape) != expected:
             raise ValueError(
@@ -400,11 +358,9 @@ def _check(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_
             )
 
 
-def _check_mask(op: str, output_mask: Sequence[bool], n: int, weight: Tensor | None) -> None:
-    if len(output_mask) != n:
-        raise ValueError(f"hfkern::{op}: expected output_mask of length {n}, got {list(output_mask)}")
-    if output_mask[1] and weight is None:
-        raise ValueError(f"hfkern::{op}: output_mask asks for grad_weight but weight is None")
+def _param_shape(x: Tensor, norm_ndim: int) -> list[int]:
+    """[B, *S]: a parameter's (and its gradient's) shape."""
+    return [x.shape[0], *x.shape[x.dim() - norm_ndim:]]
 
 
 def _fake_stats(x: Tensor, norm_ndim: int) -> Tensor:
@@ -412,17 +368,6 @@ def _fake_stats(x: Tensor, norm_ndim: int) -> Tensor:
         (x.shape[0], num_rows(x, norm_ndim)),
         dtype=acc_dtype(x.dtype),
     )
-
-
-def _fake_param_grad(x: Tensor, weight: Tensor | None, norm_ndim: int, wanted: bool) -> Tensor:
-    if not wanted:
-        return x.new_empty(0)
-    dtype = x.dtype if weight is None else weight.dtype
-    return x.new_empty((x.shape[0], *x.shape[x.dim() - norm_ndim:]), dtype=dtype)
-
-
-def _fake_input_grad(x: Tensor, wanted: bool) -> Tensor:
-    return torch.empty_like(x) if wanted else x.new_empty(0)
 
 
 # ---- layer norm -----------------------------------------------------------
@@ -435,7 +380,7 @@ def array_layer_norm(
     """Layer norm of B models, differentiable (see the module docstring): ``y = act(z)``
     with ``activation`` in ``("none", "relu", "gelu")``."""
     _check(_LN_FWD, x, weight, bias, norm_ndim)
-    check_activation(_LN_FWD, activation)
+    check_activation(f"hfkern::{_LN_FWD}", activation)
     fn = _backend.resolve(_LN_FWD, x.device, x.dtype)
     return fn(x, weight, bias, norm_ndim, eps, activation)
 
@@ -443,7 +388,7 @@ def array_layer_norm(
 @array_layer_norm.register_fake
 def _(x, weight, bias, norm_ndim, eps, activation="none"):
     _check(_LN_FWD, x, weight, bias, norm_ndim)
-    check_activation(_LN_FWD, activation)
+    check_activation(f"hfkern::{_LN_FWD}", activation)
     return torch.empty_like(x), _fake_stats(x, norm_ndim), _fake_stats(x, norm_ndim)
 
 
@@ -460,8 +405,8 @@ def array_layer_norm_backward(
     activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check(_LN_BWD, x, weight, bias, norm_ndim)
-    _check_mask(_LN_BWD, output_mask, 3, weight)
-    check_activation(_LN_BWD, activation)
+    check_mask(_LN_BWD, output_mask, 3, weight)
+    check_activation(f"hfkern::{_LN_BWD}", activation)
     fn = _backend.resolve(_LN_BWD, grad_y.device, x.dtype)
     return fn(grad_y, x, weight, mean, rstd, norm_ndim, output_mask, bias, activation)
 
@@ -469,46 +414,30 @@ def array_layer_norm_backward(
 @array_layer_norm_backward.register_fake
 def _(grad_y, x, weight, mean, rstd, norm_ndim, output_mask, bias=None, activation="none"):
     _check(_LN_BWD, x, weight, bias, norm_ndim)
-    _check_mask(_LN_BWD, output_mask, 3, weight)
-    check_activation(_LN_BWD, activation)
-    return (
-        _fake_input_grad(x, output_mask[0]),
-        _fake_param_grad(x, weight, norm_ndim, output_mask[1]),
-        _fake_param_grad(x, weight, norm_ndim, output_mask[2]),
-    )
+    check_mask(_LN_BWD, output_mask, 3, weight)
+    check_activation(f"hfkern::{_LN_BWD}", activation)
+    return backward_outputs(x, weight, output_mask, _param_shape(x, norm_ndim))
 
 
 def _ln_setup_context(ctx, inputs, output):
     x, weight, bias, norm_ndim, eps, activation = inputs
     _, mean, rstd = output
-    # the bias only where the backward recomputes z for the activation's derivative
-    ctx.save_for_backward(x, weight, mean, rstd, bias if activation != "none" else None)
+    save_forward(ctx, x, weight, bias, mean, rstd, activation)
     ctx.norm_ndim = norm_ndim
-    ctx.activation = activation
-    ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.mark_non_differentiable(mean, rstd)
     # The backward runs pinned to the forward's backend, whatever thread runs it.
     ctx.backend = _backend.current(_LN_FWD, x.device, x.dtype)
 
 
 def _ln_backward(ctx, grad_y, grad_mean, grad_rstd):
     x, weight, mean, rstd, bias = ctx.saved_tensors
-    needs = ctx.needs_input_grad
-    mask = [needs[0], weight is not None and needs[1], ctx.bias_dtype is not None and needs[2]]
+    mask = grad_mask(ctx, weight)
     if not any(mask):
         return None, None, None, None, None, None
     with _backend.pinned(ctx.backend):
         gx, gw, gb = array_layer_norm_backward(
             grad_y, x, weight, mean, rstd, ctx.norm_ndim, mask, bias, ctx.activation
         )
-    return (
-        gx if mask[0] else None,
-        gw if mask[1] else None,
-        gb.to(ctx.bias_dtype) if mask[2] else None,
-        None,
-        None,
-        None,
-    )
+    return input_grads(ctx, mask, gx, gw, gb) + (None, None, None)
 
 
 array_layer_norm.register_autograd(_ln_backward, setup_context=_ln_setup_context)
@@ -550,33 +479,15 @@ def _rms_backward_setup_context(ctx, inputs, output):
 def _norm_backward_backward(ctx, *grad_outputs):
     grad_y, x, weight, bias, *stats = ctx.saved_tensors
     mean, rstd = stats if len(stats) == 2 else (None, stats[0])
-    needs = ctx.needs_input_grad
     inputs = {0: grad_y, 1: x, 2: weight}
     if len(stats) == 2:
         inputs[_LN_BWD_BIAS] = bias
-    # needs_input_grad covers the arguments given: none past them (defaults) needs a gradient
-    wanted = [i for i, t in inputs.items() if i < len(needs) and needs[i] and t is not None]
-    mask = ctx.output_mask
-    primals = [inputs[i] for i in wanted]
 
-    def math(*differentiated):
-        args = dict(inputs)
-        args.update(zip(wanted, differentiated))
-        outs = norm_backward_math(args[0], args[1], args[2], mean, rstd, ctx.norm_ndim, mask,
+    def math(args):
+        return norm_backward_math(args[0], args[1], args[2], mean, rstd, ctx.norm_ndim, ctx.output_mask,
                                   args.get(_LN_BWD_BIAS), ctx.activation)
-        return tuple(o for o in outs if o is not None)
 
-    result: list[Tensor | None] = [None] * len(needs)
-    if not wanted:
-        return tuple(result)
-    if any(mask):
-        _, vjp = torch.func.vjp(math, *primals)
-        grads = vjp(tuple(g for g, m in zip(grad_outputs, mask) if m))
-    else:  # nothing was computed: zero gradients (what AOTAutograd derives, too)
-        grads = [torch.zeros_like(t) for t in primals]
-    for i, g in zip(wanted, grads):
-        result[i] = g
-    return tuple(result)
+    return backward_of_backward(ctx.needs_input_grad, inputs, ctx.output_mask, grad_outputs, math)
 
 
 array_layer_norm_backward.register_autograd(
@@ -611,7 +522,7 @@ def array_rms_norm_backward(
     output_mask: list[bool],
 ) -> tuple[Tensor, Tensor]:
     _check(_RMS_BWD, x, weight, None, norm_ndim)
-    _check_mask(_RMS_BWD, output_mask, 2, weight)
+    check_mask(_RMS_BWD, output_mask, 2, weight)
     fn = _backend.resolve(_RMS_BWD, grad_y.device, x.dtype)
     return fn(grad_y, x, weight, rstd, norm_ndim, output_mask)
 
@@ -619,11 +530,8 @@ def array_rms_norm_backward(
 @array_rms_norm_backward.register_fake
 def _(grad_y, x, weight, rstd, norm_ndim, output_mask):
     _check(_RMS_BWD, x, weight, None, norm_ndim)
-    _check_mask(_RMS_BWD, output_mask, 2, weight)
-    return (
-        _fake_input_grad(x, output_mask[0]),
-        _fake_param_grad(x, weight, norm_ndim, output_mask[1]),
-    )
+    check_mask(_RMS_BWD, output_mask, 2, weight)
+    return backward_outputs(x, weight, output_mask, _param_shape(x, norm_ndim))
 
 
 def _rms_setup_context(ctx, inputs, output):

@@ -1,4 +1,5 @@
-"""What every Triton launcher shares: interpreter detection and autotuned launches."""
+"""What every Triton launcher shares: interpreter detection and autotuned launches; and the
+jit helpers of more than one family (the norms' fused activations)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import triton
+import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 
 from .._dtypes import KERNEL_DTYPES
@@ -91,3 +93,40 @@ class Tuned:
 
             return run
         return (self.tuned if autotuning() else self.fixed)[grid]
+
+
+# ---- the norms' shared jit helpers (layer norm, batch norm) ---------------------
+
+@triton.jit
+def column_block(pid, n, BLOCK: tl.constexpr):
+    """(model (int64), columns, in-range mask) of program ``pid`` of a per-column kernel
+    over ``[B, n]``, one program per block of ``BLOCK`` columns of one model."""
+    n_blocks = tl.cdiv(n, BLOCK)
+    b = (pid // n_blocks).to(tl.int64)
+    cols = (pid % n_blocks) * BLOCK + tl.arange(0, BLOCK)
+    return b, cols, cols < n
+
+
+# The fused activations: ACTIVATION is a constexpr, the op's string: "none", "relu" or "gelu" (the exact
+# erf form). Math in float32.
+
+@triton.jit
+def activate(z, ACTIVATION: tl.constexpr):
+    """act(z), float32."""
+    if ACTIVATION == "relu":
+        z = tl.where(z < 0, 0.0, z)  # NaN stays NaN, as torch.relu
+    elif ACTIVATION == "gelu":
+        z = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+    return z
+
+
+@triton.jit
+def activation_grad(g, z, ACTIVATION: tl.constexpr):
+    """g * act'(z): torch's rules (ReLU: g where z > 0, else 0; GELU: Phi(z) + z * phi(z))."""
+    if ACTIVATION == "relu":
+        g = tl.where(z > 0, g, 0.0)
+    elif ACTIVATION == "gelu":
+        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+        g = g * (cdf + z * pdf)
+    return g

@@ -55,10 +55,10 @@ from torch import Tensor
 
 from .. import _backend
 from .._dtypes import KERNEL_DTYPES
+from .._norm_layout import addressed, backward_outputs, tile_shape
 from .._norm_layout import layout as _layout
 from .._norm_layout import partition as _partition
-from ._common import Tuned, check_tensors, interpreting
-from .layer_norm import _activate, _activation_grad
+from ._common import Tuned, activate, activation_grad, check_tensors, column_block, interpreting
 
 __all__ = ["array_batch_norm", "array_batch_norm_backward"]
 
@@ -116,6 +116,12 @@ def _channel_scale(b, cols, col_ok, rstd, w_ptr, sw_b, sw_c, HAS_W: tl.constexpr
     if HAS_W:
         scale = rstd * tl.load(w_ptr + b * sw_b + cols * sw_c, mask=col_ok, other=0.0).to(tl.float32)
     return scale
+
+
+@triton.jit
+def _channel_shift(b, cols, col_ok, bias_ptr, sbias_b, sbias_c):
+    """[BLOCK_C] float32: the bias, the shift of z = (x - mean) * scale + bias."""
+    return tl.load(bias_ptr + b * sbias_b + cols * sbias_c, mask=col_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -181,11 +187,7 @@ def _bn_finalize_kernel(
     CUMULATIVE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_cb = tl.cdiv(C, BLOCK)
-    b = (pid // n_cb).to(tl.int64)
-    cols = (pid % n_cb) * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < C
+    b, cols, col_ok = column_block(tl.program_id(0), C, BLOCK)
     rm_offs = b * s_rm_b + cols * s_rm_c
     rv_offs = b * s_rv_b + cols * s_rv_c
     if TRAINING:
@@ -255,9 +257,8 @@ def _bn_norm_kernel(
     x = tl.load(x_ptr + _tile_offsets(b, r0, cols, r1, sx_b, sx_r0, sx_c, sx_r1), mask=mask, other=0.0)
     y = (x.to(tl.float32) - mean[None, :, None]) * scale[None, :, None]
     if HAS_B:
-        shift = tl.load(bias_ptr + b * sbias_b + cols * sbias_c, mask=col_ok, other=0.0).to(tl.float32)
-        y = y + shift[None, :, None]
-    y = _activate(y, ACTIVATION)
+        y = y + _channel_shift(b, cols, col_ok, bias_ptr, sbias_b, sbias_c)[None, :, None]
+    y = activate(y, ACTIVATION)
     y_offs = _tile_offsets(b, r0, cols, r1, sy_b, sy_r0, sy_c, sy_r1)
     tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -296,8 +297,7 @@ def _bn_bwd_partial_kernel(
     if ACTIVATION != "none":
         scale = _channel_scale(b, cols, col_ok, rstd, w_ptr, sw_b, sw_c, HAS_W)[None, :, None]
         if HAS_B:
-            shift = tl.load(bias_ptr + b * sbias_b + cols * sbias_c, mask=col_ok, other=0.0)
-            shift = shift.to(tl.float32)[None, :, None]
+            shift = _channel_shift(b, cols, col_ok, bias_ptr, sbias_b, sbias_c)[None, :, None]
     mean = mean[None, :, None]
     rstd = rstd[None, :, None]
     # Sums stay tiles across the chunk and are reduced once at the end.
@@ -317,7 +317,7 @@ def _bn_bwd_partial_kernel(
                 z = xc * scale  # as the normalize kernel computed it
                 if HAS_B:
                     z = z + shift
-                gy = _activation_grad(gy, z, ACTIVATION)
+                gy = activation_grad(gy, z, ACTIVATION)
             acc_g += gy
             acc_gx += gy * (xc * rstd)  # padding: grad_y (so g) is 0 there
     part = (b * P + p) * C + cols
@@ -337,11 +337,7 @@ def _bn_bwd_reduce_kernel(
     HAS_DB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_cb = tl.cdiv(C, BLOCK)
-    b = (pid // n_cb).to(tl.int64)
-    cols = (pid % n_cb) * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < C
+    b, cols, col_ok = column_block(tl.program_id(0), C, BLOCK)
     part = b * P * C + cols
     sum_g = tl.zeros([BLOCK], dtype=tl.float32)
     sum_gx = tl.zeros([BLOCK], dtype=tl.float32)
@@ -400,9 +396,8 @@ def _bn_bwd_dx_kernel(
         if ACTIVATION != "none":
             z = xc * scale[None, :, None]  # as the normalize kernel computed it
             if HAS_B:
-                shift = tl.load(bias_ptr + b * sbias_b + cols * sbias_c, mask=col_ok, other=0.0)
-                z = z + shift.to(tl.float32)[None, :, None]
-            gy = _activation_grad(gy, z, ACTIVATION)
+                z = z + _channel_shift(b, cols, col_ok, bias_ptr, sbias_b, sbias_c)[None, :, None]
+            gy = activation_grad(gy, z, ACTIVATION)
         if TRAINING:
             c_g = tl.load(sums_ptr + stats, mask=col_ok, other=0.0) * inv_n
             c_gx = tl.load(sums_ptr + B * C + stats, mask=col_ok, other=0.0) * inv_n
@@ -441,15 +436,7 @@ _CHANNEL_BLOCK, _INTERPRET_CHANNEL_BLOCK = 128, 4
 def _blocks(R0: int, C: int, R1: int, s_c: int, s_r1: int) -> tuple[int, int, int]:
     """(BLOCK_R0, BLOCK_C, BLOCK_R1): long along the dim that runs along memory."""
     tile, inner = (_INTERPRET_TILE, _INTERPRET_INNER) if interpreting() else (_TILE, _INNER)
-    np2 = triton.next_power_of_2
-    if R1 > 1 and s_r1 <= s_c:  # channels-first memory: the reduced inner dim is contiguous
-        block_r1 = min(np2(R1), inner)
-        block_c = min(np2(C), max(1, inner // block_r1))
-    else:  # channels run along memory ([B, N, C], channels-last)
-        block_c = min(np2(C), inner)
-        block_r1 = min(np2(R1), max(1, inner // block_c))
-    block_r0 = min(np2(R0), max(1, tile // (block_c * block_r1)))
-    return block_r0, block_c, block_r1
+    return tile_shape(R0, C, R1, s_c, s_r1, tile, inner)[:3]
 
 
 def _channel_block() -> int:
@@ -505,13 +492,7 @@ def array_batch_norm(
     if x.numel() == 0:
         return _empty_forward(x, running_mean, running_var, training, eps)
     y = torch.empty_like(x)
-    lay = _layout([x, y])
-    x_in, y_out = x, y
-    if lay is None:
-        x_in = x.contiguous()
-        y_out = torch.empty_like(x_in)
-        lay = _layout([x_in, y_out])
-    R0, R1, (sx, sy) = lay
+    (x_in,), y_out, (R0, R1, (sx, sy)) = addressed(_layout, [x], y)
     block_r0, block_c, block_r1 = _blocks(R0, C, R1, sx[2], sx[3])
     n_cb = triton.cdiv(C, block_c)
     mean = x.new_empty((B, C), dtype=torch.float32)
@@ -586,29 +567,12 @@ def array_batch_norm_backward(
     check_tensors("array_batch_norm_backward", x, grad_y, weight, bias)
     want_dx, want_dw, want_db = (bool(m) for m in output_mask)
     B, N, C = x.shape[:3]
-    param_dtype = x.dtype if weight is None else weight.dtype
-    # Unrequested outputs are distinct empties: custom-op outputs may not alias.
-    grad_x, grad_w, grad_b = x.new_empty(0), x.new_empty(0), x.new_empty(0)
-    if want_dx:
-        grad_x = torch.empty_like(x)
-    if want_dw:
-        grad_w = x.new_empty((B, C), dtype=param_dtype)
-    if want_db:
-        grad_b = x.new_empty((B, C), dtype=param_dtype)
-    if x.numel() == 0:  # nothing to launch: parameter gradients are sums over nothing
-        return grad_x, grad_w.zero_() if want_dw else grad_w, grad_b.zero_() if want_db else grad_b
-    need_sums = want_dw or want_db or (want_dx and training)
-    if not (want_dx or need_sums):
+    grad_x, grad_w, grad_b = backward_outputs(x, weight, output_mask, (B, C), launch=True)
+    if x.numel() == 0 or not any(output_mask):
         return grad_x, grad_w, grad_b
+    need_sums = want_dw or want_db or (want_dx and training)
 
-    tensors = [x, grad_y] + ([grad_x] if want_dx else [])
-    lay = _layout(tensors)
-    x_in, gy_in, gx_out = x, grad_y, grad_x
-    if lay is None:
-        x_in, gy_in = x.contiguous(), grad_y.contiguous()
-        gx_out = torch.empty_like(x_in) if want_dx else grad_x
-        lay = _layout([x_in, gy_in] + ([gx_out] if want_dx else []))
-    R0, R1, strides = lay
+    (x_in, gy_in), gx_out, (R0, R1, strides) = addressed(_layout, [x, grad_y], grad_x if want_dx else None)
     sx, sg = strides[0], strides[1]
     sgx = strides[2] if want_dx else [0] * 4
     block_r0, block_c, block_r1 = _blocks(R0, C, R1, sx[2], sx[3])

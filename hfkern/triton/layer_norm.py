@@ -50,7 +50,8 @@ from torch import Tensor
 from .. import _backend
 from .._device import sm_count
 from .._dtypes import KERNEL_DTYPES
-from ._common import Tuned, check_tensors, interpreting
+from .._norm_layout import addressed, backward_outputs
+from ._common import Tuned, activate, activation_grad, check_tensors, column_block, interpreting
 
 __all__ = [
     "array_layer_norm", "array_layer_norm_backward", "array_rms_norm", "array_rms_norm_backward",
@@ -74,31 +75,6 @@ def _load_param(row_ptr, cols, col_ok, s_d):
     return tl.load(row_ptr + cols * s_d, mask=col_ok, other=0.0).to(tl.float32)
 
 
-# The fused activations of the norms (shared with the batch-norm kernels): the
-# ACTIVATION constexpr is the op's string, "none", "relu" or "gelu" (exact).
-
-@triton.jit
-def _activate(z, ACTIVATION: tl.constexpr):
-    """act(z), float32."""
-    if ACTIVATION == "relu":
-        z = tl.where(z < 0, 0.0, z)  # NaN stays NaN, as torch.relu
-    elif ACTIVATION == "gelu":
-        z = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
-    return z
-
-
-@triton.jit
-def _activation_grad(g, z, ACTIVATION: tl.constexpr):
-    """g * act'(z): torch's rules (ReLU: g where z > 0, else 0; GELU: Phi(z) + z * phi(z))."""
-    if ACTIVATION == "relu":
-        g = tl.where(z > 0, g, 0.0)
-    elif ACTIVATION == "gelu":
-        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
-        pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
-        g = g * (cdf + z * pdf)
-    return g
-
-
 @triton.jit
 def _norm_activation_grad(gy, xhat, w_row, bias_row, cols, col_ok, sw_d, sbias_d,
                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACTIVATION: tl.constexpr):
@@ -109,8 +85,30 @@ def _norm_activation_grad(gy, xhat, w_row, bias_row, cols, col_ok, sw_d, sbias_d
             z = z * _load_param(w_row, cols, col_ok, sw_d)[None, :]
         if HAS_B:
             z = z + _load_param(bias_row, cols, col_ok, sbias_d)[None, :]
-        gy = _activation_grad(gy, z, ACTIVATION)
+        gy = activation_grad(gy, z, ACTIVATION)
     return gy
+
+
+@triton.jit
+def _swept_block(x_ptr, gy_ptr, x_rows, g_rows, row_ok, d0, mean, rstd, w_row, bias_row,
+                 D, D1, sx_d0, sx_d1, sg_d0, sg_d1, sw_d, sbias_d,
+                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACTIVATION: tl.constexpr,
+                 COL2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Columns [d0, d0 + BLOCK_D) of a row tile the backward sweeps (rows longer than one
+    block): (cols, col_ok, mask, xhat, grad_y * act'(z)), float32; ``mean`` unread for RMS."""
+    cols = d0 + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    x_offs = x_rows[:, None] + _strided_offsets(cols, D1, sx_d0, sx_d1, COL2)[None, :]
+    g_offs = g_rows[:, None] + _strided_offsets(cols, D1, sg_d0, sg_d1, COL2)[None, :]
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    gy = tl.load(gy_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        xhat = x * rstd[:, None]
+    else:
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    gy = _norm_activation_grad(gy, xhat, w_row, bias_row, cols, col_ok, sw_d, sbias_d, HAS_W, HAS_B, ACTIVATION)
+    return cols, col_ok, mask, xhat, gy
 
 
 @triton.jit
@@ -167,7 +165,7 @@ def _norm_fwd_kernel(
             y = y * _load_param(w_row, cols, col_ok, sw_d)[None, :]
         if HAS_B:
             y = y + _load_param(bias_row, cols, col_ok, sbias_d)[None, :]
-        y = _activate(y, ACTIVATION)
+        y = activate(y, ACTIVATION)
         y_offs = y_rows[:, None] + _strided_offsets(cols, D1, sy_d0, sy_d1, COL2)[None, :]
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -208,7 +206,7 @@ def _norm_fwd_kernel(
                 y = y * _load_param(w_row, cols, col_ok, sw_d)[None, :]
             if HAS_B:
                 y = y + _load_param(bias_row, cols, col_ok, sbias_d)[None, :]
-            y = _activate(y, ACTIVATION)
+            y = activate(y, ACTIVATION)
             y_offs = y_rows[:, None] + _strided_offsets(cols, D1, sy_d0, sy_d1, COL2)[None, :]
             tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -316,7 +314,9 @@ def _norm_bwd_kernel(
             row_ok = rows < row_end
             stats = bi * M + rows
             rstd = tl.load(rstd_ptr + stats, mask=row_ok, other=0.0)
-            if not IS_RMS:
+            if IS_RMS:
+                mean = rstd  # not read
+            else:
                 mean = tl.load(mean_ptr + stats, mask=row_ok, other=0.0)
             x_rows = bi * sx_b + _strided_offsets(rows, M1, sx_m0, sx_m1, ROW2)
             g_rows = bi * sg_b + _strided_offsets(rows, M1, sg_m0, sg_m1, ROW2)
@@ -325,19 +325,11 @@ def _norm_bwd_kernel(
                 acc_gx = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
                 acc_g = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
                 for d0 in range(0, D, BLOCK_D):
-                    cols = d0 + tl.arange(0, BLOCK_D)
-                    col_ok = cols < D
-                    mask = row_ok[:, None] & col_ok[None, :]
-                    x_offs = x_rows[:, None] + _strided_offsets(cols, D1, sx_d0, sx_d1, COL2)[None, :]
-                    g_offs = g_rows[:, None] + _strided_offsets(cols, D1, sg_d0, sg_d1, COL2)[None, :]
-                    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-                    g = tl.load(gy_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
-                    if IS_RMS:
-                        xhat = x * rstd[:, None]
-                    else:
-                        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                    g = _norm_activation_grad(g, xhat, w_row, bias_row, cols, col_ok, sw_d, sbias_d,
-                                              HAS_W, HAS_B, ACTIVATION)
+                    cols, col_ok, mask, xhat, g = _swept_block(
+                        x_ptr, gy_ptr, x_rows, g_rows, row_ok, d0, mean, rstd, w_row, bias_row,
+                        D, D1, sx_d0, sx_d1, sg_d0, sg_d1, sw_d, sbias_d,
+                        IS_RMS, HAS_W, HAS_B, ACTIVATION, COL2, BLOCK_D,
+                    )
                     if HAS_W:
                         g = g * _load_param(w_row, cols, col_ok, sw_d)[None, :]
                     acc_gx += g * xhat
@@ -345,19 +337,11 @@ def _norm_bwd_kernel(
                 c_xhat = tl.sum(acc_gx, axis=1) / D
                 c_g = tl.sum(acc_g, axis=1) / D
             for d0 in range(0, D, BLOCK_D):
-                cols = d0 + tl.arange(0, BLOCK_D)
-                col_ok = cols < D
-                mask = row_ok[:, None] & col_ok[None, :]
-                x_offs = x_rows[:, None] + _strided_offsets(cols, D1, sx_d0, sx_d1, COL2)[None, :]
-                g_offs = g_rows[:, None] + _strided_offsets(cols, D1, sg_d0, sg_d1, COL2)[None, :]
-                x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-                gy = tl.load(gy_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
-                if IS_RMS:
-                    xhat = x * rstd[:, None]
-                else:
-                    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                gy = _norm_activation_grad(gy, xhat, w_row, bias_row, cols, col_ok, sw_d, sbias_d,
-                                           HAS_W, HAS_B, ACTIVATION)
+                cols, col_ok, mask, xhat, gy = _swept_block(
+                    x_ptr, gy_ptr, x_rows, g_rows, row_ok, d0, mean, rstd, w_row, bias_row,
+                    D, D1, sx_d0, sx_d1, sg_d0, sg_d1, sw_d, sbias_d,
+                    IS_RMS, HAS_W, HAS_B, ACTIVATION, COL2, BLOCK_D,
+                )
                 if HAS_DX:
                     if HAS_W:
                         g = gy * _load_param(w_row, cols, col_ok, sw_d)[None, :]
@@ -395,11 +379,7 @@ def _sum_partials_kernel(
     HAS_DB: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_col_blocks = tl.cdiv(D, BLOCK_R)
-    bi = (pid // n_col_blocks).to(tl.int64)
-    cols = (pid % n_col_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    col_ok = cols < D
+    bi, cols, col_ok = column_block(tl.program_id(0), D, BLOCK_R)
     pw = pw_ptr + bi * P * D + cols
     pb = pb_ptr + bi * P * D + cols
     acc_w = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -562,8 +542,9 @@ def _implements(op: str, auto: bool):
 
 # ---- forward ------------------------------------------------------------------
 
-def _empty_forward(x: Tensor, norm_ndim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(y, mean, rstd) of an empty x: nothing to launch."""
+def _forward_outputs(x: Tensor, norm_ndim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd) as the forward returns them, unwritten (all of it for an empty x:
+    nothing to launch)."""
     stats = (x.shape[0], _num_rows(x, norm_ndim))
     return torch.empty_like(x), x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
 
@@ -572,16 +553,8 @@ def _forward(x: Tensor, weight, bias, norm_ndim: int, eps: float, is_rms: bool, 
     B = x.shape[0]
     M = _num_rows(x, norm_ndim)
     D = math.prod(x.shape[x.dim() - norm_ndim:])
-    y = torch.empty_like(x)
-    mean = x.new_empty((B, M), dtype=torch.float32)
-    rstd = x.new_empty((B, M), dtype=torch.float32)
-    lay = _layout([x, y], norm_ndim)
-    x_in, y_out = x, y
-    if lay is None:
-        x_in = x.contiguous()
-        y_out = torch.empty_like(x_in)
-        lay = _layout([x_in, y_out], norm_ndim)
-    M1, row2, D1, col2, (sx, sy) = lay
+    y, mean, rstd = _forward_outputs(x, norm_ndim)
+    (x_in,), y_out, (M1, row2, D1, col2, (sx, sy)) = addressed(lambda ts: _layout(ts, norm_ndim), [x], y)
     w, sw_b, sw_d = _param_2d(weight, B, D, x)
     b, sb_b, sb_d = _param_2d(bias, B, D, x)
     block_d, one_block = _block_d(D)
@@ -616,7 +589,7 @@ def array_layer_norm(
     """
     check_tensors("array_layer_norm", x, weight, bias)
     if x.numel() == 0:
-        return _empty_forward(x, norm_ndim)
+        return _forward_outputs(x, norm_ndim)
     return _forward(x, weight, bias, norm_ndim, eps, is_rms=False, activation=activation)
 
 
@@ -630,7 +603,7 @@ def array_rms_norm(
     """
     check_tensors("array_rms_norm", x, weight)
     if x.numel() == 0:
-        return _empty_forward(x, norm_ndim)[::2]
+        return _forward_outputs(x, norm_ndim)[::2]
     y, _, rstd = _forward(x, weight, None, norm_ndim, eps, is_rms=True)
     return y, rstd
 
@@ -645,27 +618,12 @@ def _backward(grad_y, x, weight, mean, rstd, norm_ndim: int, mask: Sequence[bool
     M = _num_rows(x, norm_ndim)
     S = x.shape[x.dim() - norm_ndim:]
     D = math.prod(S)
-    param_dtype = x.dtype if weight is None else weight.dtype
-    # Unrequested outputs are distinct empties: custom-op outputs may not alias.
-    grad_x, grad_w, grad_b = x.new_empty(0), x.new_empty(0), x.new_empty(0)
-    if want_dx:
-        grad_x = torch.empty_like(x)
-    if want_dw:
-        grad_w = x.new_empty((B, *S), dtype=param_dtype)
-    if want_db:
-        grad_b = x.new_empty((B, *S), dtype=param_dtype)
-    if not (want_dx or want_dw or want_db):
+    grad_x, grad_w, grad_b = backward_outputs(x, weight, mask, (B, *S), launch=True)
+    if x.numel() == 0 or not any(mask):
         return grad_x, grad_w, grad_b
-    if x.numel() == 0:  # nothing to launch: parameter gradients are sums over no rows
-        return grad_x, grad_w.zero_() if want_dw else grad_w, grad_b.zero_() if want_db else grad_b
 
-    tensors = [grad_y, x] + ([grad_x] if want_dx else [])
-    lay = _layout(tensors, norm_ndim)
-    gy_in, x_in, gx_out = grad_y, x, grad_x
-    if lay is None:
-        gy_in, x_in = grad_y.contiguous(), x.contiguous()
-        gx_out = torch.empty_like(x_in) if want_dx else grad_x
-        lay = _layout([gy_in, x_in] + ([gx_out] if want_dx else []), norm_ndim)
+    (gy_in, x_in), gx_out, lay = addressed(lambda ts: _layout(ts, norm_ndim), [grad_y, x],
+                                           grad_x if want_dx else None)
     M1, row2, D1, col2, strides = lay
     sg, sx = strides[0], strides[1]
     sgx = strides[2] if want_dx else [0] * 5

@@ -12,12 +12,13 @@ activation against the float64 reference.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _norm_cases import EPS, MODE_IDS, MODES, assert_as_accurate, masks
+from _norm_cases import run_batch_norm_op as _run_op
 
 import hfkern
 from hfkern import _backend
@@ -25,11 +26,7 @@ from hfkern._norm_layout import layout, partition
 from hfkern.cuda import batch_norm as cb
 from hfkern.ops import batch_norm as bnops
 
-EPS = 1e-5
 ACTIVATIONS = ("none", "relu", "gelu")
-# (training, momentum, tracked running statistics)
-MODES = [(True, 0.1, True), (True, None, True), (True, 0.1, False), (False, 0.1, True)]
-MODE_IDS = ["train", "cumulative", "untracked", "eval"]
 # error allowed against the float64 reference, relative to the reference's largest magnitude
 # (the emulated kernels stay within about 3e-7, 4e-3 and 5e-4: float32 accumulation, and
 # the rounding of the output into bfloat16 / float16)
@@ -74,11 +71,6 @@ def running(B, C, tracked, dtype=torch.float32):
     if not tracked:
         return None, None, None
     return torch.randn(B, C).to(dtype), (torch.rand(B, C) + 0.5).to(dtype), torch.arange(1, B + 1) * 2
-
-
-def masks(weight):
-    """Every backward output_mask valid with/without a weight."""
-    return [list(m) for m in itertools.product([True, False], repeat=3) if weight or not m[1]]
 
 
 def _act(z, activation):
@@ -405,29 +397,6 @@ def test_registered_as_explicit_cuda_backend():
 # ---- GPU: the cuda backend against the torch backend ---------------------------------
 
 GPU = "cuda"
-GPU_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def assert_as_accurate(got, torch_out, ref64):
-    """The flash-attention rule: error against float64 at most twice the torch path's, plus a floor."""
-    assert got.dtype == torch_out.dtype and got.shape == torch_out.shape
-    if got.numel() > 1:
-        assert got.stride() == torch_out.stride()
-    ref64 = ref64.to(got.device)
-    err = (got.double() - ref64).abs().max().item()
-    torch_err = (torch_out.double() - ref64).abs().max().item()
-    floor = GPU_TOL.get(got.dtype, 1e-5) * max(ref64.abs().max().item(), 1.0)
-    assert err <= 2 * torch_err + floor, (err, torch_err, floor)
-
-
-def _run_op(x, w, b, stats, mode, gy, backend):
-    training, momentum, _ = mode
-    leaves = [None if t is None else t.detach().requires_grad_() for t in (x, w, b)]
-    rm, rv, nbt = (None if t is None else t.clone() for t in stats)
-    with hfkern.use_backend(backend):
-        y, mean, rstd = bnops.array_batch_norm(leaves[0], leaves[1], leaves[2], rm, rv, nbt, training, momentum, EPS)
-        grads = torch.autograd.grad(y, [t for t in leaves if t is not None], gy)
-    return [y.detach(), mean, rstd] + ([rm, rv] if rm is not None else []), list(grads)
 
 
 GPU_CASES = [

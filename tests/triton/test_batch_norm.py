@@ -9,13 +9,23 @@ eval, the running-statistics update with a momentum or a cumulative average.
 GPU tests go through the hfkern ops with the triton backend selected.
 """
 
-import itertools
-
 import pytest
 
 triton = pytest.importorskip("triton")
 
 import torch  # noqa: E402
+from _norm_cases import (  # noqa: E402
+    EPS,
+    GRAD_TOL,
+    MODE_IDS,
+    MODES,
+    Impls,
+    assert_as_accurate,
+    assert_grads,
+    assert_same_layout,
+    masks,
+)
+from _norm_cases import run_batch_norm_op as _run_op  # noqa: E402
 
 import hfkern  # noqa: E402
 import hfkern.nn as hnn  # noqa: E402
@@ -23,25 +33,9 @@ from hfkern import _backend  # noqa: E402
 from hfkern.ops import batch_norm as bnops  # noqa: E402
 
 _OPS = ("array_batch_norm", "array_batch_norm_backward")
-
-
-class _Impls:
-    """One backend's registered implementation of each batch-norm op, by op name."""
-
-    def __init__(self, backend):
-        for op in _OPS:
-            setattr(self, op, _backend._registry[op][backend].load())
-
-
-ref = _Impls("torch")
-
-EPS = 1e-5
-GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
+ref = Impls("torch", _OPS)
 # the device the GPU tests run on (a name, so their logic can be tried elsewhere)
 GPU = "cuda"
-# (training, momentum, tracked running statistics)
-MODES = [(True, 0.1, True), (True, None, True), (True, 0.1, False), (False, 0.1, True)]
-MODE_IDS = ["train", "cumulative", "untracked", "eval"]
 
 
 def make_x(B, shape, layout, dtype=torch.float32, device="cpu"):
@@ -78,27 +72,6 @@ def running(B, C, tracked, dtype=torch.float32, device="cpu"):
     kw = dict(dtype=dtype, device=device)
     counts = torch.arange(1, B + 1, device=device) * 2
     return torch.randn(B, C, **kw), torch.rand(B, C, **kw) + 0.5, counts
-
-
-def masks(weight):
-    """Every backward output_mask valid with/without weight."""
-    return [list(m) for m in itertools.product([True, False], repeat=3) if weight or not m[1]]
-
-
-def assert_same_layout(got, expected):
-    assert got.shape == expected.shape and got.dtype == expected.dtype
-    if got.numel() > 1:
-        assert got.stride() == expected.stride()
-
-
-def assert_grads(got, expected, mask):
-    assert len(got) == len(expected) == len(mask)
-    for g, e, wanted in zip(got, expected, mask):
-        assert_same_layout(g, e)
-        if wanted:
-            torch.testing.assert_close(g, e, **GRAD_TOL)
-        else:
-            assert g.shape == (0,)
 
 
 # ---- interpreter: launchers against the torch implementation -----------------
@@ -264,7 +237,7 @@ def test_empty_input():
 @pytest.mark.interpreter
 def test_registered_triton_implementations():
     # what the registry calls for CUDA tensors, called directly on CPU tensors
-    ops = _Impls("triton")
+    ops = Impls("triton", _OPS)
     B, C = 3, 4
     x = make_x(B, (5, C, 3), "batch_major")
     w, b = params(B, C, True, True)
@@ -313,33 +286,6 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 
 # ---- GPU: the ops with the triton backend against the torch backend ----------
-
-LOW_PRECISION_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def assert_as_accurate(got, torch_out, ref64):
-    """The flash-attention rule: error against float64 at most twice the torch path's."""
-    assert got.dtype == torch_out.dtype and got.shape == torch_out.shape
-    if got.numel() > 1:
-        assert got.stride() == torch_out.stride()
-    ref64 = ref64.to(got.device)
-    err = (got.double() - ref64).abs().max().item()
-    torch_err = (torch_out.double() - ref64).abs().max().item()
-    floor = LOW_PRECISION_FLOOR.get(got.dtype, 1e-5) * max(ref64.abs().max().item(), 1.0)
-    assert err <= 2 * torch_err + floor, (err, torch_err, floor)
-
-
-def _run_op(x, w, b, running_stats, mode, gy, backend, activation="none"):
-    training, momentum, _ = mode
-    leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
-    rm, rv, nbt = (None if t is None else t.clone() for t in running_stats)
-    with hfkern.use_backend(backend):
-        y, mean, rstd = bnops.array_batch_norm(leaves[0], leaves[1], leaves[2], rm, rv, nbt,
-                                               training, momentum, EPS, activation)
-        grads = torch.autograd.grad(y, [t for t in leaves if t is not None], gy)
-    outs = [y.detach(), mean, rstd] + ([rm, rv] if rm is not None else [])
-    return outs, list(grads)
-
 
 GPU_CASES = [
     (8, (32, 64, 16, 16), "batch_major"),  # a ResNet block's activation as an array conv leaves it

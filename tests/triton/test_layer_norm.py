@@ -7,13 +7,20 @@ need more), several row tiles per backward chunk and several chunks per model.
 GPU tests go through the hfkern ops with the triton backend selected.
 """
 
-import itertools
-
 import pytest
 
 triton = pytest.importorskip("triton")
 
 import torch  # noqa: E402
+from _norm_cases import (  # noqa: E402
+    EPS,
+    GRAD_TOL,
+    Impls,
+    assert_as_accurate,
+    assert_grads,
+    assert_same_layout,
+)
+from _norm_cases import masks as ln_masks  # noqa: E402
 
 import hfkern  # noqa: E402
 import hfkern.nn as hnn  # noqa: E402
@@ -24,18 +31,7 @@ from hfkern.triton import layer_norm as tk_module  # noqa: E402
 _NORM_OPS = ("array_layer_norm", "array_layer_norm_backward", "array_rms_norm", "array_rms_norm_backward")
 
 
-class _Impls:
-    """One backend's registered implementation of each norm op, by op name."""
-
-    def __init__(self, backend):
-        for op in _NORM_OPS:
-            setattr(self, op, _backend._registry[op][backend].load())
-
-
-ref = _Impls("torch")
-
-EPS = 1e-5
-GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
+ref = Impls("torch", _NORM_OPS)
 # the device the GPU tests run on (a name, so their logic can be tried elsewhere)
 GPU = "cuda"
 
@@ -64,27 +60,6 @@ def params(B, norm_shape, weight, bias, dtype=torch.float32, device="cpu"):
     w = torch.randn(B, *norm_shape, **kw) if weight else None
     b = torch.randn(B, *norm_shape, **kw) if bias else None
     return w, b
-
-
-def ln_masks(weight):
-    """Every backward output_mask valid for a layer norm with/without weight."""
-    return [list(m) for m in itertools.product([True, False], repeat=3) if weight or not m[1]]
-
-
-def assert_same_layout(got, expected):
-    assert got.shape == expected.shape and got.dtype == expected.dtype
-    if got.numel() > 1:
-        assert got.stride() == expected.stride()
-
-
-def assert_grads(got, expected, mask):
-    assert len(got) == len(expected) == len(mask)
-    for g, e, wanted in zip(got, expected, mask):
-        assert_same_layout(g, e)
-        if wanted:
-            torch.testing.assert_close(g, e, **GRAD_TOL)
-        else:
-            assert g.shape == (0,)
 
 
 # ---- interpreter: launchers against the torch implementation -----------------
@@ -232,7 +207,7 @@ def test_empty_input():
 @pytest.mark.interpreter
 def test_registered_triton_implementations():
     # what the registry calls for CUDA tensors, called directly on CPU tensors
-    ops = _Impls("triton")
+    ops = Impls("triton", _NORM_OPS)
     B, D = 3, 7
     x = make_x(B, (4, D), "batch_major")
     w, b = params(B, (D,), True, True)
@@ -287,21 +262,6 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 
 # ---- GPU: the ops with the triton backend against the torch backend ----------
-
-LOW_PRECISION_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def assert_as_accurate(got, torch_out, ref64):
-    """The flash-attention rule: error against float64 at most twice the torch path's."""
-    assert got.dtype == torch_out.dtype and got.shape == torch_out.shape
-    if got.numel() > 1:
-        assert got.stride() == torch_out.stride()
-    ref64 = ref64.to(got.device)
-    err = (got.double() - ref64).abs().max().item()
-    torch_err = (torch_out.double() - ref64).abs().max().item()
-    floor = LOW_PRECISION_FLOOR[got.dtype] * max(ref64.abs().max().item(), 1.0)
-    assert err <= 2 * torch_err + floor, (err, torch_err, floor)
-
 
 def _run_op(kind, x, w, b, nd, gy, backend, activation="none"):
     leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
