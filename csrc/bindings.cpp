@@ -15,6 +15,9 @@
 #include <string>
 
 #include "hfkern/batch_norm.h"
+#include "hfkern/depthwise_conv.h"
+#include "hfkern/embedding.h"
+#include "hfkern/layer_norm.h"
 #include "hfkern/multi_tensor_step.h"
 #include "hfkern/runtime.h"
 #include "hfkern/topk.h"
@@ -370,4 +373,349 @@ PYBIND11_MODULE(HFKERN_MODULE_NAME, m) {
       py::arg("grad_y"), py::arg("x"), py::arg("grad_x"), py::arg("shape"), py::arg("tile"), py::arg("mean"),
       py::arg("rstd"), py::arg("weight"), py::arg("bias"), py::arg("sums"), py::arg("inv_n"), py::arg("training"),
       py::arg("activation"), py::arg("stream"));
+
+  // The array depthwise conv2d (csrc/conv/depthwise_conv.cu; hfkern/cuda/conv.py). Activations
+  // are (address, dtype code, s_b, s_n, s_c, s_h, s_w), weights and biases (address, dtype
+  // code, s_b, s_c, s_h, s_w) with address 0 for no bias; geometry (B, N, C, H, W, OH, OW,
+  // kh, kw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w); tile (tc, th, tw, rows, c_inner).
+  m.attr("DW_MAX_THREADS") = py::int_(hfkern::kDwMaxThreads);
+  m.attr("DW_MAX_ROWS") = py::int_(hfkern::kDwMaxRows);
+  {
+    using DwT = std::array<int64_t, 7>;
+    using DwW = std::array<int64_t, 6>;
+    using DwG = std::array<int64_t, 15>;
+    using DwTi = std::array<int64_t, 5>;
+    auto dw_tensor = [](const DwT& a) {
+      hfkern::DwTensor v;
+      v.data = ptr<void>(static_cast<uintptr_t>(a[0]));
+      v.dtype = dtype_from_code(static_cast<int>(a[1]));
+      v.s_b = a[2];
+      v.s_n = a[3];
+      v.s_c = a[4];
+      v.s_h = a[5];
+      v.s_w = a[6];
+      return v;
+    };
+    auto dw_weight = [](const DwW& a) {
+      hfkern::DwWeight v;
+      v.data = ptr<void>(static_cast<uintptr_t>(a[0]));
+      v.dtype = dtype_from_code(static_cast<int>(a[1]));
+      v.s_b = a[2];
+      v.s_c = a[3];
+      v.s_h = a[4];
+      v.s_w = a[5];
+      return v;
+    };
+    auto dw_geometry = [](const DwG& a) {
+      for (int i = 7; i < 15; ++i)
+        if (a[i] < 0 || a[i] > 0x7fffffff)
+          throw std::invalid_argument("hfkern: expected kernel, stride, padding and dilation in [0, 2**31), got " +
+                                      std::to_string(a[i]));
+      hfkern::DwGeometry g;
+      g.B = a[0];
+      g.N = a[1];
+      g.C = a[2];
+      g.H = a[3];
+      g.W = a[4];
+      g.OH = a[5];
+      g.OW = a[6];
+      g.kh = static_cast<int>(a[7]);
+      g.kw = static_cast<int>(a[8]);
+      g.stride_h = static_cast<int>(a[9]);
+      g.stride_w = static_cast<int>(a[10]);
+      g.pad_h = static_cast<int>(a[11]);
+      g.pad_w = static_cast<int>(a[12]);
+      g.dil_h = static_cast<int>(a[13]);
+      g.dil_w = static_cast<int>(a[14]);
+      return g;
+    };
+    auto dw_tile = [](const DwTi& a) {
+      for (int i = 0; i < 4; ++i)
+        if (a[i] < 1 || a[i] > hfkern::kDwMaxThreads)
+          throw std::invalid_argument("hfkern: expected tile sizes in [1, " + std::to_string(hfkern::kDwMaxThreads) +
+                                      "], got " + std::to_string(a[i]));
+      hfkern::DwTile t;
+      t.tc = static_cast<int>(a[0]);
+      t.th = static_cast<int>(a[1]);
+      t.tw = static_cast<int>(a[2]);
+      t.rows = static_cast<int>(a[3]);
+      t.c_inner = a[4] != 0;
+      return t;
+    };
+    m.def(
+        "depthwise_conv_fwd",
+        [=](const DwT& x, const DwW& weight, const DwW& bias, const DwT& y, const DwG& geometry, const DwTi& tile,
+            uintptr_t stream) {
+          const auto xt = dw_tensor(x), yt = dw_tensor(y);
+          const auto w = dw_weight(weight), b = dw_weight(bias);
+          const auto g = dw_geometry(geometry);
+          const auto t = dw_tile(tile);
+          py::gil_scoped_release release;
+          hfkern::depthwise_conv_fwd(xt, w, b, yt, g, t, ptr<void>(stream));
+        },
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("y"), py::arg("geometry"), py::arg("tile"),
+        py::arg("stream"));
+    m.def(
+        "depthwise_conv_dgrad",
+        [=](const DwT& grad_y, const DwW& weight, const DwT& grad_x, bool sum_models, const DwG& geometry,
+            const DwTi& tile, uintptr_t stream) {
+          const auto gy = dw_tensor(grad_y), gx = dw_tensor(grad_x);
+          const auto w = dw_weight(weight);
+          const auto g = dw_geometry(geometry);
+          const auto t = dw_tile(tile);
+          py::gil_scoped_release release;
+          hfkern::depthwise_conv_dgrad(gy, w, gx, sum_models, g, t, ptr<void>(stream));
+        },
+        py::arg("grad_y"), py::arg("weight"), py::arg("grad_x"), py::arg("sum_models"), py::arg("geometry"),
+        py::arg("tile"), py::arg("stream"));
+    m.def(
+        "depthwise_conv_wgrad_partials",
+        [=](const DwT& grad_y, const DwT& x, const DwG& geometry, const DwTi& tile, int64_t chunk_rows, int64_t P,
+            uintptr_t partials, uintptr_t stream) {
+          const auto gy = dw_tensor(grad_y), xt = dw_tensor(x);
+          const auto g = dw_geometry(geometry);
+          const auto t = dw_tile(tile);
+          py::gil_scoped_release release;
+          hfkern::depthwise_conv_wgrad_partials(gy, xt, g, t, chunk_rows, P, ptr<float>(partials), ptr<void>(stream));
+        },
+        py::arg("grad_y"), py::arg("x"), py::arg("geometry"), py::arg("tile"), py::arg("chunk_rows"), py::arg("P"),
+        py::arg("partials"), py::arg("stream"));
+    m.def(
+        "depthwise_conv_wgrad_reduce",
+        [=](uintptr_t partials, const DwG& geometry, int64_t P, const DwW& grad_w, int threads, uintptr_t stream) {
+          const auto g = dw_geometry(geometry);
+          const auto gw = dw_weight(grad_w);
+          py::gil_scoped_release release;
+          hfkern::depthwise_conv_wgrad_reduce(ptr<const float>(partials), g, P, gw, threads, ptr<void>(stream));
+        },
+        py::arg("partials"), py::arg("geometry"), py::arg("P"), py::arg("grad_w"), py::arg("threads"),
+        py::arg("stream"));
+  }
+
+  // The array embedding (csrc/embedding/embedding.cu; hfkern/cuda/embedding.py). An index
+  // tensor is (address, index bytes, L, s_b, s_m, s_l); the backward's grad_out strides
+  // (s_gb, s_gm, s_gl, s_gd) and shape (B, V, D, items).
+  {
+    m.attr("EMB_MAX_THREADS") = py::int_(hfkern::kEmbMaxThreads);
+    using Index6 = std::array<int64_t, 6>;
+    using Quad4 = std::array<int64_t, 4>;
+    auto emb_index = [](const Index6& t) {
+      hfkern::EmbIndex v;
+      v.data = ptr<const void>(static_cast<uintptr_t>(t[0]));
+      v.index_bytes = static_cast<int>(t[1]);
+      v.L = t[2];
+      v.s_b = t[3];
+      v.s_m = t[4];
+      v.s_l = t[5];
+      return v;
+    };
+    m.def(
+        "embedding_forward",
+        [emb_index](uintptr_t weight, uintptr_t out, int word_bytes, int64_t B, int64_t n, int64_t Dw, int64_t s_wb,
+                    int64_t s_wv, int64_t s_wd, const Index6& index, int tx, int ty, uintptr_t stream) {
+          hfkern::EmbForward a;
+          a.weight = ptr<const void>(weight);
+          a.out = ptr<void>(out);
+          a.word_bytes = word_bytes;
+          a.B = B;
+          a.n = n;
+          a.Dw = Dw;
+          a.s_wb = s_wb;
+          a.s_wv = s_wv;
+          a.s_wd = s_wd;
+          a.idx = emb_index(index);
+          py::gil_scoped_release release;
+          hfkern::embedding_forward(a, tx, ty, ptr<void>(stream));
+        },
+        py::arg("weight"), py::arg("out"), py::arg("word_bytes"), py::arg("B"), py::arg("n"), py::arg("Dw"),
+        py::arg("s_wb"), py::arg("s_wv"), py::arg("s_wd"), py::arg("index"), py::arg("tx"), py::arg("ty"),
+        py::arg("stream"));
+    m.def(
+        "embedding_sort_keys",
+        [emb_index](const Index6& index, int64_t models, int64_t n, int64_t V, int key_bytes, uintptr_t keys,
+                    uintptr_t positions, int threads, uintptr_t stream) {
+          const auto idx = emb_index(index);
+          py::gil_scoped_release release;
+          hfkern::embedding_sort_keys(idx, models, n, V, key_bytes, ptr<void>(keys), ptr<int32_t>(positions),
+                                      threads, ptr<void>(stream));
+        },
+        py::arg("index"), py::arg("models"), py::arg("n"), py::arg("V"), py::arg("key_bytes"), py::arg("keys"),
+        py::arg("positions"), py::arg("threads"), py::arg("stream"));
+    m.def("embedding_sort_temp_bytes", &hfkern::embedding_sort_temp_bytes, py::arg("items"), py::arg("key_bytes"),
+          py::arg("end_bit"));
+    m.def(
+        "embedding_sort",
+        [](uintptr_t temp, size_t temp_bytes, uintptr_t keys_in, uintptr_t keys_out, uintptr_t values_in,
+           uintptr_t values_out, int64_t items, int key_bytes, int end_bit, uintptr_t stream) {
+          py::gil_scoped_release release;
+          hfkern::embedding_sort(ptr<void>(temp), temp_bytes, ptr<const void>(keys_in), ptr<void>(keys_out),
+                                 ptr<const int32_t>(values_in), ptr<int32_t>(values_out), items, key_bytes, end_bit,
+                                 ptr<void>(stream));
+        },
+        py::arg("temp"), py::arg("temp_bytes"), py::arg("keys_in"), py::arg("keys_out"), py::arg("values_in"),
+        py::arg("values_out"), py::arg("items"), py::arg("key_bytes"), py::arg("end_bit"), py::arg("stream"));
+    m.def(
+        "embedding_segments",
+        [](uintptr_t sorted_keys, int key_bytes, int64_t items, int64_t rows, uintptr_t bounds, int threads,
+           uintptr_t stream) {
+          py::gil_scoped_release release;
+          hfkern::embedding_segments(ptr<const void>(sorted_keys), key_bytes, items, rows, ptr<int32_t>(bounds),
+                                     threads, ptr<void>(stream));
+        },
+        py::arg("sorted_keys"), py::arg("key_bytes"), py::arg("items"), py::arg("rows"), py::arg("bounds"),
+        py::arg("threads"), py::arg("stream"));
+    auto emb_backward = [](uintptr_t grad, int dtype, int64_t L, const Quad4& strides, uintptr_t perm,
+                           uintptr_t bounds, uintptr_t part, uintptr_t grad_w, const Quad4& shape,
+                           int64_t padding_idx, int64_t chunk, int vec, bool shared, bool scale) {
+      hfkern::EmbBackward a;
+      a.grad = ptr<const void>(grad);
+      a.dtype = dtype_from_code(dtype);
+      a.L = L;
+      a.s_gb = strides[0];
+      a.s_gm = strides[1];
+      a.s_gl = strides[2];
+      a.s_gd = strides[3];
+      a.perm = ptr<const int32_t>(perm);
+      a.bounds = ptr<const int32_t>(bounds);
+      a.part = ptr<float>(part);
+      a.grad_w = ptr<void>(grad_w);
+      a.B = shape[0];
+      a.V = shape[1];
+      a.D = shape[2];
+      a.items = shape[3];
+      a.padding_idx = padding_idx;
+      a.chunk = chunk;
+      a.vec = vec;
+      a.shared = shared;
+      a.scale = scale;
+      return a;
+    };
+    m.def(
+        "embedding_backward_chunks",
+        [emb_backward](uintptr_t grad, int dtype, int64_t L, const Quad4& strides, uintptr_t perm, uintptr_t bounds,
+                       uintptr_t part, uintptr_t grad_w, const Quad4& shape, int64_t padding_idx, int64_t chunk,
+                       int vec, bool shared, bool scale, int tx, uintptr_t stream) {
+          const auto a = emb_backward(grad, dtype, L, strides, perm, bounds, part, grad_w, shape, padding_idx, chunk,
+                                      vec, shared, scale);
+          py::gil_scoped_release release;
+          hfkern::embedding_backward_chunks(a, tx, ptr<void>(stream));
+        },
+        py::arg("grad"), py::arg("dtype"), py::arg("L"), py::arg("strides"), py::arg("perm"), py::arg("bounds"),
+        py::arg("part"), py::arg("grad_w"), py::arg("shape"), py::arg("padding_idx"), py::arg("chunk"),
+        py::arg("vec"), py::arg("shared"), py::arg("scale"), py::arg("tx"), py::arg("stream"));
+    m.def(
+        "embedding_backward_rows",
+        [emb_backward](uintptr_t grad, int dtype, int64_t L, const Quad4& strides, uintptr_t perm, uintptr_t bounds,
+                       uintptr_t part, uintptr_t grad_w, const Quad4& shape, int64_t padding_idx, int64_t chunk,
+                       int vec, bool shared, bool scale, int tx, int ty, uintptr_t stream) {
+          const auto a = emb_backward(grad, dtype, L, strides, perm, bounds, part, grad_w, shape, padding_idx, chunk,
+                                      vec, shared, scale);
+          py::gil_scoped_release release;
+          hfkern::embedding_backward_rows(a, tx, ty, ptr<void>(stream));
+        },
+        py::arg("grad"), py::arg("dtype"), py::arg("L"), py::arg("strides"), py::arg("perm"), py::arg("bounds"),
+        py::arg("part"), py::arg("grad_w"), py::arg("shape"), py::arg("padding_idx"), py::arg("chunk"),
+        py::arg("vec"), py::arg("shared"), py::arg("scale"), py::arg("tx"), py::arg("ty"), py::arg("stream"));
+  }
+  // The array layer norm and RMS norm (csrc/norm/layer_norm.cu; hfkern/cuda/layer_norm.py).
+  // Tensors are (address, dtype code, s_b, s_m0, s_m1, s_d0, s_d1), parameters (address,
+  // dtype code, s_b, s_d) with address 0 when absent; shape (B, M, M1, D, D1); config
+  // (row_threads, lanes, rows, regs, vec, param_vec).
+  {
+    m.attr("LN_MAX_THREADS") = py::int_(hfkern::kLnMaxThreads);
+    m.attr("LN_MAX_BWD_THREADS") = py::int_(hfkern::kLnMaxBwdThreads);
+    m.attr("LN_FWD_VALUES") = py::int_(hfkern::kLnFwdValues);
+    m.attr("LN_BWD_VALUES") = py::int_(hfkern::kLnBwdValues);
+    py::dict ln_activations;
+    ln_activations["none"] = int(hfkern::LnActivation::None);
+    ln_activations["relu"] = int(hfkern::LnActivation::Relu);
+    ln_activations["gelu"] = int(hfkern::LnActivation::Gelu);
+    m.attr("LN_ACTIVATIONS") = ln_activations;
+    using LnData = std::array<int64_t, 7>;
+    using LnQuad = std::array<int64_t, 4>;
+    auto ln_tensor = [](const LnData& t) {
+      hfkern::LnTensor v;
+      v.data = ptr<void>(static_cast<uintptr_t>(t[0]));
+      v.dtype = dtype_from_code(static_cast<int>(t[1]));
+      v.s_b = t[2];
+      v.s_m0 = t[3];
+      v.s_m1 = t[4];
+      v.s_d0 = t[5];
+      v.s_d1 = t[6];
+      return v;
+    };
+    auto ln_param = [](const LnQuad& t) {
+      hfkern::LnParam v;
+      v.data = ptr<void>(static_cast<uintptr_t>(t[0]));
+      v.dtype = dtype_from_code(static_cast<int>(t[1]));
+      v.s_b = t[2];
+      v.s_d = t[3];
+      return v;
+    };
+    auto ln_shape = [](const std::array<int64_t, 5>& s) { return hfkern::LnShape{s[0], s[1], s[2], s[3], s[4]}; };
+    auto ln_config = [](const std::array<int64_t, 6>& c) {
+      for (int i = 0; i < 3; ++i)
+        if (c[i] < 1 || c[i] > hfkern::kLnMaxThreads)
+          throw std::invalid_argument("hfkern: expected row_threads, lanes and rows in [1, " +
+                                      std::to_string(hfkern::kLnMaxThreads) + "], got " + std::to_string(c[i]));
+      hfkern::LnConfig v;
+      v.row_threads = static_cast<int>(c[0]);
+      v.lanes = static_cast<int>(c[1]);
+      v.rows = static_cast<int>(c[2]);
+      v.regs = c[3] != 0;
+      v.vec = c[4] != 0;
+      v.param_vec = c[5] != 0;
+      return v;
+    };
+    auto ln_activation = [](int code) {
+      if (code < 0 || code > 2) throw std::invalid_argument("hfkern: unknown activation code " + std::to_string(code));
+      return static_cast<hfkern::LnActivation>(code);
+    };
+    m.def(
+        "layer_norm_forward",
+        [=](const LnData& x, const LnData& y, const LnQuad& weight, const LnQuad& bias,
+            const std::array<int64_t, 5>& shape, const std::array<int64_t, 6>& config, double eps, bool rms,
+            int activation, uintptr_t mean, uintptr_t rstd, uintptr_t stream) {
+          const auto xt = ln_tensor(x), yt = ln_tensor(y);
+          const auto w = ln_param(weight), b = ln_param(bias);
+          const auto s = ln_shape(shape);
+          const auto c = ln_config(config);
+          const auto act = ln_activation(activation);
+          py::gil_scoped_release release;
+          hfkern::layer_norm_forward(xt, yt, w, b, s, c, eps, rms, act, ptr<float>(mean), ptr<float>(rstd),
+                                     ptr<void>(stream));
+        },
+        py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("bias"), py::arg("shape"), py::arg("config"),
+        py::arg("eps"), py::arg("rms"), py::arg("activation"), py::arg("mean"), py::arg("rstd"), py::arg("stream"));
+    m.def(
+        "layer_norm_backward",
+        [=](const LnData& grad_y, const LnData& x, const LnData& grad_x, const LnQuad& weight, const LnQuad& bias,
+            const std::array<int64_t, 5>& shape, const std::array<int64_t, 6>& config, int64_t chunk, int64_t P,
+            uintptr_t mean, uintptr_t rstd, bool rms, int activation, uintptr_t pw, uintptr_t pb,
+            uintptr_t stream) {
+          const auto gt = ln_tensor(grad_y), xt = ln_tensor(x), ot = ln_tensor(grad_x);
+          const auto w = ln_param(weight), b = ln_param(bias);
+          const auto s = ln_shape(shape);
+          const auto c = ln_config(config);
+          const auto act = ln_activation(activation);
+          py::gil_scoped_release release;
+          hfkern::layer_norm_backward(gt, xt, ot, w, b, s, c, chunk, P, ptr<const float>(mean),
+                                      ptr<const float>(rstd), rms, act, ptr<float>(pw), ptr<float>(pb),
+                                      ptr<void>(stream));
+        },
+        py::arg("grad_y"), py::arg("x"), py::arg("grad_x"), py::arg("weight"), py::arg("bias"), py::arg("shape"),
+        py::arg("config"), py::arg("chunk"), py::arg("P"), py::arg("mean"), py::arg("rstd"), py::arg("rms"),
+        py::arg("activation"), py::arg("pw"), py::arg("pb"), py::arg("stream"));
+    m.def(
+        "layer_norm_sum_partials",
+        [=](uintptr_t pw, uintptr_t pb, int64_t B, int64_t P, int64_t D, const LnQuad& grad_weight,
+            const LnQuad& grad_bias, int threads, uintptr_t stream) {
+          const auto gw = ln_param(grad_weight), gb = ln_param(grad_bias);
+          py::gil_scoped_release release;
+          hfkern::layer_norm_sum_partials(ptr<const float>(pw), ptr<const float>(pb), B, P, D, gw, gb, threads,
+                                          ptr<void>(stream));
+        },
+        py::arg("pw"), py::arg("pb"), py::arg("B"), py::arg("P"), py::arg("D"), py::arg("grad_weight"),
+        py::arg("grad_bias"), py::arg("threads"), py::arg("stream"));
+  }
 }

@@ -404,3 +404,13 @@ def test_compile_fullgraph(kw):
     bad[1, 2] = V
     with pytest.raises(IndexError, match=rf"out of range: expected indices in \[0, {V}\)"):
         compiled(bad)
+
+
+def test_ops_reject_a_padding_idx_outside_the_table_on_every_backend():
+    weight = torch.randn(2, 5, 3)
+    indices = torch.randint(0, 5, (2, 4))
+    for padding_idx in (-3, 5):
+        with pytest.raises(ValueError, match="padding_idx"):
+            torch.ops.hfkern.array_embedding(weight, indices, padding_idx)
+        with pytest.raises(ValueError, match="padding_idx"):
+            torch.ops.hfkern.array_embedding_backward(torch.randn(2, 4, 3), indices, 5, padding_idx, False)

@@ -7,6 +7,9 @@ C``), and DCGAN at 64x64 (the generator's 4x4 stride-2 ConvTranspose2d layers,
 the discriminator's 4x4 stride-2 Conv2d layers), each with its model's
 per-model batch size.
 
+``cuda``: the op under the cuda backend (our direct depthwise kernels for the
+depthwise layers, cuDNN for every other conv), where that backend is available.
+
 Baselines: ``grouped_nchw`` / ``grouped_nhwc``, one ``F.conv2d`` (or
 ``F.conv_transpose2d``) with ``groups = B * groups`` on ``[N, B*C, H, W]`` in
 NCHW and in channels-last memory, ``grouped_best`` the faster of the two per
@@ -25,6 +28,7 @@ the activations to the other layout and back (families.LayoutConversion).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -315,6 +319,19 @@ class HfkernConv(_ConvBase):
         )]
 
 
+@functools.cache
+def _cuda_backend_available() -> bool:
+    import hfkern
+
+    return bool(hfkern.backend_info()["backends"]["cuda"]["available"])
+
+
+def _cuda_conv(s: ConvShape) -> HfkernConv | None:
+    """The op under the cuda backend, where it is available. It serves CUDA tensors only, so
+    the smoke shapes (run on the CPU, where the op would take the torch path) leave it out."""
+    return HfkernConv(s, "cuda") if s.model != "smoke" and _cuda_backend_available() else None
+
+
 class GroupedConv(_ConvBase):
     """One grouped conv over [N, B*C, H, W]: the models are groups B*groups. Its
     inputs are converted to its layout before the timing (the ``convert`` row of
@@ -497,6 +514,7 @@ FAMILY = Family(
     cost=cost,
     backend_impl=HfkernConv,
     baselines={
+        "cuda": _cuda_conv,
         "grouped_nchw": lambda s: GroupedConv(s, channels_last=False),
         "grouped_nhwc": lambda s: GroupedConv(s, channels_last=True),
         "grouped_best": Fastest(("grouped_nchw", "grouped_nhwc")),

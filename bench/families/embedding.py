@@ -2,11 +2,14 @@
 
 Benchmark suite: BERT-base's word and position tables and a small language
 model's token table, with the token counts of a training batch; one case draws
-text-like (Zipf) indices. Baseline: ``loop``, B separate ``F.embedding`` calls.
+text-like (Zipf) indices. ``cuda``: the ops under the cuda backend (our gather
+and CUB-sorted deterministic backward kernels), where that backend is available.
+Baseline: ``loop``, B separate ``F.embedding`` calls.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +91,19 @@ class HfkernEmbedding(Impl):
         return [torch.ops.hfkern.array_embedding(w, idx, -1, False, False)]
 
 
+@functools.cache
+def _cuda_backend_available() -> bool:
+    import hfkern
+
+    return bool(hfkern.backend_info()["backends"]["cuda"]["available"])
+
+
+def _cuda_embedding(s: EmbeddingShape) -> HfkernEmbedding | None:
+    """The ops under the cuda backend, where it is available. It serves CUDA tensors only, so
+    the smoke shapes (run on the CPU, where the op would take the torch path) leave it out."""
+    return HfkernEmbedding(s, "cuda") if s.model != "smoke" and _cuda_backend_available() else None
+
+
 class LoopEmbedding(Loop):
     def inputs(self, d, grad):
         (ws,) = self.per_model(d, ("w",), grad)
@@ -160,7 +176,7 @@ FAMILY = Family(
     make_data=make_data,
     cost=cost,
     backend_impl=HfkernEmbedding,
-    baselines={"loop": LoopEmbedding},
+    baselines={"cuda": _cuda_embedding, "loop": LoopEmbedding},
     compile_calls=compile_calls,
     samples=samples,
 )

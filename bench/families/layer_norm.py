@@ -101,6 +101,14 @@ class UnfusedLayerNorm(_Activated, UnfusedNorm, HfkernLayerNorm):
     """The hfkern op with activation "none" under ``backend``, then the activation in torch."""
 
 
+def _cuda_backend(s: LayerNormShape):
+    """The hfkern op under the ``cuda`` backend (csrc/norm/layer_norm.cu), where hfkern._C
+    is built and a GPU can run it (else no row)."""
+    from hfkern.cuda import _ext
+
+    return HfkernLayerNorm(s, "cuda") if _ext.availability()[0] else None
+
+
 class LoopLayerNorm(_Activated, Loop):
     def inputs(self, d, grad):
         xs, ws, bs = self.per_model(d, ("x", "w", "b"), grad)
@@ -191,7 +199,7 @@ FAMILY = Family(
     make_data=make_data,
     cost=cost,
     backend_impl=HfkernLayerNorm,
-    baselines={"loop": LoopLayerNorm, **unfused_baselines(UnfusedLayerNorm)},
+    baselines={"cuda": _cuda_backend, "loop": LoopLayerNorm, **unfused_baselines(UnfusedLayerNorm)},
     compile_calls=compile_calls,
     samples=samples,
     suites={"bytes": Suite(BYTES_SHAPES, BYTES_SMOKE_SHAPES, quick_directions=("fwd+bwd", "fwd"))},

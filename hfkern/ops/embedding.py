@@ -217,6 +217,13 @@ def _(values, num_embeddings, shared, module):
     return torch.empty_like(values)
 
 
+def _check_padding_idx(op: str, padding_idx: int, num_weights: int) -> None:
+    """The contract's padding_idx: -1 (none) or a row in ``[0, num_weights)``, for every backend alike."""
+    if padding_idx != -1 and not 0 <= padding_idx < num_weights:
+        raise ValueError(f"hfkern::{op}: expected padding_idx -1 (none) or in [0, {num_weights}), "
+                         f"got {padding_idx}")
+
+
 @torch.library.custom_op("hfkern::array_embedding", mutates_args=())
 def array_embedding(
     weight: Tensor,
@@ -225,12 +232,14 @@ def array_embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> Tensor:
+    _check_padding_idx(_FWD, padding_idx, weight.shape[-2])
     fn = _backend.resolve(_FWD, weight.device)
     return fn(weight, indices, padding_idx, scale_grad_by_freq, sparse)
 
 
 @array_embedding.register_fake
 def _(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    _check_padding_idx(_FWD, padding_idx, weight.shape[-2])
     return weight.new_empty((*indices.shape, weight.shape[-1]))
 
 
@@ -242,12 +251,14 @@ def array_embedding_backward(
     padding_idx: int,
     scale_grad_by_freq: bool,
 ) -> Tensor:
+    _check_padding_idx(_BWD, padding_idx, num_weights)
     fn = _backend.resolve(_BWD, grad_out.device)
     return fn(grad_out, indices, num_weights, padding_idx, scale_grad_by_freq)
 
 
 @array_embedding_backward.register_fake
 def _(grad_out, indices, num_weights, padding_idx, scale_grad_by_freq):
+    _check_padding_idx(_BWD, padding_idx, num_weights)
     return grad_out.new_empty((grad_out.shape[0], num_weights, grad_out.shape[-1]))
 
 
@@ -258,6 +269,7 @@ def array_embedding_sparse_backward(
     num_weights: int,
     padding_idx: int,
 ) -> Tensor:
+    _check_padding_idx(_SPARSE_BWD, padding_idx, num_weights)
     fn = _backend.resolve(_SPARSE_BWD, grad_out.device)
     return fn(grad_out, indices, num_weights, padding_idx)
 
