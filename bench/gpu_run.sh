@@ -103,7 +103,7 @@
 #   HFKERN_GRAPH_SECONDS cap on the graph-timed benchmark's time budget (default 90)
 #   HFKERN_BYTES_SECONDS cap on the bytes suite's time budget (default 90)
 #   BYTES_ARGS           options for the bytes suite (default: bf16, the implementations
-#                        that answer it: "--dtypes bf16 --impls torch,triton,grouped_nchw,
+#                        that answer it: "--dtypes bf16 --impls torch,triton,cuda,grouped_nchw,
 #                        grouped_nhwc,grouped,convert,unfused_torch,unfused_triton")
 #   HFKERN_CUDA_ARCHS    the architectures hfkern._C is built for (default 90: H100/H200)
 #   TRAIN_B              the array sizes of part "train" (default "1 4 16 32 64")
@@ -130,7 +130,7 @@ GRAPH_SECONDS=${HFKERN_GRAPH_SECONDS:-90}
 BYTES_SECONDS=${HFKERN_BYTES_SECONDS:-90}
 # The bytes suite asks how the layouts, a conversion and fusion compare; B separate calls
 # (loop) and vmap answer other questions and would take half its time.
-BYTES_ARGS=${BYTES_ARGS:---dtypes bf16 --impls torch,triton,grouped_nchw,grouped_nhwc,grouped,convert,unfused_torch,unfused_triton}
+BYTES_ARGS=${BYTES_ARGS:---dtypes bf16 --impls torch,triton,cuda,grouped_nchw,grouped_nhwc,grouped,convert,unfused_torch,unfused_triton}
 XDIST_WORKERS=${HFKERN_TEST_WORKERS:-8}
 TRAIN_B=${TRAIN_B:-1 4 16 32 64}
 TRAIN_ARGS=${TRAIN_ARGS:-}
