@@ -6,7 +6,8 @@ and to split each (model, channel)'s reduction into fixed chunks. Nothing here
 knows a kernel language; tile sizes are each backend's own, the rule that shapes
 a tile is :func:`tile_shape`. The launchers' common prologue and epilogue
 (:func:`addressed`: a copy where no layout serves; :func:`backward_outputs`) and
-the fused activations' names serve the layer-norm launchers and the ops too.
+the fused activations' names serve the layer-norm launchers and the ops too, and
+so does the layer norm's own layout, :func:`row_layout` (rows of ``S``).
 
 Layout. ``x`` is ``[B, N, C, *S]`` with any strides. The kernels see each
 model's input as ``[R0, C, R1]``: the reduced dims (N and the spatial dims)
@@ -35,7 +36,7 @@ from torch import Tensor
 from ._device import sm_count
 
 __all__ = [
-    "layout", "partition", "cdiv", "next_power_of_2", "tile_shape", "addressed", "backward_outputs",
+    "layout", "row_layout", "partition", "cdiv", "next_power_of_2", "tile_shape", "addressed", "backward_outputs",
     "NORM_ACTIVATIONS", "PROGRAMS_PER_SM",
 ]
 
@@ -84,6 +85,63 @@ def layout(tensors: Sequence[Tensor]):
         merged.insert(0, (1, [0] * len(tensors)))
     (R0, s0), (R1, s1) = merged
     return R0, R1, [[s[0], a, s[2], c] for s, a, c in zip(strides, s0, s1)]
+
+
+# ---- layer norm: rows -------------------------------------------------------------
+
+def _merge_dims(shape: Sequence[int], strides: Sequence[Sequence[int]], dims: range):
+    """Merge ``dims`` (outer to inner) of every tensor where all tensors allow it.
+
+    Returns ``[(size, [stride per tensor]), ...]`` for the dims left, size-1
+    dims dropped.
+    """
+    merged: list[tuple[int, list[int]]] = []
+    for i in dims:
+        size = shape[i]
+        if size == 1:
+            continue
+        st = [s[i] for s in strides]
+        if merged and all(outer == inner * size for outer, inner in zip(merged[-1][1], st)):
+            merged[-1] = (merged[-1][0] * size, st)
+        else:
+            merged.append((size, st))
+    return merged
+
+
+def _split(merged, n: int):
+    """(inner size, split?, [(outer stride, inner stride) per tensor]) or None past two dims;
+    one dim is its own inner dim (outer stride 0)."""
+    if len(merged) > 2:
+        return None
+    if not merged:
+        return 1, False, [(0, 0)] * n
+    if len(merged) == 1:
+        size, st = merged[0]
+        return size, False, [(0, s) for s in st]
+    (_, outer), (inner_size, inner) = merged
+    return inner_size, True, list(zip(outer, inner))
+
+
+def row_layout(tensors: Sequence[Tensor], norm_ndim: int):
+    """Strides of ``tensors`` (one shape ``[B, *, *S]``, the layer norm's) as B x (M0 x M1)
+    x (D0 x D1): the per-model batch dims merged into at most two strided dims (rows) and
+    the ``norm_ndim`` normalized dims ``S`` into at most two (columns), in every tensor.
+
+    Returns ``(M1, ROW2, D1, COL2, [[s_b, s_m0, s_m1, s_d0, s_d1] per tensor])`` (ROW2,
+    COL2: whether the rows, the columns span two dims) or None when a dim group needs
+    more than two strided dims.
+    """
+    shape = [int(s) for s in tensors[0].shape]
+    strides = [[int(s) for s in t.stride()] for t in tensors]
+    nd = len(shape)
+    rows = _split(_merge_dims(shape, strides, range(1, nd - norm_ndim)), len(tensors))
+    cols = _split(_merge_dims(shape, strides, range(nd - norm_ndim, nd)), len(tensors))
+    if rows is None or cols is None:
+        return None
+    M1, row2, rs = rows
+    D1, col2, cs = cols
+    per_tensor = [[st[0], *r, *c] for st, r, c in zip(strides, rs, cs)]
+    return M1, row2, D1, col2, per_tensor
 
 
 def partition(device: torch.device, programs: int, R0: int, R1: int, block_r0: int, block_r1: int):

@@ -24,6 +24,7 @@ around them, each row's bytes against the copy bandwidth.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import pkgutil
@@ -256,6 +257,20 @@ def unfused_baselines(unfused: Callable[[Any, str], Impl]) -> dict[str, Callable
         return lambda s: unfused(s, backend) if s.activation != "none" else None
 
     return {f"unfused_{backend}": make(backend) for backend in BACKENDS}
+
+
+@functools.cache
+def cuda_backend_available() -> bool:
+    import hfkern
+
+    return bool(hfkern.backend_info()["backends"]["cuda"]["available"])
+
+
+def cuda_baseline(impl: Callable[[Any, str], Impl]) -> Callable[[Any], Impl | None]:
+    """The ``cuda`` baseline of a family: ``impl(s, "cuda")``, the op under the cuda backend,
+    where that backend is available. It serves CUDA tensors only, so the smoke shapes (run
+    on the CPU, where the op would take the torch path) leave it out."""
+    return lambda s: impl(s, "cuda") if s.model != "smoke" and cuda_backend_available() else None
 
 
 class LayoutConversion(Impl):

@@ -28,7 +28,6 @@ the activations to the other layout and back (families.LayoutConversion).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -44,6 +43,7 @@ from . import (
     Loop,
     Suite,
     array_randn,
+    cuda_baseline,
     leaf,
     to_layout,
 )
@@ -319,19 +319,6 @@ class HfkernConv(_ConvBase):
         )]
 
 
-@functools.cache
-def _cuda_backend_available() -> bool:
-    import hfkern
-
-    return bool(hfkern.backend_info()["backends"]["cuda"]["available"])
-
-
-def _cuda_conv(s: ConvShape) -> HfkernConv | None:
-    """The op under the cuda backend, where it is available. It serves CUDA tensors only, so
-    the smoke shapes (run on the CPU, where the op would take the torch path) leave it out."""
-    return HfkernConv(s, "cuda") if s.model != "smoke" and _cuda_backend_available() else None
-
-
 class GroupedConv(_ConvBase):
     """One grouped conv over [N, B*C, H, W]: the models are groups B*groups. Its
     inputs are converted to its layout before the timing (the ``convert`` row of
@@ -514,7 +501,7 @@ FAMILY = Family(
     cost=cost,
     backend_impl=HfkernConv,
     baselines={
-        "cuda": _cuda_conv,
+        "cuda": cuda_baseline(HfkernConv),
         "grouped_nchw": lambda s: GroupedConv(s, channels_last=False),
         "grouped_nhwc": lambda s: GroupedConv(s, channels_last=True),
         "grouped_best": Fastest(("grouped_nchw", "grouped_nhwc")),

@@ -9,13 +9,12 @@ Baseline: ``loop``, B separate ``F.embedding`` calls.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from . import Family, Impl, Loop, leaf
+from . import Family, Impl, Loop, cuda_baseline, leaf
 
 
 @dataclass(frozen=True)
@@ -91,19 +90,6 @@ class HfkernEmbedding(Impl):
         return [torch.ops.hfkern.array_embedding(w, idx, -1, False, False)]
 
 
-@functools.cache
-def _cuda_backend_available() -> bool:
-    import hfkern
-
-    return bool(hfkern.backend_info()["backends"]["cuda"]["available"])
-
-
-def _cuda_embedding(s: EmbeddingShape) -> HfkernEmbedding | None:
-    """The ops under the cuda backend, where it is available. It serves CUDA tensors only, so
-    the smoke shapes (run on the CPU, where the op would take the torch path) leave it out."""
-    return HfkernEmbedding(s, "cuda") if s.model != "smoke" and _cuda_backend_available() else None
-
-
 class LoopEmbedding(Loop):
     def inputs(self, d, grad):
         (ws,) = self.per_model(d, ("w",), grad)
@@ -176,7 +162,7 @@ FAMILY = Family(
     make_data=make_data,
     cost=cost,
     backend_impl=HfkernEmbedding,
-    baselines={"cuda": _cuda_embedding, "loop": LoopEmbedding},
+    baselines={"cuda": cuda_baseline(HfkernEmbedding), "loop": LoopEmbedding},
     compile_calls=compile_calls,
     samples=samples,
 )

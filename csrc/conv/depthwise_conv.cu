@@ -33,6 +33,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "hfkern/dispatch.h"
 #include "hfkern/depthwise_conv.h"
 #include "hfkern/dtypes.h"
 #include "hfkern_cuda.h"
@@ -312,11 +313,6 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
 
 // ---- launch checks and dispatch -------------------------------------------------------
 
-[[noreturn]] void fail(const char* what, const std::string& message) {
-  throw std::invalid_argument(std::string("hfkern: ") + what + ": " + message);
-}
-
-std::string str(int64_t v) { return std::to_string(v); }
 
 constexpr int64_t kMaxIndex = 0x7fffffff;
 
@@ -388,12 +384,7 @@ void dispatch(const char* what, DType dtype, const DwGeometry& g, F&& f) {
     else
       f(tag, Size<0>{});
   };
-  switch (dtype) {
-    case DType::Float32: sized(Tag<float>{}); break;
-    case DType::Float16: sized(Tag<Half>{}); break;
-    case DType::BFloat16: sized(Tag<BFloat16>{}); break;
-    default: fail(what, "expected float32, float16 or bfloat16 data, got dtype code " + str(static_cast<int>(dtype)));
-  }
+  dispatch_dtype(what, dtype, [&](auto v) { sized(Tag<decltype(v)>{}); });
 }
 
 // The element kernels' blocks over an [N, pairs, rows, cols] output.
@@ -477,15 +468,13 @@ void depthwise_conv_wgrad_reduce(const float* partials, const DwGeometry& g, int
   if (n == 0) return;
   const dim3 grid(grid_of(what, cdiv(n, threads))), block(static_cast<unsigned>(threads));
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  switch (gw.dtype) {
-    case DType::Float32: HFKERN_LAUNCH((dw_wgrad_reduce_kernel<float>), grid, block, 0, st, partials, g, P, gw); break;
-    case DType::Float16: HFKERN_LAUNCH((dw_wgrad_reduce_kernel<Half>), grid, block, 0, st, partials, g, P, gw); break;
-    case DType::BFloat16:
-      HFKERN_LAUNCH((dw_wgrad_reduce_kernel<BFloat16>), grid, block, 0, st, partials, g, P, gw);
-      break;
-    default: fail(what, "expected grad_w of float32, float16 or bfloat16, got dtype code " +
-                            str(static_cast<int>(gw.dtype)));
-  }
+  dispatch_dtype(
+      what, gw.dtype,
+      [&](auto v) {
+        using T = decltype(v);
+        HFKERN_LAUNCH((dw_wgrad_reduce_kernel<T>), grid, block, 0, st, partials, g, P, gw);
+      },
+      "grad_w of float32, float16 or bfloat16");
 }
 
 }  // namespace hfkern

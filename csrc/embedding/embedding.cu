@@ -37,6 +37,7 @@
 #include <string>
 #include <type_traits>
 
+#include "hfkern/dispatch.h"
 #include "hfkern/dtypes.h"
 #include "hfkern/embedding.h"
 #include "hfkern_cuda.h"
@@ -250,11 +251,6 @@ HFKERN_UNROLL
 
 // ---- launch checks and dispatch ----------------------------------------------------------
 
-[[noreturn]] void fail(const char* what, const std::string& message) {
-  throw std::invalid_argument(std::string("hfkern: ") + what + ": " + message);
-}
-
-std::string str(int64_t v) { return std::to_string(v); }
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -320,12 +316,7 @@ void dispatch_pack(const char* what, DType dtype, int vec, F&& f) {
     fail(what, "expected a vector of 1, 2, 4 or 8 elements of at most 16 bytes, got " + str(vec) + " x " +
                    str(static_cast<int64_t>(sizeof(T))) + " bytes");
   };
-  switch (dtype) {
-    case DType::Float32: with_vec(float{}); break;
-    case DType::Float16: with_vec(Half{}); break;
-    case DType::BFloat16: with_vec(BFloat16{}); break;
-    default: fail(what, "expected float32, float16 or bfloat16 data, got dtype code " + str(static_cast<int>(dtype)));
-  }
+  dispatch_dtype(what, dtype, with_vec);
 }
 
 void check_backward(const char* what, const EmbBackward& a) {

@@ -34,6 +34,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "hfkern/activation.h"
+#include "hfkern/dispatch.h"
 #include "hfkern/batch_norm.h"
 #include "hfkern/dtypes.h"
 #include "hfkern_cuda.h"
@@ -44,8 +46,6 @@ namespace {
 constexpr int kMaxThreads = kBnMaxThreads;
 // Elements a thread loads before it uses them: independent loads in flight.
 constexpr int kUnroll = 4;
-constexpr float kSqrt1_2 = 0.70710678118654752440f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 
 // ---- element types and activations ---------------------------------------------------
 
@@ -66,27 +66,6 @@ __device__ __forceinline__ void store_channel(const BnChannels& t, int64_t b, in
     case DType::Float16: static_cast<Half*>(t.data)[i] = from_float<Half>(v); break;
     case DType::BFloat16: static_cast<BFloat16*>(t.data)[i] = from_float<BFloat16>(v); break;
     default: static_cast<float*>(t.data)[i] = v; break;
-  }
-}
-
-__device__ __forceinline__ float activate(float z, BnActivation act) {
-  switch (act) {
-    case BnActivation::Relu: return z < 0.0f ? 0.0f : z;  // NaN stays NaN, as torch.relu
-    case BnActivation::Gelu: return 0.5f * z * (1.0f + erff(z * kSqrt1_2));  // the exact (erf) form
-    default: return z;
-  }
-}
-
-// grad_y * act'(z): relu passes grad_y where z > 0; gelu's derivative is Phi(z) + z * phi(z).
-__device__ __forceinline__ float activation_grad(float gy, float z, BnActivation act) {
-  switch (act) {
-    case BnActivation::Relu: return z > 0.0f ? gy : 0.0f;
-    case BnActivation::Gelu: {
-      const float cdf = 0.5f * (1.0f + erff(z * kSqrt1_2));
-      const float pdf = kInvSqrt2Pi * expf(-0.5f * z * z);
-      return gy * (cdf + z * pdf);
-    }
-    default: return gy;
   }
 }
 
@@ -483,11 +462,6 @@ HFKERN_UNROLL
 
 // ---- launch checks and dispatch -------------------------------------------------------
 
-[[noreturn]] void fail(const char* what, const std::string& message) {
-  throw std::invalid_argument(std::string("hfkern: ") + what + ": " + message);
-}
-
-std::string str(int64_t v) { return std::to_string(v); }
 
 void check_shape(const char* what, const BnShape& s) {
   if (s.B < 0 || s.R0 < 0 || s.C < 0 || s.R1 < 0)
@@ -550,16 +524,6 @@ struct ElementGrid {
         grid(grid_of(what, s.B * n_cb * n_r0b * n_r1b)), block(static_cast<unsigned>(t.tr0 * t.tc * t.tr1)) {}
 };
 
-// Calls f(T{}) with the element type of a data tensor.
-template <typename F>
-void dispatch(const char* what, DType t, F&& f) {
-  switch (t) {
-    case DType::Float32: f(float{}); break;
-    case DType::Float16: f(Half{}); break;
-    case DType::BFloat16: f(BFloat16{}); break;
-    default: fail(what, "expected float32, float16 or bfloat16 data, got dtype code " + str(static_cast<int>(t)));
-  }
-}
 
 }  // namespace
 
@@ -573,7 +537,7 @@ void batch_norm_stats(const BnTensor& x, const BnShape& s, const BnTile& t, cons
   const int64_t n_cb = cdiv(s.C, t.tc);
   const dim3 grid(grid_of(what, s.B * n_cb * ch.P)), block(static_cast<unsigned>(t.tr0 * t.tc * t.tr1));
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  dispatch(what, x.dtype, [&](auto tag) {
+  dispatch_dtype(what, x.dtype, [&](auto tag) {
     using T = decltype(tag);
     HFKERN_LAUNCH((bn_stats_kernel<T>), grid, block, 0, st, x, s, t, ch, n_cb, pmean, pm2);
   });
@@ -606,7 +570,7 @@ void batch_norm_apply(const BnTensor& x, const BnTensor& y, const BnShape& s, co
   if (no_elements(s)) return;
   const ElementGrid g(what, s, t);
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  dispatch(what, x.dtype, [&](auto tag) {
+  dispatch_dtype(what, x.dtype, [&](auto tag) {
     using T = decltype(tag);
     HFKERN_LAUNCH((bn_apply_kernel<T>), g.grid, g.block, 0, st, x, y, s, t, g.n_cb, g.n_r0b, g.n_r1b, mean, rstd,
                   weight, bias, act);
@@ -626,8 +590,8 @@ void batch_norm_backward_partials(const BnTensor& gy, const BnTensor& x, const B
   const int64_t n_cb = cdiv(s.C, t.tc);
   const dim3 grid(grid_of(what, s.B * n_cb * ch.P)), block(static_cast<unsigned>(t.tr0 * t.tc * t.tr1));
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  dispatch(what, x.dtype, [&](auto xtag) {
-    dispatch(what, gy.dtype, [&](auto gtag) {
+  dispatch_dtype(what, x.dtype, [&](auto xtag) {
+    dispatch_dtype(what, gy.dtype, [&](auto gtag) {
       using T = decltype(xtag);
       using G = decltype(gtag);
       HFKERN_LAUNCH((bn_bwd_partial_kernel<T, G>), grid, block, 0, st, gy, x, s, t, ch, n_cb, mean, rstd, weight,
@@ -661,8 +625,8 @@ void batch_norm_backward_dx(const BnTensor& gy, const BnTensor& x, const BnTenso
   if (no_elements(s)) return;
   const ElementGrid g(what, s, t);
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  dispatch(what, x.dtype, [&](auto xtag) {
-    dispatch(what, gy.dtype, [&](auto gtag) {
+  dispatch_dtype(what, x.dtype, [&](auto xtag) {
+    dispatch_dtype(what, gy.dtype, [&](auto gtag) {
       using T = decltype(xtag);
       using G = decltype(gtag);
       HFKERN_LAUNCH((bn_bwd_dx_kernel<T, G>), g.grid, g.block, 0, st, gy, x, gx, s, t, g.n_cb, g.n_r0b, g.n_r1b, mean,

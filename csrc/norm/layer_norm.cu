@@ -37,6 +37,8 @@
 #include <string>
 #include <type_traits>
 
+#include "hfkern/activation.h"
+#include "hfkern/dispatch.h"
 #include "hfkern/dtypes.h"
 #include "hfkern/layer_norm.h"
 #include "hfkern_cuda.h"
@@ -53,8 +55,6 @@ namespace hfkern {
 namespace {
 
 constexpr int kMaxThreads = kLnMaxThreads;
-constexpr float kSqrt1_2 = 0.70710678118654752440f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 constexpr int kNone = static_cast<int>(LnActivation::None);
 constexpr int kRelu = static_cast<int>(LnActivation::Relu);
 constexpr int kGelu = static_cast<int>(LnActivation::Gelu);
@@ -67,25 +67,6 @@ __device__ __forceinline__ float rsqrt_of(float v) {
 #else
   return 1.0f / std::sqrt(v);
 #endif
-}
-
-template <int ACT>
-__device__ __forceinline__ float activate(float z) {
-  if constexpr (ACT == kRelu) return z < 0.0f ? 0.0f : z;  // NaN stays NaN, as torch.relu
-  if constexpr (ACT == kGelu) return 0.5f * z * (1.0f + erff(z * kSqrt1_2));  // the exact (erf) form
-  return z;
-}
-
-// grad_y * act'(z): relu passes grad_y where z > 0; gelu's derivative is Phi(z) + z * phi(z).
-template <int ACT>
-__device__ __forceinline__ float activation_grad(float gy, float z) {
-  if constexpr (ACT == kRelu) return z > 0.0f ? gy : 0.0f;
-  if constexpr (ACT == kGelu) {
-    const float cdf = 0.5f * (1.0f + erff(z * kSqrt1_2));
-    const float pdf = kInvSqrt2Pi * expf(-0.5f * z * z);
-    return gy * (cdf + z * pdf);
-  }
-  return gy;
 }
 
 // ---- addressing and packs ------------------------------------------------------------------
@@ -285,7 +266,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
     load_param(w, b, p * VEC, cols.D, pvec, 1.0f, wv);
     load_param(bias, b, p * VEC, cols.D, pvec, 0.0f, bv);
 HFKERN_UNROLL
-    for (int j = 0; j < VEC; ++j) out[j] = activate<ACT>((v[j] - mean) * rstd * wv[j] + bv[j]);
+    for (int j = 0; j < VEC; ++j) out[j] = activate((v[j] - mean) * rstd * wv[j] + bv[j], Activation(ACT));
     store_pack(yr, y, cols, p * VEC, vec, out);
   };
 
@@ -380,7 +361,7 @@ HFKERN_UNROLL
     float bv[VEC];
     load_param(bias, b, col0, cols.D, pvec, 0.0f, bv);
 HFKERN_UNROLL
-    for (int j = 0; j < VEC; ++j) gz[j] = activation_grad<ACT>(gz[j], xh[j] * wv[j] + bv[j]);
+    for (int j = 0; j < VEC; ++j) gz[j] = activation_grad(gz[j], xh[j] * wv[j] + bv[j], Activation(ACT));
   }
 }
 
@@ -589,11 +570,6 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 // ---- launch checks and dispatch ------------------------------------------------------------
 
-[[noreturn]] void fail(const char* what, const std::string& message) {
-  throw std::invalid_argument(std::string("hfkern: ") + what + ": " + message);
-}
-
-std::string str(int64_t v) { return std::to_string(v); }
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -657,16 +633,6 @@ unsigned grid_of(const char* what, int64_t blocks) {
   return static_cast<unsigned>(blocks);
 }
 
-// Calls f(T{}) with the element type of a data tensor.
-template <typename F>
-void dispatch(const char* what, DType t, F&& f) {
-  switch (t) {
-    case DType::Float32: f(float{}); break;
-    case DType::Float16: f(Half{}); break;
-    case DType::BFloat16: f(BFloat16{}); break;
-    default: fail(what, "expected float32, float16 or bfloat16 data, got dtype code " + str(static_cast<int>(t)));
-  }
-}
 
 // Calls f(std::integral_constant<int, ACT>{}) for the activation (RMS norm: none only).
 template <typename F>
@@ -708,7 +674,7 @@ void layer_norm_forward(const LnTensor& x, const LnTensor& y, const LnParam& w, 
   const dim3 grid(grid_of(what, cdiv(s.B * s.M, c.rows))), block(static_cast<unsigned>(c.row_threads * c.rows));
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const float e = static_cast<float>(eps);
-  dispatch(what, x.dtype, [&](auto tag) {
+  dispatch_dtype(what, x.dtype, [&](auto tag) {
     using T = decltype(tag);
     dispatch_act(what, act, rms, [&](auto a) {
       constexpr int A = decltype(a)::value;
@@ -759,7 +725,7 @@ void layer_norm_backward(const LnTensor& gy, const LnTensor& x, const LnTensor& 
   const dim3 grid(grid_of(what, s.B * P)), block(static_cast<unsigned>(c.row_threads * c.rows));
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const size_t sm = static_cast<size_t>(smem);
-  dispatch(what, x.dtype, [&](auto tag) {
+  dispatch_dtype(what, x.dtype, [&](auto tag) {
     using T = decltype(tag);
     dispatch_act(what, act, rms, [&](auto a) {
       constexpr int A = decltype(a)::value;

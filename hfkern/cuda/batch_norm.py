@@ -40,8 +40,6 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .. import _backend
-from .._dtypes import KERNEL_DTYPES
 from .._norm_layout import (
     NORM_ACTIVATIONS,
     addressed,
@@ -52,6 +50,7 @@ from .._norm_layout import (
     tile_shape,
 )
 from . import _ext
+from ._launch import Launcher, implements
 
 __all__ = ["array_batch_norm", "array_batch_norm_backward", "emulated", "ACTIVATIONS"]
 
@@ -89,43 +88,23 @@ def _channels(t: Tensor | None) -> tuple[int, int, int, int]:
     return (t.data_ptr(), _ext.DTYPE_CODES[t.dtype], t.stride(0), t.stride(1))
 
 
-class _Launcher:
-    """The kernels on one device kind: ``hfkern._C`` on CUDA tensors, ``hfkern._C_emu`` on CPU ones."""
+class _Launcher(Launcher):
+    """The batch-norm kernels on one device kind (:class:`hfkern.cuda._launch.Launcher`)."""
+
+    check_integer_dtypes = False  # num_batches_tracked is an integer counter
 
     def __init__(self, emulate: bool):
-        self.emulate = emulate
+        super().__init__(emulate)
         self.threads = _EMULATED_THREADS if emulate else _THREADS
         self.channel_threads = _EMULATED_CHANNEL_THREADS if emulate else _CHANNEL_THREADS
 
-    def ext(self, device: torch.device):
-        ext = _ext.load(emulated=self.emulate)
+    def require(self, ext) -> None:
         if set(ext.BN_ACTIVATIONS) != set(ACTIVATIONS) or ext.BN_MAX_THREADS < self.threads:
             raise RuntimeError(
                 f"{ext.__name__} knows the activations {sorted(ext.BN_ACTIVATIONS)} and at most "
                 f"{ext.BN_MAX_THREADS} threads per block, expected {sorted(ACTIVATIONS)} and "
                 f"{self.threads}; rebuild it"
             )
-        if device.type == "cuda":
-            ext.set_device(device.index if device.index is not None else torch.cuda.current_device())
-        return ext
-
-    def check(self, op: str, x: Tensor, **tensors: Tensor | None) -> None:
-        """Device and dtypes (the op has checked shapes); nothing invalid reaches a kernel."""
-        want = "cpu" if self.emulate else "cuda"
-        where = "cuda backend (emulated)" if self.emulate else "cuda backend"
-        if x.device.type != want:
-            raise ValueError(f"hfkern::{op} on the {where}: expected x on a {want} device, got {x.device}")
-        if x.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"hfkern::{op} on the {where}: expected x of dtype float32, float16 or bfloat16, "
-                            f"got {x.dtype}; the torch backend serves it")
-        for name, t in tensors.items():
-            if t is None:
-                continue
-            if t.device != x.device:
-                raise ValueError(f"hfkern::{op} on the {where}: expected {name} on {x.device}, got {t.device}")
-            if t.is_floating_point() and t.dtype not in KERNEL_DTYPES:
-                raise TypeError(f"hfkern::{op} on the {where}: expected {name} of dtype float32, float16 or "
-                                f"bfloat16, got {t.dtype}")
 
     # ---- forward --------------------------------------------------------------------
 
@@ -257,14 +236,8 @@ class _Launcher:
 _device_launcher = _Launcher(emulate=False)
 
 
-# Registered for CUDA tensors and the dtypes the kernels compute in; auto never
-# picks them until a committed GPU result of a training step shows them faster
-# than the torch path; set_backend("cuda") selects them.
-def _implements(op: str):
-    return _backend.implements(op, "cuda", device_types=("cuda",), auto=False, dtypes=KERNEL_DTYPES)
-
-
-@_implements(_FWD)
+# Registered for CUDA tensors and the dtypes the kernels compute in (_launch.implements).
+@implements(_FWD)
 def array_batch_norm(
     x: Tensor,
     weight: Tensor | None,
@@ -290,7 +263,7 @@ def array_batch_norm(
                                     momentum, eps, activation)
 
 
-@_implements(_BWD)
+@implements(_BWD)
 def array_batch_norm_backward(
     grad_y: Tensor,
     x: Tensor,

@@ -42,7 +42,6 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .. import _backend
 from .._array import array_memory_format, conv_output_size, new_batch_major
 from .._device import sm_count
 from .._dtypes import KERNEL_DTYPES
@@ -52,6 +51,7 @@ from ..ops.conv import (
     array_conv_weight_grad_torch,
 )
 from . import _ext
+from ._launch import Launcher, implements
 
 __all__ = ["array_conv", "array_conv_input_grad", "array_conv_weight_grad", "emulated", "is_depthwise"]
 
@@ -100,12 +100,11 @@ def _weight(t: Tensor | None) -> tuple[int, ...]:
     return (t.data_ptr(), _ext.DTYPE_CODES[t.dtype], s[0], s[1], s[3], s[4])
 
 
-class _Launcher:
-    """The kernels on one device kind: ``hfkern._C`` on CUDA tensors, ``hfkern._C_emu`` on CPU ones."""
+class _Launcher(Launcher):
+    """The depthwise conv kernels on one device kind (:class:`hfkern.cuda._launch.Launcher`)."""
 
     def __init__(self, emulate: bool):
-        self.emulate = emulate
-        self.where = "cuda backend (emulated)" if emulate else "cuda backend"
+        super().__init__(emulate)
         if emulate:
             self.threads, self.pair_lanes = _EMULATED_THREADS, _EMULATED_PAIR_LANES
             self.reduce_threads, self.rows = _EMULATED_REDUCE_THREADS, _EMULATED_ROWS
@@ -113,15 +112,11 @@ class _Launcher:
             self.threads, self.pair_lanes, self.reduce_threads, self.rows = (
                 _THREADS, _PAIR_LANES, _REDUCE_THREADS, _ROWS)
 
-    def ext(self, device: torch.device):
-        ext = _ext.load(emulated=self.emulate)
+    def require(self, ext) -> None:
         if getattr(ext, "DW_MAX_THREADS", 0) < max(self.threads, self.reduce_threads) or \
                 getattr(ext, "DW_MAX_ROWS", 0) < self.rows:
             raise RuntimeError(f"{ext.__name__} has no depthwise conv kernels for {self.threads} threads per "
                                f"block and {self.rows} rows per thread; rebuild it")
-        if device.type == "cuda":
-            ext.set_device(device.index if device.index is not None else torch.cuda.current_device())
-        return ext
 
     # ---- checks -----------------------------------------------------------------------
 
@@ -131,10 +126,7 @@ class _Launcher:
         for a call the torch implementation serves."""
         if not is_depthwise(in_channels, weight, transposed, groups, nd) or data.dtype not in KERNEL_DTYPES:
             return False
-        want = "cpu" if self.emulate else "cuda"
-        if data.device.type != want:
-            raise ValueError(f"hfkern::{op} on the {self.where}: expected tensors on a {want} device, "
-                             f"got {data.device}")
+        self.check_device(op, "tensors", data)
         for name, t in (("weight", weight), *others.items()):
             if t is None:
                 continue
@@ -297,7 +289,7 @@ _device_launcher = _Launcher(emulate=False)
 # them until a committed GPU result of a training step shows them faster than the torch
 # path; set_backend("cuda") selects them.
 def _implements(op: str):
-    return _backend.implements(op, "cuda", device_types=("cuda",), auto=False)
+    return implements(op, dtypes=None)
 
 
 @_implements(_FWD)

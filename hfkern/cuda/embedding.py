@@ -43,9 +43,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .. import _backend
 from .._dtypes import KERNEL_DTYPES
 from . import _ext
+from ._launch import Launcher, implements
 
 __all__ = ["array_embedding", "array_embedding_backward", "emulated"]
 
@@ -132,11 +132,11 @@ def _vec(grad: Tensor, grad_w: Tensor, strides: tuple[int, int, int, int], D: in
     return 1
 
 
-class _Launcher:
-    """The kernels on one device kind: ``hfkern._C`` on CUDA tensors, ``hfkern._C_emu`` on CPU ones."""
+class _Launcher(Launcher):
+    """The embedding kernels on one device kind (:class:`hfkern.cuda._launch.Launcher`)."""
 
     def __init__(self, emulate: bool, chunk: int | None = None):
-        self.emulate = emulate
+        super().__init__(emulate)
         self.threads = _EMULATED_THREADS if emulate else _THREADS
         self.row_lanes = _EMULATED_ROW_LANES if emulate else _ROW_LANES
         self.chunk_lanes = _EMULATED_CHUNK_LANES if emulate else _CHUNK_LANES
@@ -144,22 +144,15 @@ class _Launcher:
         if self.chunk < 1:
             raise ValueError(f"hfkern.cuda.embedding: expected chunk >= 1, got {chunk}")
 
-    def ext(self, device: torch.device):
-        ext = _ext.load(emulated=self.emulate)
+    def require(self, ext) -> None:
         if not hasattr(ext, "embedding_forward") or int(ext.EMB_MAX_THREADS) < self.threads:
             raise RuntimeError(f"{ext.__name__} has no embedding kernels for {self.threads} threads per "
                                f"block; rebuild it")
-        if device.type == "cuda":
-            ext.set_device(device.index if device.index is not None else torch.cuda.current_device())
-        return ext
 
     def check(self, op: str, data_name: str, data: Tensor, indices: Tensor, V: int, padding_idx: int) -> None:
         """Devices, dtypes, shapes and padding_idx; nothing invalid reaches a kernel."""
-        want = "cpu" if self.emulate else "cuda"
-        where = "cuda backend (emulated)" if self.emulate else "cuda backend"
-        if data.device.type != want:
-            raise ValueError(f"hfkern::{op} on the {where}: expected {data_name} on a {want} device, "
-                             f"got {data.device}")
+        self.check_device(op, data_name, data)
+        where = self.where
         if indices.device != data.device:
             raise ValueError(f"hfkern::{op} on the {where}: expected indices on {data.device}, got {indices.device}")
         if data.dtype not in KERNEL_DTYPES:
@@ -274,14 +267,8 @@ class _Launcher:
 _device_launcher = _Launcher(emulate=False)
 
 
-# Registered for CUDA tensors and the dtypes the kernels serve; auto never picks
-# them until a committed GPU result of a training step shows them faster than
-# the torch path; set_backend("cuda") selects them.
-def _implements(op: str):
-    return _backend.implements(op, "cuda", device_types=("cuda",), auto=False, dtypes=KERNEL_DTYPES)
-
-
-@_implements(_FWD)
+# Registered for CUDA tensors and the dtypes the kernels serve (_launch.implements).
+@implements(_FWD)
 def array_embedding(
     weight: Tensor,
     indices: Tensor,
@@ -298,7 +285,7 @@ def array_embedding(
     return _device_launcher.forward(weight, indices, padding_idx, scale_grad_by_freq, sparse)
 
 
-@_implements(_BWD)
+@implements(_BWD)
 def array_embedding_backward(
     grad_out: Tensor,
     indices: Tensor,

@@ -45,9 +45,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .. import _backend
 from .._device import sm_count
-from .._dtypes import KERNEL_DTYPES
 from .._norm_layout import (
     NORM_ACTIVATIONS,
     PROGRAMS_PER_SM,
@@ -55,8 +53,10 @@ from .._norm_layout import (
     backward_outputs,
     cdiv,
     next_power_of_2,
+    row_layout,
 )
 from . import _ext
+from ._launch import Launcher, implements
 
 __all__ = [
     "array_layer_norm", "array_layer_norm_backward", "array_rms_norm", "array_rms_norm_backward", "emulated",
@@ -82,53 +82,6 @@ class _Limits:
 # several rows per warp, several shuffle groups per row, and swept rows.
 _DEVICE = _Limits(threads=128, lanes=32, max_row_threads=512, packs=None, sum_threads=256)
 _EMULATED = _Limits(threads=16, lanes=8, max_row_threads=16, packs=2, sum_threads=16)
-
-
-# ---- layout ----------------------------------------------------------------------------
-
-def _merge_dims(shape: Sequence[int], strides: Sequence[Sequence[int]], dims: range):
-    """Merge ``dims`` (outer to inner) of every tensor where all tensors allow it:
-    ``[(size, [stride per tensor]), ...]`` for the dims left, size-1 dims dropped."""
-    merged: list[tuple[int, list[int]]] = []
-    for i in dims:
-        size = shape[i]
-        if size == 1:
-            continue
-        st = [s[i] for s in strides]
-        if merged and all(outer == inner * size for outer, inner in zip(merged[-1][1], st)):
-            merged[-1] = (merged[-1][0] * size, st)
-        else:
-            merged.append((size, st))
-    return merged
-
-
-def _split(merged, n: int):
-    """(inner size, [(outer stride, inner stride) per tensor]) or None past two dims;
-    one dim is its own inner dim (outer stride 0)."""
-    if len(merged) > 2:
-        return None
-    if not merged:
-        return 1, [(0, 0)] * n
-    if len(merged) == 1:
-        size, st = merged[0]
-        return size, [(0, s) for s in st]
-    (_, outer), (inner_size, inner) = merged
-    return inner_size, list(zip(outer, inner))
-
-
-def _layout(tensors: Sequence[Tensor], norm_ndim: int):
-    """Strides of ``tensors`` (one shape ``[B, *, *S]``) as B x (M0 x M1) x (D0 x D1):
-    ``(M1, D1, [[s_b, s_m0, s_m1, s_d0, s_d1] per tensor])``, or None when a dim group
-    needs more than two strided dims."""
-    shape = [int(s) for s in tensors[0].shape]
-    strides = [[int(s) for s in t.stride()] for t in tensors]
-    nd = len(shape)
-    rows = _split(_merge_dims(shape, strides, range(1, nd - norm_ndim)), len(tensors))
-    cols = _split(_merge_dims(shape, strides, range(nd - norm_ndim, nd)), len(tensors))
-    if rows is None or cols is None:
-        return None
-    (M1, rs), (D1, cs) = rows, cols
-    return M1, D1, [[st[0], *r, *c] for st, r, c in zip(strides, rs, cs)]
 
 
 def _pack(dtype: torch.dtype) -> int:
@@ -165,42 +118,20 @@ def _num_rows(x: Tensor, norm_ndim: int) -> int:
     return math.prod(x.shape[1: x.dim() - norm_ndim])
 
 
-class _Launcher:
-    """The kernels on one device kind: ``hfkern._C`` on CUDA tensors, ``hfkern._C_emu`` on CPU ones."""
+class _Launcher(Launcher):
+    """The layer-norm kernels on one device kind (:class:`hfkern.cuda._launch.Launcher`)."""
 
     def __init__(self, emulate: bool):
-        self.emulate = emulate
+        super().__init__(emulate)
         self.limits = _EMULATED if emulate else _DEVICE
 
-    def ext(self, device: torch.device):
-        ext = _ext.load(emulated=self.emulate)
+    def require(self, ext) -> None:
         acts = getattr(ext, "LN_ACTIVATIONS", None)
         if acts is None or set(acts) != set(NORM_ACTIVATIONS) or ext.LN_MAX_THREADS < self.limits.max_row_threads:
             raise RuntimeError(
                 f"{ext.__name__} has no layer-norm kernels for the activations {list(NORM_ACTIVATIONS)} and "
                 f"{self.limits.max_row_threads} threads per block; rebuild it"
             )
-        if device.type == "cuda":
-            ext.set_device(device.index if device.index is not None else torch.cuda.current_device())
-        return ext
-
-    def check(self, op: str, x: Tensor, **tensors: Tensor | None) -> None:
-        """Device and dtypes (the op has checked shapes); nothing invalid reaches a kernel."""
-        want = "cpu" if self.emulate else "cuda"
-        where = "cuda backend (emulated)" if self.emulate else "cuda backend"
-        if x.device.type != want:
-            raise ValueError(f"hfkern::{op} on the {where}: expected x on a {want} device, got {x.device}")
-        if x.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"hfkern::{op} on the {where}: expected x of dtype float32, float16 or bfloat16, "
-                            f"got {x.dtype}; the torch backend serves it")
-        for name, t in tensors.items():
-            if t is None:
-                continue
-            if t.device != x.device:
-                raise ValueError(f"hfkern::{op} on the {where}: expected {name} on {x.device}, got {t.device}")
-            if t.dtype not in KERNEL_DTYPES:
-                raise TypeError(f"hfkern::{op} on the {where}: expected {name} of dtype float32, float16 or "
-                                f"bfloat16, got {t.dtype}")
 
     def config(self, D: int, dtype: torch.dtype, values: int, max_threads: int) -> tuple[int, int, int, bool]:
         """(row_threads, lanes, rows, regs) for rows of D elements; ``values``: the float32
@@ -236,7 +167,7 @@ class _Launcher:
         rstd = x.new_empty((B, M), dtype=torch.float32)
         if x.numel() == 0:
             return y, mean, rstd
-        (x_in,), y_out, (M1, D1, (sx, sy)) = addressed(lambda ts: _layout(ts, norm_ndim), [x], y)
+        (x_in,), y_out, (M1, _, D1, _, (sx, sy)) = addressed(lambda ts: row_layout(ts, norm_ndim), [x], y)
         w2, w = _param(weight, B, D)
         b2, b = _param(bias, B, D)
         vec = _pack(x.dtype)
@@ -279,8 +210,8 @@ class _Launcher:
         if grad_y.dtype not in (x.dtype, torch.float32):
             grad_y = grad_y.float()  # exact: the kernels read grad_y in x's dtype or float32
 
-        (gy_in, x_in), gx_out, (M1, D1, strides) = addressed(
-            lambda ts: _layout(ts, norm_ndim), [grad_y, x], grad_x if want_dx else None)
+        (gy_in, x_in), gx_out, (M1, _, D1, _, strides) = addressed(
+            lambda ts: row_layout(ts, norm_ndim), [grad_y, x], grad_x if want_dx else None)
         sg, sx = strides[0], strides[1]
         sgx = strides[2] if want_dx else [0] * 5
         if activation == "none":
@@ -370,14 +301,8 @@ def _check_mask(op: str, output_mask: Sequence[bool], n: int, weight: Tensor | N
 _device_ops = _Ops(_Launcher(emulate=False))
 
 
-# Registered for CUDA tensors and the dtypes the kernels compute in; auto never
-# picks them until a committed GPU result of a training step shows them faster
-# than the other backends; set_backend("cuda") selects them.
-def _implements(op: str):
-    return _backend.implements(op, "cuda", device_types=("cuda",), auto=False, dtypes=KERNEL_DTYPES)
-
-
-@_implements(_LN_FWD)
+# Registered for CUDA tensors and the dtypes the kernels compute in (_launch.implements).
+@implements(_LN_FWD)
 def array_layer_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float, activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -390,7 +315,7 @@ def array_layer_norm(
     return _device_ops.array_layer_norm(x, weight, bias, norm_ndim, eps, activation)
 
 
-@_implements(_LN_BWD)
+@implements(_LN_BWD)
 def array_layer_norm_backward(
     grad_y: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, norm_ndim: int,
     output_mask: Sequence[bool], bias: Tensor | None = None, activation: str = "none",
@@ -406,7 +331,7 @@ def array_layer_norm_backward(
                                                  activation)
 
 
-@_implements(_RMS_FWD)
+@implements(_RMS_FWD)
 def array_rms_norm(x: Tensor, weight: Tensor | None, norm_ndim: int, eps: float) -> tuple[Tensor, Tensor]:
     """RMS norm of B models: see :mod:`hfkern.ops.layer_norm`.
 
@@ -415,7 +340,7 @@ def array_rms_norm(x: Tensor, weight: Tensor | None, norm_ndim: int, eps: float)
     return _device_ops.array_rms_norm(x, weight, norm_ndim, eps)
 
 
-@_implements(_RMS_BWD)
+@implements(_RMS_BWD)
 def array_rms_norm_backward(
     grad_y: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, norm_ndim: int, output_mask: Sequence[bool],
 ) -> tuple[Tensor, Tensor]:

@@ -19,9 +19,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .. import _backend, _topk
+from .. import _topk
 from .._device import sm_count
 from . import _ext
+from ._launch import Launcher, implements
 
 __all__ = ["topk_select", "emulated"]
 
@@ -41,23 +42,19 @@ def _tiling(R: int, n: int, threads: int, device: torch.device, emulate: bool) -
     return -(-tiles_total // tiles), tiles
 
 
-class _Launcher:
-    """The kernels on one device kind: ``hfkern._C`` on CUDA tensors, ``hfkern._C_emu`` on CPU ones."""
+class _Launcher(Launcher):
+    """The top-k kernels on one device kind (:class:`hfkern.cuda._launch.Launcher`)."""
 
     def __init__(self, emulate: bool):
-        self.emulate = emulate
+        super().__init__(emulate)
         self.threads = _EMULATED_THREADS if emulate else _THREADS
 
-    def ext(self, device: torch.device):
-        ext = _ext.load(emulated=self.emulate)
+    def require(self, ext) -> None:
         if int(ext.TOPK_CANDIDATES) != _topk.NUM_CANDIDATES:
             raise RuntimeError(
                 f"{ext.__name__} counts {ext.TOPK_CANDIDATES} candidates per pass, but hfkern._topk "
                 f"uses {_topk.NUM_CANDIDATES}; rebuild it"
             )
-        if device.type == "cuda":
-            ext.set_device(device.index if device.index is not None else torch.cuda.current_device())
-        return ext
 
     def count_ge(self, bits: Tensor, spec: _topk.KeySpec, candidates: Tensor) -> Tensor:
         R, n = bits.shape
@@ -90,10 +87,7 @@ class _Launcher:
         return values.view(dtype), indices
 
     def __call__(self, x: Tensor, k: int, exact: bool, seed: int) -> tuple[Tensor, Tensor, Tensor]:
-        want = "cpu" if self.emulate else "cuda"
-        if x.device.type != want:
-            raise ValueError(f"hfkern::topk_select on the cuda backend{' (emulated)' if self.emulate else ''}: "
-                             f"expected x on a {want} device, got {x.device}")
+        self.check_device("topk_select", "x", x)
         return _topk.select(x, k, exact, seed, self.count_ge, self.compact)
 
 
@@ -103,7 +97,7 @@ _device_launcher = _Launcher(emulate=False)
 # auto never picks it until a committed GPU benchmark shows it faster than the
 # torch path on the device (the selection is identical either way);
 # set_backend("cuda") selects it.
-@_backend.implements("topk_select", "cuda", device_types=("cuda",), auto=False)
+@implements("topk_select", dtypes=None)
 def topk_select(x: Tensor, k: int, exact: bool, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     """hfkern::topk_select on CUDA tensors with the kernels of hfkern._C."""
     return _device_launcher(x, k, exact, seed)

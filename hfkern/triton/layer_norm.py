@@ -51,6 +51,7 @@ from .. import _backend
 from .._device import sm_count
 from .._dtypes import KERNEL_DTYPES
 from .._norm_layout import addressed, backward_outputs
+from .._norm_layout import row_layout as _layout
 from ._common import Tuned, activate, activation_grad, check_tensors, column_block, interpreting
 
 __all__ = [
@@ -443,59 +444,6 @@ _INTERPRET_ONE_BLOCK_MAX_D, _INTERPRET_SWEEP_BLOCK_D = 16, 8
 # backward programs per SM: enough to hide latency, few enough that the
 # [B, P, D] partial buffers stay small next to x
 _PROGRAMS_PER_SM = 4
-
-
-# ---- layout -------------------------------------------------------------------
-
-def _merge_dims(shape: Sequence[int], strides: Sequence[Sequence[int]], dims: range):
-    """Merge ``dims`` (outer to inner) of every tensor where all tensors allow it.
-
-    Returns ``[(size, [stride per tensor]), ...]`` for the dims left, size-1
-    dims dropped.
-    """
-    merged: list[tuple[int, list[int]]] = []
-    for i in dims:
-        size = shape[i]
-        if size == 1:
-            continue
-        st = [s[i] for s in strides]
-        if merged and all(outer == inner * size for outer, inner in zip(merged[-1][1], st)):
-            merged[-1] = (merged[-1][0] * size, st)
-        else:
-            merged.append((size, st))
-    return merged
-
-
-def _split(merged, n: int):
-    """(inner size, split?, [(outer stride, inner stride) per tensor]) or None past two dims."""
-    if len(merged) > 2:
-        return None
-    if not merged:
-        return 1, False, [(0, 0)] * n
-    if len(merged) == 1:
-        size, st = merged[0]
-        return size, False, [(0, s) for s in st]
-    (_, outer), (inner_size, inner) = merged
-    return inner_size, True, list(zip(outer, inner))
-
-
-def _layout(tensors: Sequence[Tensor], norm_ndim: int):
-    """Strides of ``tensors`` (one shape ``[B, *, *S]``) as B x (M0 x M1) x (D0 x D1).
-
-    Returns ``(M1, ROW2, D1, COL2, [[s_b, s_m0, s_m1, s_d0, s_d1] per tensor])`` or
-    None when a dim group needs more than two strided dims.
-    """
-    shape = [int(s) for s in tensors[0].shape]
-    strides = [[int(s) for s in t.stride()] for t in tensors]
-    nd = len(shape)
-    rows = _split(_merge_dims(shape, strides, range(1, nd - norm_ndim)), len(tensors))
-    cols = _split(_merge_dims(shape, strides, range(nd - norm_ndim, nd)), len(tensors))
-    if rows is None or cols is None:
-        return None
-    M1, row2, rs = rows
-    D1, col2, cs = cols
-    per_tensor = [[st[0], *r, *c] for st, r, c in zip(strides, rs, cs)]
-    return M1, row2, D1, col2, per_tensor
 
 
 def _param_2d(p: Tensor | None, B: int, D: int, dummy: Tensor) -> tuple[Tensor, int, int]:

@@ -17,12 +17,13 @@
 
 #include <cstdint>
 
+#include "hfkern/activation_code.h"
 #include "hfkern/dtype_code.h"
 
 namespace hfkern {
 
-// The fused activation after the affine map (hfkern/cuda/batch_norm.py, _ACTIVATIONS).
-enum class BnActivation : int { None = 0, Relu = 1, Gelu = 2 };
+// The fused activation after the affine map (hfkern/activation_code.h).
+using BnActivation = Activation;
 
 // The most threads of a block (the size of the kernels' shared reduction arrays).
 constexpr int kBnMaxThreads = 256;

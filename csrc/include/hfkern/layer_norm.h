@@ -18,12 +18,13 @@
 
 #include <cstdint>
 
+#include "hfkern/activation_code.h"
 #include "hfkern/dtype_code.h"
 
 namespace hfkern {
 
-// The fused activation after the affine map (hfkern/cuda/layer_norm.py); RMS norm has none.
-enum class LnActivation : int { None = 0, Relu = 1, Gelu = 2 };
+// The fused activation after the affine map (hfkern/activation_code.h); RMS norm has none.
+using LnActivation = Activation;
 
 // The most threads of a block (the size of the kernels' shared reduction arrays).
 constexpr int kLnMaxThreads = 512;
