@@ -290,6 +290,38 @@ def from_grouped(
     return y.view(y.shape[0], B, y.shape[1] // B, *y.shape[2:]).transpose(0, 1)
 
 
+# ---- index and gradient rows of the array embedding --------------------------------
+# Both kernel backends of the embedding address the lookups of each model through
+# at most two strided dims.
+
+def _collapse_dims(sizes, strides) -> list[tuple[int, int]] | None:
+    """Merge the dims of a strided view where memory allows; [(size, stride)] of at
+    most two dims, outermost first, or None if more than two remain."""
+    dims: list[tuple[int, int]] = []
+    for size, stride in zip(sizes, strides):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == stride * size:
+            dims[-1] = (dims[-1][0] * size, stride)
+        else:
+            dims.append((size, stride))
+    if len(dims) > 2:
+        return None
+    return [(1, 0)] * (2 - len(dims)) + dims
+
+
+def lookup_dims(t: torch.Tensor, n: int, trailing: int) -> tuple[torch.Tensor, int, int, int]:
+    """``t`` ``[B, *, ...]`` (``trailing`` dims after ``*``) -> (t or a copy, L, stride M, stride L)."""
+    end = t.dim() - trailing
+    dims = _collapse_dims(t.shape[1:end], t.stride()[1:end])
+    if dims is None:
+        # More than two uncollapsible dims: rare enough that one copy is acceptable.
+        t = t.reshape(t.shape[0], n, *t.shape[end:])
+        dims = [(1, 0), (n, t.stride(1))]
+    (_, s_m), (size_l, s_l) = dims
+    return t, size_l, s_m, s_l
+
+
 _CONV_ND = (1, 2)  # the spatial dims array convolutions support
 
 

@@ -38,6 +38,7 @@ from . import (
     UnfusedNorm,
     array_randn,
     leaf,
+    cuda_baseline,
     unfused_baselines,
 )
 
@@ -305,6 +306,7 @@ FAMILY = Family(
     cost=cost,
     backend_impl=HfkernBatchNorm,
     baselines={"grouped": GroupedBatchNorm, "loop": LoopBatchNorm, "convert": _conversion,
+               "cuda": cuda_baseline(HfkernBatchNorm),
                **unfused_baselines(UnfusedBatchNorm)},
     compile_calls=compile_calls,
     samples=samples,

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .._array import lookup_dims
 from .._dtypes import KERNEL_DTYPES
 from . import _ext
 from ._launch import Launcher, implements
@@ -63,34 +64,6 @@ _CHUNK_LANES, _EMULATED_CHUNK_LANES = 128, 4
 # the summation order, so it is a constant per device kind, never tuned per call;
 # tiny under the emulator so that small tests cut rows into several chunks.
 CHUNK, EMULATED_CHUNK = 64, 4
-
-
-def _collapse(sizes, strides) -> list[tuple[int, int]] | None:
-    """Merge the dims of a strided view where memory allows; [(size, stride)] of at
-    most two dims, outermost first, or None if more than two remain."""
-    dims: list[tuple[int, int]] = []
-    for size, stride in zip(sizes, strides):
-        if size == 1:
-            continue
-        if dims and dims[-1][1] == stride * size:
-            dims[-1] = (dims[-1][0] * size, stride)
-        else:
-            dims.append((size, stride))
-    if len(dims) > 2:
-        return None
-    return [(1, 0)] * (2 - len(dims)) + dims
-
-
-def _index_dims(t: Tensor, n: int, trailing: int) -> tuple[Tensor, int, int, int]:
-    """``t`` ``[B, *, ...]`` (``trailing`` dims after ``*``) -> (t or a copy, L, stride M, stride L)."""
-    end = t.dim() - trailing
-    dims = _collapse(t.shape[1:end], t.stride()[1:end])
-    if dims is None:
-        # More than two uncollapsible dims: rare enough that one copy is acceptable.
-        t = t.reshape(t.shape[0], n, *t.shape[end:])
-        dims = [(1, 0), (n, t.stride(1))]
-    (_, s_m), (size_l, s_l) = dims
-    return t, size_l, s_m, s_l
 
 
 def _pow2_at_most(x: int, cap: int) -> int:
@@ -172,7 +145,7 @@ class _Launcher(Launcher):
     @staticmethod
     def _index(indices: Tensor, n: int) -> tuple[Tensor, tuple]:
         """indices (or a copy) and their (address, bytes, L, s_b, s_m, s_l) for the binding."""
-        idx, L, s_m, s_l = _index_dims(indices, n, 0)
+        idx, L, s_m, s_l = lookup_dims(indices, n, 0)
         s_b = idx.stride(0) if idx.shape[0] > 1 else 0
         return idx, (idx.data_ptr(), idx.element_size(), L, s_b, s_m, s_l)
 
@@ -243,7 +216,7 @@ class _Launcher(Launcher):
         ext.embedding_segments(keys[1].data_ptr(), key_bytes, items, rows, bounds.data_ptr(), self.threads, stream)
 
         # 4: chunk sums of long rows, then every row of the gradient.
-        grad, L, s_gm, s_gl = _index_dims(grad_out, n, 1)
+        grad, L, s_gm, s_gl = lookup_dims(grad_out, n, 1)
         strides = (grad.stride(0) if B > 1 else 0, s_gm, s_gl, grad.stride(-1) if D > 1 else 1)
         vec = _vec(grad, grad_w, strides, D)
         part = None

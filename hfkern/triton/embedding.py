@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
+from .._array import lookup_dims
 from ._common import Tuned, tl_dtype_ok
 
 __all__ = ["array_embedding", "array_embedding_backward"]
@@ -293,34 +294,6 @@ _chunk_sums = Tuned(_array_embedding_chunk_kernel, [_CHUNK_CONFIG], key=[], inte
 # ---- launchers ----------------------------------------------------------------
 
 
-def _collapse(sizes, strides) -> list[tuple[int, int]] | None:
-    """Merge the dims of a strided view where memory allows; [(size, stride)] of at
-    most two dims, outermost first, or None if more than two remain."""
-    dims: list[tuple[int, int]] = []
-    for size, stride in zip(sizes, strides):
-        if size == 1:
-            continue
-        if dims and dims[-1][1] == stride * size:
-            dims[-1] = (dims[-1][0] * size, stride)
-        else:
-            dims.append((size, stride))
-    if len(dims) > 2:
-        return None
-    return [(1, 0)] * (2 - len(dims)) + dims
-
-
-def _index_dims(t: torch.Tensor, n: int, trailing: int) -> tuple[torch.Tensor, int, int, int]:
-    """``t`` ``[B, *, ...]`` (``trailing`` dims after ``*``) -> (t or a copy, L, stride M, stride L)."""
-    end = t.dim() - trailing
-    dims = _collapse(t.shape[1:end], t.stride()[1:end])
-    if dims is None:
-        # More than two uncollapsible dims: rare enough that one copy is acceptable.
-        t = t.reshape(t.shape[0], n, *t.shape[end:])
-        dims = [(1, 0), (n, t.stride(1))]
-    (_, s_m), (size_l, s_l) = dims
-    return t, size_l, s_m, s_l
-
-
 def _check_dtype(name: str, t: torch.Tensor) -> None:
     if not tl_dtype_ok(t):
         raise TypeError(
@@ -349,7 +322,7 @@ def array_embedding(
     n = math.prod(indices.shape[1:])
     if out.numel() == 0:
         return out
-    idx, L, s_im, s_il = _index_dims(indices, n, 0)
+    idx, L, s_im, s_il = lookup_dims(indices, n, 0)
     shared = idx.stride(0) == 0 or B == 1
     block_d = min(triton.next_power_of_2(D), _MAX_BLOCK_D)
 
@@ -390,7 +363,7 @@ def array_embedding_backward(
     if grad_w.numel() == 0:
         return grad_w
     n = indices[0].numel()
-    grad, L, s_gm, s_gl = _index_dims(grad_out, n, 1)
+    grad, L, s_gm, s_gl = lookup_dims(grad_out, n, 1)
 
     shared = indices.stride(0) == 0 or B == 1
     models = 1 if shared else B
