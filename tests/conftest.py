@@ -1,3 +1,4 @@
+import importlib
 import os
 import sys
 
@@ -53,3 +54,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and not triton_interpreting():
             item.add_marker(skip_interp)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """bench_kernels, report and the families as modules (bench/ is a script folder, not a
+    package), for the kernel benchmark's smoke tests."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    added = [p for p in (os.path.join(root, "bench"), root) if p not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield {name: importlib.import_module(name) for name in ("bench_kernels", "report", "families")}
+    finally:
+        for p in added:
+            sys.path.remove(p)
+        for name in ("bench_kernels", "report", "bandwidth"):
+            sys.modules.pop(name, None)

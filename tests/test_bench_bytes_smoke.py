@@ -16,20 +16,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 
 
-@pytest.fixture(scope="module")
-def bench():
-    """bench_kernels, report and the families as modules (bench/ is a script folder, not a package)."""
-    added = [p for p in (BENCH, ROOT) if p not in sys.path]
-    sys.path[:0] = added
-    try:
-        yield {name: importlib.import_module(name) for name in ("bench_kernels", "report", "families")}
-    finally:
-        for p in added:
-            sys.path.remove(p)
-        for name in ("bench_kernels", "report", "bandwidth"):
-            sys.modules.pop(name, None)
-
-
 def _fused_activation_missing() -> dict[str, str]:
     """{op: why} for the norm ops whose fused ``activation`` argument has not landed."""
     import hfkern.ops.batch_norm

@@ -17,21 +17,6 @@ BENCH = os.path.join(ROOT, "bench")
 
 
 @pytest.fixture(scope="module")
-def bench():
-    """bench_kernels, report and the families as modules (bench/ is a script folder, not a package)."""
-    added = [p for p in (BENCH, ROOT) if p not in sys.path]
-    sys.path[:0] = added
-    try:
-        mods = {name: importlib.import_module(name) for name in ("bench_kernels", "report", "families")}
-        yield mods
-    finally:
-        for p in added:
-            sys.path.remove(p)
-        for name in ("bench_kernels", "report", "bandwidth"):
-            sys.modules.pop(name, None)
-
-
-@pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke")
     env = dict(os.environ)
