@@ -712,3 +712,29 @@ def test_fuse_hook_added_later_sees_the_norm_output():
     y = fused(x)
     assert len(seen) == 1 and (seen[0] < 0).any()  # the hook saw the norm output, not its ReLU
     torch.testing.assert_close(y, seen[0].relu())
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_fused_call_runs_one_op_only_where_a_kernel_serves_the_norm(kernel, monkeypatch):
+    """On a kernel backend the fused call is one norm op with the activation; on the torch
+    path it is the two calls (torch's ReLU backward reads the saved output once, cheaper
+    than recomputing z); both compute what the models do."""
+    from hfkern import fusion
+    from hfkern.nn.normalization import _BatchNorm
+
+    monkeypatch.setattr(fusion._NormActivation, "_kernel_serves", staticmethod(lambda norm, x: kernel))
+    seen = []
+    normalize = _BatchNorm._normalize
+
+    def spy(self, x, activation="none"):
+        seen.append(activation)
+        return normalize(self, x, activation)
+
+    monkeypatch.setattr(_BatchNorm, "_normalize", spy)
+    B = 2
+    models = [BasicBlock() for _ in range(B)]
+    for m in models:
+        _randomized([m.bn1, m.bn2])
+    fused = hfkern.fuse(models)
+    _check_against_models(fused, models, torch.randn(B, 2, 3, 5, 5))
+    assert ("relu" in seen) == kernel
