@@ -307,7 +307,10 @@ def main() -> None:
             "triton": ["triton>=3.6,<3.10"],
             "demo": ["scikit-learn", "tqdm", "rich"],
             "bench": ["matplotlib", "tqdm"],
-            "test": ["pytest", "scikit-learn", "tqdm", "rich", "matplotlib", "triton>=3.6,<3.10"],
+            # hfkern.sweep: Optuna studies on SQLite or PostgreSQL (SQLAlchemy, psycopg2)
+            "sweep": ["optuna>=4.0", "sqlalchemy>=2.0", "psycopg2-binary>=2.9", "tqdm", "rich", "matplotlib"],
+            "test": ["pytest", "scikit-learn", "tqdm", "rich", "matplotlib", "triton>=3.6,<3.10",
+                     "optuna>=4.0", "sqlalchemy>=2.0", "psycopg2-binary>=2.9"],
         },
         zip_safe=False,
     )

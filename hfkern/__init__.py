@@ -22,6 +22,7 @@ from ._backend import backend_info, get_backend, set_backend, use_backend  # noq
 from .fusion import FusedModel, FuseError, fuse, unfuse  # noqa: E402
 from .graphs import CapturedStep, capture_step  # noqa: E402
 from .ops.topk import TopK, topk_capacity, topk_select  # noqa: E402
+from .sweep import ArraySize, max_array_size  # noqa: E402  (hfkern.sweep's runner needs the sweep extra)
 
 __version__ = "0.1.0"
 
@@ -41,5 +42,7 @@ __all__ = [
     "TopK",
     "topk_select",
     "topk_capacity",
+    "max_array_size",
+    "ArraySize",
     "__version__",
 ]

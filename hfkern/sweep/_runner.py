@@ -1,0 +1,904 @@
+"""The sweep runner: an Optuna study's trials trained B at a time as one fused array.
+
+One :class:`Runner` process repeats: ask the study for trials, put up to B
+trials whose *grouped* (non-fusible) hyper-parameters agree into one array
+(:func:`hfkern.fuse` of the user's model, one array optimizer, one array
+scheduler, each model with its own *fusible* hyper-parameters), train a round
+(``report_every`` steps), evaluate every model, report each model's value to
+its own trial, tell the finished and pruned trials, and refill their slots
+with new trials through per-slot surgery (fresh weights, optimizer state and
+schedule). Any number of runners share one study through its storage
+(:func:`hfkern.sweep.storage`).
+
+Why a trial's result does not depend on its array: its model is built from
+its own parameters under its own seed, its optimizer and scheduler state is
+its own row, and its batches follow its own step count
+(:mod:`hfkern.sweep._data`). A fused array computes what B separate models
+compute up to float32 rounding, so a trial trained in any slot of any array,
+entering at any time, follows its trajectory trained alone. Random ops in the
+training step (dropout) draw from the array's generator and are the
+exception: their masks depend on the array.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import numbers
+import os
+import socket
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Sequence
+
+import optuna
+import torch
+from optuna.trial import Trial, TrialState
+from torch import nn
+
+from .. import fusion
+from .._array import broadcast
+from ..nn._base import seeded
+from ..nn.functional import cross_entropy
+from ..optim import ArrayOptimizer
+from . import _report
+from ._data import BatchOrder
+from ._storage import COUNTED_ATTR, OUTCOME_ATTR, RUNNER_ATTR, SEED_ATTR, counts
+
+__all__ = ["Runner", "SweepSummary"]
+
+_log = logging.getLogger("hfkern.sweep")
+_CHECKPOINT_VERSION = 1
+
+Params = Mapping[str, Any]
+
+
+@dataclasses.dataclass
+class _Entry:
+    """A trial the runner holds: waiting in its queue, or training in a slot."""
+
+    trial: Trial
+    params: dict[str, Any]
+    seed: int
+    key: tuple
+    step: int = 0      # training steps done
+    reported: int = 0  # rounds whose value the study already has
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """What the grouped parameters decide for an array beyond its model."""
+
+    batch_size: int
+    steps_per_epoch: int
+    total_steps: int     # a trial's training steps
+    report_every: int    # steps per round
+    optimizer_cls: type[ArrayOptimizer]
+    order: BatchOrder
+
+
+@dataclasses.dataclass
+class _Array:
+    """The array in flight: one fused model, its optimizer and scheduler, B slots."""
+
+    key: tuple
+    settings: _Settings
+    model: fusion.FusedModel
+    optimizer: ArrayOptimizer
+    scheduler: Any
+    slots: list[_Entry | None]
+    shared_optimizer: dict[str, Any]  # the optimizer's one-per-array arguments
+    shared_scheduler: dict[str, Any]
+    hp: dict[str, torch.Tensor]        # fusible parameter -> [B] values (the loss may read them)
+    bad: torch.Tensor                  # [B] bool: a non-finite loss this round
+
+    @property
+    def B(self) -> int:
+        return len(self.slots)
+
+    def active(self) -> list[int]:
+        return [b for b, s in enumerate(self.slots) if s is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSummary:
+    """What one :meth:`Runner.run` call did."""
+
+    completed: int  # trials this runner told complete
+    pruned: int
+    failed: int     # non-finite or, with on_nonfinite="prune", counted in pruned
+    arrays: int     # arrays built
+    B: int          # slots per array
+    seconds: float  # wall time of the run
+
+    def __str__(self) -> str:
+        return (f"{self.completed} complete, {self.pruned} pruned, {self.failed} failed in {self.arrays} "
+                f"array(s) of B = {self.B}, {self.seconds:.1f} s")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, Mapping):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    return v
+
+
+def _optimizer_class(optimizer: Any) -> type[ArrayOptimizer]:
+    """An array optimizer class from itself or its torch.optim namesake."""
+    from .. import optim as hoptim
+
+    if isinstance(optimizer, type) and issubclass(optimizer, ArrayOptimizer):
+        return optimizer
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        array = getattr(hoptim, optimizer.__name__, None)
+        if isinstance(array, type) and issubclass(array, ArrayOptimizer):
+            return array
+        raise ValueError(f"Runner: torch.optim.{optimizer.__name__} has no array namesake in hfkern.optim "
+                         f"(available: {[n for n in hoptim.__all__ if n != 'ArrayOptimizer']})")
+    raise TypeError(f"Runner: optimizer must be an hfkern.optim optimizer class or a torch.optim class with an "
+                    f"hfkern.optim namesake, got {optimizer!r}")
+
+
+class Runner:
+    """Run an Optuna study's trials B at a time as fused arrays.
+
+    Args:
+        study: an ``optuna.Study`` (single objective). Share it between
+            processes through an RDB storage (:func:`hfkern.sweep.storage`).
+        space: ``space(trial) -> dict``: suggests a trial's hyper-parameters
+            (``trial.suggest_float(...)``...) and returns them by name (it may
+            add fixed values).
+        model: ``model(params) -> torch.nn.Module``: one plain torch model for a
+            trial's parameters. It is called under ``torch.manual_seed`` of the
+            trial's seed, so its initialization is the trial's.
+        fusible: names of the parameters that may differ between the models of
+            one array: optimizer and scheduler hyper-parameters, dropout
+            probabilities, loss weights, the init seed (``seed_param`` always
+            is). Their values must be numbers. Trials whose other parameters
+            (widths, depth, optimizer flags) differ train in different arrays.
+        grouped: names of the parameters that decide the array (default: every
+            parameter not in ``fusible``). When given, a parameter in neither
+            list raises ValueError.
+        train: ``(inputs, targets)``: the training set as two tensors with the
+            samples in dim 0 (moved to ``device`` once).
+        batch_size: samples per step and model.
+        epochs: training epochs per trial (``len(train) // batch_size`` steps each).
+        optimizer: an :mod:`hfkern.optim` optimizer class (or its ``torch.optim``
+            namesake, e.g. ``torch.optim.Adam``).
+        optimizer_kwargs: ``optimizer_kwargs(params) -> dict`` of the optimizer's
+            arguments for one trial (``{"lr": p["lr"], "betas": (p["b1"], 0.999)}``);
+            default: the parameters named as the optimizer's per-model
+            hyper-parameters (``lr``, ``momentum``, ``weight_decay``, ``eps``, a
+            ``betas`` pair from ``beta1`` and ``beta2``...). Per-model
+            hyper-parameters may differ in an array; other arguments (``nesterov``,
+            ``amsgrad``) are one per array and must agree (ValueError).
+        scheduler: an :mod:`hfkern.optim.lr_scheduler` class or None.
+        scheduler_kwargs: ``scheduler_kwargs(params) -> dict`` of its arguments
+            for one trial; the scheduler's per-model arguments may differ.
+        scheduler_interval: ``"epoch"`` (step it after every epoch) or ``"step"``.
+        loss: ``loss(output, target, hp) -> [B]`` per-model losses of a step;
+            ``output`` is the array's ``[B, N, ...]`` output, ``target`` ``[N, ...]``
+            (one batch for all models) or ``[B, N, ...]``, ``hp`` maps every
+            fusible parameter to its ``[B]`` values on the device (loss
+            weights). Default: per-model mean cross entropy.
+        metric: the value reported to each trial: ``"accuracy"`` or ``"loss"``
+            (on ``valid``, per-model mean cross entropy), or
+            ``metric(model, hp) -> [B]`` (the fused model in eval mode, under
+            ``torch.no_grad``). Default: accuracy for a study that maximizes,
+            loss for one that minimizes.
+        valid: ``(inputs, targets)`` for the built-in metrics.
+        report_every: training steps between two reports (default: one epoch).
+            A trial is evaluated, reported, and may be pruned every
+            ``report_every`` steps; report ``r`` (1, 2, ...) is Optuna's step.
+        B: trials per array (default: :func:`hfkern.max_array_size` of the
+            first trial's model, capped at 64 and at ``n_trials``).
+        device: where the arrays train (default: CUDA if available, else CPU).
+        seed: a trial's init seed is its ``seed_param`` value when it has one,
+            else ``seed + trial.number``.
+        seed_param: the parameter that holds a trial's init seed (fusible).
+        data_seed: seed of the training batches' order (the same for every trial).
+        on_nonfinite: ``"fail"`` (tell the trial failed) or ``"prune"``, for a
+            trial whose loss or value becomes NaN or infinite; its array goes on.
+        checkpoint: a file the runner saves its arrays and held trials to (at
+            every ``checkpoint_every``-th report). A runner started again with
+            the same checkpoint resumes the trials it held; without it, a
+            killed runner's trials are failed once their heartbeat expires
+            (:func:`hfkern.sweep.storage`) and retried.
+        checkpoint_every: reports between two checkpoints.
+        name: the runner's name in its trials' user attributes (default: host
+            and checkpoint path, or host and process id without a checkpoint).
+        progress: show a progress bar while running and the best trials at the end.
+        eval_batch_size: samples per forward pass of the built-in metrics.
+    """
+
+    def __init__(
+        self,
+        study: optuna.Study,
+        space: Callable[[Trial], Params],
+        model: Callable[[Params], nn.Module],
+        *,
+        fusible: Iterable[str],
+        train: tuple[torch.Tensor, torch.Tensor],
+        batch_size: int,
+        epochs: int,
+        optimizer: type,
+        optimizer_kwargs: Callable[[Params], Params] | None = None,
+        grouped: Iterable[str] | None = None,
+        scheduler: type | None = None,
+        scheduler_kwargs: Callable[[Params], Params] | None = None,
+        scheduler_interval: str = "epoch",
+        loss: Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor] | None = None,
+        metric: str | Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] | None = None,
+        valid: tuple[torch.Tensor, torch.Tensor] | None = None,
+        report_every: int | None = None,
+        B: int | None = None,
+        device: torch.device | str | None = None,
+        seed: int = 0,
+        seed_param: str = "seed",
+        data_seed: int = 0,
+        on_nonfinite: str = "fail",
+        checkpoint: str | os.PathLike | None = None,
+        checkpoint_every: int = 1,
+        name: str | None = None,
+        progress: bool = True,
+        eval_batch_size: int = 1024,
+    ):
+        who = "Runner"
+        if not isinstance(study, optuna.Study):
+            raise TypeError(f"{who}: study must be an optuna.Study, got {type(study).__name__}")
+        if len(study.directions) != 1:
+            raise ValueError(f"{who}: expected a single-objective study, got {len(study.directions)} directions")
+        for label, fn in (("space", space), ("model", model)):
+            if not callable(fn):
+                raise TypeError(f"{who}: {label} must be callable, got {type(fn).__name__}")
+        for label, fn in (("optimizer_kwargs", optimizer_kwargs), ("scheduler_kwargs", scheduler_kwargs),
+                          ("loss", loss)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{who}: {label} must be callable or None, got {type(fn).__name__}")
+        self.study = study
+        self._space, self._model_factory = space, model
+        self.fusible = self._names(fusible, "fusible") | {seed_param}
+        self.grouped = None if grouped is None else self._names(grouped, "grouped")
+        if self.grouped is not None and self.grouped & self.fusible:
+            raise ValueError(f"{who}: parameters {sorted(self.grouped & self.fusible)} are both fusible and grouped")
+        if not callable(optimizer):
+            raise TypeError(f"{who}: optimizer must be an optimizer class or optimizer(params) -> class, got "
+                            f"{optimizer!r}")
+        self._optimizer = optimizer
+        self._optimizer_kwargs = optimizer_kwargs or self._default_optimizer_kwargs
+        if scheduler is not None and not (isinstance(scheduler, type) and hasattr(scheduler, "reset_model")):
+            raise TypeError(f"{who}: scheduler must be an hfkern.optim.lr_scheduler class or None, got {scheduler!r}")
+        self._scheduler_cls = scheduler
+        self._scheduler_kwargs = scheduler_kwargs or (lambda params: {})
+        if scheduler_interval not in ("epoch", "step"):
+            raise ValueError(f"{who}: scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}")
+        self.scheduler_interval = scheduler_interval
+        self._loss = loss or (lambda out, target, hp: cross_entropy(out, target))
+
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._train = self._pair(train, "train")
+        self._valid = None if valid is None else self._pair(valid, "valid")
+        if not callable(batch_size):
+            self._positive(batch_size, "batch_size")
+        self._batch_size = batch_size
+        self.epochs = self._positive(epochs, "epochs")
+        self._report_every = None if report_every is None else self._positive(report_every, "report_every")
+        self._data_seed = int(data_seed)
+        self._settings: dict[tuple, _Settings] = {}
+        if not callable(batch_size) and isinstance(optimizer, type):
+            self._settings_for({})  # the settings' errors now, not at the first array
+        maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+        metric = metric if metric is not None else ("accuracy" if maximize else "loss")
+        if isinstance(metric, str):
+            if metric not in ("accuracy", "loss"):
+                raise ValueError(f"{who}: metric must be 'accuracy', 'loss' or a callable, got {metric!r}")
+            if self._valid is None:
+                raise ValueError(f"{who}: metric {metric!r} is computed on valid=(inputs, targets); none given")
+        elif not callable(metric):
+            raise TypeError(f"{who}: metric must be 'accuracy', 'loss' or a callable, got {type(metric).__name__}")
+        self.metric = metric
+        self.B = None if B is None else self._positive(B, "B")
+        self.seed, self.seed_param = int(seed), seed_param
+        if on_nonfinite not in ("fail", "prune"):
+            raise ValueError(f"{who}: on_nonfinite must be 'fail' or 'prune', got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
+        self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
+        self.checkpoint_every = self._positive(checkpoint_every, "checkpoint_every")
+        host = socket.gethostname()
+        self.name = name if name is not None else (
+            f"{host}:{os.path.abspath(self.checkpoint)}" if self.checkpoint else f"{host}:{os.getpid()}")
+        self.progress = bool(progress)
+        self.eval_batch_size = self._positive(eval_batch_size, "eval_batch_size")
+
+        self._array: _Array | None = None
+        self._queue: list[_Entry] = []
+        self._stop_asking = False
+        self._n_trials = 0
+        self._rounds = 0
+        self._tally = {"completed": 0, "pruned": 0, "failed": 0, "arrays": 0}
+
+    # ---- argument checks -------------------------------------------------------------
+    @staticmethod
+    def _names(names: Iterable[str], label: str) -> set[str]:
+        if isinstance(names, str) or not isinstance(names, Iterable):
+            raise TypeError(f"Runner: {label} must be a collection of parameter names, got {names!r}")
+        names = set(names)
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"Runner: {label} must hold parameter names (str), got {bad}")
+        return names
+
+    @staticmethod
+    def _positive(value: Any, label: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"Runner: {label} must be a positive int, got {value!r}")
+        return int(value)
+
+    def _pair(self, data: Any, label: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data)):
+            raise TypeError(f"Runner: {label} must be (inputs, targets), two tensors, got {type(data).__name__}")
+        x, y = data
+        if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
+            raise ValueError(f"Runner: {label}'s inputs and targets must have the samples in dim 0, got shapes "
+                             f"{list(x.shape)} and {list(y.shape)}")
+        return x.to(self.device), y.to(self.device)
+
+    def _settings_for(self, params: Params) -> _Settings:
+        """The batch size, round length and optimizer class of a trial with ``params``."""
+        who = "Runner"
+        bs = self._batch_size(params) if callable(self._batch_size) else self._batch_size
+        if isinstance(bs, bool) or not isinstance(bs, numbers.Integral) or bs < 1:
+            raise ValueError(f"{who}: batch_size(params) must return a positive int, got {bs!r}")
+        opt = self._optimizer if isinstance(self._optimizer, type) else self._optimizer(params)
+        cls = _optimizer_class(opt)
+        cached = self._settings.get((int(bs), cls))
+        if cached is not None:
+            return cached
+        n = self._train[0].shape[0]
+        if bs > n:
+            raise ValueError(f"{who}: batch_size {bs} exceeds the {n} training samples")
+        spe = n // int(bs)
+        total = self.epochs * spe
+        every = self._report_every or spe
+        if total % every:
+            raise ValueError(f"{who}: report_every ({every}) must divide a trial's {total} steps ({self.epochs} "
+                             f"epochs of {spe} at batch size {bs})")
+        if self._scheduler_cls is not None and self.scheduler_interval == "epoch" and every % spe:
+            raise ValueError(f"{who}: a per-epoch scheduler needs reports at epoch ends (every trial enters its "
+                             f"array at a report), so report_every must be a multiple of {spe} steps (an epoch "
+                             f"at batch size {bs}), got {every}; or use scheduler_interval='step'")
+        settings = _Settings(int(bs), spe, total, every, cls, BatchOrder(n, int(bs), self._data_seed, self.device))
+        self._settings[(int(bs), cls)] = settings
+        return settings
+
+    def _default_optimizer_kwargs(self, params: Params) -> dict[str, Any]:
+        cls = self._settings_for(params).optimizer_cls
+        out = {}
+        for key in cls._hypers + cls._init_hypers:
+            rows = cls._spec.pair(key)
+            if rows is not None:
+                if all(r in params for r in rows):
+                    out[key] = tuple(params[r] for r in rows)
+            elif key in params:
+                out[key] = params[key]
+        return out
+
+    # ---- trials ----------------------------------------------------------------------
+    def _budget_left(self) -> int:
+        if self._stop_asking:
+            return 0
+        # Waiting trials (enqueued, or retries of lost ones) are run by whoever asks next, so
+        # they count once asked.
+        return self._n_trials - sum(counts(t) and t.state != TrialState.WAITING
+                                    for t in self.study.get_trials(deepcopy=False))
+
+    def _ask(self) -> _Entry:
+        trial = self.study.ask()
+        try:
+            params = self._space(trial)
+            if not isinstance(params, Mapping) or not all(isinstance(k, str) for k in params):
+                raise TypeError(f"Runner: space(trial) must return a dict of parameters by name, got "
+                                f"{type(params).__name__}")
+            params = dict(params)
+            for k, v in params.items():
+                if k in self.fusible and not _is_number(v):
+                    raise TypeError(f"Runner: parameter {k!r} is declared fusible, but its value {v!r} is not a "
+                                    f"number: a fusible value becomes one entry of a [B] tensor; declare {k!r} "
+                                    f"grouped (trials with different values then train in different arrays)")
+                if self.grouped is not None and k not in self.fusible and k not in self.grouped:
+                    raise ValueError(f"Runner: parameter {k!r} is neither fusible {sorted(self.fusible)} nor "
+                                     f"grouped {sorted(self.grouped)}; declare it")
+            if self.seed_param in params:
+                seed = int(params[self.seed_param])
+            elif SEED_ATTR in trial.user_attrs:  # a retry of a lost trial keeps its seed
+                seed = int(trial.user_attrs[SEED_ATTR])
+            else:
+                seed = self.seed + trial.number
+            trial.set_user_attr(RUNNER_ATTR, self.name)
+            trial.set_user_attr(SEED_ATTR, seed)
+            # At once: a trial with no heartbeat is never taken as stale, and this
+            # runner may die before its next report.
+            self._beat([trial])
+        except BaseException:
+            self._fail(trial, "error", counted=True)
+            raise
+        key = tuple(sorted((k, _hashable(v)) for k, v in params.items() if k not in self.fusible))
+        return _Entry(trial, params, seed, key)
+
+    def _fail(self, trial: Trial, outcome: str, counted: bool) -> None:
+        try:
+            trial.set_user_attr(OUTCOME_ATTR, outcome)
+            if counted:
+                trial.set_user_attr(COUNTED_ATTR, True)
+            self.study.tell(trial, state=TrialState.FAIL)
+        except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError):
+            pass  # already finished (failed as stale by another runner)
+
+    def _tell(self, entry: _Entry, **kwargs: Any) -> None:
+        try:
+            self.study.tell(entry.trial, **kwargs)
+        except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError) as err:
+            # Another runner failed it as stale (this runner's heartbeat lapsed).
+            _log.warning("trial %d was finished elsewhere: %s", entry.trial.number, err)
+
+    def _held(self) -> list[_Entry]:
+        slots = [] if self._array is None else [s for s in self._array.slots if s is not None]
+        return slots + self._queue
+
+    # ---- arrays ----------------------------------------------------------------------
+    def _build_model(self, entry: _Entry) -> nn.Module:
+        with seeded(entry.seed, "cpu", "Runner"):
+            m = self._model_factory(entry.params)
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"Runner: model(params) must return a torch.nn.Module, got {type(m).__name__}")
+        return m
+
+    def _fusible_differences(self, a: _Entry, b: _Entry) -> str:
+        diff = [f"{k}={a.params.get(k)!r} vs {b.params.get(k)!r}" for k in sorted(self.fusible)
+                if a.params.get(k) != b.params.get(k) and k != self.seed_param]
+        return ", ".join(diff) or "only their seeds"
+
+    def _split_kwargs(self, per_slot: list[dict[str, Any]], per_model: Sequence[str], what: str,
+                      entries: list[_Entry]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Per-slot keyword dicts -> (per-model lists, one-per-array values); ValueError where these differ."""
+        keys = set(per_slot[0])
+        for kw, e in zip(per_slot, entries):
+            if set(kw) != keys:
+                raise ValueError(f"Runner: {what}(params) returned arguments {sorted(kw)} for trial "
+                                 f"{e.trial.number} and {sorted(keys)} for trial {entries[0].trial.number}")
+        stacked, shared = {}, {}
+        for k in keys:
+            values = [kw[k] for kw in per_slot]
+            if k in per_model:
+                stacked[k] = values
+            else:
+                for v, e in zip(values, entries):
+                    if _hashable(v) != _hashable(values[0]):
+                        raise ValueError(
+                            f"Runner: {what} argument {k!r} is one value per array, but trial {e.trial.number} "
+                            f"gives {v!r} and trial {entries[0].trial.number} {values[0]!r}: derive it from "
+                            f"grouped parameters only")
+                shared[k] = values[0]
+        return stacked, shared
+
+    def _optimizer_for(self, model: nn.Module, entries: list[_Entry],
+                       settings: _Settings) -> tuple[ArrayOptimizer, dict[str, Any]]:
+        cls = settings.optimizer_cls
+        per_slot = [dict(self._optimizer_kwargs(e.params)) for e in entries]
+        stacked, shared = self._split_kwargs(per_slot, cls._hypers + cls._init_hypers, "optimizer_kwargs", entries)
+        kwargs = dict(shared)
+        for k, values in stacked.items():
+            rows = cls._spec.pair(k)
+            if rows is not None:  # a pair of per-model values: (values of beta1, values of beta2)
+                bad = [v for v in values if not (isinstance(v, (tuple, list)) and len(v) == 2)]
+                if bad:
+                    raise ValueError(f"Runner: optimizer argument {k!r} must be a pair per trial, got {bad[0]!r}")
+                kwargs[k] = ([v[0] for v in values], [v[1] for v in values])
+            else:
+                kwargs[k] = values
+        kwargs.setdefault("skip_nonfinite", True)
+        return cls(model.parameters(), **kwargs), shared
+
+    def _scheduler_for(self, optimizer: ArrayOptimizer, entries: list[_Entry]) -> tuple[Any, dict[str, Any]]:
+        if self._scheduler_cls is None:
+            return None, {}
+        cls = self._scheduler_cls
+        per_slot = [dict(self._scheduler_kwargs(e.params)) for e in entries]
+        stacked, shared = self._split_kwargs(per_slot, cls._model_args, "scheduler_kwargs", entries)
+        return cls(optimizer, **shared, **stacked), shared
+
+    def _new_array(self, entries: list[_Entry], B: int) -> _Array:
+        """An array of B slots; ``entries`` fill the first ones, the rest are idle (copies of the first)."""
+        models = [self._build_model(e) for e in entries]
+        models += [copy.deepcopy(models[0]) for _ in range(B - len(entries))]
+        try:
+            model = fusion.fuse(models)
+        except fusion.FuseError as err:
+            differ = sorted(k for k in self.fusible - {self.seed_param}
+                            if len({_hashable(e.params.get(k)) for e in entries}) > 1)
+            raise ValueError(
+                f"Runner: the models of trials {[e.trial.number for e in entries]} (same grouped parameters) "
+                f"differ in architecture; fusible parameters that differ between them: {differ}; a parameter "
+                f"declared fusible changes the model, declare it grouped: {err}") from err
+        model.to(self.device)
+        padded = entries + [entries[0]] * (B - len(entries))
+        settings = self._settings_of(entries)
+        optimizer, shared_opt = self._optimizer_for(model, padded, settings)
+        scheduler, shared_sched = self._scheduler_for(optimizer, padded)
+        hp = {k: torch.tensor([float(e.params.get(k, math.nan)) for e in padded], device=self.device)
+              for k in sorted(self.fusible) if k in entries[0].params}
+        slots: list[_Entry | None] = list(entries) + [None] * (B - len(entries))
+        self._tally["arrays"] += 1
+        return _Array(entries[0].key, settings, model, optimizer, scheduler, slots, shared_opt, shared_sched, hp,
+                      torch.zeros(B, dtype=torch.bool, device=self.device))
+
+    def _settings_of(self, entries: list[_Entry]) -> _Settings:
+        """The one settings of an array's trials; ValueError where a fusible parameter changes them."""
+        settings = self._settings_for(entries[0].params)
+        for e in entries[1:]:
+            other = self._settings_for(e.params)
+            if other is not settings:
+                raise ValueError(
+                    f"Runner: trials {entries[0].trial.number} and {e.trial.number} have the same grouped "
+                    f"parameters but batch sizes {settings.batch_size} and {other.batch_size}, optimizers "
+                    f"{settings.optimizer_cls.__name__} and {other.optimizer_cls.__name__}: derive batch_size "
+                    f"and optimizer from grouped parameters only ({self._fusible_differences(entries[0], e)})")
+        return settings
+
+    def _place(self, b: int, entry: _Entry) -> None:
+        """Slot b of the array in flight starts ``entry``: fresh model, optimizer state and schedule."""
+        a = self._array
+        ref = next((s for s in a.slots if s is not None), None)
+        if self._settings_for(entry.params) is not a.settings:
+            raise ValueError(f"Runner: trial {entry.trial.number} has its array's grouped parameters but another "
+                             f"batch size or optimizer: derive batch_size and optimizer from grouped parameters "
+                             f"only" + ("" if ref is None else f" ({self._fusible_differences(entry, ref)})"))
+        try:
+            a.model.reset_model(b, entry.seed, factory=lambda: self._model_factory(entry.params))
+        except fusion.FuseError as err:
+            raise ValueError(f"Runner: trial {entry.trial.number}'s model does not fit its array (fusible "
+                             f"parameters differ: {self._fusible_differences(entry, ref or entry)}); a parameter declared "
+                             f"fusible changes the model, declare it grouped: {err}") from err
+        opt_kw = dict(self._optimizer_kwargs(entry.params))
+        cls = a.settings.optimizer_cls
+        per_model = cls._hypers + cls._init_hypers
+        self._check_shared(opt_kw, per_model, a.shared_optimizer, "optimizer_kwargs", entry)
+        a.optimizer.set_hyperparameters(b, **{k: v for k, v in opt_kw.items() if k in per_model})
+        a.optimizer.reset_state(b)
+        if a.scheduler is not None:
+            sched_kw = dict(self._scheduler_kwargs(entry.params))
+            model_args = type(a.scheduler)._model_args
+            self._check_shared(sched_kw, model_args, a.shared_scheduler, "scheduler_kwargs", entry)
+            a.scheduler.reset_model(b, **{k: v for k, v in sched_kw.items() if k in model_args})
+        with torch.no_grad():
+            for k, t in a.hp.items():
+                t[b] = float(entry.params.get(k, math.nan))
+        a.bad[b] = False
+        entry.step, entry.reported = 0, 0
+        a.slots[b] = entry
+
+    @staticmethod
+    def _check_shared(kw: dict[str, Any], per_model: Sequence[str], shared: dict[str, Any], what: str,
+                      entry: _Entry) -> None:
+        for k, v in kw.items():
+            if k not in per_model and (k not in shared or _hashable(shared[k]) != _hashable(v)):
+                raise ValueError(f"Runner: {what} argument {k!r} is one value per array; trial "
+                                 f"{entry.trial.number} gives {v!r}, its array {shared.get(k, '(none)')!r}: "
+                                 f"derive it from grouped parameters only")
+
+    # ---- filling ---------------------------------------------------------------------
+    def _take_queued(self, key: tuple) -> _Entry | None:
+        for i, e in enumerate(self._queue):
+            if e.key == key:
+                return self._queue.pop(i)
+        return None
+
+    def _ask_for(self, key: tuple) -> _Entry | None:
+        """Ask one trial: returned if it belongs to ``key``'s array, else queued (None); None without budget."""
+        if self._budget_left() <= 0:
+            return None
+        entry = self._ask()
+        if entry.key == key:
+            return entry
+        self._queue.append(entry)
+        return None
+
+    def _start_array(self) -> bool:
+        """Build the next array from the queue and new trials; False when nothing is left to run."""
+        if not self._queue:
+            if self._budget_left() <= 0:
+                return False
+            self._queue.append(self._ask())
+        key = self._queue[0].key
+        entries = []
+        while len(entries) < (self.B or 1) and (e := self._take_queued(key)) is not None:
+            entries.append(e)
+        if self.B is None:
+            self.B = self._choose_B(entries[0])
+        while len(entries) < self.B and len(self._queue) < 2 * self.B:
+            e = self._ask_for(key)
+            if e is not None:
+                entries.append(e)
+            elif self._budget_left() <= 0:
+                break
+        while len(entries) < self.B and (e := self._take_queued(key)) is not None:
+            entries.append(e)
+        B = min(self.B, len(entries) + max(self._budget_left(), 0))
+        try:
+            self._array = self._new_array(entries, B)
+        except BaseException:
+            self._queue[:0] = entries  # still held: run() fails them
+            raise
+        return True
+
+    def _refill(self) -> None:
+        a = self._array
+        for b in range(a.B):
+            if a.slots[b] is not None:
+                continue
+            entry = self._take_queued(a.key)
+            if entry is None:
+                if self._queue:  # other arrays wait: let this one drain instead of growing the queue
+                    break
+                entry = self._ask_for(a.key)
+                if entry is None:
+                    break
+            self._place(b, entry)
+
+    def _choose_B(self, entry: _Entry) -> int:
+        from ._memory import max_array_size
+
+        kw = self._optimizer_kwargs(entry.params)
+        settings = self._settings_for(entry.params)
+        cls, bs = settings.optimizer_cls, settings.batch_size
+        x, y = self._train
+        estimate = max_array_size(lambda: self._build_model(entry), (x[:bs], y[:bs]),
+                                  device=self.device, optimizer=lambda params: cls(params, **kw))
+        B = max(1, min(estimate.B, 64, self._n_trials))
+        _log.info("B = %d from %s", B, estimate)
+        if self.progress:
+            _report.note(f"hfkern.sweep: B = {B} ({estimate})")
+        return B
+
+    # ---- training --------------------------------------------------------------------
+    def _train_step(self) -> None:
+        a = self._array
+        order = a.settings.order
+        active = a.active()
+        steps = [a.slots[b].step for b in active]
+        x_all, y_all = self._train
+        if len(set(steps)) == 1:  # one batch for every model: a broadcast input, read once
+            idx = order.rows(steps[:1])[0]
+            x, y = broadcast(x_all[idx], a.B), y_all[idx]
+        else:
+            idle = steps[0]
+            idx = order.rows([a.slots[b].step if a.slots[b] is not None else idle for b in range(a.B)])
+            x, y = x_all[idx], y_all[idx]
+        a.model.train()
+        losses = self._loss(a.model(x), y, a.hp)
+        if not (isinstance(losses, torch.Tensor) and losses.shape == (a.B,)):
+            raise ValueError(f"Runner: loss(output, target, hp) must return the [B] = [{a.B}] per-model losses, got "
+                             f"{type(losses).__name__} {list(getattr(losses, 'shape', []))}")
+        a.optimizer.zero_grad()
+        losses.sum().backward()
+        idle = torch.tensor([s is None for s in a.slots], device=self.device)
+        a.optimizer.step(skip=idle)
+        a.bad |= ~torch.isfinite(losses.detach())
+        for b in active:
+            a.slots[b].step += 1
+        if a.scheduler is not None and (self.scheduler_interval == "step"
+                                        or a.slots[active[0]].step % a.settings.steps_per_epoch == 0):
+            a.scheduler.step()
+
+    @torch.no_grad()
+    def _evaluate(self) -> list[float]:
+        a = self._array
+        a.model.eval()
+        try:
+            if callable(self.metric):
+                values = self.metric(a.model, a.hp)
+                if not (isinstance(values, torch.Tensor) and values.shape == (a.B,)):
+                    raise ValueError(f"Runner: metric(model, hp) must return [B] = [{a.B}] values, got "
+                                     f"{type(values).__name__} {list(getattr(values, 'shape', []))}")
+                return values.double().tolist()
+            x_all, y_all = self._valid
+            total = torch.zeros(a.B, dtype=torch.float64, device=self.device)
+            for i in range(0, x_all.shape[0], self.eval_batch_size):
+                x, y = x_all[i:i + self.eval_batch_size], y_all[i:i + self.eval_batch_size]
+                out = a.model(broadcast(x, a.B))
+                if self.metric == "accuracy":
+                    total += (out.argmax(-1) == y).sum(-1).double()
+                else:
+                    total += cross_entropy(out.float(), y, reduction="sum").double()
+            return (total / x_all.shape[0]).tolist()
+        finally:
+            a.model.train()
+
+    def _end_round(self) -> None:
+        a = self._array
+        values = self._evaluate()
+        bad = a.bad.tolist()
+        a.bad.zero_()
+        for b in a.active():
+            entry, v = a.slots[b], values[b]
+            r = entry.step // a.settings.report_every
+            if bad[b] or not math.isfinite(v):
+                if self.on_nonfinite == "prune":
+                    self._tell(entry, state=TrialState.PRUNED)
+                    self._tally["pruned"] += 1
+                else:
+                    self._fail(entry.trial, "nonfinite", counted=True)
+                    self._tally["failed"] += 1
+                a.slots[b] = None
+                continue
+            if r > entry.reported:  # a resumed trial repeats reports the study already has
+                entry.trial.report(v, r)
+                entry.reported = r
+            if entry.step >= a.settings.total_steps:
+                self._tell(entry, values=v)
+                self._tally["completed"] += 1
+                a.slots[b] = None
+            elif entry.trial.should_prune():
+                self._tell(entry, state=TrialState.PRUNED)
+                self._tally["pruned"] += 1
+                a.slots[b] = None
+
+    def _beat(self, trials: list[Trial]) -> None:
+        storage = self.study._storage
+        if optuna.storages._heartbeat.is_heartbeat_enabled(storage):
+            for t in trials:
+                storage.record_heartbeat(t._trial_id)
+
+    # ---- the loop --------------------------------------------------------------------
+    def run(self, n_trials: int, timeout: float | None = None) -> SweepSummary:
+        """Run until the study holds ``n_trials`` trials that count (every runner's; see
+        :func:`hfkern.sweep.counted_trials`) and this runner's trials are finished.
+
+        Several runners given the same ``n_trials`` share the work; two that
+        ask at the same moment may take the study one or two trials past it.
+        ``timeout`` (seconds): no new trial is asked after it; held trials
+        finish. On an exception, the held trials are told failed and it is
+        raised again.
+        """
+        self._n_trials = self._positive(n_trials, "n_trials")
+        if timeout is not None and not (_is_number(timeout) and timeout > 0):
+            raise ValueError(f"Runner.run: timeout must be a positive number of seconds or None, got {timeout!r}")
+        start = time.monotonic()
+        self._stop_asking = False
+        bar = _report.Progress(self.study, self._n_trials, enabled=self.progress)
+        try:
+            self._recover()
+            while True:
+                if self._array is None or not self._array.active():
+                    self._array = None
+                    if not self._start_array():
+                        break
+                for _ in range(self._array.settings.report_every):
+                    self._train_step()
+                self._end_round()
+                if timeout is not None and time.monotonic() - start > timeout:
+                    self._stop_asking = True
+                self._refill()
+                self._beat([e.trial for e in self._held()])
+                self._rounds += 1
+                if self.checkpoint and self._rounds % self.checkpoint_every == 0:
+                    self._save()
+                if self._array is not None and self._array.active():
+                    a = self._array
+                    a.settings.order.forget_before(min(a.slots[b].step for b in a.active())
+                                                   // a.settings.steps_per_epoch)
+                bar.update(running=len(self._held()))
+        except BaseException:
+            for e in self._held():
+                self._fail(e.trial, "error", counted=True)
+            self._array, self._queue = None, []
+            raise
+        finally:
+            bar.close()
+        if self.checkpoint and os.path.exists(self.checkpoint):
+            os.remove(self.checkpoint)  # nothing held: a restart has nothing to resume
+        if self.progress:
+            _report.print_best_trials(self.study)
+        return SweepSummary(self._tally["completed"], self._tally["pruned"], self._tally["failed"],
+                            self._tally["arrays"], self.B or 0, time.monotonic() - start)
+
+    # ---- checkpoint and resume ---------------------------------------------------------
+    def _save(self) -> None:
+        def entry(e: _Entry) -> dict[str, Any]:
+            return {"trial_id": e.trial._trial_id, "params": e.params, "seed": e.seed, "step": e.step,
+                    "reported": e.reported}
+
+        a = self._array
+        state = {
+            "version": _CHECKPOINT_VERSION, "study": self.study.study_name, "runner": self.name, "B": self.B,
+            "queue": [entry(e) for e in self._queue],
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+            "array": None if a is None else {
+                "slots": [None if s is None else entry(s) for s in a.slots],
+                "model": a.model.state_dict(), "optimizer": a.optimizer.state_dict(),
+                "scheduler": None if a.scheduler is None else a.scheduler.state_dict(),
+            },
+        }
+        # Written whole, then renamed over the old one: a kill mid-write leaves the previous checkpoint.
+        tmp = f"{self.checkpoint}.tmp{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, self.checkpoint)
+
+    def _entry_from(self, saved: dict[str, Any]) -> _Entry | None:
+        """The held trial ``saved`` if it is still RUNNING in the study (another runner may have failed it)."""
+        frozen = self.study._storage.get_trial(saved["trial_id"])
+        if frozen.state != TrialState.RUNNING:
+            return None
+        params = saved["params"]
+        key = tuple(sorted((k, _hashable(v)) for k, v in params.items() if k not in self.fusible))
+        reported = max(frozen.intermediate_values, default=0)
+        return _Entry(Trial(self.study, saved["trial_id"]), params, saved["seed"], key, saved["step"], reported)
+
+    def _recover(self) -> None:
+        """Resume what the checkpoint holds; fail this runner's trials it does not hold; fail stale trials."""
+        with warnings.catch_warnings():  # experimental since Optuna 2.9, and what heartbeats are for
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
+        held: set[int] = {e.trial._trial_id for e in self._held()}
+        if self.checkpoint and os.path.exists(self.checkpoint) and self._array is None and not self._queue:
+            # The checkpoint is this runner's own file; it holds optimizer and scheduler
+            # state with Python objects (a LambdaLR's functions), so it is loaded whole.
+            state = torch.load(self.checkpoint, map_location=self.device, weights_only=False)
+            if state.get("version") != _CHECKPOINT_VERSION or state.get("study") != self.study.study_name:
+                raise ValueError(f"Runner: checkpoint {self.checkpoint!r} belongs to study {state.get('study')!r} "
+                                 f"(format {state.get('version')}), not to {self.study.study_name!r}")
+            self.B = self.B or state["B"]
+            self._queue = [e for e in map(self._entry_from, state["queue"]) if e is not None]
+            saved = state["array"]
+            if saved is not None:
+                slots = [None if s is None else self._entry_from(s) for s in saved["slots"]]
+                kept = [s for s in slots if s is not None]
+                if kept:
+                    self._resume_array(slots, saved)
+            torch.set_rng_state(state["rng"].cpu())
+            if state["cuda_rng"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
+            held = {e.trial._trial_id for e in self._held()}
+        lost = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if t.user_attrs.get(RUNNER_ATTR) == self.name and t._trial_id not in held]
+        storage = self.study._storage
+        retry = (getattr(storage, "get_heartbeat_stale_trial_callback", None)
+                 or getattr(storage, "get_failed_trial_callback", lambda: None))()
+        for t in lost:
+            trial = Trial(self.study, t._trial_id)
+            self._fail(trial, "lost", counted=False)
+            if retry is not None:  # as Optuna retries a stale trial, less the outcome of this try
+                frozen = copy.deepcopy(storage.get_trial(t._trial_id))
+                frozen.user_attrs.pop(OUTCOME_ATTR, None)
+                retry(self.study, frozen)
+
+    def _resume_array(self, slots: list[_Entry | None], saved: dict[str, Any]) -> None:
+        """Rebuild the checkpointed array with the trials still running; the others' slots become idle."""
+        kept = [s for s in slots if s is not None]
+        B = len(slots)
+        # Built as the array was (slot i from its trial), then its saved state is loaded over it.
+        padded = [s if s is not None else kept[0] for s in slots]
+        models = [self._build_model(e) for e in padded]
+        model = fusion.fuse(models)
+        model.to(self.device)
+        model.load_state_dict(saved["model"])
+        settings = self._settings_of(kept)
+        optimizer, shared_opt = self._optimizer_for(model, padded, settings)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler, shared_sched = self._scheduler_for(optimizer, padded)
+        if scheduler is not None:
+            scheduler.load_state_dict(saved["scheduler"])
+        hp = {k: torch.tensor([float(e.params.get(k, math.nan)) for e in padded], device=self.device)
+              for k in sorted(self.fusible) if k in kept[0].params}
+        self._array = _Array(kept[0].key, settings, model, optimizer, scheduler, slots, shared_opt, shared_sched, hp,
+                             torch.zeros(B, dtype=torch.bool, device=self.device))
+        self._tally["arrays"] += 1

@@ -1,0 +1,95 @@
+"""Study storage for many runner processes, and which trials count toward a budget.
+
+Optuna keeps a study in a storage; its RDB storage (SQLAlchemy) lets any
+number of processes, on one machine (SQLite) or many (PostgreSQL, MySQL), ask
+and tell trials of one study. :func:`storage` builds one with what a fused
+sweep needs: a heartbeat, so that the trials of a runner that died (SIGKILL,
+a lost machine) are failed once their heartbeat is older than the grace
+period instead of staying RUNNING forever, and a retry of such lost trials
+with the same parameters.
+
+A trial *counts* toward a sweep's ``n_trials`` when it is complete, pruned,
+running or waiting, or failed for a reason of its own (a non-finite loss, an
+error in the user's code). A trial failed because its runner was lost does
+not count: the sweep runs another one (its retry, where retries are on) in its
+place, so that the study ends with the number of trials asked for.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+__all__ = ["storage", "counted_trials", "COUNTED_ATTR", "RUNNER_ATTR", "SEED_ATTR", "OUTCOME_ATTR"]
+
+# User attributes the runner sets on its trials.
+RUNNER_ATTR = "hfkern.runner"    # name of the runner that holds (or held) the trial
+SEED_ATTR = "hfkern.seed"        # the seed its model was initialized with
+OUTCOME_ATTR = "hfkern.outcome"  # why a trial ended other than complete: "nonfinite", "error", "lost"
+COUNTED_ATTR = "hfkern.counted"  # a failed trial that counts toward n_trials (its failure is its result)
+
+_LIVE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+
+
+def storage(url: str, *, heartbeat_interval: int = 30, grace_period: int | None = None,
+            retries: int = 2, engine_kwargs: dict[str, Any] | None = None) -> optuna.storages.RDBStorage:
+    """An Optuna RDB storage for a sweep shared by several runner processes.
+
+    Args:
+        url: an SQLAlchemy database URL: ``sqlite:///sweep.db`` (one machine),
+            ``postgresql+psycopg2://user:password@host:5432/db`` (many).
+        heartbeat_interval: seconds between a runner's heartbeats. The runner
+            records one per held trial at every report, so the interval should
+            exceed the time between two reports only as a margin: the grace
+            period is what decides.
+        grace_period: seconds after the last heartbeat at which a RUNNING
+            trial is taken as lost (its runner died) and failed by the next
+            runner that looks (default ``2 * heartbeat_interval``, as Optuna's).
+            It must exceed the longest time between two reports of a live
+            runner, or live trials are failed.
+        retries: how many times a lost trial is retried with the same
+            parameters (Optuna's ``RetryFailedTrialCallback``); 0 runs a new
+            trial in its place instead.
+        engine_kwargs: passed to SQLAlchemy's ``create_engine``; for SQLite the
+            default waits up to 60 s for a lock held by another process.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"storage: expected an SQLAlchemy database URL such as 'sqlite:///sweep.db', got {url!r}")
+    for name, value, lo in (("heartbeat_interval", heartbeat_interval, 1), ("retries", retries, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+            raise ValueError(f"storage: {name} must be an int >= {lo}, got {value!r}")
+    if grace_period is not None and (isinstance(grace_period, bool) or not isinstance(grace_period, numbers.Integral)
+                                     or grace_period < 1):
+        raise ValueError(f"storage: grace_period must be a positive int or None, got {grace_period!r}")
+    kwargs = dict(engine_kwargs or {})
+    if url.startswith("sqlite") and not engine_kwargs:
+        # Several processes write one SQLite file: wait for the lock instead of
+        # failing with "database is locked".
+        kwargs = {"connect_args": {"timeout": 60}}
+    # Optuna 4.9 renamed the retry callback and its keyword; both spellings are served.
+    retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    keyword = "heartbeat_stale_trial_callback"
+    if retry is None:
+        retry, keyword = optuna.storages.RetryFailedTrialCallback, "failed_trial_callback"
+    with warnings.catch_warnings():  # heartbeats and retries are "experimental" since Optuna 2.8
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        callback = {keyword: retry(max_retry=retries)} if retries else {}
+        return optuna.storages.RDBStorage(
+            url, engine_kwargs=kwargs, heartbeat_interval=int(heartbeat_interval),
+            grace_period=None if grace_period is None else int(grace_period), **callback)
+
+
+def counts(trial: FrozenTrial) -> bool:
+    """Whether ``trial`` counts toward a sweep's ``n_trials`` (module docstring)."""
+    if trial.state in _LIVE:
+        return True
+    return trial.state == TrialState.FAIL and bool(trial.user_attrs.get(COUNTED_ATTR, False))
+
+
+def counted_trials(study: optuna.Study) -> int:
+    """The number of the study's trials that count toward a sweep's ``n_trials``."""
+    return sum(counts(t) for t in study.get_trials(deepcopy=False))

@@ -1,0 +1,268 @@
+"""hfkern.sweep.Runner on tiny studies, in one process: every trial against the same trial trained
+alone with plain torch (tests/_sweep_cases.py), pruning and refill, grouping, non-finite trials,
+schedulers, reproducibility, and parity with Optuna's own loop for random search and Hyperband.
+"""
+
+from __future__ import annotations
+
+import math
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+import hfkern
+import hfkern.sweep as hs
+import _sweep_cases as cases
+from hfkern.sweep._storage import COUNTED_ATTR, OUTCOME_ATTR, SEED_ATTR
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def new_study(direction="minimize", seed=0, pruner=None, **kw) -> optuna.Study:
+    return optuna.create_study(direction=direction, sampler=optuna.samplers.RandomSampler(seed),
+                               pruner=pruner or optuna.pruners.NopPruner(), **kw)
+
+
+def states(study) -> dict[TrialState, int]:
+    out: dict[TrialState, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        out[t.state] = out.get(t.state, 0) + 1
+    return out
+
+
+def check_alone(trial, rel=2e-4, **kw) -> None:
+    want = cases.train_alone(trial.params, trial.user_attrs[SEED_ATTR], **kw)
+    cases.assert_close_curves(cases.curve(trial), want[:len(trial.intermediate_values)], f"trial {trial.number}",
+                              rel)
+
+
+def test_pruned_slots_refill_and_every_trial_equals_its_run_alone():
+    study = new_study(pruner=cases.PruneNumbers({0, 2, 4}))
+    summary = cases.runner(study, B=3).run(n_trials=7)
+    assert (summary.completed, summary.pruned, summary.failed) == (4, 3, 0)
+    assert summary.arrays == 1  # trials 3..6 entered the first array's freed slots
+    assert states(study) == {TrialState.COMPLETE: 4, TrialState.PRUNED: 3}
+    assert hs.counted_trials(study) == 7
+    for t in study.trials:
+        expected_reports = 1 if t.number in (0, 2, 4) else cases.EPOCHS
+        assert len(t.intermediate_values) == expected_reports, t.number
+        if t.state == TrialState.COMPLETE:
+            assert t.value == t.intermediate_values[cases.EPOCHS]
+        check_alone(t)  # refilled trials (3..6) too: fresh weights, state and batches of their own
+
+
+def test_trials_are_grouped_by_non_fusible_values():
+    study = new_study()
+    for w in (3, 5, 3, 5, 3):  # interleaved: the runner must not put width 3 and 5 in one array
+        study.enqueue_trial({"width": w})
+    summary = cases.runner(study, space=cases.space_widths, B=2).run(n_trials=6)
+    assert summary.completed == 6 and summary.arrays >= 2
+    widths = [t.params["width"] for t in study.trials]
+    assert set(widths) == {3, 5}
+    for t in study.trials:
+        check_alone(t)
+
+
+def test_grouped_batch_size_and_optimizer_follow_the_trial():
+    def space(trial):
+        return {**cases.space(trial), "bs": trial.suggest_categorical("bs", [16, 32])}
+
+    study = new_study()
+    for bs in (16, 32, 16, 32):
+        study.enqueue_trial({"bs": bs})
+    cases.runner(study, space=space, batch_size=lambda p: p["bs"], B=2).run(n_trials=4)
+    for t in study.trials:
+        check_alone(t, batch_size=t.params["bs"])
+
+
+def test_adam_with_per_trial_betas_equals_torch_adam():
+    def space(trial):
+        return {"lr": trial.suggest_float("lr", 1e-3, 3e-2, log=True), "beta1": trial.suggest_float("beta1", 0.5, 0.95),
+                "beta2": trial.suggest_float("beta2", 0.9, 0.999)}
+
+    def adam(p, parameters):
+        return torch.optim.Adam(parameters, lr=p["lr"], betas=(p["beta1"], p["beta2"]))
+
+    study = new_study(pruner=cases.PruneNumbers({1}))
+    # torch.optim.Adam maps to hfkern.optim.Adam; its betas pair comes from beta1 and beta2.
+    cases.runner(study, space=space, fusible=["lr", "beta1", "beta2"], optimizer=torch.optim.Adam,
+                 B=2).run(n_trials=4)
+    for t in study.trials:
+        # Adam divides by the root of the second moment: float32 rounding in gradients near zero
+        # moves those weights by up to lr, so the two curves agree less closely than SGD's.
+        check_alone(t, rel=3e-3, optimizer=adam)
+
+
+def test_per_trial_schedule_restarts_in_a_refilled_slot():
+    def space(trial):
+        return {**cases.space(trial), "gamma": trial.suggest_float("gamma", 0.3, 0.9)}
+
+    study = new_study(pruner=cases.PruneNumbers({0}))
+    cases.runner(study, space=space, fusible=["lr", "momentum", "gamma"], B=2,
+                 scheduler=hfkern.optim.lr_scheduler.StepLR,
+                 scheduler_kwargs=lambda p: {"step_size": 1, "gamma": p["gamma"]}).run(n_trials=4)
+    for t in study.trials:
+        gamma = t.params["gamma"]
+        check_alone(t, scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma))
+
+
+@pytest.mark.parametrize("on_nonfinite", ["fail", "prune"])
+def test_a_nonfinite_trial_ends_without_disturbing_the_others(on_nonfinite):
+    def space(trial):
+        return {**cases.space(trial), "poison": trial.suggest_int("poison", 0, 1)}
+
+    def loss(out, target, hp):  # the loss weight of a poisoned trial is NaN
+        weight = torch.where(hp["poison"] > 0, torch.full_like(hp["poison"], math.nan), torch.ones_like(hp["poison"]))
+        return hfkern.nn.functional.cross_entropy(out, target) * weight
+
+    study = new_study()
+    for poison in (0, 1, 0):
+        study.enqueue_trial({"poison": poison})
+    summary = cases.runner(study, space=space, fusible=["lr", "momentum", "poison"], loss=loss,
+                           on_nonfinite=on_nonfinite, B=3).run(n_trials=3)
+    bad = study.trials[1]
+    if on_nonfinite == "fail":
+        assert bad.state == TrialState.FAIL and summary.failed == 1
+        assert bad.user_attrs[OUTCOME_ATTR] == "nonfinite" and bad.user_attrs[COUNTED_ATTR]
+    else:
+        assert bad.state == TrialState.PRUNED and summary.pruned == 1
+    assert hs.counted_trials(study) == 3
+    for t in (study.trials[0], study.trials[2]):
+        assert t.state == TrialState.COMPLETE
+        check_alone(t)
+
+
+def test_fixed_sampler_seed_reproduces_the_study():
+    def run():
+        study = new_study(seed=11, pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1))
+        cases.runner(study, B=3).run(n_trials=8)
+        return [(t.params, t.state, t.value, t.intermediate_values) for t in study.trials]
+
+    first = run()
+    assert first == run()
+    assert any(s == TrialState.PRUNED for _, s, _, _ in first)
+
+
+def _optimize(objective_B, sampler_seed, pruner_fn, n_trials):
+    """The same search by the runner with B = 1 and by Optuna's study.optimize over plain torch."""
+    ours = new_study(seed=sampler_seed, pruner=pruner_fn())
+    cases.runner(ours, B=objective_B).run(n_trials=n_trials)
+    theirs = new_study(seed=sampler_seed, pruner=pruner_fn())
+
+    def objective(trial):
+        params = cases.space(trial)
+        return cases.train_alone(params, trial.number, trial=trial)[-1]
+
+    theirs.optimize(objective, n_trials=n_trials)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("pruner", [
+    pytest.param(lambda: optuna.pruners.NopPruner(), id="random-search"),
+    pytest.param(lambda: optuna.pruners.HyperbandPruner(min_resource=1, max_resource=cases.EPOCHS,
+                                                        reduction_factor=2), id="hyperband"),
+    pytest.param(lambda: optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2),
+                 id="successive-halving"),
+])
+def test_random_search_and_hyperband_as_optunas_own_loop(pruner):
+    """HFTA's hfht offered random search and Hyperband; here they are Optuna's RandomSampler and
+    pruners, and one trial at a time (B = 1) the runner makes the decisions study.optimize makes."""
+    ours, theirs = _optimize(1, 3, pruner, 10)
+    assert [t.params for t in ours.trials] == [t.params for t in theirs.trials]
+    assert [t.state for t in ours.trials] == [t.state for t in theirs.trials]
+    for a, b in zip(ours.trials, theirs.trials):
+        cases.assert_close_curves(cases.curve(a), cases.curve(b), f"trial {a.number}")
+    if not isinstance(ours.pruner, optuna.pruners.NopPruner):
+        assert any(t.state == TrialState.PRUNED for t in ours.trials)
+
+
+def test_hyperband_prunes_at_rungs_with_a_full_array():
+    study = new_study(seed=5, pruner=optuna.pruners.HyperbandPruner(min_resource=1, max_resource=cases.EPOCHS,
+                                                                    reduction_factor=2))
+    summary = cases.runner(study, B=4).run(n_trials=12)
+    assert summary.completed + summary.pruned == 12 and summary.pruned > 0
+    assert not [t for t in study.trials if t.state == TrialState.RUNNING]
+    for t in study.trials:  # a pruned trial stopped at a report, each report once
+        assert sorted(t.intermediate_values) == list(range(1, len(t.intermediate_values) + 1))
+
+
+def test_fusible_parameter_that_changes_the_model_is_an_error():
+    study = new_study()
+    study.enqueue_trial({"width": 3})
+    study.enqueue_trial({"width": 5})
+    with pytest.raises(ValueError, match=r"'width'.*declare it grouped|width.*grouped"):
+        cases.runner(study, space=cases.space_widths, fusible=["lr", "momentum", "width"], B=2).run(n_trials=2)
+    # The trials it held are failed (counted: the error is their result), none left running.
+    assert all(t.state == TrialState.FAIL for t in study.trials)
+
+
+def test_fusible_parameter_must_be_a_number():
+    def space(trial):
+        return {**cases.space(trial), "act": trial.suggest_categorical("act", ["relu", "gelu"])}
+
+    study = new_study()
+    with pytest.raises(TypeError, match="'act' is declared fusible.*not a number"):
+        cases.runner(study, space=space, fusible=["lr", "momentum", "act"]).run(n_trials=2)
+    assert [t.state for t in study.trials] == [TrialState.FAIL]
+
+
+def test_undeclared_parameter_is_an_error_when_grouped_is_given():
+    study = new_study()
+    with pytest.raises(ValueError, match="'width' is neither fusible"):
+        cases.runner(study, space=cases.space_widths, grouped=["depth"]).run(n_trials=1)
+
+
+def test_per_array_optimizer_argument_must_not_depend_on_a_fusible_parameter():
+    study = new_study()
+    study.enqueue_trial({"lr": 0.005})
+    study.enqueue_trial({"lr": 0.05})
+    with pytest.raises(ValueError, match="'nesterov' is one value per array"):
+        cases.runner(study, optimizer_kwargs=lambda p: {"lr": p["lr"], "momentum": 0.9,
+                                                        "nesterov": p["lr"] > 0.01}, B=4).run(n_trials=4)
+
+
+def test_constructor_checks():
+    study = new_study()
+    with pytest.raises(ValueError, match="report_every \\(4\\) must divide"):
+        cases.runner(study, report_every=4)
+    with pytest.raises(ValueError, match="per-epoch scheduler needs reports at epoch ends"):
+        cases.runner(study, report_every=3, **cases.SCHEDULER)
+    with pytest.raises(ValueError, match="computed on valid"):
+        cases.runner(study, valid=None)
+    with pytest.raises(ValueError, match="batch_size 500 exceeds"):
+        cases.runner(study, batch_size=500)
+    with pytest.raises(ValueError, match="single-objective"):
+        cases.runner(optuna.create_study(directions=["minimize", "minimize"]))
+    with pytest.raises(TypeError, match="optimizer must be"):
+        cases.runner(study, optimizer=3)
+    with pytest.raises(ValueError, match="no array namesake"):
+        cases.runner(study, optimizer=torch.optim.SparseAdam)
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        cases.runner(study, on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="both fusible and grouped"):
+        cases.runner(study, grouped=["lr"])
+    with pytest.raises(ValueError, match="n_trials must be a positive int"):
+        cases.runner(study).run(n_trials=0)
+    assert not study.trials  # nothing was asked
+
+
+def test_report_every_steps_and_progress_output(capsys):
+    study = new_study(direction="maximize")
+    summary = cases.runner(study, metric="accuracy", report_every=3, progress=True, B=2).run(n_trials=3)
+    assert summary.completed == 3
+    for t in study.trials:  # two reports per epoch
+        assert sorted(t.intermediate_values) == list(range(1, 2 * cases.EPOCHS + 1))
+        assert 0.0 <= t.value <= 1.0
+    out = capsys.readouterr().out
+    assert "best 3 of 3 complete trials" in out and "momentum" in out
+    table = hs.best_trials_table(study, top=2)
+    assert table.row_count == 2
+
+
+def test_without_B_the_runner_sizes_its_arrays_with_max_array_size():
+    study = new_study()
+    summary = cases.runner(study, B=None).run(n_trials=3)
+    # This machine fits thousands of these models; B is capped by the trials asked for.
+    assert summary.B == 3 and summary.completed == 3 and summary.arrays == 1
