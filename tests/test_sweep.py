@@ -266,3 +266,45 @@ def test_without_B_the_runner_sizes_its_arrays_with_max_array_size():
     summary = cases.runner(study, B=None).run(n_trials=3)
     # This machine fits thousands of these models; B is capped by the trials asked for.
     assert summary.B == 3 and summary.completed == 3 and summary.arrays == 1
+
+
+def test_dropout_probability_and_seed_are_fusible():
+    """Each slot's dropout probability is its trial's, also after a refill; a trial's seed
+    parameter is its init seed (the same seed and parameters: the same model)."""
+    def space(trial):
+        return {**cases.space(trial), "dropout": trial.suggest_float("dropout", 0.0, 0.5),
+                "seed": trial.suggest_int("seed", 0, 3)}
+
+    seen = []
+
+    def metric(model, hp):  # the built-in loss, and what each slot's dropout layer holds
+        drop = next(m for m in model.modules() if type(m).__name__ == "Dropout")
+        p = tuple(drop.p) if isinstance(drop.p, (tuple, list)) else (drop.p,) * model.B  # one float if all agree
+        seen.append((p, hp["dropout"].tolist(), hp["seed"].tolist()))
+        _, (xv, yv) = cases.data()
+        return hfkern.nn.functional.cross_entropy(model(hfkern.broadcast(xv, model.B)), yv)
+
+    study = new_study(pruner=cases.PruneNumbers({0, 1}))
+    study.enqueue_trial({"lr": 0.05, "momentum": 0.5, "dropout": 0.0, "seed": 3})
+    study.enqueue_trial({"lr": 0.05, "momentum": 0.5, "dropout": 0.0, "seed": 3})
+    cases.runner(study, space=space, fusible=["lr", "momentum", "dropout"], metric=metric, B=2).run(n_trials=5)
+    for p, dropout, _ in seen:
+        assert p == pytest.approx(tuple(dropout))
+    assert [t.user_attrs[SEED_ATTR] for t in study.trials] == [t.params["seed"] for t in study.trials]
+    assert study.trials[0].intermediate_values == study.trials[1].intermediate_values
+    assert any(len(set(d)) > 1 for _, d, _ in seen)  # slots did differ
+
+
+@pytest.mark.gpu
+def test_gpu_sweep_with_and_without_step_capture():
+    """On a GPU each step is one CUDA graph replay; refills write in place, so the graph is kept.
+    Both runs equal each other and the trials trained alone (on the CPU) to float32 rounding."""
+    curves = []
+    for capture in (True, False):
+        study = new_study(pruner=cases.PruneNumbers({0, 2}))
+        cases.runner(study, device="cuda", capture=capture, B=3).run(n_trials=6)
+        curves.append([cases.curve(t) for t in study.trials])
+        for t in study.trials:
+            check_alone(t, rel=1e-3)
+    for a, b in zip(*curves):
+        cases.assert_close_curves(a, b, "capture against eager", 1e-4)

@@ -42,6 +42,7 @@ from torch import nn
 from .. import fusion
 from .._array import broadcast
 from ..nn._base import seeded
+from ..graphs import capture_step
 from ..nn.functional import cross_entropy
 from ..optim import ArrayOptimizer
 from . import _report
@@ -94,6 +95,8 @@ class _Array:
     shared_scheduler: dict[str, Any]
     hp: dict[str, torch.Tensor]        # fusible parameter -> [B] values (the loss may read them)
     bad: torch.Tensor                  # [B] bool: a non-finite loss this round
+    idle: torch.Tensor                 # [B] bool: slots without a trial (the optimizer skips them)
+    step: Callable = None              # the training step (Runner._step_fn)
 
     @property
     def B(self) -> int:
@@ -217,6 +220,10 @@ class Runner:
             and checkpoint path, or host and process id without a checkpoint).
         progress: show a progress bar while running and the best trials at the end.
         eval_batch_size: samples per forward pass of the built-in metrics.
+        capture: on a CUDA device, replay each training step as one CUDA graph
+            (:func:`hfkern.capture_step`: a fused step is host-bound without
+            it); the step then must not synchronize (a custom ``loss`` must not
+            call ``.item()``). No effect on CPU.
     """
 
     def __init__(
@@ -250,6 +257,7 @@ class Runner:
         name: str | None = None,
         progress: bool = True,
         eval_batch_size: int = 1024,
+        capture: bool = True,
     ):
         who = "Runner"
         if not isinstance(study, optuna.Study):
@@ -317,6 +325,9 @@ class Runner:
             f"{host}:{os.path.abspath(self.checkpoint)}" if self.checkpoint else f"{host}:{os.getpid()}")
         self.progress = bool(progress)
         self.eval_batch_size = self._positive(eval_batch_size, "eval_batch_size")
+        if not isinstance(capture, bool):
+            raise TypeError(f"{who}: capture must be a bool, got {type(capture).__name__}")
+        self.capture = capture
 
         self._array: _Array | None = None
         self._queue: list[_Entry] = []
@@ -536,9 +547,15 @@ class Runner:
         hp = {k: torch.tensor([float(e.params.get(k, math.nan)) for e in padded], device=self.device)
               for k in sorted(self.fusible) if k in entries[0].params}
         slots: list[_Entry | None] = list(entries) + [None] * (B - len(entries))
+        return self._finish_array(_Array(entries[0].key, settings, model, optimizer, scheduler, slots, shared_opt,
+                                         shared_sched, hp, torch.zeros(B, dtype=torch.bool, device=self.device),
+                                         torch.tensor([s is None for s in slots], device=self.device)))
+
+    def _finish_array(self, a: _Array) -> _Array:
+        a.model.train()
+        a.step = self._step_fn(a)
         self._tally["arrays"] += 1
-        return _Array(entries[0].key, settings, model, optimizer, scheduler, slots, shared_opt, shared_sched, hp,
-                      torch.zeros(B, dtype=torch.bool, device=self.device))
+        return a
 
     def _settings_of(self, entries: list[_Entry]) -> _Settings:
         """The one settings of an array's trials; ValueError where a fusible parameter changes them."""
@@ -582,6 +599,7 @@ class Runner:
             for k, t in a.hp.items():
                 t[b] = float(entry.params.get(k, math.nan))
         a.bad[b] = False
+        a.idle[b] = False
         entry.step, entry.reported = 0, 0
         a.slots[b] = entry
 
@@ -675,28 +693,40 @@ class Runner:
         active = a.active()
         steps = [a.slots[b].step for b in active]
         x_all, y_all = self._train
-        if len(set(steps)) == 1:  # one batch for every model: a broadcast input, read once
+        if len(set(steps)) == 1:  # one batch for every model: read once, as a broadcast input
             idx = order.rows(steps[:1])[0]
-            x, y = broadcast(x_all[idx], a.B), y_all[idx]
-        else:
-            idle = steps[0]
-            idx = order.rows([a.slots[b].step if a.slots[b] is not None else idle for b in range(a.B)])
-            x, y = x_all[idx], y_all[idx]
-        a.model.train()
-        losses = self._loss(a.model(x), y, a.hp)
-        if not (isinstance(losses, torch.Tensor) and losses.shape == (a.B,)):
-            raise ValueError(f"Runner: loss(output, target, hp) must return the [B] = [{a.B}] per-model losses, got "
-                             f"{type(losses).__name__} {list(getattr(losses, 'shape', []))}")
-        a.optimizer.zero_grad()
-        losses.sum().backward()
-        idle = torch.tensor([s is None for s in a.slots], device=self.device)
-        a.optimizer.step(skip=idle)
-        a.bad |= ~torch.isfinite(losses.detach())
+        else:  # each model its own batch: [B, batch_size, ...] (idle slots take the first's)
+            idx = order.rows([a.slots[b].step if a.slots[b] is not None else steps[0] for b in range(a.B)])
+        losses = a.step(x_all[idx], y_all[idx], a.idle)
+        a.bad |= ~torch.isfinite(losses)
         for b in active:
             a.slots[b].step += 1
         if a.scheduler is not None and (self.scheduler_interval == "step"
                                         or a.slots[active[0]].step % a.settings.steps_per_epoch == 0):
             a.scheduler.step()
+
+    def _step_fn(self, a: _Array) -> Callable:
+        """One training step of array ``a`` (forward, per-model losses, backward, optimizer), replayed
+        as one CUDA graph with ``capture`` on a CUDA device. Everything the step reads that changes
+        (surgery, hyper-parameters, the idle mask, schedules) is written in place, so a refill
+        needs no new capture."""
+        shared_dims = self._train[0].dim()
+
+        def step(x: torch.Tensor, y: torch.Tensor, idle: torch.Tensor) -> torch.Tensor:
+            out = a.model(broadcast(x, a.B) if x.dim() == shared_dims else x)
+            losses = self._loss(out, y, a.hp)
+            if not (isinstance(losses, torch.Tensor) and losses.shape == (a.B,)):
+                raise ValueError(f"Runner: loss(output, target, hp) must return the [B] = [{a.B}] per-model "
+                                 f"losses, got {type(losses).__name__} {list(getattr(losses, 'shape', []))}")
+            a.optimizer.zero_grad()
+            losses.sum().backward()
+            a.optimizer.step(skip=idle)
+            return losses.detach()
+
+        if not self.capture:
+            return step
+        bs = a.settings.batch_size
+        return capture_step(step, self._train[0][:bs], self._train[1][:bs], a.idle)
 
     @torch.no_grad()
     def _evaluate(self) -> list[float]:
@@ -737,7 +767,7 @@ class Runner:
                 else:
                     self._fail(entry.trial, "nonfinite", counted=True)
                     self._tally["failed"] += 1
-                a.slots[b] = None
+                self._free(b)
                 continue
             if r > entry.reported:  # a resumed trial repeats reports the study already has
                 entry.trial.report(v, r)
@@ -745,11 +775,15 @@ class Runner:
             if entry.step >= a.settings.total_steps:
                 self._tell(entry, values=v)
                 self._tally["completed"] += 1
-                a.slots[b] = None
+                self._free(b)
             elif entry.trial.should_prune():
                 self._tell(entry, state=TrialState.PRUNED)
                 self._tally["pruned"] += 1
-                a.slots[b] = None
+                self._free(b)
+
+    def _free(self, b: int) -> None:
+        self._array.slots[b] = None
+        self._array.idle[b] = True
 
     def _beat(self, trials: list[Trial]) -> None:
         storage = self.study._storage
@@ -899,6 +933,7 @@ class Runner:
             scheduler.load_state_dict(saved["scheduler"])
         hp = {k: torch.tensor([float(e.params.get(k, math.nan)) for e in padded], device=self.device)
               for k in sorted(self.fusible) if k in kept[0].params}
-        self._array = _Array(kept[0].key, settings, model, optimizer, scheduler, slots, shared_opt, shared_sched, hp,
-                             torch.zeros(B, dtype=torch.bool, device=self.device))
-        self._tally["arrays"] += 1
+        self._array = self._finish_array(_Array(
+            kept[0].key, settings, model, optimizer, scheduler, slots, shared_opt, shared_sched, hp,
+            torch.zeros(B, dtype=torch.bool, device=self.device),
+            torch.tensor([s is None for s in slots], device=self.device)))
