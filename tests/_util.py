@@ -141,3 +141,20 @@ def check_against_modules(array, modules, x, xs, leaf, akw, mkws, *, shared=Fals
     if shared:
         torch.testing.assert_close(got[0], gsum, **GRAD_TOL)
     return y
+
+
+def import_sweep_extra(name: str = "optuna"):
+    """Import a module of the sweep extra (Optuna, SQLAlchemy), or skip the test module without it.
+
+    Machines without the extra (a GPU machine with no network) skip the sweep
+    tests; CI installs it, and there (HFKERN_REQUIRE_EXTENSIONS=1) a missing
+    module fails instead.
+    """
+    import importlib
+    import os
+
+    import pytest
+
+    if os.environ.get("HFKERN_REQUIRE_EXTENSIONS") == "1":
+        return importlib.import_module(name)
+    return pytest.importorskip(name, reason=f"{name} is not installed (pip install 'hfkern[sweep]')")

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import math
 
-import optuna
 import pytest
 import torch
-from optuna.trial import TrialState
 
 import hfkern
-import hfkern.sweep as hs
-import _sweep_cases as cases
-from hfkern.sweep._storage import COUNTED_ATTR, OUTCOME_ATTR, SEED_ATTR
+from _util import import_sweep_extra
+
+optuna = import_sweep_extra()  # before everything that imports it
+import hfkern.sweep as hs  # noqa: E402
+import _sweep_cases as cases  # noqa: E402
+from hfkern.sweep._storage import COUNTED_ATTR, OUTCOME_ATTR, SEED_ATTR  # noqa: E402
+from optuna.trial import TrialState  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -15,14 +15,16 @@ import subprocess
 import sys
 import time
 
-import optuna
 import pytest
-from optuna.trial import TrialState
 
-import hfkern.sweep as hs
-import _sweep_cases as cases
-from _postgres import postgres_db  # noqa: F401  (fixture)
-from hfkern.sweep._storage import OUTCOME_ATTR, RUNNER_ATTR, SEED_ATTR
+from _util import import_sweep_extra
+
+optuna = import_sweep_extra()  # before everything that imports it
+import _sweep_cases as cases  # noqa: E402
+import hfkern.sweep as hs  # noqa: E402
+from _postgres import postgres_db  # noqa: E402, F401  (fixture)
+from hfkern.sweep._storage import OUTCOME_ATTR, RUNNER_ATTR, SEED_ATTR  # noqa: E402
+from optuna.trial import TrialState  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sweep_worker.py")

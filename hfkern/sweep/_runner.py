@@ -53,6 +53,7 @@ __all__ = ["Runner", "SweepSummary"]
 
 _log = logging.getLogger("hfkern.sweep")
 _CHECKPOINT_VERSION = 1
+_MAX_B = 64  # the largest array the runner sizes itself; more trials per array rarely pay on one device
 
 Params = Mapping[str, Any]
 
@@ -202,7 +203,8 @@ class Runner:
             A trial is evaluated, reported, and may be pruned every
             ``report_every`` steps; report ``r`` (1, 2, ...) is Optuna's step.
         B: trials per array (default: :func:`hfkern.max_array_size` of the
-            first trial's model, capped at 64 and at ``n_trials``).
+            first trial's model, capped at 64 and at ``n_trials``; on a GPU it is
+            confirmed by a step).
         device: where the arrays train (default: CUDA if available, else CPU).
         seed: a trial's init seed is its ``seed_param`` value when it has one,
             else ``seed + trial.number``.
@@ -679,8 +681,9 @@ class Runner:
         cls, bs = settings.optimizer_cls, settings.batch_size
         x, y = self._train
         estimate = max_array_size(lambda: self._build_model(entry), (x[:bs], y[:bs]),
-                                  device=self.device, optimizer=lambda params: cls(params, **kw))
-        B = max(1, min(estimate.B, 64, self._n_trials))
+                                  device=self.device, optimizer=lambda params: cls(params, **kw),
+                                  max_B=min(_MAX_B, self._n_trials))
+        B = max(1, estimate.B)
         _log.info("B = %d from %s", B, estimate)
         if self.progress:
             _report.note(f"hfkern.sweep: B = {B} ({estimate})")
