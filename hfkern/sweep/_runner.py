@@ -117,10 +117,11 @@ class SweepSummary:
     arrays: int     # arrays built
     B: int          # slots per array
     seconds: float  # wall time of the run
+    compactions: int = 0  # arrays rebuilt smaller around their remaining trials
 
     def __str__(self) -> str:
         return (f"{self.completed} complete, {self.pruned} pruned, {self.failed} failed in {self.arrays} "
-                f"array(s) of B = {self.B}, {self.seconds:.1f} s")
+                f"array(s) of B = {self.B} ({self.compactions} compacted), {self.seconds:.1f} s")
 
 
 def _is_number(v: Any) -> bool:
@@ -149,6 +150,27 @@ def _optimizer_class(optimizer: Any) -> type[ArrayOptimizer]:
                          f"(available: {[n for n in hoptim.__all__ if n != 'ArrayOptimizer']})")
     raise TypeError(f"Runner: optimizer must be an hfkern.optim optimizer class or a torch.optim class with an "
                     f"hfkern.optim namesake, got {optimizer!r}")
+
+
+def _select_models(state: Any, rows: torch.Tensor, B: int, lists: tuple[str, ...] = ()) -> Any:
+    """An optimizer's or scheduler's state dict for the models ``rows`` of its B: every tensor with
+    B leading entries indexed, every list under a key in ``lists`` (per-model lists) selected, ``"B"``
+    replaced. Other values (flags, per-group lists, parameter ids) are kept."""
+    if isinstance(state, torch.Tensor):
+        return state[rows.to(state.device)].clone() if state.dim() > 0 and state.shape[0] == B else state
+    if isinstance(state, dict):
+        out = {}
+        for k, v in state.items():
+            if k == "B" and v == B:
+                out[k] = len(rows)
+            elif k in lists and isinstance(v, list) and len(v) == B:
+                out[k] = [v[i] for i in rows.tolist()]
+            else:
+                out[k] = _select_models(v, rows, B, lists)
+        return out
+    if isinstance(state, (list, tuple)):
+        return type(state)(_select_models(v, rows, B, lists) for v in state)
+    return state
 
 
 class Runner:
@@ -336,7 +358,7 @@ class Runner:
         self._stop_asking = False
         self._n_trials = 0
         self._rounds = 0
-        self._tally = {"completed": 0, "pruned": 0, "failed": 0, "arrays": 0}
+        self._tally = {"completed": 0, "pruned": 0, "failed": 0, "arrays": 0, "compactions": 0}
 
     # ---- argument checks -------------------------------------------------------------
     @staticmethod
@@ -414,7 +436,11 @@ class Runner:
                                     for t in self.study.get_trials(deepcopy=False))
 
     def _ask(self) -> _Entry:
-        trial = self.study.ask()
+        with warnings.catch_warnings():
+            # "Heartbeat of storage is supposed to be used with Study.optimize": this runner
+            # records the heartbeats itself (_beat).
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")
+            trial = self.study.ask()
         try:
             params = self._space(trial)
             if not isinstance(params, Mapping) or not all(isinstance(k, str) for k in params):
@@ -673,6 +699,36 @@ class Runner:
                     break
             self._place(b, entry)
 
+    def _compact_if_draining(self) -> None:
+        """Rebuild the array around its trials when refilling left half of its slots or more idle.
+
+        Idle slots cost what busy ones cost (their models compute and are
+        skipped), and an array drains at the end of a sweep (or before another
+        group's array): its last trials would otherwise train in an array of B.
+        The rebuilt array carries every trial's weights, buffers, optimizer
+        and scheduler state over, so their trajectories do not change.
+        """
+        a = self._array
+        active = a.active()
+        if not active or len(active) > a.B // 2:
+            return
+        entries = [a.slots[b] for b in active]
+        rows = torch.tensor(active)
+        model = fusion.fuse([a.model.extract_model(b) for b in active])
+        model.to(self.device)
+        optimizer, shared_opt = self._optimizer_for(model, entries, a.settings)
+        optimizer.load_state_dict(_select_models(a.optimizer.state_dict(), rows, a.B))
+        scheduler, shared_sched = self._scheduler_for(optimizer, entries)
+        if scheduler is not None:
+            scheduler.load_state_dict(_select_models(a.scheduler.state_dict(), rows, a.B, lists=("milestones",)))
+        on_device = rows.to(self.device)
+        hp = {k: t[on_device].clone() for k, t in a.hp.items()}
+        self._array = self._finish_array(_Array(
+            a.key, a.settings, model, optimizer, scheduler, entries, shared_opt, shared_sched, hp,
+            a.bad[on_device].clone(), torch.zeros(len(active), dtype=torch.bool, device=self.device)))
+        self._tally["arrays"] -= 1  # the same trials' array, smaller
+        self._tally["compactions"] += 1
+
     def _choose_B(self, entry: _Entry) -> int:
         from ._memory import max_array_size
 
@@ -775,13 +831,14 @@ class Runner:
             if r > entry.reported:  # a resumed trial repeats reports the study already has
                 entry.trial.report(v, r)
                 entry.reported = r
-            if entry.step >= a.settings.total_steps:
-                self._tell(entry, values=v)
-                self._tally["completed"] += 1
-                self._free(b)
-            elif entry.trial.should_prune():
+            # As Optuna's own loop (report, then ask the pruner) does, also at the last report.
+            if entry.trial.should_prune():
                 self._tell(entry, state=TrialState.PRUNED)
                 self._tally["pruned"] += 1
+                self._free(b)
+            elif entry.step >= a.settings.total_steps:
+                self._tell(entry, values=v)
+                self._tally["completed"] += 1
                 self._free(b)
 
     def _free(self, b: int) -> None:
@@ -801,6 +858,12 @@ class Runner:
 
         Several runners given the same ``n_trials`` share the work; two that
         ask at the same moment may take the study one or two trials past it.
+        On a storage with heartbeats (:func:`hfkern.sweep.storage`), a runner
+        with nothing left to ask waits while other runners' trials run: if one
+        of those runners dies, its trials are failed after the grace period,
+        retried, and run here, so the study still ends with ``n_trials``.
+        Samplers given one seed in several processes propose the same
+        parameters: seed them differently per process (or not at all).
         ``timeout`` (seconds): no new trial is asked after it; held trials
         finish. On an exception, the held trials are told failed and it is
         raised again.
@@ -817,14 +880,18 @@ class Runner:
                 if self._array is None or not self._array.active():
                     self._array = None
                     if not self._start_array():
-                        break
+                        if self._stop_asking or not self._wait_for_others():
+                            break
+                        continue
                 for _ in range(self._array.settings.report_every):
                     self._train_step()
                 self._end_round()
                 if timeout is not None and time.monotonic() - start > timeout:
                     self._stop_asking = True
                 self._refill()
+                self._compact_if_draining()
                 self._beat([e.trial for e in self._held()])
+                self._fail_stale()  # trials of runners that died since: failed, retried, not counted
                 self._rounds += 1
                 if self.checkpoint and self._rounds % self.checkpoint_every == 0:
                     self._save()
@@ -845,7 +912,8 @@ class Runner:
         if self.progress:
             _report.print_best_trials(self.study)
         return SweepSummary(self._tally["completed"], self._tally["pruned"], self._tally["failed"],
-                            self._tally["arrays"], self.B or 0, time.monotonic() - start)
+                            self._tally["arrays"], self.B or 0, time.monotonic() - start,
+                            self._tally["compactions"])
 
     # ---- checkpoint and resume ---------------------------------------------------------
     def _save(self) -> None:
@@ -880,11 +948,27 @@ class Runner:
         reported = max(frozen.intermediate_values, default=0)
         return _Entry(Trial(self.study, saved["trial_id"]), params, saved["seed"], key, saved["step"], reported)
 
-    def _recover(self) -> None:
-        """Resume what the checkpoint holds; fail this runner's trials it does not hold; fail stale trials."""
+    def _wait_for_others(self) -> bool:
+        """With nothing left to ask: while other runners' trials run, wait a heartbeat and look
+        again, so that the trials of a runner that dies now are failed, retried and run here.
+        False when no other trial is running (or the storage has no heartbeat)."""
+        storage = self.study._storage
+        if not optuna.storages._heartbeat.is_heartbeat_enabled(storage):
+            return False
+        if not self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            return False
+        time.sleep(min(storage.get_heartbeat_interval(), 5))
+        self._fail_stale()
+        return True
+
+    def _fail_stale(self) -> None:
         with warnings.catch_warnings():  # experimental since Optuna 2.9, and what heartbeats are for
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(self.study)
+
+    def _recover(self) -> None:
+        """Resume what the checkpoint holds; fail this runner's trials it does not hold; fail stale trials."""
+        self._fail_stale()
         held: set[int] = {e.trial._trial_id for e in self._held()}
         if self.checkpoint and os.path.exists(self.checkpoint) and self._array is None and not self._queue:
             # The checkpoint is this runner's own file; it holds optimizer and scheduler
