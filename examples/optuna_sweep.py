@@ -243,6 +243,7 @@ def main(argv=None) -> None:
     console.print(f"runner: {summary}")
     results = {"fused": outcome(fused, fused_s, steps_per_epoch), "plain": None}
     results["fused"]["arrays"] = summary.arrays
+    results["fused"]["compactions"] = summary.compactions
     plots = save_plots(fused, args.out)
     console.print(f"plots written to {', '.join(plots)}")
 
