@@ -1,0 +1,167 @@
+"""``hfkern.plan``: the Pareto set of (time, memory) strategies for training T trials of one model.
+
+:func:`plan` fits a cost model from a few measured steps
+(:func:`hfkern.plan.fit_cost_model`), searches the strategy space
+(:func:`hfkern.plan._search.search`) and returns a :class:`PlanSet`: the
+Pareto-optimal plans as data, a table, a plot of the front, the fastest plan
+within a memory budget, and the means to apply one to a fused model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ._cost import FittedCostModel, fit_cost_model
+from ._search import Plan, search
+from ._strategy import Strategy
+
+__all__ = ["PlanSet", "plan"]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+@dataclasses.dataclass
+class PlanSet:
+    """The Pareto set :func:`plan` found, by increasing memory (so by decreasing time)."""
+
+    front: list[Plan]
+    cost_model: FittedCostModel
+    trials: int
+    steps: int
+    memory_budget: float | None
+    search_seconds: float
+    fit_seconds: float
+    device: torch.device
+
+    def best(self, memory_budget: float | None = None) -> Plan:
+        """The fastest plan whose peak memory is within ``memory_budget`` bytes (default: the set's)."""
+        budget = self.memory_budget if memory_budget is None else memory_budget
+        fitting = [p for p in self.front if budget is None or p.peak_memory <= budget]
+        if not fitting:
+            least = min(self.front, key=lambda p: p.peak_memory)
+            raise ValueError(f"PlanSet.best: no plan fits {_fmt_bytes(budget)}; the smallest needs "
+                             f"{_fmt_bytes(least.peak_memory)} ({least.strategy.label})")
+        return min(fitting, key=lambda p: p.time)
+
+    def table(self, chosen: Plan | None = None):
+        """A ``rich.table.Table`` of the front."""
+        from rich.table import Table
+
+        budget = "" if self.memory_budget is None else f", budget {_fmt_bytes(self.memory_budget)}"
+        table = Table(title=f"Pareto set: {self.trials} trials of {self.steps} steps on {self.device}{budget} "
+                            f"(search {self.search_seconds * 1e3:.1f} ms)")
+        for col in ("", "B", "precision", "micro-batches", "arrays", "layout", "recompute", "step",
+                    "peak memory", "time for all trials"):
+            table.add_column(col, justify="right")
+        for p in self.front:
+            table.add_row("*" if p == chosen else "", str(p.B), p.precision, str(p.micro_batches), str(p.arrays),
+                          p.memory_format, ",".join(p.recompute) or "-", f"{p.step_time * 1e3:.1f} ms",
+                          _fmt_bytes(p.peak_memory), f"{p.time:.1f} s")
+        return table
+
+    def print(self, chosen: Plan | None = None) -> None:
+        from rich.console import Console
+
+        Console().print(self.table(chosen))
+
+    def plot(self, path: str | None = None, *, chosen: Plan | None = None,
+             measured: Sequence[tuple[Plan, float, float]] = (), title: str | None = None):
+        """Time for all trials against peak memory: the predicted front, ``chosen`` marked, and
+        ``measured`` points (plan, measured time for all trials, measured peak bytes) beside their
+        predictions. Saved to ``path`` if given; returns the matplotlib figure."""
+        import matplotlib
+
+        if path is not None:
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        mib = 1024 ** 2
+        ax.step([p.peak_memory / mib for p in self.front], [p.time for p in self.front], where="post",
+                color="tab:blue", alpha=0.4)
+        ax.scatter([p.peak_memory / mib for p in self.front], [p.time for p in self.front], color="tab:blue",
+                   label="predicted Pareto set", zorder=3)
+        if measured:
+            ax.scatter([m / mib for _, _, m in measured], [t for _, t, _ in measured], marker="x",
+                       color="tab:orange", label="measured", zorder=4)
+            for p, t, m in measured:
+                ax.plot([p.peak_memory / mib, m / mib], [p.time, t], color="tab:orange", alpha=0.3, lw=1)
+        if chosen is not None:
+            ax.scatter([chosen.peak_memory / mib], [chosen.time], s=160, facecolors="none", edgecolors="tab:red",
+                       label=f"chosen: {chosen.strategy.label}", zorder=5)
+        if self.memory_budget is not None:
+            ax.axvline(self.memory_budget / mib, color="gray", ls="--", lw=1, label="memory budget")
+        ax.set_xlabel("peak memory per device (MiB)")
+        ax.set_ylabel(f"time to train {self.trials} trials (s)")
+        ax.set_title(title or f"{self.trials} trials on {self.device}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=120)
+            plt.close(fig)
+        return fig
+
+
+def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, torch.Tensor], *, trials: int,
+         steps: int, device: torch.device | str | None = None, optimizer: Callable | None = None,
+         loss_fn: Callable | None = None, B_values: Sequence[int] | None = None,
+         precisions: Sequence[str] | None = None, micro_batches: Sequence[int] = (1,),
+         arrays: Sequence[int] | None = None, memory_formats: Sequence[str] = ("auto",),
+         memory_budget: float | None = None, profile_B: Sequence[int] = (2, 4, 8),
+         cost_model: FittedCostModel | None = None) -> PlanSet:
+    """The Pareto set of strategies for training ``trials`` trials of ``steps`` steps of ``factory``'s model.
+
+    Args:
+        factory: one plain torch model per call; the arrays are ``hfkern.fuse(factory, B)``.
+        example_batch: ``(inputs [N, ...], targets [N])`` as one model sees a batch.
+        optimizer, loss_fn: as :func:`hfkern.plan.fit_cost_model` takes them.
+        B_values: array sizes searched (default 1 to 64).
+        precisions: default ``("fp32", "bf16")`` on CUDA, ``("fp32",)`` on the CPU.
+        micro_batches: micro-batch counts searched (micro-batching changes batch-norm
+            statistics: only for models without it).
+        arrays: arrays in flight (default ``(1, 2)`` on CUDA, ``(1,)`` on the CPU).
+        memory_formats: layouts searched.
+        memory_budget: bytes a device offers; plans above it are left out (default:
+            90% of the device's free memory, as :func:`hfkern.max_array_size` reads it).
+        profile_B: the array sizes profiled to fit the cost model.
+        cost_model: a fitted model to reuse instead of profiling again.
+    """
+    from ..sweep._memory import _free_bytes
+
+    for name, value in (("trials", trials), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan: {name} must be a positive int, got {value!r}")
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    precisions = tuple(precisions or (("fp32", "bf16") if cuda else ("fp32",)))
+    arrays = tuple(arrays or ((1, 2) if cuda else (1,)))
+    B_values = tuple(B_values or range(1, 65))
+    if memory_budget is None:
+        memory_budget = 0.9 * _free_bytes(device)
+    start = time.perf_counter()
+    if cost_model is None:
+        cost_model = fit_cost_model(factory, example_batch, optimizer=optimizer, loss_fn=loss_fn, device=device,
+                                    B_values=profile_B, precisions=precisions, micro_batches=micro_batches,
+                                    memory_formats=memory_formats)
+    fitted = time.perf_counter() - start
+    start = time.perf_counter()
+    front = search(cost_model, trials=trials, steps=steps, B_values=B_values, precisions=precisions,
+                   micro_batches=micro_batches, arrays=arrays, memory_formats=memory_formats,
+                   memory_budget=memory_budget)
+    searched = time.perf_counter() - start
+    if not front:
+        raise ValueError(f"plan: no strategy fits the memory budget of {_fmt_bytes(memory_budget)} on {device}")
+    return PlanSet(front, cost_model, trials, steps, memory_budget, searched, fitted, device)

@@ -1,0 +1,194 @@
+"""The Pareto set of (time, memory) strategies, by dynamic programming over a model's blocks.
+
+A strategy (:class:`hfkern.plan._strategy.Strategy`) fixes the array size B,
+the precision, the micro-batches, the arrays in flight, the memory layout and
+which blocks recompute their activations. Everything but the recomputation is
+a handful of values, enumerated; the recomputation is a subset of the blocks,
+2^n choices, searched by dynamic programming over the blocks in forward order
+with dominated partial strategies dropped (as FT/TensorOpt search the Pareto
+set of parallelization strategies).
+
+Memory of one step, what the search minimizes with time:
+
+* ``static``: parameters, gradients, optimizer state, the batch;
+* the activations each block saves for backward: ``saved`` without
+  recomputation, ``saved_recompute`` (its inputs) with it;
+* while a recomputed block's backward runs, its activations exist again
+  (``transient``) on top of what the blocks before it still hold.
+
+So the peak is ``static + max(sum of saved, max over recomputed blocks i of
+(saved of the blocks before i + transient_i))``. A partial strategy over the
+first k blocks is the triple (time, saved so far, peak so far); one that is no
+better in all three than another is dropped: whatever the remaining blocks
+choose, it stays no better.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Iterable, Protocol, Sequence
+
+__all__ = ["BlockCost", "CostModel", "Plan", "pareto_front", "search", "search_brute_force"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCost:
+    """One block's costs in one setting (B, precision, micro-batches, layout), per training step."""
+
+    name: str
+    time: float             # seconds of its forward and backward
+    recompute_time: float   # seconds its forward takes again when recomputed
+    saved: float            # bytes it saves for backward
+    saved_recompute: float  # bytes it saves when recomputed (its inputs)
+    transient: float        # bytes alive again during its backward when recomputed
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """A setting's costs that do not depend on which blocks recompute."""
+
+    blocks: tuple[BlockCost, ...]
+    other_time: float    # seconds of the rest of a step: optimizer, loss, data, dispatch
+    static: float        # bytes: parameters, gradients, optimizer state, batch
+
+
+class CostModel(Protocol):
+    """What the search needs: a setting's costs. ``hfkern.plan.fit_cost_model`` makes one."""
+
+    def step_cost(self, B: int, precision: str, micro_batches: int, memory_format: str) -> StepCost: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A strategy with its predicted costs."""
+
+    B: int
+    precision: str
+    micro_batches: int
+    arrays: int
+    memory_format: str
+    recompute: tuple[str, ...]
+    step_time: float   # seconds per step of one array
+    peak_memory: float  # bytes of the device, all arrays in flight
+    time: float        # seconds to train every trial
+
+    @property
+    def strategy(self):
+        from ._strategy import Strategy
+
+        return Strategy(B=self.B, precision=self.precision, micro_batches=self.micro_batches,
+                        recompute=self.recompute, arrays=self.arrays, memory_format=self.memory_format)
+
+
+def _dominated(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    """Whether ``a`` is no better than ``b`` in every component (and so may be dropped for it)."""
+    return all(x >= y for x, y in zip(a, b))
+
+
+def _prune(states: list[tuple[tuple[float, ...], tuple[str, ...]]]) -> list[tuple[tuple[float, ...], tuple[str, ...]]]:
+    """The states not dominated by another (of equal ones, the first)."""
+    states = sorted(states, key=lambda s: s[0])
+    kept: list[tuple[tuple[float, ...], tuple[str, ...]]] = []
+    for key, choice in states:
+        if not any(_dominated(key, k) for k, _ in kept):
+            kept.append((key, choice))
+    return kept
+
+
+def _recompute_front(cost: StepCost) -> list[tuple[float, float, tuple[str, ...]]]:
+    """(step time, peak bytes, recomputed blocks) of every Pareto-optimal recomputation subset."""
+    # A state: (time, saved by the blocks so far, peak of the recomputed blocks so far).
+    states: list[tuple[tuple[float, ...], tuple[str, ...]]] = [((cost.other_time, 0.0, 0.0), ())]
+    for block in cost.blocks:
+        grown = []
+        for (time, saved, peak), chosen in states:
+            grown.append(((time + block.time, saved + block.saved, peak), chosen))
+            grown.append(((time + block.time + block.recompute_time, saved + block.saved_recompute,
+                           max(peak, saved + block.transient)), chosen + (block.name,)))
+        states = _prune(grown)
+    out = [(time, cost.static + max(saved, peak), chosen) for (time, saved, peak), chosen in states]
+    return [(t, m, c) for t, m, c in out if not any(t2 <= t and m2 <= m and (t2, m2) != (t, m) for t2, m2, _ in out)]
+
+
+def _settings(B_values, precisions, micro_batches, arrays, memory_formats):
+    return itertools.product(B_values, precisions, micro_batches, arrays, memory_formats)
+
+
+def _plans(model: CostModel, trials: int, steps: int, settings, front_of) -> list[Plan]:
+    plans = []
+    for B, precision, m, k, fmt in settings:
+        cost = model.step_cost(B, precision, m, fmt)
+        rounds = math.ceil(trials / (B * k))
+        for step_time, peak, chosen in front_of(cost):
+            # k arrays in flight share the device: a step of each, one after another at worst,
+            # and k times the memory.
+            plans.append(Plan(B, precision, m, k, fmt, chosen, step_time, k * peak, rounds * steps * k * step_time))
+    return plans
+
+
+def pareto_front(plans: Iterable[Plan], memory_budget: float | None = None) -> list[Plan]:
+    """The plans no other is at least as good as in both time and memory (and better in one),
+    within ``memory_budget`` bytes if given, by increasing memory."""
+    plans = [p for p in plans if memory_budget is None or p.peak_memory <= memory_budget]
+    plans.sort(key=lambda p: (p.peak_memory, p.time))
+    front: list[Plan] = []
+    for p in plans:
+        if not front or p.time < front[-1].time:
+            front.append(p)
+    return front
+
+
+def _check(trials: int, steps: int, *spaces: tuple[str, Sequence]) -> None:
+    for name, value in (("trials", trials), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"search: {name} must be a positive int, got {value!r}")
+    for name, values in spaces:
+        if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+            raise ValueError(f"search: {name} must be a non-empty sequence of choices, got {values!r}")
+
+
+def search(model: CostModel, *, trials: int, steps: int, B_values: Sequence[int],
+           precisions: Sequence[str] = ("fp32",), micro_batches: Sequence[int] = (1,),
+           arrays: Sequence[int] = (1,), memory_formats: Sequence[str] = ("auto",),
+           memory_budget: float | None = None) -> list[Plan]:
+    """The Pareto set of plans for training ``trials`` trials of ``steps`` steps each.
+
+    Every combination of the enumerated choices, and for each the Pareto-optimal
+    recomputation subsets found by dynamic programming over the blocks.
+    Returns the plans of the (time, peak memory) front, by increasing memory.
+    """
+    _check(trials, steps, ("B_values", B_values), ("precisions", precisions), ("micro_batches", micro_batches),
+           ("arrays", arrays), ("memory_formats", memory_formats))
+    settings = _settings(B_values, precisions, micro_batches, arrays, memory_formats)
+    return pareto_front(_plans(model, trials, steps, settings, _recompute_front), memory_budget)
+
+
+def search_brute_force(model: CostModel, *, trials: int, steps: int, B_values: Sequence[int],
+                       precisions: Sequence[str] = ("fp32",), micro_batches: Sequence[int] = (1,),
+                       arrays: Sequence[int] = (1,), memory_formats: Sequence[str] = ("auto",),
+                       memory_budget: float | None = None) -> list[Plan]:
+    """:func:`search` by enumerating every recomputation subset (2^blocks per setting): the check of
+    the dynamic program on small spaces."""
+    _check(trials, steps, ("B_values", B_values), ("precisions", precisions), ("micro_batches", micro_batches),
+           ("arrays", arrays), ("memory_formats", memory_formats))
+
+    def every_subset(cost: StepCost):
+        out = []
+        for mask in itertools.product((False, True), repeat=len(cost.blocks)):
+            time, saved, peak = cost.other_time, 0.0, 0.0
+            for block, rc in zip(cost.blocks, mask):
+                if rc:
+                    time += block.time + block.recompute_time
+                    peak = max(peak, saved + block.transient)
+                    saved += block.saved_recompute
+                else:
+                    time += block.time
+                    saved += block.saved
+            out.append((time, cost.static + max(saved, peak),
+                        tuple(b.name for b, rc in zip(cost.blocks, mask) if rc)))
+        return out
+
+    settings = _settings(B_values, precisions, micro_batches, arrays, memory_formats)
+    return pareto_front(_plans(model, trials, steps, settings, every_subset), memory_budget)

@@ -1,0 +1,664 @@
+"""A training strategy for an array model, and how it is applied.
+
+A :class:`Strategy` fixes how one array of B models trains: the precision of
+forward and loss, the micro-batches a batch is split into, which blocks
+recompute their activations in backward, the memory layout of the images, and
+(recorded only, for the scheduler that runs arrays) the arrays in flight.
+
+Applying a strategy leaves the training code as it was:
+
+* :func:`apply` changes the model in place: the blocks named in
+  ``recompute`` recompute their forward in backward instead of keeping their
+  activations, and the array convs take the strategy's memory format. Every
+  model's losses and gradients stay what they were (to float32 rounding).
+* :func:`make_step` returns the training step: ``step(x, y)`` runs forward,
+  the per-model losses and backward over the micro-batches (under bf16
+  autocast when asked) and the optimizer step, and returns the ``[B]`` losses.
+
+Blocks are the top-level children of the array model that hold parameters
+(:func:`blocks`): for an :func:`hfkern.fuse` model, the original model's own
+submodules (``features``, ``layer1``, ``head``); for a hand-written array such
+as an ``nn.Sequential`` of :mod:`hfkern.nn` modules, its entries.
+
+Recomputation and state. A block's recomputation runs its forward a second
+time, in backward. Forward also updates state (batch norm's running
+statistics and counters, any buffer or tensor attribute the block changes);
+the recomputation must neither update it a second time nor see it already
+updated. So the block's buffers are copied before its forward, the
+recomputation runs on those copies (it sees exactly what the forward saw, and
+computes the same), and afterwards the block gets its buffers back as the
+forward left them. Random draws (dropout) repeat the forward's masks:
+``torch.utils.checkpoint`` restores the RNG state before the recomputation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import numbers
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import _capture
+from .._array import broadcast
+from ..fusion import FusedModel
+from ..nn._base import ArrayModule, set_memory_format
+from ..nn.normalization import _BatchNorm as _ArrayBatchNorm
+
+__all__ = ["Strategy", "Recompute", "blocks", "apply", "unapply", "applied", "make_step"]
+
+PRECISIONS = ("fp32", "bf16")
+# "auto": each array conv chooses by committed measurements (hfkern._evidence), as without a plan.
+MEMORY_FORMATS = {"auto": None, "contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+
+# Where apply() keeps what it did on the model: the strategy, and a fused model's own
+# captured graphs and forwards (what unapply() and a later apply() start from).
+_APPLIED = "_hfkern_plan_strategy"
+_FUSED_BASE = "_hfkern_plan_fused_base"
+
+
+# ---- the strategy ------------------------------------------------------------------------
+def _positive_int(field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"Strategy.{field}: expected an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"Strategy.{field}: expected an int >= 1, got {value}")
+    return int(value)
+
+
+def _choice(field: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"Strategy.{field}: expected one of {list(choices)}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"Strategy.{field}: expected one of {list(choices)}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How one array of B models trains.
+
+    Attributes:
+        B: the array size (models trained together), an int >= 1.
+        precision: ``"fp32"``, or ``"bf16"``: forward and loss run under
+            ``torch.autocast(device_type, dtype=torch.bfloat16)`` on the model's
+            device type; parameters, gradients and optimizer state stay fp32.
+        micro_batches: the batch of a step is split into this many nearly equal
+            micro-batches whose gradients add up to the full batch's
+            (see :func:`make_step` on batch norm).
+        recompute: names of blocks (:func:`blocks`) that recompute their
+            activations in backward instead of keeping them (a sequence of
+            str, kept as a tuple in the given order).
+        arrays: arrays trained at the same time on the device; recorded here for
+            whoever runs the arrays, :func:`apply` and :func:`make_step` do not read it.
+        memory_format: ``"auto"`` (each array conv chooses by committed
+            measurements, as without a plan), ``"contiguous"`` or
+            ``"channels_last"``: the memory format of the array convs' images
+            (:func:`hfkern.nn.set_memory_format`).
+
+    Raises TypeError or ValueError, naming the field, for a value outside these.
+    """
+
+    B: int
+    precision: str = "fp32"
+    micro_batches: int = 1
+    recompute: tuple[str, ...] = ()
+    arrays: int = 1
+    memory_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        # Normalized in place (a frozen dataclass): numpy ints become ints, a list of names a tuple.
+        object.__setattr__(self, "B", _positive_int("B", self.B))
+        _choice("precision", self.precision, PRECISIONS)
+        object.__setattr__(self, "micro_batches", _positive_int("micro_batches", self.micro_batches))
+        object.__setattr__(self, "arrays", _positive_int("arrays", self.arrays))
+        _choice("memory_format", self.memory_format, tuple(MEMORY_FORMATS))
+        names = self.recompute
+        # A single str is a sequence too: recompute="layer1" would name six blocks.
+        if isinstance(names, str) or not isinstance(names, (tuple, list)):
+            raise TypeError(f"Strategy.recompute: expected a tuple of block names (str), got "
+                            f"{type(names).__name__} {names!r}")
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad:
+            raise TypeError(f"Strategy.recompute: expected non-empty block names (str), got {bad!r} in {names!r}")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"Strategy.recompute: expected each block once, got {repeated} more than once")
+        object.__setattr__(self, "recompute", tuple(names))
+
+    @property
+    def label(self) -> str:
+        """A short description for tables, e.g. ``"B=8 bf16 mb=2 rc=layer1,layer2 cl"``."""
+        parts = [f"B={self.B}", self.precision]
+        if self.micro_batches > 1:
+            parts.append(f"mb={self.micro_batches}")
+        if self.arrays > 1:
+            parts.append(f"arrays={self.arrays}")
+        if self.recompute:
+            parts.append("rc=" + ",".join(self.recompute))
+        if self.memory_format != "auto":
+            parts.append("cl" if self.memory_format == "channels_last" else "nchw")
+        return " ".join(parts)
+
+
+# ---- blocks --------------------------------------------------------------------------------
+def blocks(model: nn.Module) -> list[str]:
+    """The blocks of an array model: the names of its top-level children that hold parameters.
+
+    A block is what :attr:`Strategy.recompute` names. For an :func:`hfkern.fuse`
+    model these are the original model's own submodules (``features``,
+    ``layer1``, ``fc``); for a hand-written array (an ``nn.Sequential`` of
+    :mod:`hfkern.nn` modules, or a module of one's own) its children (``"0"``,
+    ``"1"``, ...). Children without parameters (activations, pooling, dropout)
+    are not blocks: they run inside a neighbour's recomputation or not at all.
+    In registration order, which is forward order for most models.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"blocks: expected a torch.nn.Module (an array model), got {type(model).__name__}")
+    return [name for name, child in model.named_children() if next(child.parameters(), None) is not None]
+
+
+def _array_size(model: nn.Module, who: str) -> int:
+    """B of an array model: its own, or the one its hfkern.nn modules share."""
+    if isinstance(model, ArrayModule) and model.B is not None:
+        return model.B
+    sizes = {m.B for m in model.modules() if isinstance(m, ArrayModule) and m.B is not None}
+    if not sizes:
+        raise TypeError(f"{who}: expected an array model (from hfkern.fuse, or built of hfkern.nn modules "
+                        f"with B=...), got a {type(model).__name__} without array modules")
+    if len(sizes) > 1:
+        raise ValueError(f"{who}: expected the array modules of the model to share one B, got B in {sorted(sizes)}")
+    return sizes.pop()
+
+
+# ---- keeping a block's state through its recomputation ------------------------------------
+def _state_of(block: nn.Module, copy: bool) -> list[tuple[dict, str, torch.Tensor, bool]]:
+    """The block's buffers and tensor attributes as ``(table, key, tensor, is_buffer)``, buffers
+    copied if asked.
+
+    Attributes are held by reference: a forward assigns them (``self.last = h``), it
+    does not write into them (:func:`hfkern.fuse` refuses that for non-buffers).
+    """
+    entries = []
+    with torch.no_grad():
+        for m in block.modules():
+            for key, buf in m._buffers.items():
+                if buf is not None:
+                    entries.append((m._buffers, key, buf.clone() if copy else buf, True))
+            for key, value in vars(m).items():
+                if isinstance(value, torch.Tensor):
+                    entries.append((vars(m), key, value, False))
+    return entries
+
+
+def _install(entries: list[tuple[dict, str, torch.Tensor, bool]], copy: bool) -> None:
+    with torch.no_grad():
+        for table, key, value, is_buffer in entries:
+            table[key] = value.clone() if copy and is_buffer else value
+
+
+class _BlockState:
+    """``context_fn`` of ``torch.utils.checkpoint`` for one call of one block.
+
+    The forward context copies the block's buffers as they are before the
+    forward; the recomputation context installs fresh copies of them for the
+    recomputation (which updates those, not the block's) and puts back what the
+    forward left when the recomputation ends, also when checkpoint stops it early.
+    """
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+        self.before: list | None = None
+
+    def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        return _BeforeForward(self), _DuringRecomputation(self)
+
+
+class _BeforeForward:
+    def __init__(self, state: _BlockState):
+        self.state = state
+
+    def __enter__(self) -> None:
+        self.state.before = _state_of(self.state.block, copy=True)
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _DuringRecomputation:
+    # Entered once per recomputation: twice for a graph backpropagated twice (retain_graph=True),
+    # which is why the snapshot is copied in, never handed over.
+    def __init__(self, state: _BlockState):
+        self.state = state
+        self.after: list = []
+
+    def __enter__(self) -> None:
+        self.after = _state_of(self.state.block, copy=False)
+        _install(self.state.before, copy=True)
+
+    def __exit__(self, *exc: object) -> None:
+        _install(self.after, copy=False)
+
+
+def _checkpointed(fn: Callable, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, its activations recomputed in backward, ``block``'s state kept."""
+    if not torch.is_grad_enabled():  # nothing will be backpropagated: no need to snapshot or stash RNG
+        return fn(*args, **kwargs)
+    state = _BlockState(block)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=state.contexts, **kwargs)
+
+
+# ---- recomputation of a hand-written array's blocks: a class swap -------------------------
+class Recompute(nn.Module):
+    """A block that recomputes its activations in backward (see the module docstring).
+
+    :func:`apply` does not wrap a block in a new module, which would add a
+    level to every ``state_dict`` key and break code that reaches the block by
+    its path: it gives the block itself a subclass of its own class and of
+    ``Recompute`` (as ``torch.nn.utils.parametrize`` does). The block keeps its
+    identity, parameters, buffers, hooks, ``state_dict`` keys, per-slot
+    surgery and the name of its class; ``isinstance(block, Recompute)`` tells
+    that it recomputes, and its ``forward`` runs the original one under
+    ``torch.utils.checkpoint``. Blocks of an :func:`hfkern.fuse` model are not
+    swapped: their code lives in the fused model's captured graph (see :func:`apply`).
+    """
+
+    _recompute_base: type[nn.Module]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _checkpointed(super().forward, self, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return ", ".join(filter(None, (super().extra_repr(), "recompute")))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The swapped class is made at run time and cannot be pickled by name:
+        # pickle (and deepcopy) rebuild it from the original class instead.
+        return _new_recompute, (self._recompute_base,), self.__dict__
+
+
+_RECOMPUTE_CLASSES: dict[type, type] = {}
+
+
+def _recompute_class(base: type[nn.Module]) -> type[nn.Module]:
+    cls = _RECOMPUTE_CLASSES.get(base)
+    if cls is None:
+        # The original's name, so that error messages (which name type(self)) read as before.
+        cls = type(base.__name__, (Recompute, base),
+                   {"_recompute_base": base, "__qualname__": base.__qualname__, "__module__": base.__module__})
+        _RECOMPUTE_CLASSES[base] = cls
+    return cls
+
+
+def _new_recompute(base: type[nn.Module]) -> nn.Module:
+    return object.__new__(_recompute_class(base))
+
+
+def _swap_in(block: nn.Module) -> None:
+    block.__class__ = _recompute_class(type(block))
+
+
+def _swap_out(block: nn.Module) -> None:
+    block.__class__ = block._recompute_base
+
+
+# ---- recomputation of a fused model's blocks: segments of its captured graph ---------------
+class _RecomputeSegment(_capture.GraphTarget):
+    """Graph target: one run of a block's nodes of a fused forward, as a checkpointed call.
+
+    Called with the fused model and the values the run reads; returns the tuple
+    of the values the rest of the forward reads.
+    """
+
+    def __init__(self, fn: Callable, block: str):
+        self.fn, self.block = fn, block
+        self._named(f"recompute_{block}")
+
+    def __call__(self, fused: nn.Module, *inputs: Any) -> tuple:
+        return _checkpointed(self.fn, fused.get_submodule(self.block), fused, *inputs)
+
+
+def _label(graph: fx.Graph) -> dict[fx.Node, str | None]:
+    """The block each node of a fused forward runs for (None: the model's own code).
+
+    The capture records the module whose code made each node; the nodes the
+    fusion rewrite adds (a leaf's ``get_attr``, a shared input's view) have no
+    record and belong to the block of their users when they all have one.
+    """
+    labels: dict[fx.Node, str | None] = {}
+    for node in reversed(graph.nodes):
+        if node.op in ("placeholder", "output"):
+            labels[node] = None
+        elif "hfkern_module" in node.meta:
+            where = node.meta["hfkern_module"]
+            labels[node] = where[0].split(".", 1)[0] if where and where[0] else None
+        else:
+            users = {labels[u] for u in node.users}
+            labels[node] = users.pop() if len(users) == 1 else None
+    return labels
+
+
+def _runs(graph: fx.Graph, names: set[str]) -> list[tuple[str, list[fx.Node]]]:
+    """Maximal runs of consecutive nodes of one named block that compute something."""
+    labels = _label(graph)
+    runs: list[tuple[str, list[fx.Node]]] = []
+    current: list[fx.Node] | None = None
+    for node in graph.nodes:
+        block = labels[node] if labels[node] in names else None
+        if block is None:
+            current = None
+            continue
+        if current is None or runs[-1][0] != block:
+            current = []
+            runs.append((block, current))
+        current.append(node)
+    return [(b, run) for b, run in runs if any(n.op != "get_attr" for n in run)]
+
+
+def _check_regions(block: str, run: list[fx.Node]) -> None:
+    """Refuse a run that enters a grad-mode or autocast region it does not leave (or the reverse):
+    its recomputation would run in another mode than its forward."""
+    members = set(run)
+    for node in run:
+        if not _capture.changes_mode(node):
+            continue
+        if node.target is _capture.exit_region:
+            closed = all(a in members for a in node.all_input_nodes)
+        else:
+            exits = [u for u in node.users if u.target is _capture.exit_region]
+            closed = bool(exits) and all(u in members for u in node.users)
+        if not closed:
+            raise ValueError(
+                f"apply: block {block!r} of the fused forward enters or leaves a grad-mode or autocast "
+                f"region ({node.name}) that does not end within it; its recomputation would run in "
+                "another mode. Expected blocks whose regions begin and end inside them: recompute the "
+                "block that holds the whole region, or not this one")
+
+
+def _compile(graph: fx.Graph, label: str) -> Callable:
+    """The graph as a function ``forward(self, *placeholders)`` (as :func:`hfkern.fuse` compiles it)."""
+    graph.lint()
+    code = graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+    exec(compile(code.src, f"<hfkern.plan {label}>", "exec"), namespace)  # noqa: S102
+    return namespace["forward"]
+
+
+def _subgraph(run: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
+    """The nodes of ``run`` as a graph of their own: ``inputs`` in, the tuple of ``outputs`` out."""
+    sub = fx.Graph()
+    env = {i: sub.placeholder(i.name) for i in inputs}
+    for n in run:
+        env[n] = sub.node_copy(n, env.__getitem__)
+    sub.output(tuple(env[o] for o in outputs))
+    return sub
+
+
+def _with_recompute(graph: fx.Graph, names: set[str]) -> fx.Graph:
+    """The fused forward with each run of a named block's nodes replaced by a checkpointed call."""
+    runs = _runs(graph, names)
+    for block, run in runs:
+        _check_regions(block, run)
+    starts = {run[0]: (block, run) for block, run in runs}
+    inside = {n for _, run in runs for n in run}
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    owner = None
+    for node in graph.nodes:
+        if node in starts:
+            block, run = starts[node]
+            members = set(run)
+            inputs = list(dict.fromkeys(i for n in run for i in n.all_input_nodes if i not in members))
+            outputs = [n for n in run if any(u not in members for u in n.users)]
+            target = _RecomputeSegment(_compile(_subgraph(run, inputs, outputs), f"recompute {block}"), block)
+            if owner is None:
+                owner = out.get_attr("_fused_self")
+            call = out.call_function(target, (owner, *(env[i] for i in inputs)))
+            for k, o in enumerate(outputs):
+                env[o] = out.call_function(operator.getitem, (call, k))
+        elif node not in inside:
+            env[node] = out.node_copy(node, env.__getitem__)
+    out.lint()
+    return out
+
+
+def _fused_base(model: FusedModel) -> tuple[dict, dict]:
+    """The fused model's own graphs and forwards, as :func:`hfkern.fuse` made them."""
+    return getattr(model, _FUSED_BASE, (model._graphs, model._forwards))
+
+
+def _fused_forwards(model: FusedModel, names: tuple[str, ...]) -> tuple[dict, dict]:
+    """Graphs and forwards (per train/eval mode) with ``names`` recomputed; raises before any change."""
+    graphs, forwards = _fused_base(model)
+    if not names:
+        return graphs, forwards
+    wanted = set(names)
+    called = {block for g in graphs.values() for block, _ in _runs(g, wanted)}
+    missing = [n for n in names if n not in called]
+    if missing:
+        raise ValueError(
+            f"apply: expected blocks that the fused forward calls, got {missing}: their parameters are "
+            "used by the model's own forward code, not by a call of the block, so there is nothing "
+            "to recompute")
+    new_graphs = {mode: _with_recompute(g, wanted) for mode, g in graphs.items()}
+    return new_graphs, {mode: _compile(g, f"recompute {model.model_class.__name__}")
+                        for mode, g in new_graphs.items()}
+
+
+# ---- apply / unapply -----------------------------------------------------------------------
+def applied(model: nn.Module) -> Strategy | None:
+    """The strategy :func:`apply` last applied to ``model`` (None: none, or :func:`unapply` since)."""
+    return getattr(model, _APPLIED, None)
+
+
+def apply(model: nn.Module, strategy: Strategy) -> nn.Module:
+    """Apply ``strategy`` to an array model, in place; returns ``model``.
+
+    * The blocks named in ``strategy.recompute`` recompute their activations in
+      backward (``torch.utils.checkpoint``, non-reentrant); every model's
+      outputs, losses and gradients are unchanged (to float32 rounding), batch
+      norm's running statistics and every buffer end as after one forward, and
+      dropout draws the forward's masks again. Of an :func:`hfkern.fuse` model,
+      the fused forward is recompiled with each stretch of a block's code run
+      as one checkpointed call (``model.code`` shows them); the modules, the
+      ``state_dict`` and the per-slot surgery are untouched. Of any other array
+      model, each named child becomes a :class:`Recompute` of its own class
+      (same object, same ``state_dict`` keys); it recomputes when it is called
+      as a module.
+    * The array convs take ``strategy.memory_format``
+      (:func:`hfkern.nn.set_memory_format`). Apply before building the
+      optimizer: optimizer state made earlier keeps the old strides.
+
+    Applying again replaces the recomputed set (the blocks of the new strategy
+    recompute, no others); :func:`unapply` removes it. Precision and
+    micro-batches are the step's business (:func:`make_step`).
+
+    Raises TypeError for a model that is not an array model, ValueError for a
+    ``strategy.B`` other than the model's, for names that are not blocks (the
+    message lists the blocks), and for blocks that cannot be recomputed; all
+    before the model changes.
+    """
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"apply: expected a hfkern.plan Strategy, got {type(strategy).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply: expected a torch.nn.Module (an array model), got {type(model).__name__}")
+    B = _array_size(model, "apply")
+    if strategy.B != B:
+        raise ValueError(f"apply: expected a strategy for the model's B={B}, got B={strategy.B}")
+    valid = blocks(model)
+    unknown = [n for n in strategy.recompute if n not in valid]
+    if unknown:
+        raise ValueError(f"apply: expected block names among {valid}, got {unknown}")
+    if isinstance(model, FusedModel):
+        graphs, forwards = _fused_forwards(model, strategy.recompute)  # may raise: nothing changed yet
+        if not hasattr(model, _FUSED_BASE):
+            object.__setattr__(model, _FUSED_BASE, (model._graphs, model._forwards))
+        object.__setattr__(model, "_graphs", graphs)
+        object.__setattr__(model, "_forwards", forwards)
+    else:
+        children = dict(model.named_children())
+        for name in strategy.recompute:
+            block = children[name]
+            if type(block).forward is nn.Module.forward:
+                raise ValueError(
+                    f"apply: expected blocks that are called as modules, got {name!r}, a "
+                    f"{type(block).__name__} (a container whose entries the model calls itself): "
+                    "recompute the model's own blocks or fuse it")
+        for block in children.values():
+            if isinstance(block, Recompute):
+                _swap_out(block)
+        for name in strategy.recompute:
+            _swap_in(children[name])
+    set_memory_format(model, MEMORY_FORMATS[strategy.memory_format])
+    object.__setattr__(model, _APPLIED, strategy)
+    return model
+
+
+def unapply(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply`'s recomputation (no block recomputes); returns ``model``.
+
+    The memory format stays as applied (set another with
+    :func:`hfkern.nn.set_memory_format`). A model never applied is returned as it is.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unapply: expected a torch.nn.Module (an array model), got {type(model).__name__}")
+    if isinstance(model, FusedModel) and hasattr(model, _FUSED_BASE):
+        graphs, forwards = getattr(model, _FUSED_BASE)
+        object.__setattr__(model, "_graphs", graphs)
+        object.__setattr__(model, "_forwards", forwards)
+        delattr(model, _FUSED_BASE)
+    for block in model.children():
+        if isinstance(block, Recompute):
+            _swap_out(block)
+    if hasattr(model, _APPLIED):
+        delattr(model, _APPLIED)
+    return model
+
+
+# ---- the training step ---------------------------------------------------------------------
+_BATCH_NORMS = (_ArrayBatchNorm, nn.modules.batchnorm._BatchNorm)
+
+
+def _model_side(strategy: Strategy) -> tuple:
+    """What :func:`apply` does to the model (the rest is the step's)."""
+    return strategy.B, frozenset(strategy.recompute), strategy.memory_format
+
+
+def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Callable, *,
+              shared: bool = True, allow_batch_statistics: bool = False) -> Callable:
+    """The training step of ``model`` under ``strategy``: ``step(x, y) -> losses [B]``.
+
+    ``step`` zeroes the gradients, splits the batch into
+    ``strategy.micro_batches`` nearly equal chunks (sizes differing by at most
+    one), and for each chunk runs ``loss_fn(model(x_chunk), y_chunk)`` (the
+    ``[B]`` per-model mean losses, e.g. :func:`hfkern.nn.functional.cross_entropy`)
+    under ``torch.autocast(device_type, dtype=torch.bfloat16)`` when
+    ``strategy.precision`` is ``"bf16"``, and backward of the chunk's losses
+    weighted by its share of the batch, so that the gradients are those of the
+    full batch's mean loss; then ``optimizer.step()``. It returns the full
+    batch's per-model losses (the weighted mean of the chunks', float32,
+    detached), ``[B]``.
+
+    Args:
+        model: an array model that :func:`apply` gave this strategy (same B,
+            recomputed blocks and memory format).
+        optimizer: its optimizer (``zero_grad()`` and ``step()``), e.g. an
+            :mod:`hfkern.optim` optimizer.
+        strategy: the strategy.
+        loss_fn: ``loss_fn(output, target) -> [B]`` per-model mean losses.
+        shared: True: ``x`` ``[N, ...]`` and ``y`` ``[N, ...]`` are one batch
+            every model trains on (``step`` passes ``hfkern.broadcast(x, B)``);
+            False: ``x`` ``[B, N, ...]`` and ``y`` ``[B, N, ...]`` hold each
+            model's own batch (an :func:`hfkern.broadcast` view is fine).
+        allow_batch_statistics: micro-batching equals the full batch only for
+            models without layers that mix the samples of a batch: batch norm
+            normalizes each micro-batch by its own statistics (and updates its
+            running statistics once per micro-batch). ``make_step`` refuses
+            ``micro_batches > 1`` on a model with batch norm unless this is True.
+            Dropout draws its masks per micro-batch: the same distribution, not
+            the same numbers as one full-batch step.
+
+    Raises TypeError/ValueError for arguments outside these; ``step`` raises
+    ValueError for a batch of other shapes or with fewer than
+    ``micro_batches`` samples, before it changes anything.
+    """
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"make_step: expected a hfkern.plan Strategy, got {type(strategy).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"make_step: expected a torch.nn.Module (an array model), got {type(model).__name__}")
+    if not (callable(getattr(optimizer, "zero_grad", None)) and callable(getattr(optimizer, "step", None))):
+        raise TypeError(f"make_step: expected an optimizer (with zero_grad() and step()), got "
+                        f"{type(optimizer).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"make_step: expected loss_fn to be callable, got {type(loss_fn).__name__}")
+    for name, flag in (("shared", shared), ("allow_batch_statistics", allow_batch_statistics)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"make_step: expected {name} to be a bool, got {type(flag).__name__} {flag!r}")
+    done = applied(model)
+    if done is None or _model_side(done) != _model_side(strategy):
+        raise ValueError(
+            f"make_step: expected a model that apply() gave this strategy's B, recomputed blocks and "
+            f"memory format ({strategy.label!r}), got a model with "
+            f"{'no strategy applied' if done is None else repr(done.label)}: call apply(model, strategy) "
+            "before building the optimizer")
+    m = strategy.micro_batches
+    if m > 1 and not allow_batch_statistics:
+        norms = [name for name, mod in model.named_modules() if isinstance(mod, _BATCH_NORMS)]
+        if norms:
+            raise ValueError(
+                f"make_step: micro_batches={m} on a model with batch norm ({', '.join(norms)}) normalizes "
+                "each micro-batch by its own statistics, not the full batch's; expected micro_batches=1 "
+                "or allow_batch_statistics=True to accept that")
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ValueError("make_step: expected a model with parameters, got none")
+    device_type = param.device.type
+    if strategy.precision == "bf16" and not torch.amp.is_autocast_available(device_type):
+        raise ValueError(f"make_step: precision 'bf16' needs autocast on the model's device type, "
+                         f"got {device_type!r}, where torch has none")
+    B = strategy.B
+    dim = 0 if shared else 1  # the batch dim of x and y
+
+    def autocast() -> contextlib.AbstractContextManager:
+        if strategy.precision == "bf16":
+            return torch.autocast(device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for name, t in (("x", x), ("y", y)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"step: expected {name} to be a torch.Tensor, got {type(t).__name__}")
+        if shared:
+            if x.dim() < 1 or y.dim() < 1 or y.size(0) != x.size(0):
+                raise ValueError(f"step: expected x [N, ...] and y [N, ...] shared by the models (shared=True), "
+                                 f"got x {list(x.shape)} and y {list(y.shape)}")
+        elif x.dim() < 2 or y.dim() < 2 or x.size(0) != B or tuple(y.shape[:2]) != tuple(x.shape[:2]):
+            raise ValueError(f"step: expected x [B={B}, N, ...] and y [B={B}, N, ...] per model (shared=False), "
+                             f"got x {list(x.shape)} and y {list(y.shape)}")
+        N = x.size(dim)
+        if N < m:
+            raise ValueError(f"step: expected a batch of at least micro_batches={m} samples, got N={N}")
+        optimizer.zero_grad()
+        total = None
+        for xk, yk in zip(torch.tensor_split(x, m, dim), torch.tensor_split(y, m, dim)):
+            share = xk.size(dim) / N
+            with autocast():
+                out = model(broadcast(xk, B) if shared else xk)
+                losses = loss_fn(out, yk)
+            if not (isinstance(losses, torch.Tensor) and losses.shape == (B,)):
+                raise ValueError(f"step: expected loss_fn to return the [B] = [{B}] per-model losses, got "
+                                 f"{type(losses).__name__} {list(getattr(losses, 'shape', []))}")
+            losses = losses.float()
+            # Chunk k's mean loss weighted by n_k / N: the gradients sum to the full batch mean's.
+            (losses * share).sum().backward()
+            part = losses.detach() * share
+            total = part if total is None else total + part
+        optimizer.step()
+        return total
+
+    return step

@@ -1,0 +1,90 @@
+"""hfkern.plan's cost model: the fit on synthetic profiles with known lines, and on a real model
+(the predictions at array sizes it was not fitted on, against measurement, on this CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hfkern.plan._cost import Profile, fit_cost_model, fit_profiles, profile_step
+from hfkern.plan._strategy import Strategy
+
+
+def synthetic(B: int, precision: str = "fp32") -> Profile:
+    """Known lines: blocks a and b, a backward twice the forward, a linear optimizer and memory."""
+    slow = 2.0 if precision == "bf16" else 1.0
+    fwd = {"a": (0.1 + 0.2 * B) * slow, "b": 0.3 * B * slow}
+    opt = 0.05 + 0.01 * B
+    saved = {"a": 100.0 * B, "b": 50.0 + 200.0 * B}
+    return Profile(Strategy(B=B, precision=precision), step_time=3 * sum(fwd.values()) + opt, optimizer_time=opt,
+                   forward_time=fwd, saved=saved, inputs={"a": 10.0 * B, "b": 20.0 * B}, persistent=400.0 * B,
+                   gradients=100.0 * B, peak=1000.0 + 500.0 * B + sum(saved.values()))
+
+
+def test_fit_recovers_known_lines_and_extrapolates():
+    model = fit_profiles([synthetic(B, p) for B in (1, 2, 4) for p in ("fp32", "bf16")])
+    assert model.blocks == ["a", "b"]
+    for precision, slow in (("fp32", 1.0), ("bf16", 2.0)):
+        for B in (3, 8, 32):  # between and beyond the fitted sizes
+            p = synthetic(B, precision)
+            t, m = model.predict(Strategy(B=B, precision=precision))
+            assert t == pytest.approx(p.step_time) and m == pytest.approx(p.peak)
+            cost = model.step_cost(B, precision, 1, "auto")
+            a, b = cost.blocks
+            assert a.time == pytest.approx(3 * p.forward_time["a"]) and a.recompute_time == pytest.approx(
+                p.forward_time["a"])
+            assert b.saved == pytest.approx(p.saved["b"]) and b.saved_recompute == pytest.approx(p.inputs["b"])
+            # Recomputing block b: its forward again; its activations exist again only during its backward.
+            t_rc, m_rc = model.predict(Strategy(B=B, precision=precision, recompute=("b",)))
+            assert t_rc == pytest.approx(p.step_time + p.forward_time["b"])
+            static = p.peak - sum(p.saved.values())
+            assert m_rc == pytest.approx(static + max(p.saved["a"] + p.inputs["b"], p.saved["a"] + p.saved["b"]))
+
+
+def test_fit_checks_its_profiles():
+    with pytest.raises(ValueError, match="needs two array sizes"):
+        fit_profiles([synthetic(2)])
+    with pytest.raises(ValueError, match="without recomputation"):
+        fit_profiles([synthetic(1), dataclasses_replace(synthetic(2), recompute=("a",))])
+    model = fit_profiles([synthetic(1), synthetic(2)])
+    with pytest.raises(ValueError, match="no profile of precision='bf16'"):
+        model.step_cost(4, "bf16", 1, "auto")
+
+
+def dataclasses_replace(p: Profile, **strategy_changes) -> Profile:
+    import dataclasses
+
+    return dataclasses.replace(p, strategy=dataclasses.replace(p.strategy, **strategy_changes))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 256), nn.LayerNorm(256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def test_measured_profile_sees_every_block_and_the_saved_activations():
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    p = profile_step(mlp, (x, y), Strategy(B=4), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                     loss_fn=__import__("hfkern").nn.functional.cross_entropy, device=torch.device("cpu"))
+    assert set(p.forward_time) == {"0", "1", "3", "5"}  # the blocks with parameters
+    assert all(t > 0 for t in p.forward_time.values()) and p.step_time > sum(p.forward_time.values())
+    # Linear 0 saves its input [64, 32] (shared, once) and its weight; LayerNorm 1 its input [4, 64, 256].
+    assert p.saved["1"] >= 4 * 64 * 256 * 4
+    assert p.inputs["3"] >= 4 * 64 * 256 * 4
+    assert p.peak > p.persistent + p.gradients
+
+
+def test_memory_prediction_at_unfitted_B_within_ten_percent():
+    """Fitted at B = 2, 4, 8; the peak at B = 12 and 16 predicted within 10% of its measurement."""
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    kw = dict(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), device="cpu", steps=2, warmup=1)
+    model = fit_cost_model(mlp, (x, y), B_values=(2, 4, 8), **kw)
+    import hfkern
+
+    for B in (12, 16):
+        measured = profile_step(mlp, (x, y), Strategy(B=B), loss_fn=hfkern.nn.functional.cross_entropy,
+                                device=torch.device("cpu"), optimizer=kw["optimizer"], steps=2, warmup=1,
+                                measure_blocks=False)
+        _, predicted = model.predict(Strategy(B=B))
+        assert abs(predicted - measured.peak) / measured.peak < 0.10, (B, predicted, measured.peak)
