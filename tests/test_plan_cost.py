@@ -42,11 +42,37 @@ def test_fit_recovers_known_lines_and_extrapolates():
             assert m_rc == pytest.approx(static + max(p.saved["a"] + p.inputs["b"], p.saved["a"] + p.saved["b"]))
 
 
+def test_measured_recomputation_of_one_block_calibrates_its_cost():
+    """Profiles with block b recomputed alone: it costs 0.5 s + 0.25 s * B more, and its peak is the
+    plain step's less all b saved plus 30 bytes * B; the model gives both back at other B."""
+    import dataclasses
+
+    profiles = []
+    for B in (1, 2, 4):
+        p = synthetic(B)
+        kept = 30.0 * B
+        profiles += [p, dataclasses.replace(p, strategy=Strategy(B=B, recompute=("b",)),
+                                            step_time=p.step_time + 0.5 + 0.25 * B,
+                                            peak=p.peak - p.saved["b"] + kept)]
+    model = fit_profiles(profiles)
+    for B in (3, 10):
+        p = synthetic(B)
+        t, m = model.predict(Strategy(B=B, recompute=("b",)))
+        assert t == pytest.approx(p.step_time + 0.5 + 0.25 * B)
+        static = p.peak - sum(p.saved.values())
+        assert m == pytest.approx(static + p.saved["a"] + 30.0 * B)
+        b = model.step_cost(B, "fp32", 1, "auto").blocks[1]
+        assert b.recompute_time == pytest.approx(0.5 + 0.25 * B)
+        assert b.saved_recompute == pytest.approx(20.0 * B) and b.transient == pytest.approx(30.0 * B)
+
+
 def test_fit_checks_its_profiles():
     with pytest.raises(ValueError, match="needs two array sizes"):
         fit_profiles([synthetic(2)])
-    with pytest.raises(ValueError, match="without recomputation"):
-        fit_profiles([synthetic(1), dataclasses_replace(synthetic(2), recompute=("a",))])
+    with pytest.raises(ValueError, match="recompute one block at most"):
+        fit_profiles([synthetic(1), dataclasses_replace(synthetic(2), recompute=("a", "b"))])
+    with pytest.raises(ValueError, match="recomputes 'c', not a block"):
+        fit_profiles([synthetic(1), synthetic(2), dataclasses_replace(synthetic(2), recompute=("c",))])
     model = fit_profiles([synthetic(1), synthetic(2)])
     with pytest.raises(ValueError, match="no profile of precision='bf16'"):
         model.step_cost(4, "bf16", 1, "auto")

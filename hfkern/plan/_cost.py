@@ -2,7 +2,7 @@
 
 :func:`fit_cost_model` profiles the fused model (``hfkern.fuse(factory, B)``) at a
 few array sizes B for each setting (precision, micro-batches, layout) and fits,
-per top-level block and for the rest of the step, time and memory as lines in
+per top-level block and for the rest of the step, time and memory as curves in
 B. :class:`FittedCostModel` then gives any B's costs (:class:`StepCost`), which is
 what the search (:func:`hfkern.plan._search.search`) needs.
 
@@ -82,7 +82,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class _Recorder:
-    """Hooks on the blocks of a model: forward times, saved and input bytes."""
+    """Hooks on the layers of each block: forward times, saved and input bytes per block.
+
+    The hooks sit on each block's leaf modules, not on the block: a fused model
+    (:func:`hfkern.fuse`) calls its leaf layers directly and never the top-level
+    block. A block's input is that of its first layer called after another
+    block's (the blocks run in order, as for recomputation they must).
+    """
 
     def __init__(self, model: nn.Module, names: Sequence[str], clock: _Clock):
         self.clock, self.names = clock, list(names)
@@ -91,20 +97,28 @@ class _Recorder:
         self.inputs = {n: 0.0 for n in names}
         self.calls = {n: 0 for n in names}
         self._current: str | None = None
+        self._last: str | None = None
         self._seen: set[int] = set()
-        self._handles = []
+        # Parameters (and views of them) that layers save are not activations.
+        self._params = {t.untyped_storage().data_ptr() for t in model.parameters()}
+        # Every forward of the model (each micro-batch's) enters its first block anew.
+        self._handles = [model.register_forward_pre_hook(lambda module, args: self.new_step())]
         for n in names:
-            m = model.get_submodule(n)
-            self._handles.append(m.register_forward_pre_hook(self._pre(n)))
-            self._handles.append(m.register_forward_hook(self._post(n)))
+            block = model.get_submodule(n)
+            leaves = [m for m in block.modules() if not any(True for _ in m.children())] or [block]
+            for m in leaves:
+                self._handles.append(m.register_forward_pre_hook(self._pre(n)))
+                self._handles.append(m.register_forward_hook(self._post(n)))
 
     def _pre(self, name: str):
         def hook(module, args):
-            if not torch.is_grad_enabled():  # a recomputation in backward, or evaluation
+            if not torch.is_grad_enabled():  # evaluation
                 return
-            self._current, self._seen = name, set()
-            self.calls[name] += 1
-            self.inputs[name] += sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor))
+            if self._last != name:  # the block's first layer of this forward
+                self._last, self._seen = name, set()
+                self.calls[name] += 1
+                self.inputs[name] += sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor))
+            self._current = name
             self._start = self.clock.mark()
         return hook
 
@@ -116,10 +130,13 @@ class _Recorder:
             self._current = None
         return hook
 
+    def new_step(self) -> None:
+        self._last = None
+
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._current is not None and t.layout == torch.strided:
             key = t.untyped_storage().data_ptr()
-            if key not in self._seen:
+            if key not in self._seen and key not in self._params:
                 self._seen.add(key)
                 self.saved[self._current] += _nbytes(t)
         return t
@@ -190,31 +207,55 @@ def profile_step(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, to
                    {n: rec.inputs[n] / per_call[n] for n in names}, persistent, gradients, peak)
 
 
-def _line(points: dict[int, float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of value against B."""
-    xs, ys = list(points), list(points.values())
-    if len(xs) == 1:
-        return 0.0, ys[0] / xs[0]
+def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     return my - slope * mx, slope
 
 
+@dataclasses.dataclass(frozen=True)
+class Curve:
+    """A cost as a function of B from its values at the profiled B: linear interpolation between
+    them (exact at each), and beyond the largest the least-squares line of the last three (steps
+    grow linearly in B once the device is busy; the smallest B are dominated by per-call costs,
+    which a line through all points would spread over every B)."""
+
+    points: tuple[tuple[int, float], ...]  # (B, value), by B
+
+    @classmethod
+    def fit(cls, values: dict[int, float]) -> "Curve":
+        if len(values) < 2:
+            raise ValueError(f"Curve: a cost needs values at two array sizes at least, got B = {list(values)}")
+        return cls(tuple(sorted(values.items())))
+
+    def __call__(self, B: float) -> float:
+        pts = self.points
+        if B >= pts[-1][0]:
+            tail = pts[-3:]
+            a, b = _least_squares([x for x, _ in tail], [y for _, y in tail])
+        else:
+            i = max(1, next(i for i, (x, _) in enumerate(pts) if x > B))
+            (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+            b = (y1 - y0) / (x1 - x0)
+            a = y0 - b * x0
+        return max(a + b * B, 0.0)
+
+
 @dataclasses.dataclass
 class FittedCostModel:
-    """Per setting (precision, micro-batches, layout): lines in B of every block's and the step's costs."""
+    """Per setting (precision, micro-batches, layout): every block's and the step's costs as curves in B."""
 
     blocks: list[str]
-    fits: dict[tuple[str, int, str], dict[str, tuple[float, float]]]
+    fits: dict[tuple[str, int, str], dict[str, Curve]]
     profiles: list[Profile]
 
     def settings(self) -> list[tuple[str, int, str]]:
         return list(self.fits)
 
     def _at(self, setting: tuple[str, int, str], key: str, B: int) -> float:
-        a, b = self.fits[setting][key]
-        return max(a + b * B, 0.0)
+        return self.fits[setting][key](B)
 
     def step_cost(self, B: int, precision: str, micro_batches: int, memory_format: str) -> StepCost:
         setting = (precision, micro_batches, memory_format)
@@ -226,7 +267,14 @@ class FittedCostModel:
         fwd = {n: at(f"fwd:{n}") for n in self.blocks}
         total_fwd = sum(fwd.values()) or 1.0
         share = compute / total_fwd   # a block's forward + backward per second of its forward
-        blocks = tuple(BlockCost(n, fwd[n] * share, fwd[n], at(f"saved:{n}"), at(f"inputs:{n}"), at(f"saved:{n}"))
+        fit = self.fits[setting]
+        # Measured recomputation (a profile with the block recomputed alone) where there is one;
+        # else its forward again, and its inputs kept.
+        blocks = tuple(BlockCost(n, fwd[n] * share,
+                                 at(f"rc_time:{n}") if f"rc_time:{n}" in fit else fwd[n],
+                                 at(f"saved:{n}"),
+                                 at(f"rc_saved:{n}") if f"rc_saved:{n}" in fit else at(f"inputs:{n}"),
+                                 at(f"rc_peak:{n}") if f"rc_peak:{n}" in fit else at(f"saved:{n}"))
                        for n in self.blocks)
         other = at("optimizer") + (0.0 if self.blocks else compute)
         return StepCost(blocks, other, at("static"))
@@ -248,21 +296,24 @@ class FittedCostModel:
 
 def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, torch.Tensor], *,
                    optimizer: Callable | None = None, loss_fn: Callable | None = None,
-                   device: torch.device | str | None = None, B_values: Sequence[int] = (1, 2, 4),
+                   device: torch.device | str | None = None, B_values: Sequence[int] = (1, 2, 4, 8),
                    precisions: Sequence[str] = ("fp32",), micro_batches: Sequence[int] = (1,),
                    memory_formats: Sequence[str] = ("auto",), steps: int = 3,
-                   warmup: int = 2) -> FittedCostModel:
-    """Profile ``hfkern.fuse(factory, B)`` at each B of ``B_values`` in every setting and fit the lines.
+                   warmup: int = 2, recompute: bool = True) -> FittedCostModel:
+    """Profile ``hfkern.fuse(factory, B)`` at each B of ``B_values`` in every setting and fit the curves (:class:`Curve`).
 
     ``example_batch``: ``(inputs [N, ...], targets [N])``, one batch as one model
     sees it. ``optimizer``: ``params -> optimizer`` (default ``hfkern.optim.Adam``);
     ``loss_fn(output, target) -> [B]`` (default per-model cross entropy).
+    ``recompute``: also profile each block recomputed alone at every B, and fit
+    what recomputing it costs and saves from those (else: its forward again,
+    and its inputs kept, as the hooks see them).
     """
     from .. import optim
     from ..nn.functional import cross_entropy
 
     if len(set(B_values)) < 2:
-        raise ValueError(f"fit_cost_model: B_values needs at least two distinct sizes to fit lines, got "
+        raise ValueError(f"fit_cost_model: B_values needs at least two distinct sizes to fit curves, got "
                          f"{list(B_values)}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     optimizer = optimizer or (lambda params: optim.Adam(params, lr=1e-3))
@@ -273,24 +324,35 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
             for fmt in memory_formats:
                 for B in sorted(set(B_values)):
                     strategy = Strategy(B=B, precision=precision, micro_batches=m, memory_format=fmt)
-                    profiles.append(profile_step(factory, example_batch, strategy, optimizer=optimizer,
-                                                 loss_fn=loss_fn, device=device, steps=steps, warmup=warmup))
+                    plain = profile_step(factory, example_batch, strategy, optimizer=optimizer,
+                                         loss_fn=loss_fn, device=device, steps=steps, warmup=warmup)
+                    profiles.append(plain)
+                    for n in (plain.forward_time if recompute else ()):
+                        profiles.append(profile_step(
+                            factory, example_batch, dataclasses.replace(strategy, recompute=(n,)),
+                            optimizer=optimizer, loss_fn=loss_fn, device=device, steps=steps, warmup=warmup,
+                            measure_blocks=False))
     return fit_profiles(profiles)
 
 
 def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
-    """The cost model of measured profiles: per setting, least-squares lines in B (at least two B each)."""
+    """The cost model of measured profiles: per setting, :class:`Curve` s in B (at least two B each)."""
     by_setting: dict[tuple[str, int, str], dict[int, Profile]] = {}
+    single: dict[tuple[str, int, str], dict[str, dict[int, Profile]]] = {}
     for p in profiles:
         s = p.strategy
+        setting = (s.precision, s.micro_batches, s.memory_format)
+        if len(s.recompute) > 1:
+            raise ValueError(f"fit_profiles: profiles recompute one block at most, got {s.label}")
         if s.recompute:
-            raise ValueError(f"fit_profiles: profiles are of steps without recomputation, got {s.label}")
-        by_setting.setdefault((s.precision, s.micro_batches, s.memory_format), {})[s.B] = p
+            single.setdefault(setting, {}).setdefault(s.recompute[0], {})[s.B] = p
+        else:
+            by_setting.setdefault(setting, {})[s.B] = p
     names: list[str] | None = None
     fits = {}
     for setting, by_B in by_setting.items():
         if len(by_B) < 2:
-            raise ValueError(f"fit_profiles: setting {setting} has a profile at B = {list(by_B)} only; a line "
+            raise ValueError(f"fit_profiles: setting {setting} has a profile at B = {list(by_B)} only; a curve "
                              f"needs two array sizes")
         these = list(next(iter(by_B.values())).forward_time)
         if names is None:
@@ -308,5 +370,24 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
             # What the saved activations do not explain (persistent bytes, gradients, workspaces,
             # gradients of activations in backward) is fitted as the static term.
             series["static"][B] = p.peak - sum(p.saved.values())
-        fits[setting] = {k: _line(v) for k, v in series.items()}
+        for n, rc_by_B in single.get(setting, {}).items():
+            if n not in names:
+                raise ValueError(f"fit_profiles: a profile recomputes {n!r}, not a block of {names}")
+            # Recomputing block n alone: the time it adds, and its measured peak P_n, which the
+            # model must give back: P_n = static + max(S - s_n + kept_n, prefix_n + transient_n),
+            # S all blocks' saved bytes, prefix_n those of the blocks before n. The transient is
+            # set so that the second term is P_n; what it keeps is its inputs, or less where the
+            # first term would exceed P_n.
+            for B, p in rc_by_B.items():
+                plain = by_B.get(B)
+                if plain is None:
+                    continue
+                static = plain.peak - sum(plain.saved.values())
+                total = sum(plain.saved.values())
+                prefix = sum(plain.saved[k] for k in names[:names.index(n)])
+                series.setdefault(f"rc_time:{n}", {})[B] = max(p.step_time - plain.step_time, 0.0)
+                series.setdefault(f"rc_peak:{n}", {})[B] = max(p.peak - static - prefix, 0.0)
+                series.setdefault(f"rc_saved:{n}", {})[B] = max(
+                    min(plain.inputs[n], p.peak - static - total + plain.saved[n]), 0.0)
+        fits[setting] = {k: Curve.fit(v) for k, v in series.items() if k[:3] != "rc_" or len(v) >= 2}
     return FittedCostModel(names or [], fits, list(profiles))

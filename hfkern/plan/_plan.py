@@ -120,7 +120,7 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
          loss_fn: Callable | None = None, B_values: Sequence[int] | None = None,
          precisions: Sequence[str] | None = None, micro_batches: Sequence[int] = (1,),
          arrays: Sequence[int] | None = None, memory_formats: Sequence[str] = ("auto",),
-         memory_budget: float | None = None, profile_B: Sequence[int] = (2, 4, 8),
+         memory_budget: float | None = None, profile_B: Sequence[int] = (1, 2, 4, 8),
          cost_model: FittedCostModel | None = None) -> PlanSet:
     """The Pareto set of strategies for training ``trials`` trials of ``steps`` steps of ``factory``'s model.
 

@@ -1,0 +1,205 @@
+"""hfkern.plan on the published workloads: the cost model's accuracy and the measured Pareto set.
+
+For each workload of bench/models (at ``--size``), this
+
+1. fits the cost model from measured steps at B = ``--profile-B`` (default 1, 2, 4, 8);
+2. measures configurations it was not fitted on (a larger B; recomputation of
+   half the blocks; two micro-batches for models without batch norm) and
+   reports predicted against measured step time and peak memory;
+3. searches the Pareto set for ``--trials`` trials of ``--steps`` steps over
+   B = 1..``--max-B`` (the search time is reported) and measures every plan of
+   the set (its step time and peak), so that the measured front stands beside
+   the predicted one;
+4. picks a memory budget at which plain fusion (no recomputation) fits fewer
+   models than the plan does, and measures both.
+
+    python bench/bench_plan.py --size cpu --out bench/results/plan_cpu-2threads_DATE
+
+writes ``plan.json`` (every number, device, versions, date), a plot per
+workload (``<workload>.png``: time for all trials against peak memory,
+predicted and measured) and prints a summary table.
+
+Workloads whose step is not one model's ``loss(model(x), y)``: BERT-small's
+three inputs are stacked into one ``[N, 3, S]`` tensor by a wrapper; DCGAN is
+planned for its discriminator (real and generated-looking images against
+labels), since its generator's step needs the discriminator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hfkern  # noqa: E402
+import hfkern.plan as hp  # noqa: E402
+from bench.models import WORKLOADS, mean_cross_entropy  # noqa: E402
+
+
+class _Bert(nn.Module):
+    """BERT-small taking ``[N, 3, S]``: ids, token types and attention mask stacked."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x[:, 0], x[:, 1], x[:, 2])
+
+
+def _bce(prob: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-model binary cross-entropy of ``[B, N]`` probabilities against shared ``[N]`` labels."""
+    return F.binary_cross_entropy(prob.reshape(prob.shape[0], -1), target.expand(prob.shape[0], -1),
+                                  reduction="none").mean(1)
+
+
+def case(name: str, size: str):
+    """(factory, (x, y), loss_fn, optimizer factory, micro-batch counts) of a workload."""
+    w = WORKLOADS[name]
+    batch = w.batch(size)
+    opt_name, opt_kw = w.optimizer
+    lr = math.sqrt(w.lr[0] * w.lr[1])
+    cls = {"sgd": hfkern.optim.SGD, "adam": hfkern.optim.Adam, "adamw": hfkern.optim.AdamW}[opt_name]
+    optimizer = lambda params: cls(params, lr=lr, **opt_kw)  # noqa: E731
+    if name == "bert_small":
+        ids, types, attention, labels = batch
+        return (lambda: _Bert(w.build("net", size)), (torch.stack([ids, types, attention], 1), labels),
+                mean_cross_entropy, optimizer, (1, 2))
+    if name == "dcgan":
+        real, _ = batch
+        x = torch.cat([real[: len(real) // 2], torch.tanh(torch.randn_like(real[len(real) // 2:]))])
+        y = torch.cat([torch.ones(len(real) // 2), torch.zeros(len(real) - len(real) // 2)])
+        return lambda: w.build("D", size), (x, y), _bce, optimizer, (1,)
+    x, y = batch
+    nll = name == "pointnet"
+    loss = (lambda out, t: mean_cross_entropy(out, t, nll=True)) if nll else mean_cross_entropy
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in w.build("net", size).modules())
+    return lambda: w.build("net", size), (x, y), loss, optimizer, ((1,) if has_bn else (1, 2))
+
+
+def measure(factory, batch, strategy, loss, optimizer, device, steps):
+    p = hp.profile_step(factory, batch, strategy, optimizer=optimizer, loss_fn=loss, device=device,
+                        steps=steps, warmup=2, measure_blocks=False)
+    return p.step_time, p.peak
+
+
+def rel(pred: float, meas: float) -> float:
+    return (pred - meas) / meas
+
+
+def run_workload(name: str, args, device) -> dict:
+    factory, batch, loss, optimizer, mbs = case(name, args.size)
+    t0 = time.perf_counter()
+    model = hp.fit_cost_model(factory, batch, optimizer=optimizer, loss_fn=loss, device=device,
+                              B_values=args.profile_B, micro_batches=mbs, steps=args.profile_steps)
+    fit_s = time.perf_counter() - t0
+    blocks = model.blocks
+    # The blocks that save the most, recomputed: half of them.
+    saved = model.step_cost(args.check_B, "fp32", 1, "auto").blocks
+    heavy = tuple(b.name for b in sorted(saved, key=lambda b: -b.saved)[: max(1, len(saved) // 2)])
+    checks = [hp.Strategy(B=args.check_B), hp.Strategy(B=args.check_B, recompute=heavy)]
+    if 2 in mbs:
+        checks.append(hp.Strategy(B=args.check_B, micro_batches=2))
+    accuracy = []
+    for s in checks:
+        pt, pm = model.predict(s)
+        mt, mm = measure(factory, batch, s, loss, optimizer, device, args.profile_steps)
+        accuracy.append(dict(strategy=s.label, predicted_step_s=pt, measured_step_s=mt, time_error=rel(pt, mt),
+                             predicted_peak=pm, measured_peak=mm, memory_error=rel(pm, mm)))
+    t0 = time.perf_counter()
+    front = hp.search(model, trials=args.trials, steps=args.steps, B_values=range(1, args.max_B + 1),
+                      micro_batches=mbs, memory_formats=("auto",))
+    search_s = time.perf_counter() - t0
+    # Every plan of the set, measured (at most --measure of them, spread over the front).
+    pick = front if len(front) <= args.measure else [front[round(i * (len(front) - 1) / (args.measure - 1))]
+                                                      for i in range(args.measure)]
+    measured = []
+    for p in pick:
+        mt, mm = measure(factory, batch, p.strategy, loss, optimizer, device, args.profile_steps)
+        rounds = math.ceil(args.trials / (p.B * p.arrays))
+        measured.append(dict(strategy=p.strategy.label, B=p.B, recompute=list(p.recompute),
+                             micro_batches=p.micro_batches, predicted_time=p.time, predicted_peak=p.peak_memory,
+                             measured_time=rounds * args.steps * p.arrays * mt, measured_peak=mm,
+                             measured_step_s=mt))
+    # A budget where recomputation fits more models than plain fusion: between plain B = max_B's peak
+    # and the smallest plan with recomputation at that B.
+    more = None
+    with_rc = [p for p in front if p.recompute]
+    if with_rc:
+        p_rc = max(with_rc, key=lambda p: (p.B, -p.time))
+        budget = p_rc.peak_memory * 1.001
+        plain = [p for p in hp.search(model, trials=args.trials, steps=args.steps,
+                                      B_values=range(1, args.max_B + 1), micro_batches=(1,),
+                                      memory_formats=("auto",), memory_budget=budget) if not p.recompute]
+        if plain:
+            p_plain = max(plain, key=lambda p: p.B)
+            if p_plain.B < p_rc.B:
+                t_rc, m_rc = measure(factory, batch, p_rc.strategy, loss, optimizer, device, args.profile_steps)
+                t_pl, m_pl = measure(factory, batch, p_plain.strategy, loss, optimizer, device,
+                                     args.profile_steps)
+                more = dict(budget=budget, plain=p_plain.strategy.label, plain_B=p_plain.B, plain_step_s=t_pl,
+                            plain_peak=m_pl, plan=p_rc.strategy.label, plan_B=p_rc.B, plan_step_s=t_rc,
+                            plan_peak=m_rc, per_model_step_cost=(t_rc / p_rc.B) / (t_pl / p_plain.B) - 1)
+    pset = hp.PlanSet(front, model, args.trials, args.steps, None, search_s, fit_s, device)
+    if args.out:
+        pset.plot(os.path.join(args.out, f"{name}.png"), title=f"{name} ({args.size} size) on {device}",
+                  measured=[(p, m["measured_time"], m["measured_peak"]) for p, m in zip(pick, measured)])
+    return dict(workload=name, blocks=blocks, fit_seconds=fit_s, search_seconds=search_s, accuracy=accuracy,
+                front=[dict(strategy=p.strategy.label, B=p.B, recompute=list(p.recompute),
+                            micro_batches=p.micro_batches, predicted_time=p.time, predicted_peak=p.peak_memory)
+                       for p in front], measured_front=measured, more_models=more)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="cpu", choices=["cpu", "full", "smoke"])
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile-B", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--check-B", type=int, default=12, help="B of the accuracy checks (not fitted)")
+    ap.add_argument("--max-B", type=int, default=16)
+    ap.add_argument("--trials", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--measure", type=int, default=6, help="plans of the front measured, at most")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="directory for plan.json and the plots")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    results = []
+    for name in args.workloads:
+        r = run_workload(name, args, device)
+        results.append(r)
+        acc = "; ".join(f"{a['strategy']}: time {a['time_error']:+.0%}, memory {a['memory_error']:+.0%}"
+                        for a in r["accuracy"])
+        print(f"{name}: {len(r['front'])} plans, search {r['search_seconds'] * 1e3:.1f} ms; {acc}", flush=True)
+        if r["more_models"]:
+            m = r["more_models"]
+            print(f"  within {m['budget'] / 2**20:.1f} MiB: plain fusion B = {m['plain_B']}, with recomputation "
+                  f"B = {m['plan_B']} ({m['plan']}); per-model step time {m['per_model_step_cost']:+.0%}")
+    record = dict(benchmark="bench/bench_plan.py", date=datetime.date.today().isoformat(),
+                  device=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                          else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"),
+                  python=platform.python_version(), torch=torch.__version__, hfkern=hfkern.__version__,
+                  args=vars(args), workloads=results)
+    if args.out:
+        with open(os.path.join(args.out, "plan.json"), "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
