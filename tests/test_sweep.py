@@ -313,3 +313,25 @@ def test_gpu_sweep_with_and_without_step_capture():
             check_alone(t, rel=1e-3)
     for a, b in zip(*curves):
         cases.assert_close_curves(a, b, "capture against eager", 1e-4)
+
+
+def test_a_strategy_with_recomputation_leaves_every_trial_as_alone():
+    study = new_study(pruner=cases.PruneNumbers({1}))
+    strategy = hfkern.plan.Strategy(B=3, recompute=("0", "1"))  # the conv and its batch norm
+    summary = cases.runner(study, B=None, strategy=strategy).run(n_trials=5)
+    assert summary.B == 3 and summary.compactions >= 1
+    for t in study.trials:
+        check_alone(t)
+
+
+def test_a_memory_budget_picks_the_fastest_plan_that_fits():
+    study = new_study()
+    runner = cases.runner(study, B=None, memory_budget=64 * 2**20)
+    summary = runner.run(n_trials=4)
+    chosen = runner.plans.best()
+    assert summary.B == chosen.B <= 4 and chosen.peak_memory <= 64 * 2**20
+    assert runner.strategy == chosen.strategy and summary.completed == 4
+    for t in study.trials:
+        check_alone(t)  # fp32 plans (the CPU's precision), recomputation only: results unchanged
+    with pytest.raises(ValueError, match="memory_budget picks B and the strategy"):
+        cases.runner(study, B=2, memory_budget=2**20)

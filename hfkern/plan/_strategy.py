@@ -551,7 +551,8 @@ def _model_side(strategy: Strategy) -> tuple:
 
 def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Callable, *,
               shared: bool = True, allow_batch_statistics: bool = False) -> Callable:
-    """The training step of ``model`` under ``strategy``: ``step(x, y) -> losses [B]``.
+    """The training step of ``model`` under ``strategy``: ``step(x, y, **step_kwargs) -> losses [B]``
+    (``step_kwargs`` go to ``optimizer.step``, e.g. an hfkern optimizer's ``skip`` mask).
 
     ``step`` zeroes the gradients, splits the batch into
     ``strategy.micro_batches`` nearly equal chunks (sizes differing by at most
@@ -629,7 +630,7 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
             return torch.autocast(device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def step(x: torch.Tensor, y: torch.Tensor, **step_kwargs: Any) -> torch.Tensor:
         for name, t in (("x", x), ("y", y)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"step: expected {name} to be a torch.Tensor, got {type(t).__name__}")
@@ -658,7 +659,7 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
             (losses * share).sum().backward()
             part = losses.detach() * share
             total = part if total is None else total + part
-        optimizer.step()
+        optimizer.step(**step_kwargs)
         return total
 
     return step

@@ -248,6 +248,16 @@ class Runner:
             (:func:`hfkern.capture_step`: a fused step is host-bound without
             it); the step then must not synchronize (a custom ``loss`` must not
             call ``.item()``). No effect on CPU.
+        strategy: an :class:`hfkern.plan.Strategy` (or a ``Plan`` of
+            :func:`hfkern.plan`) every array trains under: its blocks
+            recomputed, bf16 autocast, micro-batches, layout; its ``B`` is the
+            runner's ``B`` unless ``B`` is given. Recomputation leaves each
+            trial's results unchanged; bf16 and micro-batches (models without
+            batch norm only) change them as they would alone.
+        memory_budget: bytes a device offers the sweep. With ``B`` and
+            ``strategy`` not given, :func:`hfkern.plan` (profiling the first
+            trial's model) picks the fastest strategy whose predicted peak fits,
+            B up to 64 and ``n_trials``: a user says only which trials to run.
     """
 
     def __init__(
@@ -282,6 +292,8 @@ class Runner:
         progress: bool = True,
         eval_batch_size: int = 1024,
         capture: bool = True,
+        strategy: Any = None,
+        memory_budget: float | None = None,
     ):
         who = "Runner"
         if not isinstance(study, optuna.Study):
@@ -352,6 +364,23 @@ class Runner:
         if not isinstance(capture, bool):
             raise TypeError(f"{who}: capture must be a bool, got {type(capture).__name__}")
         self.capture = capture
+        from ..plan import Plan, Strategy
+
+        if strategy is not None:
+            if isinstance(strategy, Plan):
+                strategy = strategy.strategy
+            if not isinstance(strategy, Strategy):
+                raise TypeError(f"{who}: strategy must be an hfkern.plan.Strategy or Plan, got "
+                                f"{type(strategy).__name__}")
+            if self.B is None:
+                self.B = strategy.B
+        if memory_budget is not None:
+            if not (_is_number(memory_budget) and memory_budget > 0):
+                raise ValueError(f"{who}: memory_budget must be a positive number of bytes, got {memory_budget!r}")
+            if B is not None or strategy is not None:
+                raise ValueError(f"{who}: memory_budget picks B and the strategy; pass it without B and strategy")
+        self.strategy = strategy
+        self.memory_budget = memory_budget
 
         self._array: _Array | None = None
         self._queue: list[_Entry] = []
@@ -568,6 +597,7 @@ class Runner:
                 f"differ in architecture; fusible parameters that differ between them: {differ}; a parameter "
                 f"declared fusible changes the model, declare it grouped: {err}") from err
         model.to(self.device)
+        self._apply_strategy(model, B)
         padded = entries + [entries[0]] * (B - len(entries))
         settings = self._settings_of(entries)
         optimizer, shared_opt = self._optimizer_for(model, padded, settings)
@@ -716,6 +746,7 @@ class Runner:
         rows = torch.tensor(active)
         model = fusion.fuse([a.model.extract_model(b) for b in active])
         model.to(self.device)
+        self._apply_strategy(model, len(active))
         optimizer, shared_opt = self._optimizer_for(model, entries, a.settings)
         optimizer.load_state_dict(_select_models(a.optimizer.state_dict(), rows, a.B))
         scheduler, shared_sched = self._scheduler_for(optimizer, entries)
@@ -732,6 +763,9 @@ class Runner:
     def _choose_B(self, entry: _Entry) -> int:
         from ._memory import max_array_size
 
+        if self.memory_budget is not None:
+            return self._plan(entry)
+
         kw = self._optimizer_kwargs(entry.params)
         settings = self._settings_for(entry.params)
         cls, bs = settings.optimizer_cls, settings.batch_size
@@ -744,6 +778,33 @@ class Runner:
         if self.progress:
             _report.note(f"hfkern.sweep: B = {B} ({estimate})")
         return B
+
+    def _plan(self, entry: _Entry) -> int:
+        """The fastest strategy within ``memory_budget`` for this sweep (:func:`hfkern.plan`)."""
+        from .. import plan as hplan
+
+        settings = self._settings_for(entry.params)
+        kw = self._optimizer_kwargs(entry.params)
+        cls, bs = settings.optimizer_cls, settings.batch_size
+        values = {k: float(v) for k, v in entry.params.items() if k in self.fusible}
+
+        def loss(out, y):  # the runner's loss with the first trial's fusible values in every slot
+            hp = {k: torch.full((out.shape[0],), v, device=out.device) for k, v in values.items()}
+            return self._loss(out, y, hp)
+
+        x, y = self._train
+        plans = hplan(lambda: self._build_model(entry), (x[:bs], y[:bs]), trials=self._n_trials,
+                      steps=settings.total_steps, device=self.device, optimizer=lambda params: cls(params, **kw),
+                      loss_fn=loss, B_values=range(1, min(_MAX_B, self._n_trials) + 1),
+                      memory_budget=self.memory_budget)
+        chosen = plans.best()
+        self.strategy = chosen.strategy
+        self.plans = plans
+        _log.info("plan: %s", chosen.strategy.label)
+        if self.progress:
+            _report.note(f"hfkern.sweep: {chosen.strategy.label} (predicted {chosen.step_time * 1e3:.1f} ms a step, "
+                         f"{chosen.peak_memory / 2**20:.1f} MiB of {self.memory_budget / 2**20:.1f} MiB)")
+        return chosen.B
 
     # ---- training --------------------------------------------------------------------
     def _train_step(self) -> None:
@@ -764,12 +825,32 @@ class Runner:
                                         or a.slots[active[0]].step % a.settings.steps_per_epoch == 0):
             a.scheduler.step()
 
+    def _apply_strategy(self, model: nn.Module, B: int) -> None:
+        if self.strategy is not None:
+            from ..plan import apply
+
+            apply(model, dataclasses.replace(self.strategy, B=B))
+
     def _step_fn(self, a: _Array) -> Callable:
         """One training step of array ``a`` (forward, per-model losses, backward, optimizer), replayed
         as one CUDA graph with ``capture`` on a CUDA device. Everything the step reads that changes
         (surgery, hyper-parameters, the idle mask, schedules) is written in place, so a refill
         needs no new capture."""
         shared_dims = self._train[0].dim()
+        if self.strategy is not None:
+            from ..plan import make_step
+
+            strategy = dataclasses.replace(self.strategy, B=a.B)
+            loss = lambda out, y: self._loss(out, y, a.hp)  # noqa: E731
+            steps = {shared: make_step(a.model, a.optimizer, strategy, loss, shared=shared) for shared in (True, False)}
+
+            def step(x: torch.Tensor, y: torch.Tensor, idle: torch.Tensor) -> torch.Tensor:
+                return steps[x.dim() == shared_dims](x, y, skip=idle)
+
+            if not self.capture:
+                return step
+            bs = a.settings.batch_size
+            return capture_step(step, self._train[0][:bs], self._train[1][:bs], a.idle)
 
         def step(x: torch.Tensor, y: torch.Tensor, idle: torch.Tensor) -> torch.Tensor:
             out = a.model(broadcast(x, a.B) if x.dim() == shared_dims else x)
@@ -1011,6 +1092,7 @@ class Runner:
         models = [self._build_model(e) for e in padded]
         model = fusion.fuse(models)
         model.to(self.device)
+        self._apply_strategy(model, B)
         model.load_state_dict(saved["model"])
         settings = self._settings_of(kept)
         optimizer, shared_opt = self._optimizer_for(model, padded, settings)
