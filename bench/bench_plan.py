@@ -132,25 +132,23 @@ def run_workload(name: str, args, device) -> dict:
                              micro_batches=p.micro_batches, predicted_time=p.time, predicted_peak=p.peak_memory,
                              measured_time=rounds * args.steps * p.arrays * mt, measured_peak=mm,
                              measured_step_s=mt))
-    # A budget where recomputation fits more models than plain fusion: between plain B = max_B's peak
-    # and the smallest plan with recomputation at that B.
+    # A budget where recomputation fits more models than plain fusion: the least memory any plan
+    # with recomputation needs at the largest B one reaches; plain fusion's largest B within it.
     more = None
     with_rc = [p for p in front if p.recompute]
     if with_rc:
-        p_rc = max(with_rc, key=lambda p: (p.B, -p.time))
+        top = max(p.B for p in with_rc)
+        p_rc = min((p for p in with_rc if p.B == top), key=lambda p: p.peak_memory)
         budget = p_rc.peak_memory * 1.001
-        plain = [p for p in hp.search(model, trials=args.trials, steps=args.steps,
-                                      B_values=range(1, args.max_B + 1), micro_batches=(1,),
-                                      memory_formats=("auto",), memory_budget=budget) if not p.recompute]
-        if plain:
-            p_plain = max(plain, key=lambda p: p.B)
-            if p_plain.B < p_rc.B:
-                t_rc, m_rc = measure(factory, batch, p_rc.strategy, loss, optimizer, device, args.profile_steps)
-                t_pl, m_pl = measure(factory, batch, p_plain.strategy, loss, optimizer, device,
-                                     args.profile_steps)
-                more = dict(budget=budget, plain=p_plain.strategy.label, plain_B=p_plain.B, plain_step_s=t_pl,
-                            plain_peak=m_pl, plan=p_rc.strategy.label, plan_B=p_rc.B, plan_step_s=t_rc,
-                            plan_peak=m_rc, per_model_step_cost=(t_rc / p_rc.B) / (t_pl / p_plain.B) - 1)
+        fitting = [B for B in range(1, args.max_B + 1) if model.predict(hp.Strategy(B=B))[1] <= budget]
+        plain_B = max(fitting, default=0)
+        if 0 < plain_B < p_rc.B:
+            plain = hp.Strategy(B=plain_B)
+            t_rc, m_rc = measure(factory, batch, p_rc.strategy, loss, optimizer, device, args.profile_steps)
+            t_pl, m_pl = measure(factory, batch, plain, loss, optimizer, device, args.profile_steps)
+            more = dict(budget=budget, plain=plain.label, plain_B=plain_B, plain_step_s=t_pl, plain_peak=m_pl,
+                        plan=p_rc.strategy.label, plan_B=p_rc.B, plan_step_s=t_rc, plan_peak=m_rc,
+                        per_model_step_cost=(t_rc / p_rc.B) / (t_pl / plain_B) - 1)
     pset = hp.PlanSet(front, model, args.trials, args.steps, None, search_s, fit_s, device)
     if args.out:
         pset.plot(os.path.join(args.out, f"{name}.png"), title=f"{name} ({args.size} size) on {device}",

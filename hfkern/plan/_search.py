@@ -25,6 +25,7 @@ choose, it stays no better.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -87,13 +88,31 @@ def _dominated(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
     return all(x >= y for x, y in zip(a, b))
 
 
-def _prune(states: list[tuple[tuple[float, ...], tuple[str, ...]]]) -> list[tuple[tuple[float, ...], tuple[str, ...]]]:
-    """The states not dominated by another (of equal ones, the first)."""
+def _prune(states: list[tuple[tuple[float, float, float], tuple[str, ...]]]
+           ) -> list[tuple[tuple[float, float, float], tuple[str, ...]]]:
+    """The states (time, saved, peak) not dominated by another (of equal ones, the first).
+
+    In order of time, a state is dominated exactly when an earlier kept one has
+    saved and peak no larger: the least peak among kept states with saved <= s.
+    That is read off a staircase of the kept (saved, peak) pairs, saved rising
+    and peak falling, in O(log n) per state.
+    """
     states = sorted(states, key=lambda s: s[0])
-    kept: list[tuple[tuple[float, ...], tuple[str, ...]]] = []
+    kept = []
+    stair_saved: list[float] = []  # the staircase: saved increasing ...
+    stair_peak: list[float] = []   # ... peak decreasing
     for key, choice in states:
-        if not any(_dominated(key, k) for k, _ in kept):
-            kept.append((key, choice))
+        _, saved, peak = key
+        i = bisect.bisect_right(stair_saved, saved)
+        if i and stair_peak[i - 1] <= peak:
+            continue
+        kept.append((key, choice))
+        # Steps at or after saved with a peak no lower are covered by this one now.
+        j = i
+        while j < len(stair_saved) and stair_peak[j] >= peak:
+            j += 1
+        stair_saved[i:j] = [saved]
+        stair_peak[i:j] = [peak]
     return kept
 
 
