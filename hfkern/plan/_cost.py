@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..fusion import fuse
-from ._search import BlockCost, StepCost
+from ._search import BlockCost, StepCost, step_costs
 from ._strategy import Strategy, apply, blocks, make_step
 
 __all__ = ["FittedCostModel", "Profile", "fit_cost_model", "fit_profiles", "profile_step"]
@@ -282,16 +282,7 @@ class FittedCostModel:
     def predict(self, strategy: Strategy) -> tuple[float, float]:
         """(step seconds, peak bytes) of one array under ``strategy``."""
         cost = self.step_cost(strategy.B, strategy.precision, strategy.micro_batches, strategy.memory_format)
-        time_, saved, peak = cost.other_time, 0.0, 0.0
-        for b in cost.blocks:
-            if b.name in strategy.recompute:
-                time_ += b.time + b.recompute_time
-                peak = max(peak, saved + b.transient)
-                saved += b.saved_recompute
-            else:
-                time_ += b.time
-                saved += b.saved
-        return time_, cost.static + max(saved, peak)
+        return step_costs(cost, strategy.recompute)
 
 
 def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, torch.Tensor], *,

@@ -31,7 +31,7 @@ import itertools
 import math
 from typing import Iterable, Protocol, Sequence
 
-__all__ = ["BlockCost", "CostModel", "Plan", "pareto_front", "search", "search_brute_force"]
+__all__ = ["BlockCost", "CostModel", "Plan", "StepCost", "pareto_front", "search", "search_brute_force", "step_costs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,20 @@ class Plan:
 
         return Strategy(B=self.B, precision=self.precision, micro_batches=self.micro_batches,
                         recompute=self.recompute, arrays=self.arrays, memory_format=self.memory_format)
+
+
+def step_costs(cost: StepCost, recompute: Sequence[str]) -> tuple[float, float]:
+    """(step seconds, peak bytes) of one array whose blocks named in ``recompute`` recompute."""
+    time, saved, peak = cost.other_time, 0.0, 0.0
+    for block in cost.blocks:
+        if block.name in recompute:
+            time += block.time + block.recompute_time
+            peak = max(peak, saved + block.transient)
+            saved += block.saved_recompute
+        else:
+            time += block.time
+            saved += block.saved
+    return time, cost.static + max(saved, peak)
 
 
 def _dominated(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
@@ -196,17 +210,8 @@ def search_brute_force(model: CostModel, *, trials: int, steps: int, B_values: S
     def every_subset(cost: StepCost):
         out = []
         for mask in itertools.product((False, True), repeat=len(cost.blocks)):
-            time, saved, peak = cost.other_time, 0.0, 0.0
-            for block, rc in zip(cost.blocks, mask):
-                if rc:
-                    time += block.time + block.recompute_time
-                    peak = max(peak, saved + block.transient)
-                    saved += block.saved_recompute
-                else:
-                    time += block.time
-                    saved += block.saved
-            out.append((time, cost.static + max(saved, peak),
-                        tuple(b.name for b, rc in zip(cost.blocks, mask) if rc)))
+            chosen = tuple(b.name for b, rc in zip(cost.blocks, mask) if rc)
+            out.append((*step_costs(cost, chosen), chosen))
         return out
 
     settings = _settings(B_values, precisions, micro_batches, arrays, memory_formats)
