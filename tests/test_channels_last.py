@@ -366,3 +366,20 @@ def test_gpu_conv_ops_keep_channels_last(backend):
         ref = torch.ops.hfkern.array_conv(x.contiguous(), weight, None, *args)
     assert array_memory_format(y) == CL
     torch.testing.assert_close(y, ref, atol=1e-2, rtol=1e-2)  # TF32 where torch allows it
+
+
+@pytest.mark.parametrize("fmt", [torch.channels_last, torch.contiguous_format, None])
+def test_a_conv_with_a_memory_format_saves_and_copies(fmt):
+    """torch.memory_format objects do not pickle: torch.save of a whole module kept them by name."""
+    import copy
+    import io
+
+    model = torch.nn.Sequential(hnn.Conv2d(1, 2, 3, B=2), hnn.Conv2d(2, 2, 3, B=2))
+    hnn.set_memory_format(model, fmt)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        assert other[0].memory_format is fmt and other[1].memory_format is fmt
+        torch.testing.assert_close(other[1].weight, model[1].weight)
+        assert other[1].weight.stride() == model[1].weight.stride()

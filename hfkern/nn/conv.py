@@ -75,6 +75,18 @@ class _ArrayConvNd(ArrayModule):
         check_channels(name, x, 2, self.in_channels)
         return x, unbatched
 
+    def __getstate__(self) -> dict:
+        # torch.memory_format objects do not pickle (torch.save's protocol 2): kept by name.
+        state = dict(super().__getstate__())
+        if isinstance(state.get("memory_format"), torch.memory_format):
+            state["memory_format"] = str(state["memory_format"]).removeprefix("torch.")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state.get("memory_format"), str):
+            state = {**state, "memory_format": getattr(torch, state["memory_format"])}
+        super().__setstate__(state)
+
     def _set_memory_format(self, memory_format: torch.memory_format | None) -> None:
         """Keep this conv's images (and its weight) in ``memory_format`` (None: auto).
 
