@@ -10,16 +10,14 @@ within a memory budget, and the means to apply one to a fused model.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from ._cost import FittedCostModel, fit_cost_model
 from ._search import Plan, search
-from ._strategy import Strategy
 
 __all__ = ["PlanSet", "plan"]
 

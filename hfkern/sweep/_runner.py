@@ -598,16 +598,28 @@ class Runner:
                 f"declared fusible changes the model, declare it grouped: {err}") from err
         model.to(self.device)
         self._apply_strategy(model, B)
-        padded = entries + [entries[0]] * (B - len(entries))
-        settings = self._settings_of(entries)
+        return self._assemble(model, list(entries) + [None] * (B - len(entries)))
+
+    def _assemble(self, model: fusion.FusedModel, slots: list[_Entry | None],
+                  saved: dict[str, Any] | None = None) -> _Array:
+        """The array of ``model`` (built, on the device, strategy applied) with trials in ``slots`` (None:
+        idle; idle slots take the first trial's hyper-parameters): its optimizer and scheduler, with
+        their ``saved`` checkpoint state loaded when given."""
+        kept = [e for e in slots if e is not None]
+        padded = [e if e is not None else kept[0] for e in slots]
+        settings = self._settings_of(kept)
         optimizer, shared_opt = self._optimizer_for(model, padded, settings)
         scheduler, shared_sched = self._scheduler_for(optimizer, padded)
+        if saved is not None:
+            optimizer.load_state_dict(saved["optimizer"])
+            if scheduler is not None:
+                scheduler.load_state_dict(saved["scheduler"])
         hp = {k: torch.tensor([float(e.params.get(k, math.nan)) for e in padded], device=self.device)
-              for k in sorted(self.fusible) if k in entries[0].params}
-        slots: list[_Entry | None] = list(entries) + [None] * (B - len(entries))
-        return self._finish_array(_Array(entries[0].key, settings, model, optimizer, scheduler, slots, shared_opt,
-                                         shared_sched, hp, torch.zeros(B, dtype=torch.bool, device=self.device),
-                                         torch.tensor([s is None for s in slots], device=self.device)))
+              for k in sorted(self.fusible) if k in kept[0].params}
+        return self._finish_array(_Array(kept[0].key, settings, model, optimizer, scheduler, slots, shared_opt,
+                                         shared_sched, hp, torch.zeros(len(slots), dtype=torch.bool,
+                                                                       device=self.device),
+                                         torch.tensor([e is None for e in slots], device=self.device)))
 
     def _finish_array(self, a: _Array) -> _Array:
         a.model.train()
@@ -1094,15 +1106,4 @@ class Runner:
         model.to(self.device)
         self._apply_strategy(model, B)
         model.load_state_dict(saved["model"])
-        settings = self._settings_of(kept)
-        optimizer, shared_opt = self._optimizer_for(model, padded, settings)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler, shared_sched = self._scheduler_for(optimizer, padded)
-        if scheduler is not None:
-            scheduler.load_state_dict(saved["scheduler"])
-        hp = {k: torch.tensor([float(e.params.get(k, math.nan)) for e in padded], device=self.device)
-              for k in sorted(self.fusible) if k in kept[0].params}
-        self._array = self._finish_array(_Array(
-            kept[0].key, settings, model, optimizer, scheduler, slots, shared_opt, shared_sched, hp,
-            torch.zeros(B, dtype=torch.bool, device=self.device),
-            torch.tensor([s is None for s in slots], device=self.device)))
+        self._array = self._assemble(model, slots, saved)
