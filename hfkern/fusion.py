@@ -411,25 +411,28 @@ def _in_dims(mark: Any, value: Any) -> Any:
 def _tensors(dims: Any, value: Any, array: bool) -> list[torch.Tensor]:
     """The tensors of ``value`` that are (``array``) or are not array values, by their in_dims."""
     out: list[torch.Tensor] = []
-
-    def walk(d, v):
-        if d is None:
-            if not array:
-                out.extend(t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
-            return
-        if isinstance(d, int):
-            if array:
-                out.append(v)
-            return
-        if isinstance(d, dict):
-            for k in d:
-                walk(d[k], v[k])
-        else:
-            for dd, vv in zip(d, v):
-                walk(dd, vv)
-
-    walk(dims, value)
+    _collect_tensors(dims, value, array, out)
     return out
+
+
+def _collect_tensors(d: Any, v: Any, array: bool, out: list[torch.Tensor]) -> None:
+    # A module-level function, not a closure over ``out``: a recursive closure is a
+    # reference cycle, which would keep the tensors it collected (activations) alive
+    # until Python's cyclic garbage collector runs, well past the step.
+    if d is None:
+        if not array:
+            out.extend(t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
+        return
+    if isinstance(d, int):
+        if array:
+            out.append(v)
+        return
+    if isinstance(d, dict):
+        for k in d:
+            _collect_tensors(d[k], v[k], array, out)
+    else:
+        for dd, vv in zip(d, v):
+            _collect_tensors(dd, vv, array, out)
 
 
 _OUT = object()  # marks a tensor output among vmap's non-tensor outputs
