@@ -94,7 +94,8 @@ def test_measured_profile_sees_every_block_and_the_saved_activations():
     p = profile_step(mlp, (x, y), Strategy(B=4), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                      loss_fn=__import__("hfkern").nn.functional.cross_entropy, device=torch.device("cpu"))
     assert set(p.forward_time) == {"0", "1", "3", "5"}  # the blocks with parameters
-    assert all(t > 0 for t in p.forward_time.values()) and p.step_time > sum(p.forward_time.values())
+    # The step is timed without the hooks, the blocks' forwards with them: both measured, not compared.
+    assert all(t > 0 for t in p.forward_time.values()) and p.step_time > 0 and 0 < p.optimizer_time < p.step_time
     # Linear 0 saves its input [64, 32] (shared, once) and its weight; LayerNorm 1 its input [4, 64, 256].
     assert p.saved["1"] >= 4 * 64 * 256 * 4
     assert p.inputs["3"] >= 4 * 64 * 256 * 4

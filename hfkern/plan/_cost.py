@@ -177,19 +177,27 @@ def profile_step(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, to
     for _ in range(warmup):
         step(x, y)
     _sync(device)
+    # The step's time is measured without the hooks: they run Python at every layer
+    # and every saved tensor, which a model of many small layers would pay in every
+    # prediction. The hooked steps give the blocks' shares and saved bytes only.
     opt_marks.clear()
+    step_times = []
+    for _ in range(steps):
+        _sync(device)
+        start = clock.mark()
+        step(x, y)
+        end = clock.mark()
+        _sync(device)
+        step_times.append(clock.seconds(start, end))
+    optimizer_times = [clock.seconds(a, b) for a, b in opt_marks]
     names = blocks(model) if measure_blocks else []
     rec = _Recorder(model, names, clock)
-    step_times = []
     try:
-        with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
-            for _ in range(steps):
-                _sync(device)
-                start = clock.mark()
-                step(x, y)
-                end = clock.mark()
-                _sync(device)
-                step_times.append(clock.seconds(start, end))
+        if names:
+            with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+                for _ in range(steps):
+                    step(x, y)
+            _sync(device)
     finally:
         rec.close()
         pre.remove()
@@ -201,8 +209,7 @@ def profile_step(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, to
                        + sum(_nbytes(b) for b in model.buffers()))
     gc.collect()
     peak = persistent + _peak_of(lambda: step(x, y), device)
-    return Profile(strategy, statistics.median(step_times),
-                   statistics.median(clock.seconds(a, b) for a, b in opt_marks),
+    return Profile(strategy, statistics.median(step_times), statistics.median(optimizer_times),
                    forward, {n: rec.saved[n] / per_call[n] for n in names},
                    {n: rec.inputs[n] / per_call[n] for n in names}, persistent, gradients, peak)
 
@@ -218,9 +225,10 @@ def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, flo
 @dataclasses.dataclass(frozen=True)
 class Curve:
     """A cost as a function of B from its values at the profiled B: linear interpolation between
-    them (exact at each), and beyond the largest the least-squares line of the last three (steps
-    grow linearly in B once the device is busy; the smallest B are dominated by per-call costs,
-    which a line through all points would spread over every B)."""
+    them (exact at each), and beyond the largest the least-squares slope of the last three from
+    the largest's value, not below zero (steps grow linearly in B once the device is busy; the
+    smallest B are dominated by per-call costs, which a line through all points would spread
+    over every B)."""
 
     points: tuple[tuple[int, float], ...]  # (B, value), by B
 
@@ -233,8 +241,11 @@ class Curve:
     def __call__(self, B: float) -> float:
         pts = self.points
         if B >= pts[-1][0]:
+            # Continuous at the largest B; never falling (a cost does not shrink as B grows:
+            # a falling slope there is measurement noise).
             tail = pts[-3:]
-            a, b = _least_squares([x for x, _ in tail], [y for _, y in tail])
+            b = max(_least_squares([x for x, _ in tail], [y for _, y in tail])[1], 0.0)
+            a = pts[-1][1] - b * pts[-1][0]
         else:
             i = max(1, next(i for i, (x, _) in enumerate(pts) if x > B))
             (x0, y0), (x1, y1) = pts[i - 1], pts[i]
