@@ -337,6 +337,19 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     return fit_profiles(profiles)
 
 
+def _saved_bytes(plain: Profile, recomputed: dict[str, Profile]) -> dict[str, float]:
+    """Each block's bytes saved for backward: as the hooks saw them, or more where recomputing the
+    block alone lowered the peak by more.
+
+    The hooks see the tensors autograd saves through ``saved_tensors_hooks``; some memory a
+    block holds until its backward escapes them (tensors an autograd function keeps on its
+    context, a vmapped op's own buffers). Recomputing the block frees all of it, so the peak
+    it saves bounds what the block holds from below: ``s_n >= P - P_n`` (the peak is at least
+    what remains of the other blocks' activations, ``P - s_n``, plus what block n keeps).
+    """
+    return {n: max(s, plain.peak - recomputed[n].peak) if n in recomputed else s for n, s in plain.saved.items()}
+
+
 def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
     """The cost model of measured profiles: per setting, :class:`Curve` s in B (at least two B each)."""
     by_setting: dict[tuple[str, int, str], dict[int, Profile]] = {}
@@ -362,34 +375,35 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
         elif these != names:
             raise ValueError(f"fit_profiles: profiles of different models (blocks {names} and {these})")
         series: dict[str, dict[int, float]] = {"compute": {}, "optimizer": {}, "static": {}}
+        rc_profiles = single.get(setting, {})
+        for n in rc_profiles:
+            if n not in names:
+                raise ValueError(f"fit_profiles: a profile recomputes {n!r}, not a block of {names}")
         for B, p in by_B.items():
             series["compute"][B] = p.step_time - p.optimizer_time
             series["optimizer"][B] = p.optimizer_time
+            saved = _saved_bytes(p, {n: rc[B] for n, rc in rc_profiles.items() if B in rc})
             for n in names:
                 series.setdefault(f"fwd:{n}", {})[B] = p.forward_time[n]
-                series.setdefault(f"saved:{n}", {})[B] = p.saved[n]
+                series.setdefault(f"saved:{n}", {})[B] = saved[n]
                 series.setdefault(f"inputs:{n}", {})[B] = p.inputs[n]
             # What the saved activations do not explain (persistent bytes, gradients, workspaces,
             # gradients of activations in backward) is fitted as the static term.
-            series["static"][B] = p.peak - sum(p.saved.values())
-        for n, rc_by_B in single.get(setting, {}).items():
-            if n not in names:
-                raise ValueError(f"fit_profiles: a profile recomputes {n!r}, not a block of {names}")
+            static = series["static"][B] = p.peak - sum(saved.values())
             # Recomputing block n alone: the time it adds, and its measured peak P_n, which the
             # model must give back: P_n = static + max(S - s_n + kept_n, prefix_n + transient_n),
             # S all blocks' saved bytes, prefix_n those of the blocks before n. The transient is
             # set so that the second term is P_n; what it keeps is its inputs, or less where the
             # first term would exceed P_n.
-            for B, p in rc_by_B.items():
-                plain = by_B.get(B)
-                if plain is None:
+            total = sum(saved.values())
+            for n, rc_by_B in rc_profiles.items():
+                if B not in rc_by_B:
                     continue
-                static = plain.peak - sum(plain.saved.values())
-                total = sum(plain.saved.values())
-                prefix = sum(plain.saved[k] for k in names[:names.index(n)])
-                series.setdefault(f"rc_time:{n}", {})[B] = max(p.step_time - plain.step_time, 0.0)
-                series.setdefault(f"rc_peak:{n}", {})[B] = max(p.peak - static - prefix, 0.0)
+                rc = rc_by_B[B]
+                prefix = sum(saved[k] for k in names[:names.index(n)])
+                series.setdefault(f"rc_time:{n}", {})[B] = max(rc.step_time - p.step_time, 0.0)
+                series.setdefault(f"rc_peak:{n}", {})[B] = max(rc.peak - static - prefix, 0.0)
                 series.setdefault(f"rc_saved:{n}", {})[B] = max(
-                    min(plain.inputs[n], p.peak - static - total + plain.saved[n]), 0.0)
+                    min(p.inputs[n], rc.peak - static - total + saved[n]), 0.0)
         fits[setting] = {k: Curve.fit(v) for k, v in series.items() if k[:3] != "rc_" or len(v) >= 2}
     return FittedCostModel(names or [], fits, list(profiles))
