@@ -69,7 +69,7 @@ class Profile:
     strategy: Strategy
     step_time: float                 # seconds
     optimizer_time: float            # seconds
-    forward_time: dict[str, float]   # block -> seconds of its forward(s) in a step
+    forward_time: dict[str, float]   # block -> seconds of its forward(s) in a step, in forward order
     saved: dict[str, float]          # block -> bytes saved for backward, per forward call
     inputs: dict[str, float]         # block -> bytes of its inputs, per forward call
     persistent: float                # bytes: parameters and optimizer state
@@ -96,6 +96,7 @@ class _Recorder:
         self.saved = {n: 0.0 for n in names}
         self.inputs = {n: 0.0 for n in names}
         self.calls = {n: 0 for n in names}
+        self.order: list[str] = []  # blocks by their first call: forward order
         self._current: str | None = None
         self._last: str | None = None
         self._seen: set[int] = set()
@@ -116,6 +117,8 @@ class _Recorder:
                 return
             if self._last != name:  # the block's first layer of this forward
                 self._last, self._seen = name, set()
+                if name not in self.order:
+                    self.order.append(name)
                 self.calls[name] += 1
                 self.inputs[name] += sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor))
             self._current = name
@@ -202,6 +205,9 @@ def profile_step(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, to
         rec.close()
         pre.remove()
         post.remove()
+    # In forward order (registration order may differ: PointNet registers its convolutions
+    # before the batch norms between them): what is alive while a block recomputes follows it.
+    names = rec.order + [n for n in names if n not in rec.order]
     forward = {n: sum(clock.seconds(a, b) for a, b in rec.marks[n]) / steps for n in names}
     per_call = {n: max(rec.calls[n], 1) for n in names}
     gradients = float(sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None))
@@ -392,18 +398,22 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
             static = series["static"][B] = p.peak - sum(saved.values())
             # Recomputing block n alone: the time it adds, and its measured peak P_n, which the
             # model must give back: P_n = static + max(S - s_n + kept_n, prefix_n + transient_n),
-            # S all blocks' saved bytes, prefix_n those of the blocks before n. The transient is
-            # set so that the second term is P_n; what it keeps is its inputs, or less where the
-            # first term would exceed P_n.
+            # S all blocks' saved bytes, prefix_n those of the blocks before n. What it keeps is
+            # what the first term leaves for it, at most its inputs. Where that term reaches P_n,
+            # the transient is not seen (anything up to P_n fits): it is taken as the block's
+            # saved tensors alive again, which is what its backward holds at least. Otherwise
+            # the transient is what makes the second term P_n.
             total = sum(saved.values())
             for n, rc_by_B in rc_profiles.items():
                 if B not in rc_by_B:
                     continue
                 rc = rc_by_B[B]
                 prefix = sum(saved[k] for k in names[:names.index(n)])
+                kept = rc.peak - static - total + saved[n]
+                bound = max(rc.peak - static - prefix, 0.0)
                 series.setdefault(f"rc_time:{n}", {})[B] = max(rc.step_time - p.step_time, 0.0)
-                series.setdefault(f"rc_peak:{n}", {})[B] = max(rc.peak - static - prefix, 0.0)
-                series.setdefault(f"rc_saved:{n}", {})[B] = max(
-                    min(p.inputs[n], rc.peak - static - total + saved[n]), 0.0)
+                series.setdefault(f"rc_saved:{n}", {})[B] = max(min(p.inputs[n], kept), 0.0)
+                series.setdefault(f"rc_peak:{n}", {})[B] = (
+                    min(bound, p.saved[n]) if 0.0 <= kept <= p.inputs[n] else bound)
         fits[setting] = {k: Curve.fit(v) for k, v in series.items() if k[:3] != "rc_" or len(v) >= 2}
     return FittedCostModel(names or [], fits, list(profiles))
