@@ -53,6 +53,17 @@ _METRIC_KEYS = ("completed", "makespan", "jct_mean", "jct_median", "jct_p99", "j
                 "utilization", "productive_utilization", "restarts", "preemptions")
 
 
+
+def _save(fig, out_dir: str, name: str) -> str:
+    """Lay out, write (120 dpi) and close a figure; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -174,11 +185,7 @@ def _plots(out_dir: str, loads, by_load: dict, heavy_runs: list[dict], heavy_loa
         a.grid(alpha=0.3)
     ax[0].legend()
     fig.suptitle(f"{args.gpus} GPUs ({args.gpus_per_node}/node), {args.jobs} jobs, mean of seeds {args.seeds}")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "load.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    files.append(path)
+    files.append(_save(fig, out_dir, "load.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for p in POLICIES:
@@ -191,11 +198,7 @@ def _plots(out_dir: str, loads, by_load: dict, heavy_runs: list[dict], heavy_loa
     ax.set_title(f"JCT CDF at load {heavy_load} ({len(heavy_runs)} seeds pooled)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = os.path.join(out_dir, "jct_cdf.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    files.append(path)
+    files.append(_save(fig, out_dir, "jct_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4))
     first = heavy_runs[0]
@@ -210,11 +213,7 @@ def _plots(out_dir: str, loads, by_load: dict, heavy_runs: list[dict], heavy_loa
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "utilization.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    files.append(path)
+    files.append(_save(fig, out_dir, "utilization.png"))
     return files
 
 

@@ -70,3 +70,18 @@ def bench():
             sys.path.remove(p)
         for name in ("bench_kernels", "report", "bandwidth"):
             sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def executor(tmp_path):
+    """An hfkern.elastic TorchrunExecutor in a temporary directory (at most three workers a job),
+    shut down at the end; no launcher or worker may outlive it (tests/_elastic.py)."""
+    from _elastic import processes_of
+    from hfkern.elastic import TorchrunExecutor
+
+    ex = TorchrunExecutor(tmp_path / "jobs", nproc_cap=3)
+    try:
+        yield ex
+    finally:
+        ex.shutdown()
+    assert processes_of(ex.workdir) == []

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hfkern.elastic._autoscaler import Autoscaler
 from hfkern.elastic._controller import Controller, profile
-from hfkern.elastic._executor import JobSpec, TorchrunExecutor
+from hfkern.elastic._executor import JobSpec
 from hfkern.elastic._model import Efficiency, Job, ThroughputModel
 
 pytestmark = pytest.mark.skipif(
@@ -37,15 +37,6 @@ def _job(name: str, max_gpus: int) -> Job:
     model = ThroughputModel(alpha_grad=0.01, beta_grad=0.004, alpha_sync=0.005, beta_sync=0.001)
     return Job(name, model, Efficiency(base_batch_size=32, noise_scale=1000.0), batch_sizes=(32,),
                max_gpus=max_gpus)
-
-
-@pytest.fixture
-def executor(tmp_path):
-    ex = TorchrunExecutor(tmp_path / "jobs", nproc_cap=3)
-    try:
-        yield ex
-    finally:
-        ex.shutdown()
 
 
 def test_autoscaler_rescales_the_long_job_when_the_short_one_ends(executor):

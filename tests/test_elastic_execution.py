@@ -21,6 +21,8 @@ from hfkern.elastic._executor import Executor, JobSpec, JobStatus, TorchrunExecu
 from hfkern.elastic._optimizer import Allocation
 from hfkern.elastic.worker import load_dataset, stream_indices
 
+from _elastic import processes_of
+
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="torch.distributed with the Gloo backend is not available in this torch build",
@@ -44,37 +46,6 @@ def _spec(name: str, **kw) -> JobSpec:
                 batch_size=32, total_steps=40, seed=3, min_step_seconds=0.05)
     base.update(kw)
     return JobSpec(name, **base)
-
-
-def _processes_of(path) -> list[int]:
-    """Live (not zombie) processes whose command line names ``path``: launchers and workers."""
-    if not os.path.isdir("/proc"):
-        return []
-    needle = os.fsencode(str(path))
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if needle in cmdline and stat[stat.rfind(")") + 2] != "Z":
-            found.append(int(entry))
-    return found
-
-
-@pytest.fixture
-def executor(tmp_path):
-    ex = TorchrunExecutor(tmp_path / "jobs", nproc_cap=3)
-    try:
-        yield ex
-    finally:
-        ex.shutdown()
-    assert _processes_of(ex.workdir) == []   # no launcher or worker outlives the executor
 
 
 def _wait_for_step(ex: TorchrunExecutor, name: str, step: int, timeout: float = STARTUP):
@@ -228,10 +199,10 @@ def test_shutdown_kills_every_process_and_stop_resumes(tmp_path):
         st = ex.apply(_decision("s", None, _allocation(1, 64), scale_lr(1.0, 32, 64, "linear")))
         assert st.state == "running" and st.batch_size == 64 and st.lr == pytest.approx(2 * LR)
         _wait_for_step(ex, "s", stopped_at + 2)
-        assert len(_processes_of(ex.job_dir("s"))) == 2   # torchrun and its worker
+        assert len(processes_of(ex.job_dir("s"))) == 2   # torchrun and its worker
     finally:
         ex.shutdown()
-    assert _processes_of(ex.job_dir("s")) == []
+    assert processes_of(ex.job_dir("s")) == []
     st = ex.status("s")
     assert st.state == "failed" and "shutdown" in st.message
     log = ex.log("s")
@@ -348,6 +319,9 @@ class _RecordingExecutor(Executor):
                 self.calls.append(("done", name))
                 self.jobs[name] = dataclasses.replace(st, state="stopped" if st.state == "stopping" else "running")
         return statuses
+
+    def log(self, name):
+        return []
 
     def shutdown(self, *, checkpoint=False, timeout=30.0):
         pass
