@@ -335,3 +335,8 @@ def test_a_memory_budget_picks_the_fastest_plan_that_fits():
         check_alone(t)  # fp32 plans (the CPU's precision), recomputation only: results unchanged
     with pytest.raises(ValueError, match="memory_budget picks B and the strategy"):
         cases.runner(study, B=2, memory_budget=2**20)
+
+
+def test_a_strategy_of_several_arrays_in_flight_is_refused():
+    with pytest.raises(ValueError, match="one array at a time"):
+        cases.runner(new_study(), B=None, strategy=hfkern.plan.Strategy(B=2, arrays=2))

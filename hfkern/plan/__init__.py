@@ -21,10 +21,10 @@ import types
 from ._cost import FittedCostModel, Profile, fit_cost_model, fit_profiles, profile_step
 from ._plan import PlanSet, plan
 from ._search import BlockCost, Plan, StepCost, pareto_front, search, search_brute_force
-from ._strategy import Recompute, Strategy, applied, apply, blocks, make_step, unapply
+from ._strategy import InFlight, Recompute, Strategy, applied, apply, blocks, make_step, unapply
 
 __all__ = [
-    "BlockCost", "FittedCostModel", "Plan", "PlanSet", "Profile", "Recompute", "StepCost", "Strategy",
+    "BlockCost", "FittedCostModel", "InFlight", "Plan", "PlanSet", "Profile", "Recompute", "StepCost", "Strategy",
     "applied", "apply", "blocks", "fit_cost_model", "fit_profiles", "make_step", "pareto_front", "plan",
     "profile_step", "search", "search_brute_force", "unapply",
 ]

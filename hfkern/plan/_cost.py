@@ -40,7 +40,7 @@ from torch import nn
 
 from ..fusion import fuse
 from ._search import BlockCost, StepCost, step_costs
-from ._strategy import Strategy, apply, blocks, make_step
+from ._strategy import InFlight, Strategy, apply, blocks, make_step
 
 __all__ = ["FittedCostModel", "Profile", "fit_cost_model", "fit_profiles", "profile_step"]
 
@@ -169,10 +169,17 @@ def profile_step(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, to
                  warmup: int = 2, measure_blocks: bool = True) -> Profile:
     """Build ``hfkern.fuse(factory, strategy.B)`` under ``strategy`` and measure its steps (medians)."""
     x, y = (t.to(device) for t in batch)
-    model = fuse(factory, strategy.B).to(device)
-    apply(model, strategy)
-    opt = optimizer(model.parameters())
-    step = make_step(model, opt, strategy, loss_fn)
+    # Arrays in flight: that many arrays, their steps run together (InFlight: a CUDA stream
+    # each); the first array's optimizer is timed, and blocks are measured with one array only.
+    models = [fuse(factory, strategy.B).to(device) for _ in range(strategy.arrays)]
+    opts = []
+    for m in models:
+        apply(m, strategy)
+        opts.append(optimizer(m.parameters()))
+    steps_of = [make_step(m, o, strategy, loss_fn) for m, o in zip(models, opts)]
+    step = steps_of[0] if len(steps_of) == 1 else InFlight(steps_of, device)
+    model, opt = models[0], opts[0]
+    measure_blocks = measure_blocks and len(models) == 1
     clock = _Clock(device)
     opt_marks: list[tuple[Any, Any]] = []
     pre = opt.register_step_pre_hook(lambda *a: opt_marks.append((clock.mark(), None)))
@@ -210,9 +217,9 @@ def profile_step(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, to
     names = rec.order + [n for n in names if n not in rec.order]
     forward = {n: sum(clock.seconds(a, b) for a, b in rec.marks[n]) / steps for n in names}
     per_call = {n: max(rec.calls[n], 1) for n in names}
-    gradients = float(sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None))
-    persistent = float(sum(_nbytes(p) for p in model.parameters()) + _state_bytes(opt)
-                       + sum(_nbytes(b) for b in model.buffers()))
+    gradients = float(sum(_nbytes(p.grad) for m in models for p in m.parameters() if p.grad is not None))
+    persistent = float(sum(sum(_nbytes(p) for p in m.parameters()) + _state_bytes(o)
+                           + sum(_nbytes(b) for b in m.buffers()) for m, o in zip(models, opts)))
     gc.collect()
     peak = persistent + _peak_of(lambda: step(x, y), device)
     return Profile(strategy, statistics.median(step_times), statistics.median(optimizer_times),
@@ -296,17 +303,34 @@ class FittedCostModel:
         other = at("optimizer") + (0.0 if self.blocks else compute)
         return StepCost(blocks, other, at("static"))
 
+    def in_flight(self, B: int, precision: str, micro_batches: int, memory_format: str,
+                  arrays: int) -> tuple[float, float] | None:
+        """``arrays`` arrays run together (:class:`~hfkern.plan._strategy.InFlight`) against one after
+        another: (time factor, memory factor) as measured, or None where not profiled."""
+        if arrays == 1:
+            return 1.0, 1.0
+        fit = self.fits.get((precision, micro_batches, memory_format), {})
+        if f"arrays{arrays}:time" not in fit:
+            return None
+        return fit[f"arrays{arrays}:time"](B), fit[f"arrays{arrays}:memory"](B)
+
     def predict(self, strategy: Strategy) -> tuple[float, float]:
-        """(step seconds, peak bytes) of one array under ``strategy``."""
+        """(seconds of one step of the strategy's arrays, peak bytes of the device): one array's
+        under ``strategy``, times ``strategy.arrays`` (one after another) and what :meth:`in_flight`
+        measured for that many together."""
         cost = self.step_cost(strategy.B, strategy.precision, strategy.micro_batches, strategy.memory_format)
-        return step_costs(cost, strategy.recompute)
+        time, peak = step_costs(cost, strategy.recompute)
+        k = strategy.arrays
+        factors = self.in_flight(strategy.B, strategy.precision, strategy.micro_batches, strategy.memory_format, k)
+        time_factor, memory_factor = factors if factors is not None else (1.0, 1.0)
+        return k * time * time_factor, k * peak * memory_factor
 
 
 def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, torch.Tensor], *,
                    optimizer: Callable | None = None, loss_fn: Callable | None = None,
                    device: torch.device | str | None = None, B_values: Sequence[int] = (1, 2, 4, 8),
                    precisions: Sequence[str] = ("fp32",), micro_batches: Sequence[int] = (1,),
-                   memory_formats: Sequence[str] = ("auto",), steps: int = 3,
+                   memory_formats: Sequence[str] = ("auto",), arrays: Sequence[int] = (1,), steps: int = 3,
                    warmup: int = 2, recompute: bool = True) -> FittedCostModel:
     """Profile ``hfkern.fuse(factory, B)`` at each B of ``B_values`` in every setting and fit the curves (:class:`Curve`).
 
@@ -315,7 +339,10 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     ``loss_fn(output, target) -> [B]`` (default per-model cross entropy).
     ``recompute``: also profile each block recomputed alone at every B, and fit
     what recomputing it costs and saves from those (else: its forward again,
-    and its inputs kept, as the hooks see them).
+    and its inputs kept, as the hooks see them). ``arrays``: array counts in
+    flight to profile together (:class:`~hfkern.plan._strategy.InFlight`; on CUDA
+    a stream each) at every B, for :meth:`FittedCostModel.in_flight`; counts not
+    profiled are modelled as one array after another.
     """
     from .. import optim
     from ..nn.functional import cross_entropy
@@ -323,6 +350,9 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     if len(set(B_values)) < 2:
         raise ValueError(f"fit_cost_model: B_values needs at least two distinct sizes to fit curves, got "
                          f"{list(B_values)}")
+    arrays = list(arrays)
+    if not arrays or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in arrays):
+        raise ValueError(f"fit_cost_model: expected arrays as positive ints (arrays in flight), got {arrays}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     optimizer = optimizer or (lambda params: optim.Adam(params, lr=1e-3))
     loss_fn = loss_fn or cross_entropy
@@ -340,6 +370,10 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
                             factory, example_batch, dataclasses.replace(strategy, recompute=(n,)),
                             optimizer=optimizer, loss_fn=loss_fn, device=device, steps=steps, warmup=warmup,
                             measure_blocks=False))
+                    for k in sorted(set(arrays) - {1}):
+                        profiles.append(profile_step(
+                            factory, example_batch, dataclasses.replace(strategy, arrays=k), optimizer=optimizer,
+                            loss_fn=loss_fn, device=device, steps=steps, warmup=warmup, measure_blocks=False))
     return fit_profiles(profiles)
 
 
@@ -360,9 +394,15 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
     """The cost model of measured profiles: per setting, :class:`Curve` s in B (at least two B each)."""
     by_setting: dict[tuple[str, int, str], dict[int, Profile]] = {}
     single: dict[tuple[str, int, str], dict[str, dict[int, Profile]]] = {}
+    flight: dict[tuple[str, int, str], dict[int, dict[int, Profile]]] = {}
     for p in profiles:
         s = p.strategy
         setting = (s.precision, s.micro_batches, s.memory_format)
+        if s.arrays > 1:
+            if s.recompute:
+                raise ValueError(f"fit_profiles: profiles of arrays in flight recompute nothing, got {s.label}")
+            flight.setdefault(setting, {}).setdefault(s.arrays, {})[s.B] = p
+            continue
         if len(s.recompute) > 1:
             raise ValueError(f"fit_profiles: profiles recompute one block at most, got {s.label}")
         if s.recompute:
@@ -416,5 +456,12 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
                 # The end of the forward explains P_n within 1% (measurement noise): the transient is not seen.
                 explained = static + total - saved[n] + kept >= 0.99 * rc.peak
                 series.setdefault(f"rc_peak:{n}", {})[B] = min(bound, p.saved[n]) if explained else bound
-        fits[setting] = {k: Curve.fit(v) for k, v in series.items() if k[:3] != "rc_" or len(v) >= 2}
+        # k arrays in flight against k steps one after another: the time and memory factors.
+        for k, flight_by_B in flight.get(setting, {}).items():
+            for B, q in flight_by_B.items():
+                if B in by_B:
+                    series.setdefault(f"arrays{k}:time", {})[B] = q.step_time / (k * by_B[B].step_time)
+                    series.setdefault(f"arrays{k}:memory", {})[B] = q.peak / (k * by_B[B].peak)
+        fits[setting] = {k: Curve.fit(v) for k, v in series.items()
+                         if not k.startswith(("rc_", "arrays")) or len(v) >= 2}
     return FittedCostModel(names or [], fits, list(profiles))

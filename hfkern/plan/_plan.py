@@ -130,7 +130,9 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
         precisions: default ``("fp32", "bf16")`` on CUDA, ``("fp32",)`` on the CPU.
         micro_batches: micro-batch counts searched (micro-batching changes batch-norm
             statistics: only for models without it).
-        arrays: arrays in flight (default ``(1, 2)`` on CUDA, ``(1,)`` on the CPU).
+        arrays: arrays in flight (default ``(1, 2)`` on CUDA, ``(1,)`` on the CPU), each
+            count profiled together (:class:`hfkern.plan.InFlight`: a CUDA stream
+            per array) for the cost model.
         memory_formats: layouts searched.
         memory_budget: bytes a device offers; plans above it are left out (default:
             90% of the device's free memory, as :func:`hfkern.max_array_size` reads it).
@@ -153,7 +155,7 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
     if cost_model is None:
         cost_model = fit_cost_model(factory, example_batch, optimizer=optimizer, loss_fn=loss_fn, device=device,
                                     B_values=profile_B, precisions=precisions, micro_batches=micro_batches,
-                                    memory_formats=memory_formats)
+                                    memory_formats=memory_formats, arrays=arrays)
     fitted = time.perf_counter() - start
     start = time.perf_counter()
     front = search(cost_model, trials=trials, steps=steps, B_values=B_values, precisions=precisions,

@@ -71,7 +71,7 @@ class Plan:
     arrays: int
     memory_format: str
     recompute: tuple[str, ...]
-    step_time: float   # seconds per step of one array
+    step_time: float   # seconds per step of one array (its share when several are in flight)
     peak_memory: float  # bytes of the device, all arrays in flight
     time: float        # seconds to train every trial
 
@@ -151,13 +151,18 @@ def _settings(B_values, precisions, micro_batches, arrays, memory_formats):
 
 def _plans(model: CostModel, trials: int, steps: int, settings, front_of) -> list[Plan]:
     plans = []
+    measured = getattr(model, "in_flight", None)
     for B, precision, m, k, fmt in settings:
         cost = model.step_cost(B, precision, m, fmt)
         rounds = math.ceil(trials / (B * k))
+        # k arrays in flight share the device: k steps take k times one step's time and memory
+        # (one after another), times what measuring k together found (a cost model's in_flight).
+        factors = measured(B, precision, m, fmt, k) if (measured is not None and k > 1) else None
+        time_factor, memory_factor = factors if factors is not None else (1.0, 1.0)
         for step_time, peak, chosen in front_of(cost):
-            # k arrays in flight share the device: a step of each, one after another at worst,
-            # and k times the memory.
-            plans.append(Plan(B, precision, m, k, fmt, chosen, step_time, k * peak, rounds * steps * k * step_time))
+            step_time *= time_factor
+            plans.append(Plan(B, precision, m, k, fmt, chosen, step_time, k * peak * memory_factor,
+                              rounds * steps * k * step_time))
     return plans
 
 

@@ -3,7 +3,8 @@
 A :class:`Strategy` fixes how one array of B models trains: the precision of
 forward and loss, the micro-batches a batch is split into, which blocks
 recompute their activations in backward, the memory layout of the images, and
-(recorded only, for the scheduler that runs arrays) the arrays in flight.
+the arrays in flight (:class:`InFlight` runs their steps together: on CUDA
+each on a stream of its own).
 
 Applying a strategy leaves the training code as it was:
 
@@ -94,8 +95,9 @@ class Strategy:
         recompute: names of blocks (:func:`blocks`) that recompute their
             activations in backward instead of keeping them (a sequence of
             str, kept as a tuple in the given order).
-        arrays: arrays trained at the same time on the device; recorded here for
-            whoever runs the arrays, :func:`apply` and :func:`make_step` do not read it.
+        arrays: arrays trained at the same time on the device. :func:`apply` and
+            :func:`make_step` act on one array; :class:`InFlight` runs the steps
+            of ``arrays`` of them together.
         memory_format: ``"auto"`` (each array conv chooses by committed
             measurements, as without a plan), ``"contiguous"`` or
             ``"channels_last"``: the memory format of the array convs' images
@@ -663,3 +665,68 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
         return total
 
     return step
+
+
+class InFlight:
+    """Training steps of several arrays run together: ``InFlight(steps)(x, y) -> [losses of each]``.
+
+    ``steps``: one training step per array (:func:`make_step`'s, or any
+    ``step(x, y, **kw) -> losses``), as many as :attr:`Strategy.arrays`. Called
+    with one batch ``(x, y)`` every array trains on, or with ``batches=[(x, y),
+    ...]`` one per array; keyword arguments go to every step.
+
+    On CUDA each array's step is issued on a stream of its own, so that the
+    device overlaps one array's small kernels with another's (what two jobs on
+    one GPU get from its scheduler); each stream first waits for the work
+    queued so far on the current stream (the batch), and the current stream
+    waits for all of them before the call returns, so the results are ready to
+    use as after plain calls. Elsewhere the steps run one after another. The
+    arrays share nothing, so each one's losses and parameters are those of
+    its own step run alone.
+    """
+
+    def __init__(self, steps: Any, device: torch.device | str | None = None):
+        steps = list(steps) if not callable(steps) else None
+        if not steps or not all(callable(s) for s in steps):
+            raise TypeError("InFlight: expected a non-empty sequence of step callables (one per array)")
+        self.steps = steps
+        self.device = torch.device(device) if device is not None else None
+        self._streams: list | None = None
+
+    def _cuda_streams(self, x: Any) -> list | None:
+        device = self.device if self.device is not None else getattr(x, "device", None)
+        if device is None or device.type != "cuda" or len(self.steps) == 1:
+            return None
+        if self._streams is None:
+            self._streams = [torch.cuda.Stream(device) for _ in self.steps]
+        return self._streams
+
+    def __call__(self, x: Any = None, y: Any = None, *, batches: Any = None, **step_kwargs: Any) -> list:
+        if batches is None:
+            if x is None or y is None:
+                raise TypeError("InFlight: expected (x, y) shared by the arrays or batches=[(x, y), ...]")
+            batches = [(x, y)] * len(self.steps)
+        else:
+            if x is not None or y is not None:
+                raise TypeError("InFlight: expected either (x, y) or batches=, got both")
+            batches = list(batches)
+            if len(batches) != len(self.steps):
+                raise ValueError(f"InFlight: expected one batch per array ({len(self.steps)}), "
+                                 f"got {len(batches)}")
+        streams = self._cuda_streams(batches[0][0])
+        if streams is None:
+            return [step(bx, by, **step_kwargs) for step, (bx, by) in zip(self.steps, batches)]
+        current = torch.cuda.current_stream(streams[0].device)
+        out = []
+        for stream, step, (bx, by) in zip(streams, self.steps, batches):
+            stream.wait_stream(current)
+            for t in (bx, by):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(stream)  # read on the side stream: not reused before it is done
+            with torch.cuda.stream(stream):
+                out.append(step(bx, by, **step_kwargs))
+        for stream, losses in zip(streams, out):
+            current.wait_stream(stream)
+            if isinstance(losses, torch.Tensor) and losses.is_cuda:
+                losses.record_stream(current)
+        return out

@@ -372,6 +372,9 @@ class Runner:
             if not isinstance(strategy, Strategy):
                 raise TypeError(f"{who}: strategy must be an hfkern.plan.Strategy or Plan, got "
                                 f"{type(strategy).__name__}")
+            if strategy.arrays != 1:
+                raise ValueError(f"{who}: the runner trains one array at a time; expected a strategy with "
+                                 f"arrays=1, got arrays={strategy.arrays} (run more runners on the device instead)")
             if self.B is None:
                 self.B = strategy.B
         if memory_budget is not None:
@@ -807,7 +810,7 @@ class Runner:
         x, y = self._train
         plans = hplan(lambda: self._build_model(entry), (x[:bs], y[:bs]), trials=self._n_trials,
                       steps=settings.total_steps, device=self.device, optimizer=lambda params: cls(params, **kw),
-                      loss_fn=loss, B_values=range(1, min(_MAX_B, self._n_trials) + 1),
+                      loss_fn=loss, B_values=range(1, min(_MAX_B, self._n_trials) + 1), arrays=(1,),
                       memory_budget=self.memory_budget)
         chosen = plans.best()
         self.strategy = chosen.strategy
