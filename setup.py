@@ -309,7 +309,9 @@ def main() -> None:
             "bench": ["matplotlib", "tqdm"],
             # hfkern.sweep: Optuna studies on SQLite or PostgreSQL (SQLAlchemy, psycopg2)
             "sweep": ["optuna>=4.0", "sqlalchemy>=2.0", "psycopg2-binary>=2.9", "tqdm", "rich", "matplotlib"],
-            "test": ["pytest", "scikit-learn", "tqdm", "rich", "matplotlib", "triton>=3.6,<3.10",
+            # hfkern.elastic: ThroughputModel.fit (scipy's least squares), the simulator's plots
+            "elastic": ["scipy", "matplotlib"],
+            "test": ["pytest", "scikit-learn", "scipy", "tqdm", "rich", "matplotlib", "triton>=3.6,<3.10",
                      "optuna>=4.0", "sqlalchemy>=2.0", "psycopg2-binary>=2.9"],
         },
         zip_safe=False,
