@@ -174,6 +174,9 @@ def test_three_jobs_one_rescaled_all_finish(executor):
         assert len(log) == spec.total_steps
         _check_stream(log, spec, n_data[spec.name])
     dig = executor.log("dig")
+    assert executor.log("dig", last=5) == dig[-5:]          # the records the executor keeps, as read
+    with pytest.raises(ValueError, match="last"):
+        executor.log("dig", last=0)
     k = next(i for i, r in enumerate(dig) if r["world_size"] == 2)
     assert all(r["batch"] == 48 and r["lr"] == pytest.approx(LR * 1.5) for r in dig[k:])
     arr = executor.log("arr")
@@ -320,7 +323,7 @@ class _RecordingExecutor(Executor):
                 self.jobs[name] = dataclasses.replace(st, state="stopped" if st.state == "stopping" else "running")
         return statuses
 
-    def log(self, name):
+    def log(self, name, last=None):
         return []
 
     def shutdown(self, *, checkpoint=False, timeout=30.0):

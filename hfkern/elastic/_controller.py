@@ -102,7 +102,7 @@ class Controller:
         current size (None before two such steps, or for a job without a step budget)."""
         spec = self._specs[name]
         st = self.executor.status(name)
-        recent = [r for r in self.executor.log(name)[-window:] if r.get("generation") == st.generation]
+        recent = [r for r in self.executor.log(name, last=window) if r.get("generation") == st.generation]
         if len(recent) < 2 or st.batch_size <= 0:
             return None
         per_step = (recent[-1]["time"] - recent[0]["time"]) / (len(recent) - 1)

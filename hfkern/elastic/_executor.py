@@ -31,6 +31,7 @@ How a rescale is carried out (TorchrunExecutor)
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import json
 import math
@@ -50,6 +51,7 @@ from hfkern.elastic._autoscaler import scale_lr
 __all__ = ["Executor", "JobSpec", "JobStatus", "TorchrunExecutor", "STATES"]
 
 LR_RULES = ("linear", "sqrt", "none")
+_RECENT = 64   # step records an executor keeps of each job, for log(name, last=...)
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOSSES = ("cross_entropy", "mse")
 DATASETS = ("digits", "classification", "regression")
@@ -342,9 +344,10 @@ class Executor(abc.ABC):
         """Make a job known without starting it (a later Decision starts it)."""
 
     @abc.abstractmethod
-    def log(self, name: str) -> list[dict]:
-        """Job ``name``'s step records so far, oldest first: at least ``step``, ``time`` (seconds
-        since the epoch, when the step ended), ``world_size``, ``batch`` and ``loss``."""
+    def log(self, name: str, last: int | None = None) -> list[dict]:
+        """Job ``name``'s step records so far, oldest first (the ``last`` ones only, if given): at
+        least ``step``, ``time`` (seconds since the epoch, when the step ended), ``world_size``,
+        ``batch``, ``generation`` and ``loss``."""
 
     def status(self, name: str) -> JobStatus:
         """One job's status (see :meth:`poll`)."""
@@ -507,6 +510,7 @@ class _Job:
         self.pending: tuple | None = None    # ("relaunch", gpus, batch, lr) or ("stop",)
         self.log_pos = 0
         self.last: dict | None = None
+        self.recent: collections.deque = collections.deque(maxlen=_RECENT)   # the last step records
         self.returncode: int | None = None
         self.message = ""
         self.devices: list[int] = []
@@ -709,9 +713,17 @@ class TorchrunExecutor(Executor):
         self._advance(job)
         return self._status(job)
 
-    def log(self, name: str) -> list[dict]:
-        """Every step record of job ``name``'s ``log.jsonl`` so far (complete lines)."""
-        path = os.path.join(self._job(name).dir, "log.jsonl")
+    def log(self, name: str, last: int | None = None) -> list[dict]:
+        """Every step record of job ``name``'s ``log.jsonl`` so far (complete lines); with ``last``
+        (at most the records the executor keeps while it follows the log), those from memory."""
+        job = self._job(name)
+        if last is not None:
+            if isinstance(last, bool) or not isinstance(last, int) or not 0 < last <= _RECENT:
+                raise ValueError(f"{type(self).__name__}.log: expected last as an int in 1..{_RECENT} or None, "
+                                 f"got {last!r}")
+            self._read_log(job)
+            return list(job.recent)[-last:]
+        path = os.path.join(job.dir, "log.jsonl")
         if not os.path.exists(path):
             return []
         with open(path) as f:
@@ -812,6 +824,7 @@ class TorchrunExecutor(Executor):
                 size = os.fstat(f.fileno()).st_size
                 if size < job.log_pos:
                     job.log_pos = 0      # cut back after a restart from a checkpoint
+                    job.recent.clear()
                 f.seek(job.log_pos)
                 data = f.read()
         except FileNotFoundError:
@@ -824,7 +837,8 @@ class TorchrunExecutor(Executor):
             try:
                 job.last = json.loads(line)
             except ValueError:
-                pass
+                continue
+            job.recent.append(job.last)
 
     def _advance(self, job: _Job) -> None:
         """Bring ``job``'s state up to date; relaunch a job whose stop for a rescale has completed."""
