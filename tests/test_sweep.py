@@ -337,6 +337,91 @@ def test_a_memory_budget_picks_the_fastest_plan_that_fits():
         cases.runner(study, B=2, memory_budget=2**20)
 
 
-def test_a_strategy_of_several_arrays_in_flight_is_refused():
-    with pytest.raises(ValueError, match="one array at a time"):
-        cases.runner(new_study(), B=None, strategy=hfkern.plan.Strategy(B=2, arrays=2))
+def watch_in_flight(runner) -> list[list[tuple]]:
+    """Record the groups (width) of the arrays that train together in each of ``runner``'s rounds."""
+    rounds, train_round = [], runner._train_round
+
+    def recording():
+        rounds.append([a.key for a in runner._arrays])
+        train_round()
+
+    runner._train_round = recording
+    return rounds
+
+
+def test_two_arrays_in_flight_leave_every_trial_as_alone():
+    """Two arrays train together (one after the other on the CPU, a CUDA stream each on a GPU):
+    arrays of different groups side by side, pruned slots refilled, arrays compacted, and every
+    trial as trained alone."""
+    study = new_study(pruner=cases.PruneNumbers({0, 3}))
+    for w in (3, 5, 3, 3, 5, 5, 3):
+        study.enqueue_trial({"width": w})
+    runner = cases.runner(study, space=cases.space_widths, B=None, strategy=hfkern.plan.Strategy(B=2, arrays=2))
+    rounds = watch_in_flight(runner)
+    summary = runner.run(n_trials=7)
+    assert (summary.completed, summary.pruned, summary.in_flight, summary.B) == (5, 2, 2, 2)
+    assert "2 in flight" in str(summary)
+    assert max(len(r) for r in rounds) == 2  # two arrays trained together ...
+    assert any(len(set(r)) == 2 for r in rounds)  # ... of the two widths side by side
+    assert summary.compactions >= 1
+    for t in study.trials:
+        check_alone(t)
+
+
+class Killed(BaseException):
+    """Stands for the process's death: raised by a metric, after the runner's checkpoint."""
+
+
+def test_a_checkpoint_of_two_arrays_in_flight_resumes_both(tmp_path):
+    ckpt = tmp_path / "runner.pt"
+    study = new_study()
+    rounds = []
+
+    def metric_then_die(model, hp):
+        rounds.append(1)
+        if len(rounds) == 4:  # the second array's second round: the checkpoint of round 1 holds both
+            raise Killed
+        return hs_loss(model)
+
+    strategy = hfkern.plan.Strategy(B=2, arrays=2)
+    first = cases.runner(study, B=None, strategy=strategy, checkpoint=ckpt, metric=metric_then_die, name="r")
+    first._fail = lambda *a, **k: None  # a killed process tells nothing
+    with pytest.raises(Killed):
+        first.run(n_trials=4)
+    assert ckpt.exists()
+    saved = torch.load(ckpt, weights_only=False)
+    assert len(saved["arrays"]) == 2 and saved["strategy"] == strategy
+    running = [t.number for t in study.trials if t.state == TrialState.RUNNING]
+    # Killed in the second round's evaluations: the first array had reported it, the second not.
+    assert len(running) == 4 and sorted(len(t.intermediate_values) for t in study.trials) == [1, 1, 2, 2]
+    again = cases.runner(study, B=None, strategy=strategy, checkpoint=ckpt, metric=lambda m, hp: hs_loss(m),
+                         name="r")
+    rounds_again = watch_in_flight(again)
+    summary = again.run(n_trials=4)
+    assert summary.completed == 4 and len(rounds_again[0]) == 2  # both arrays resumed, together
+    assert not ckpt.exists()
+    for t in study.trials:
+        check_alone(t)
+
+
+def hs_loss(model) -> torch.Tensor:
+    """The built-in "loss" metric, as a metric callable."""
+    _, (xv, yv) = cases.data()
+    return hfkern.nn.functional.cross_entropy(model(hfkern.broadcast(xv, model.B)), yv).double()
+
+
+@pytest.mark.gpu
+def test_gpu_two_arrays_in_flight_on_streams_with_and_without_capture():
+    """On a GPU the two arrays' steps run on two CUDA streams (each a graph replay with capture):
+    every trial equals itself trained alone on the CPU, with and without capture."""
+    for capture in (True, False):
+        study = new_study(pruner=cases.PruneNumbers({1}))
+        for w in (3, 5, 3, 5, 3):
+            study.enqueue_trial({"width": w})
+        runner = cases.runner(study, space=cases.space_widths, device="cuda", capture=capture, B=None,
+                              strategy=hfkern.plan.Strategy(B=2, arrays=2))
+        rounds = watch_in_flight(runner)
+        runner.run(n_trials=5)
+        assert max(len(r) for r in rounds) == 2
+        for t in study.trials:
+            check_alone(t, rel=1e-3)

@@ -667,6 +667,55 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
     return step
 
 
+class Streams:
+    """One CUDA stream per array in flight, forked from and joined to the current stream.
+
+    ``fork()`` makes every stream wait for the work queued so far on the
+    current stream; work issued under ``on(i)`` then runs on stream ``i``,
+    free to overlap the other streams' work; ``join()`` makes the current
+    stream wait for all of them, so what they produced is ready to use as
+    after plain calls. Between a fork and its join the streams share nothing:
+    a tensor one of them writes is not read by another. On a device other
+    than CUDA (or for one array) there are no streams: ``on(i)`` does nothing
+    and the work runs one after another, as issued.
+    """
+
+    def __init__(self, n: int, device: torch.device | str | None):
+        device = torch.device(device) if device is not None else None
+        self.n = n
+        self.cuda = device is not None and device.type == "cuda" and n > 1
+        self._streams = [torch.cuda.Stream(device) for _ in range(n)] if self.cuda else []
+        self._current = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def fork(self) -> None:
+        if self.cuda:
+            self._current = torch.cuda.current_stream(self._streams[0].device)
+            for stream in self._streams:
+                stream.wait_stream(self._current)
+
+    def on(self, i: int) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self._streams[i]) if self.cuda else contextlib.nullcontext()
+
+    def record(self, i: int, *tensors: Any) -> None:
+        """``tensors``, made on the current stream, are read on stream ``i``: not reused before it is done."""
+        if self.cuda:
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self._streams[i])
+
+    def join(self, *outputs: Any) -> None:
+        """The current stream waits for every stream; ``outputs`` (made on them) are then read on it."""
+        if self.cuda:
+            for stream in self._streams:
+                self._current.wait_stream(stream)
+            for t in outputs:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self._current)
+
+
 class InFlight:
     """Training steps of several arrays run together: ``InFlight(steps)(x, y) -> [losses of each]``.
 
@@ -675,14 +724,14 @@ class InFlight:
     with one batch ``(x, y)`` every array trains on, or with ``batches=[(x, y),
     ...]`` one per array; keyword arguments go to every step.
 
-    On CUDA each array's step is issued on a stream of its own, so that the
-    device overlaps one array's small kernels with another's (what two jobs on
-    one GPU get from its scheduler); each stream first waits for the work
-    queued so far on the current stream (the batch), and the current stream
-    waits for all of them before the call returns, so the results are ready to
-    use as after plain calls. Elsewhere the steps run one after another. The
-    arrays share nothing, so each one's losses and parameters are those of
-    its own step run alone.
+    On CUDA each array's step is issued on a stream of its own
+    (:class:`Streams`), so that the device overlaps one array's small kernels
+    with another's (what two jobs on one GPU get from its scheduler); each
+    stream first waits for the work queued so far on the current stream (the
+    batch), and the current stream waits for all of them before the call
+    returns, so the results are ready to use as after plain calls. Elsewhere
+    the steps run one after another. The arrays share nothing, so each one's
+    losses and parameters are those of its own step run alone.
     """
 
     def __init__(self, steps: Any, device: torch.device | str | None = None):
@@ -691,15 +740,7 @@ class InFlight:
             raise TypeError("InFlight: expected a non-empty sequence of step callables (one per array)")
         self.steps = steps
         self.device = torch.device(device) if device is not None else None
-        self._streams: list | None = None
-
-    def _cuda_streams(self, x: Any) -> list | None:
-        device = self.device if self.device is not None else getattr(x, "device", None)
-        if device is None or device.type != "cuda" or len(self.steps) == 1:
-            return None
-        if self._streams is None:
-            self._streams = [torch.cuda.Stream(device) for _ in self.steps]
-        return self._streams
+        self._streams: Streams | None = None
 
     def __call__(self, x: Any = None, y: Any = None, *, batches: Any = None, **step_kwargs: Any) -> list:
         if batches is None:
@@ -713,20 +754,15 @@ class InFlight:
             if len(batches) != len(self.steps):
                 raise ValueError(f"InFlight: expected one batch per array ({len(self.steps)}), "
                                  f"got {len(batches)}")
-        streams = self._cuda_streams(batches[0][0])
-        if streams is None:
-            return [step(bx, by, **step_kwargs) for step, (bx, by) in zip(self.steps, batches)]
-        current = torch.cuda.current_stream(streams[0].device)
+        if self._streams is None:
+            device = self.device if self.device is not None else getattr(batches[0][0], "device", None)
+            self._streams = Streams(len(self.steps), device)
+        streams = self._streams
+        streams.fork()
         out = []
-        for stream, step, (bx, by) in zip(streams, self.steps, batches):
-            stream.wait_stream(current)
-            for t in (bx, by):
-                if isinstance(t, torch.Tensor) and t.is_cuda:
-                    t.record_stream(stream)  # read on the side stream: not reused before it is done
-            with torch.cuda.stream(stream):
+        for i, (step, (bx, by)) in enumerate(zip(self.steps, batches)):
+            streams.record(i, bx, by)
+            with streams.on(i):
                 out.append(step(bx, by, **step_kwargs))
-        for stream, losses in zip(streams, out):
-            current.wait_stream(stream)
-            if isinstance(losses, torch.Tensor) and losses.is_cuda:
-                losses.record_stream(current)
+        streams.join(*out)
         return out

@@ -52,6 +52,12 @@ class BatchOrder:
             self._perms[epoch] = perm
         return perm
 
+    def prepare(self, first_step: int, last_step: int) -> None:
+        """Make the permutations of the epochs of steps ``first_step..last_step`` now (on the
+        current stream), so that reading them later, on any stream, makes none."""
+        for epoch in range(first_step // self.steps_per_epoch, last_step // self.steps_per_epoch + 1):
+            self._perm(epoch)
+
     def forget_before(self, epoch: int) -> None:
         """Drop the permutations of epochs no trial will train again."""
         for e in [e for e in self._perms if e < epoch]:

@@ -1,4 +1,4 @@
-"""The sweep runner: an Optuna study's trials trained B at a time as one fused array.
+"""The sweep runner: an Optuna study's trials trained B at a time as fused arrays.
 
 One :class:`Runner` process repeats: ask the study for trials, put up to B
 trials whose *grouped* (non-fusible) hyper-parameters agree into one array
@@ -7,8 +7,11 @@ scheduler, each model with its own *fusible* hyper-parameters), train a round
 (``report_every`` steps), evaluate every model, report each model's value to
 its own trial, tell the finished and pruned trials, and refill their slots
 with new trials through per-slot surgery (fresh weights, optimizer state and
-schedule). Any number of runners share one study through its storage
-(:func:`hfkern.sweep.storage`).
+schedule). A strategy of several arrays in flight (``Strategy.arrays``) keeps
+that many arrays, of the same or of different groups, training together: their
+rounds' steps are issued in turn, each array's on a CUDA stream of its own
+(:class:`hfkern.plan._strategy.Streams`). Any number of runners share one
+study through its storage (:func:`hfkern.sweep.storage`).
 
 Why a trial's result does not depend on its array: its model is built from
 its own parameters under its own seed, its optimizer and scheduler state is
@@ -52,7 +55,7 @@ from ._storage import COUNTED_ATTR, OUTCOME_ATTR, RUNNER_ATTR, SEED_ATTR, counts
 __all__ = ["Runner", "SweepSummary"]
 
 _log = logging.getLogger("hfkern.sweep")
-_CHECKPOINT_VERSION = 1
+_CHECKPOINT_VERSION = 2  # 2: a list of arrays in flight (1: one array, still read)
 _MAX_B = 64  # the largest array the runner sizes itself; more trials per array rarely pay on one device
 
 Params = Mapping[str, Any]
@@ -84,7 +87,7 @@ class _Settings:
 
 @dataclasses.dataclass
 class _Array:
-    """The array in flight: one fused model, its optimizer and scheduler, B slots."""
+    """An array in flight: one fused model, its optimizer and scheduler, B slots."""
 
     key: tuple
     settings: _Settings
@@ -118,10 +121,12 @@ class SweepSummary:
     B: int          # slots per array
     seconds: float  # wall time of the run
     compactions: int = 0  # arrays rebuilt smaller around their remaining trials
+    in_flight: int = 1    # arrays trained together (the strategy's ``arrays``)
 
     def __str__(self) -> str:
+        together = f", {self.in_flight} in flight" if self.in_flight > 1 else ""
         return (f"{self.completed} complete, {self.pruned} pruned, {self.failed} failed in {self.arrays} "
-                f"array(s) of B = {self.B} ({self.compactions} compacted), {self.seconds:.1f} s")
+                f"array(s) of B = {self.B}{together} ({self.compactions} compacted), {self.seconds:.1f} s")
 
 
 def _is_number(v: Any) -> bool:
@@ -250,14 +255,18 @@ class Runner:
             call ``.item()``). No effect on CPU.
         strategy: an :class:`hfkern.plan.Strategy` (or a ``Plan`` of
             :func:`hfkern.plan`) every array trains under: its blocks
-            recomputed, bf16 autocast, micro-batches, layout; its ``B`` is the
-            runner's ``B`` unless ``B`` is given. Recomputation leaves each
-            trial's results unchanged; bf16 and micro-batches (models without
-            batch norm only) change them as they would alone.
+            recomputed, bf16 autocast, micro-batches, layout, and its
+            ``arrays`` in flight (that many arrays train together, on a CUDA
+            stream each; one after another elsewhere); its ``B`` is the
+            runner's ``B`` unless ``B`` is given. Recomputation and arrays in
+            flight leave each trial's results unchanged; bf16 and
+            micro-batches (models without batch norm only) change them as they
+            would alone.
         memory_budget: bytes a device offers the sweep. With ``B`` and
             ``strategy`` not given, :func:`hfkern.plan` (profiling the first
             trial's model) picks the fastest strategy whose predicted peak fits,
-            B up to 64 and ``n_trials``: a user says only which trials to run.
+            B up to 64 and ``n_trials``, one or two arrays in flight on CUDA:
+            a user says only which trials to run.
     """
 
     def __init__(
@@ -372,9 +381,6 @@ class Runner:
             if not isinstance(strategy, Strategy):
                 raise TypeError(f"{who}: strategy must be an hfkern.plan.Strategy or Plan, got "
                                 f"{type(strategy).__name__}")
-            if strategy.arrays != 1:
-                raise ValueError(f"{who}: the runner trains one array at a time; expected a strategy with "
-                                 f"arrays=1, got arrays={strategy.arrays} (run more runners on the device instead)")
             if self.B is None:
                 self.B = strategy.B
         if memory_budget is not None:
@@ -385,7 +391,8 @@ class Runner:
         self.strategy = strategy
         self.memory_budget = memory_budget
 
-        self._array: _Array | None = None
+        self._arrays: list[_Array] = []  # in flight: at most the strategy's ``arrays``
+        self._streams = None             # Streams of the arrays in flight (made at the first round)
         self._queue: list[_Entry] = []
         self._stop_asking = False
         self._n_trials = 0
@@ -520,9 +527,13 @@ class Runner:
             # Another runner failed it as stale (this runner's heartbeat lapsed).
             _log.warning("trial %d was finished elsewhere: %s", entry.trial.number, err)
 
+    @property
+    def in_flight(self) -> int:
+        """Arrays trained together: the strategy's ``arrays`` (1 without a strategy)."""
+        return 1 if self.strategy is None else self.strategy.arrays
+
     def _held(self) -> list[_Entry]:
-        slots = [] if self._array is None else [s for s in self._array.slots if s is not None]
-        return slots + self._queue
+        return [s for a in self._arrays for s in a.slots if s is not None] + self._queue
 
     # ---- arrays ----------------------------------------------------------------------
     def _build_model(self, entry: _Entry) -> nn.Module:
@@ -643,9 +654,8 @@ class Runner:
                     f"and optimizer from grouped parameters only ({self._fusible_differences(entries[0], e)})")
         return settings
 
-    def _place(self, b: int, entry: _Entry) -> None:
-        """Slot b of the array in flight starts ``entry``: fresh model, optimizer state and schedule."""
-        a = self._array
+    def _place(self, a: _Array, b: int, entry: _Entry) -> None:
+        """Slot b of array ``a`` starts ``entry``: fresh model, optimizer state and schedule."""
         ref = next((s for s in a.slots if s is not None), None)
         if self._settings_for(entry.params) is not a.settings:
             raise ValueError(f"Runner: trial {entry.trial.number} has its array's grouped parameters but another "
@@ -702,11 +712,11 @@ class Runner:
         self._queue.append(entry)
         return None
 
-    def _start_array(self) -> bool:
-        """Build the next array from the queue and new trials; False when nothing is left to run."""
+    def _start_array(self) -> _Array | None:
+        """Build the next array from the queue and new trials; None when nothing is left to run."""
         if not self._queue:
             if self._budget_left() <= 0:
-                return False
+                return None
             self._queue.append(self._ask())
         key = self._queue[0].key
         entries = []
@@ -724,14 +734,12 @@ class Runner:
             entries.append(e)
         B = min(self.B, len(entries) + max(self._budget_left(), 0))
         try:
-            self._array = self._new_array(entries, B)
+            return self._new_array(entries, B)
         except BaseException:
             self._queue[:0] = entries  # still held: run() fails them
             raise
-        return True
 
-    def _refill(self) -> None:
-        a = self._array
+    def _refill(self, a: _Array) -> None:
         for b in range(a.B):
             if a.slots[b] is not None:
                 continue
@@ -742,9 +750,9 @@ class Runner:
                 entry = self._ask_for(a.key)
                 if entry is None:
                     break
-            self._place(b, entry)
+            self._place(a, b, entry)
 
-    def _compact_if_draining(self) -> None:
+    def _compact_if_draining(self, a: _Array) -> _Array:
         """Rebuild the array around its trials when refilling left half of its slots or more idle.
 
         Idle slots cost what busy ones cost (their models compute and are
@@ -752,11 +760,11 @@ class Runner:
         group's array): its last trials would otherwise train in an array of B.
         The rebuilt array carries every trial's weights, buffers, optimizer
         and scheduler state over, so their trajectories do not change.
+        Returns the array to train on (``a`` itself when kept).
         """
-        a = self._array
         active = a.active()
         if not active or len(active) > a.B // 2:
-            return
+            return a
         entries = [a.slots[b] for b in active]
         rows = torch.tensor(active)
         model = fusion.fuse([a.model.extract_model(b) for b in active])
@@ -769,11 +777,12 @@ class Runner:
             scheduler.load_state_dict(_select_models(a.scheduler.state_dict(), rows, a.B, lists=("milestones",)))
         on_device = rows.to(self.device)
         hp = {k: t[on_device].clone() for k, t in a.hp.items()}
-        self._array = self._finish_array(_Array(
+        smaller = self._finish_array(_Array(
             a.key, a.settings, model, optimizer, scheduler, entries, shared_opt, shared_sched, hp,
             a.bad[on_device].clone(), torch.zeros(len(active), dtype=torch.bool, device=self.device)))
         self._tally["arrays"] -= 1  # the same trials' array, smaller
         self._tally["compactions"] += 1
+        return smaller
 
     def _choose_B(self, entry: _Entry) -> int:
         from ._memory import max_array_size
@@ -810,7 +819,7 @@ class Runner:
         x, y = self._train
         plans = hplan(lambda: self._build_model(entry), (x[:bs], y[:bs]), trials=self._n_trials,
                       steps=settings.total_steps, device=self.device, optimizer=lambda params: cls(params, **kw),
-                      loss_fn=loss, B_values=range(1, min(_MAX_B, self._n_trials) + 1), arrays=(1,),
+                      loss_fn=loss, B_values=range(1, min(_MAX_B, self._n_trials) + 1),
                       memory_budget=self.memory_budget)
         chosen = plans.best()
         self.strategy = chosen.strategy
@@ -822,8 +831,29 @@ class Runner:
         return chosen.B
 
     # ---- training --------------------------------------------------------------------
-    def _train_step(self) -> None:
-        a = self._array
+    def _train_round(self) -> None:
+        """Every array in flight trains its round (``report_every`` steps); their steps are
+        issued in turn, each array's on its own stream (:class:`~hfkern.plan._strategy.Streams`)."""
+        from ..plan._strategy import Streams
+
+        arrays = self._arrays
+        if self._streams is None or len(self._streams) < len(arrays):
+            self._streams = Streams(max(len(arrays), self.in_flight), self.device)
+        streams = self._streams
+        # A permutation made on one array's stream must not be read on another's: the round's
+        # epochs are made on the current stream, before the fork.
+        for a in arrays:
+            steps = [a.slots[b].step for b in a.active()]
+            a.settings.order.prepare(min(steps), max(steps) + a.settings.report_every - 1)
+        streams.fork()
+        for i in range(max(a.settings.report_every for a in arrays)):
+            for j, a in enumerate(arrays):
+                if i < a.settings.report_every:
+                    with streams.on(j):
+                        self._train_step(a)
+        streams.join()
+
+    def _train_step(self, a: _Array) -> None:
         order = a.settings.order
         active = a.active()
         steps = [a.slots[b].step for b in active]
@@ -884,8 +914,7 @@ class Runner:
         return capture_step(step, self._train[0][:bs], self._train[1][:bs], a.idle)
 
     @torch.no_grad()
-    def _evaluate(self) -> list[float]:
-        a = self._array
+    def _evaluate(self, a: _Array) -> list[float]:
         a.model.eval()
         try:
             if callable(self.metric):
@@ -907,9 +936,8 @@ class Runner:
         finally:
             a.model.train()
 
-    def _end_round(self) -> None:
-        a = self._array
-        values = self._evaluate()
+    def _end_round(self, a: _Array) -> None:
+        values = self._evaluate(a)
         bad = a.bad.tolist()
         a.bad.zero_()
         for b in a.active():
@@ -922,7 +950,7 @@ class Runner:
                 else:
                     self._fail(entry.trial, "nonfinite", counted=True)
                     self._tally["failed"] += 1
-                self._free(b)
+                self._free(a, b)
                 continue
             if r > entry.reported:  # a resumed trial repeats reports the study already has
                 entry.trial.report(v, r)
@@ -931,15 +959,16 @@ class Runner:
             if entry.trial.should_prune():
                 self._tell(entry, state=TrialState.PRUNED)
                 self._tally["pruned"] += 1
-                self._free(b)
+                self._free(a, b)
             elif entry.step >= a.settings.total_steps:
                 self._tell(entry, values=v)
                 self._tally["completed"] += 1
-                self._free(b)
+                self._free(a, b)
 
-    def _free(self, b: int) -> None:
-        self._array.slots[b] = None
-        self._array.idle[b] = True
+    @staticmethod
+    def _free(a: _Array, b: int) -> None:
+        a.slots[b] = None
+        a.idle[b] = True
 
     def _beat(self, trials: list[Trial]) -> None:
         storage = self.study._storage
@@ -973,33 +1002,33 @@ class Runner:
         try:
             self._recover()
             while True:
-                if self._array is None or not self._array.active():
-                    self._array = None
-                    if not self._start_array():
-                        if self._stop_asking or not self._wait_for_others():
-                            break
-                        continue
-                for _ in range(self._array.settings.report_every):
-                    self._train_step()
-                self._end_round()
+                self._arrays = [a for a in self._arrays if a.active()]
+                # Up to the strategy's arrays in flight (read again: planning may set it).
+                while len(self._arrays) < self.in_flight and (a := self._start_array()) is not None:
+                    self._arrays.append(a)
+                if not self._arrays:
+                    if self._stop_asking or not self._wait_for_others():
+                        break
+                    continue
+                self._train_round()
+                for a in self._arrays:
+                    self._end_round(a)
                 if timeout is not None and time.monotonic() - start > timeout:
                     self._stop_asking = True
-                self._refill()
-                self._compact_if_draining()
+                for i, a in enumerate(self._arrays):
+                    self._refill(a)
+                    self._arrays[i] = self._compact_if_draining(a)
                 self._beat([e.trial for e in self._held()])
                 self._fail_stale()  # trials of runners that died since: failed, retried, not counted
                 self._rounds += 1
                 if self.checkpoint and self._rounds % self.checkpoint_every == 0:
                     self._save()
-                if self._array is not None and self._array.active():
-                    a = self._array
-                    a.settings.order.forget_before(min(a.slots[b].step for b in a.active())
-                                                   // a.settings.steps_per_epoch)
+                self._forget_old_epochs()
                 bar.update(running=len(self._held()))
         except BaseException:
             for e in self._held():
                 self._fail(e.trial, "error", counted=True)
-            self._array, self._queue = None, []
+            self._arrays, self._queue = [], []
             raise
         finally:
             bar.close()
@@ -1009,7 +1038,19 @@ class Runner:
             _report.print_best_trials(self.study)
         return SweepSummary(self._tally["completed"], self._tally["pruned"], self._tally["failed"],
                             self._tally["arrays"], self.B or 0, time.monotonic() - start,
-                            self._tally["compactions"])
+                            self._tally["compactions"], self.in_flight)
+
+    def _forget_old_epochs(self) -> None:
+        """Drop the batch orders' permutations of epochs no held trial trains again (arrays of one
+        batch size and optimizer share an order)."""
+        oldest: dict[int, tuple[_Settings, int]] = {}
+        for a in self._arrays:
+            for b in a.active():
+                epoch = a.slots[b].step // a.settings.steps_per_epoch
+                settings, seen = oldest.get(id(a.settings), (a.settings, epoch))
+                oldest[id(a.settings)] = (settings, min(seen, epoch))
+        for settings, epoch in oldest.values():
+            settings.order.forget_before(epoch)
 
     # ---- checkpoint and resume ---------------------------------------------------------
     def _save(self) -> None:
@@ -1017,17 +1058,17 @@ class Runner:
             return {"trial_id": e.trial._trial_id, "params": e.params, "seed": e.seed, "step": e.step,
                     "reported": e.reported}
 
-        a = self._array
         state = {
             "version": _CHECKPOINT_VERSION, "study": self.study.study_name, "runner": self.name, "B": self.B,
+            "strategy": self.strategy,  # planned (memory_budget) or given: the resumed arrays train under it
             "queue": [entry(e) for e in self._queue],
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-            "array": None if a is None else {
+            "arrays": [{
                 "slots": [None if s is None else entry(s) for s in a.slots],
                 "model": a.model.state_dict(), "optimizer": a.optimizer.state_dict(),
                 "scheduler": None if a.scheduler is None else a.scheduler.state_dict(),
-            },
+            } for a in self._arrays],
         }
         # Written whole, then renamed over the old one: a kill mid-write leaves the previous checkpoint.
         tmp = f"{self.checkpoint}.tmp{os.getpid()}"
@@ -1066,21 +1107,22 @@ class Runner:
         """Resume what the checkpoint holds; fail this runner's trials it does not hold; fail stale trials."""
         self._fail_stale()
         held: set[int] = {e.trial._trial_id for e in self._held()}
-        if self.checkpoint and os.path.exists(self.checkpoint) and self._array is None and not self._queue:
+        if self.checkpoint and os.path.exists(self.checkpoint) and not self._arrays and not self._queue:
             # The checkpoint is this runner's own file; it holds optimizer and scheduler
             # state with Python objects (a LambdaLR's functions), so it is loaded whole.
             state = torch.load(self.checkpoint, map_location=self.device, weights_only=False)
-            if state.get("version") != _CHECKPOINT_VERSION or state.get("study") != self.study.study_name:
+            if state.get("version") not in (1, _CHECKPOINT_VERSION) or state.get("study") != self.study.study_name:
                 raise ValueError(f"Runner: checkpoint {self.checkpoint!r} belongs to study {state.get('study')!r} "
                                  f"(format {state.get('version')}), not to {self.study.study_name!r}")
             self.B = self.B or state["B"]
+            if self.strategy is None:  # the strategy a memory budget planned (a given one stays)
+                self.strategy = state.get("strategy")
             self._queue = [e for e in map(self._entry_from, state["queue"]) if e is not None]
-            saved = state["array"]
-            if saved is not None:
+            arrays = state["arrays"] if "arrays" in state else [a for a in (state["array"],) if a is not None]
+            for saved in arrays:
                 slots = [None if s is None else self._entry_from(s) for s in saved["slots"]]
-                kept = [s for s in slots if s is not None]
-                if kept:
-                    self._resume_array(slots, saved)
+                if any(s is not None for s in slots):
+                    self._arrays.append(self._resume_array(slots, saved))
             torch.set_rng_state(state["rng"].cpu())
             if state["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
@@ -1098,7 +1140,7 @@ class Runner:
                 frozen.user_attrs.pop(OUTCOME_ATTR, None)
                 retry(self.study, frozen)
 
-    def _resume_array(self, slots: list[_Entry | None], saved: dict[str, Any]) -> None:
+    def _resume_array(self, slots: list[_Entry | None], saved: dict[str, Any]) -> _Array:
         """Rebuild the checkpointed array with the trials still running; the others' slots become idle."""
         kept = [s for s in slots if s is not None]
         B = len(slots)
@@ -1109,4 +1151,4 @@ class Runner:
         model.to(self.device)
         self._apply_strategy(model, B)
         model.load_state_dict(saved["model"])
-        self._array = self._assemble(model, slots, saved)
+        return self._assemble(model, slots, saved)
