@@ -404,6 +404,30 @@ def test_a_checkpoint_of_two_arrays_in_flight_resumes_both(tmp_path):
         check_alone(t)
 
 
+def test_a_resumed_runner_keeps_the_strategy_its_memory_budget_planned(tmp_path):
+    ckpt = tmp_path / "runner.pt"
+    study = new_study()
+    calls = []
+
+    def metric_then_die(model, hp):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Killed
+        return hs_loss(model)
+
+    first = cases.runner(study, B=None, memory_budget=64 * 2**20, checkpoint=ckpt, metric=metric_then_die,
+                         name="r")
+    first._fail = lambda *a, **k: None
+    with pytest.raises(Killed):
+        first.run(n_trials=3)
+    again = cases.runner(study, B=None, memory_budget=64 * 2**20, checkpoint=ckpt,
+                         metric=lambda m, hp: hs_loss(m), name="r")
+    assert again.run(n_trials=3).completed == 3
+    assert again.strategy == first.strategy and not hasattr(again, "plans")  # restored, not planned again
+    for t in study.trials:
+        check_alone(t)
+
+
 def hs_loss(model) -> torch.Tensor:
     """The built-in "loss" metric, as a metric callable."""
     _, (xv, yv) = cases.data()
