@@ -13,6 +13,11 @@ For each workload of bench/models (at ``--size``), this
 4. picks a memory budget at which plain fusion (no recomputation) fits fewer
    models than the plan does, and measures both.
 
+Strategies measured side by side are timed in interleaved rounds
+(``hfkern.plan.profile_together``, as the cost model's profiles of one B are),
+so that a device whose speed drifts (this CPU has fast and slow spells of a
+few steps) slows all of them alike.
+
     python bench/bench_plan.py --size cpu --out bench/results/plan_cpu-2threads_DATE
 
 writes ``plan.json`` (every number, device, versions, date), a plot per
@@ -88,10 +93,12 @@ def case(name: str, size: str):
     return lambda: w.build("net", size), (x, y), loss, optimizer, ((1,) if has_bn else (1, 2))
 
 
-def measure(factory, batch, strategy, loss, optimizer, device, steps):
-    p = hp.profile_step(factory, batch, strategy, optimizer=optimizer, loss_fn=loss, device=device,
-                        steps=steps, warmup=2, measure_blocks=False)
-    return p.step_time, p.peak
+def measure(factory, batch, strategies, loss, optimizer, device, steps):
+    """[(step seconds, peak bytes)] of each strategy, their steps timed in interleaved rounds
+    (hfkern.plan.profile_together: a drifting device slows them alike)."""
+    profiles = hp.profile_together(factory, batch, strategies, optimizer=optimizer, loss_fn=loss, device=device,
+                                   steps=steps, warmup=2, measure_blocks=False)
+    return [(p.step_time, p.peak) for p in profiles]
 
 
 def rel(pred: float, meas: float) -> float:
@@ -112,9 +119,8 @@ def run_workload(name: str, args, device) -> dict:
     if 2 in mbs:
         checks.append(hp.Strategy(B=args.check_B, micro_batches=2))
     accuracy = []
-    for s in checks:
+    for s, (mt, mm) in zip(checks, measure(factory, batch, checks, loss, optimizer, device, args.profile_steps)):
         pt, pm = model.predict(s)
-        mt, mm = measure(factory, batch, s, loss, optimizer, device, args.profile_steps)
         accuracy.append(dict(strategy=s.label, predicted_step_s=pt, measured_step_s=mt, time_error=rel(pt, mt),
                              predicted_peak=pm, measured_peak=mm, memory_error=rel(pm, mm)))
     t0 = time.perf_counter()
@@ -125,8 +131,8 @@ def run_workload(name: str, args, device) -> dict:
     pick = front if len(front) <= args.measure else [front[round(i * (len(front) - 1) / (args.measure - 1))]
                                                       for i in range(args.measure)]
     measured = []
-    for p in pick:
-        mt, mm = measure(factory, batch, p.strategy, loss, optimizer, device, args.profile_steps)
+    pick_measured = measure(factory, batch, [p.strategy for p in pick], loss, optimizer, device, args.profile_steps)
+    for p, (mt, mm) in zip(pick, pick_measured):
         rounds = math.ceil(args.trials / (p.B * p.arrays))
         measured.append(dict(strategy=p.strategy.label, B=p.B, recompute=list(p.recompute),
                              micro_batches=p.micro_batches, predicted_time=p.time, predicted_peak=p.peak_memory,
@@ -144,8 +150,8 @@ def run_workload(name: str, args, device) -> dict:
         plain_B = max(fitting, default=0)
         if 0 < plain_B < p_rc.B:
             plain = hp.Strategy(B=plain_B)
-            t_rc, m_rc = measure(factory, batch, p_rc.strategy, loss, optimizer, device, args.profile_steps)
-            t_pl, m_pl = measure(factory, batch, plain, loss, optimizer, device, args.profile_steps)
+            (t_rc, m_rc), (t_pl, m_pl) = measure(factory, batch, [p_rc.strategy, plain], loss, optimizer, device,
+                                                 args.profile_steps)
             more = dict(budget=budget, plain=plain.label, plain_B=plain_B, plain_step_s=t_pl, plain_peak=m_pl,
                         plan=p_rc.strategy.label, plan_B=p_rc.B, plan_step_s=t_rc, plan_peak=m_rc,
                         per_model_step_cost=(t_rc / p_rc.B) / (t_pl / plain_B) - 1)

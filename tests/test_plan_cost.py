@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hfkern.plan._cost import Profile, fit_cost_model, fit_profiles, profile_step
+from hfkern.plan._cost import Profile, fit_cost_model, fit_profiles, profile_step, profile_together
 from hfkern.plan._strategy import Strategy
 
 
@@ -154,3 +154,58 @@ def test_memory_prediction_at_unfitted_B_within_ten_percent():
                                 measure_blocks=False)
         _, predicted = model.predict(Strategy(B=B))
         assert abs(predicted - measured.peak) / measured.peak < 0.10, (B, predicted, measured.peak)
+
+
+def test_profile_together_times_the_strategies_in_rotated_rounds():
+    """After each strategy's warm-up, round r times one step of each, starting from strategy r mod n;
+    the blocks and peaks are measured afterwards, in order. Seen through the loss's calls (its B)."""
+    import hfkern
+
+    calls = []
+
+    def loss(out, y):
+        calls.append(out.shape[0])
+        return hfkern.nn.functional.cross_entropy(out, y)
+
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    strategies = [Strategy(B=1), Strategy(B=2), Strategy(B=3)]
+    profiles = profile_together(mlp, (x, y), strategies, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                loss_fn=loss, device=torch.device("cpu"), steps=3, warmup=2,
+                                measure_blocks=[True, False, False])
+    assert [p.strategy for p in profiles] == strategies
+    warm, rounds, after = calls[:6], calls[6:15], calls[15:]
+    assert warm == [1, 1, 2, 2, 3, 3]
+    assert rounds == [1, 2, 3, 2, 3, 1, 3, 1, 2]
+    assert after == [1, 1, 1, 1, 2, 3]  # B = 1: 3 hooked steps and its peak; the others: their peak
+    assert set(profiles[0].forward_time) == {"0", "1", "3", "5"} and not profiles[1].forward_time
+
+
+class Drifting:
+    """A loss on a device whose speed changes mid-profile: its first ``slow`` calls take 20 ms
+    more, the later ones 2 ms more."""
+
+    def __init__(self, slow: int):
+        self.calls, self.slow = 0, slow
+
+    def __call__(self, out, y):
+        import hfkern
+
+        self.calls += 1
+        __import__("time").sleep(0.02 if self.calls <= self.slow else 0.002)
+        return hfkern.nn.functional.cross_entropy(out, y)
+
+
+def test_strategies_timed_together_see_the_same_device():
+    """Two identical strategies, the device 10x slower for the first half of the timed steps: timed
+    in rounds, both medians sit in the same place; timed one after the other, the first would see
+    only the slow device and the second only the fast one."""
+    x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
+    kw = dict(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), device=torch.device("cpu"), warmup=1,
+              measure_blocks=False)
+    drift = Drifting(slow=2 + 4)  # the warm-ups, then 2 of the 4 rounds (both strategies' steps)
+    a, b = profile_together(mlp, (x, y), [Strategy(B=2), Strategy(B=2)], steps=4, loss_fn=drift, **kw)
+    assert 0.5 < a.step_time / b.step_time < 2.0, (a.step_time, b.step_time)
+    drift = Drifting(slow=1 + 4)  # the same drift, the strategies one after the other
+    a = profile_step(mlp, (x, y), Strategy(B=2), steps=4, loss_fn=drift, **kw)
+    b = profile_step(mlp, (x, y), Strategy(B=2), steps=4, loss_fn=drift, **kw)
+    assert a.step_time / b.step_time > 4.0, (a.step_time, b.step_time)

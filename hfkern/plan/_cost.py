@@ -42,7 +42,7 @@ from ..fusion import fuse
 from ._search import BlockCost, StepCost, step_costs
 from ._strategy import InFlight, Strategy, apply, blocks, make_step
 
-__all__ = ["FittedCostModel", "Profile", "fit_cost_model", "fit_profiles", "profile_step"]
+__all__ = ["FittedCostModel", "Profile", "fit_cost_model", "fit_profiles", "profile_step", "profile_together"]
 
 
 class _Clock:
@@ -164,67 +164,111 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Run:
+    """One strategy's arrays built on the device and warmed up: its steps are timed one at a time
+    (:meth:`time`), then :meth:`finish` measures the blocks and the peak and gives the Profile."""
+
+    def __init__(self, factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
+                 strategy: Strategy, optimizer: Callable, loss_fn: Callable, device: torch.device, warmup: int):
+        self.strategy, self.device = strategy, device
+        self.x, self.y = (t.to(device) for t in batch)
+        # Arrays in flight: that many arrays, their steps run together (InFlight: a CUDA stream
+        # each); the first array's optimizer is timed, and blocks are measured with one array only.
+        self.models = [fuse(factory, strategy.B).to(device) for _ in range(strategy.arrays)]
+        self.opts = []
+        for m in self.models:
+            apply(m, strategy)
+            self.opts.append(optimizer(m.parameters()))
+        steps_of = [make_step(m, o, strategy, loss_fn) for m, o in zip(self.models, self.opts)]
+        self.step = steps_of[0] if len(steps_of) == 1 else InFlight(steps_of, device)
+        self.clock = _Clock(device)
+        opt, self.opt_marks = self.opts[0], []
+        self.hooks = [opt.register_step_pre_hook(lambda *a: self.opt_marks.append((self.clock.mark(), None))),
+                      opt.register_step_post_hook(
+                          lambda *a: self.opt_marks.__setitem__(-1, (self.opt_marks[-1][0], self.clock.mark())))]
+        for _ in range(warmup):
+            self.step(self.x, self.y)
+        _sync(device)
+        self.opt_marks.clear()
+        self.step_times: list[float] = []
+
+    def time(self) -> None:
+        """One step, timed. The step's time is measured without the block hooks: they run Python at
+        every layer and every saved tensor, which a model of many small layers would pay in every
+        prediction. The hooked steps of :meth:`finish` give the blocks' shares and saved bytes only."""
+        _sync(self.device)
+        start = self.clock.mark()
+        self.step(self.x, self.y)
+        end = self.clock.mark()
+        _sync(self.device)
+        self.step_times.append(self.clock.seconds(start, end))
+
+    def finish(self, steps: int, measure_blocks: bool) -> Profile:
+        x, y, clock, model = self.x, self.y, self.clock, self.models[0]
+        optimizer_times = [clock.seconds(a, b) for a, b in self.opt_marks]
+        names = blocks(model) if measure_blocks and len(self.models) == 1 else []
+        rec = _Recorder(model, names, clock)
+        try:
+            if names:
+                with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+                    for _ in range(steps):
+                        self.step(x, y)
+                _sync(self.device)
+        finally:
+            rec.close()
+            for h in self.hooks:
+                h.remove()
+        # In forward order (registration order may differ: PointNet registers its convolutions
+        # before the batch norms between them): what is alive while a block recomputes follows it.
+        names = rec.order + [n for n in names if n not in rec.order]
+        forward = {n: sum(clock.seconds(a, b) for a, b in rec.marks[n]) / steps for n in names}
+        per_call = {n: max(rec.calls[n], 1) for n in names}
+        gradients = float(sum(_nbytes(p.grad) for m in self.models for p in m.parameters() if p.grad is not None))
+        persistent = float(sum(sum(_nbytes(p) for p in m.parameters()) + _state_bytes(o)
+                               + sum(_nbytes(b) for b in m.buffers()) for m, o in zip(self.models, self.opts)))
+        gc.collect()
+        peak = persistent + _peak_of(lambda: self.step(x, y), self.device)
+        return Profile(self.strategy, statistics.median(self.step_times), statistics.median(optimizer_times),
+                       forward, {n: rec.saved[n] / per_call[n] for n in names},
+                       {n: rec.inputs[n] / per_call[n] for n in names}, persistent, gradients, peak)
+
+
+def profile_together(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
+                     strategies: Sequence[Strategy], *, optimizer: Callable, loss_fn: Callable,
+                     device: torch.device, steps: int = 3, warmup: int = 2,
+                     measure_blocks: bool | Sequence[bool] = True) -> list[Profile]:
+    """Profiles of several strategies whose step times are measured in interleaved rounds.
+
+    Every strategy's arrays are built and warmed up first; then each of ``steps``
+    rounds times one step of each (the order rotated from round to round), and
+    each step time is the median of its rounds. A device whose speed drifts
+    (a CPU's clock and its neighbours, a GPU's clocks) then slows every
+    strategy alike, and their differences (what recomputing a block costs)
+    keep their sign and size; timed one after another, one strategy may see a
+    fast spell and the next a slow one. Blocks and peaks are measured after
+    the rounds, one strategy at a time, whose arrays are freed once measured.
+    ``measure_blocks``: one for all or one per strategy.
+    """
+    strategies = list(strategies)
+    if isinstance(measure_blocks, bool):
+        measure_blocks = [measure_blocks] * len(strategies)
+    runs: list[_Run | None] = [_Run(factory, batch, s, optimizer, loss_fn, device, warmup) for s in strategies]
+    for r in range(steps):
+        for i in range(len(runs)):
+            runs[(r + i) % len(runs)].time()
+    out = []
+    for i, blocks_too in enumerate(measure_blocks):
+        out.append(runs[i].finish(steps, blocks_too))
+        runs[i] = None  # its arrays freed before the next one's peak is measured
+    return out
+
+
 def profile_step(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor], strategy: Strategy,
                  *, optimizer: Callable, loss_fn: Callable, device: torch.device, steps: int = 3,
                  warmup: int = 2, measure_blocks: bool = True) -> Profile:
     """Build ``hfkern.fuse(factory, strategy.B)`` under ``strategy`` and measure its steps (medians)."""
-    x, y = (t.to(device) for t in batch)
-    # Arrays in flight: that many arrays, their steps run together (InFlight: a CUDA stream
-    # each); the first array's optimizer is timed, and blocks are measured with one array only.
-    models = [fuse(factory, strategy.B).to(device) for _ in range(strategy.arrays)]
-    opts = []
-    for m in models:
-        apply(m, strategy)
-        opts.append(optimizer(m.parameters()))
-    steps_of = [make_step(m, o, strategy, loss_fn) for m, o in zip(models, opts)]
-    step = steps_of[0] if len(steps_of) == 1 else InFlight(steps_of, device)
-    model, opt = models[0], opts[0]
-    measure_blocks = measure_blocks and len(models) == 1
-    clock = _Clock(device)
-    opt_marks: list[tuple[Any, Any]] = []
-    pre = opt.register_step_pre_hook(lambda *a: opt_marks.append((clock.mark(), None)))
-    post = opt.register_step_post_hook(lambda *a: opt_marks.__setitem__(-1, (opt_marks[-1][0], clock.mark())))
-    for _ in range(warmup):
-        step(x, y)
-    _sync(device)
-    # The step's time is measured without the hooks: they run Python at every layer
-    # and every saved tensor, which a model of many small layers would pay in every
-    # prediction. The hooked steps give the blocks' shares and saved bytes only.
-    opt_marks.clear()
-    step_times = []
-    for _ in range(steps):
-        _sync(device)
-        start = clock.mark()
-        step(x, y)
-        end = clock.mark()
-        _sync(device)
-        step_times.append(clock.seconds(start, end))
-    optimizer_times = [clock.seconds(a, b) for a, b in opt_marks]
-    names = blocks(model) if measure_blocks else []
-    rec = _Recorder(model, names, clock)
-    try:
-        if names:
-            with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
-                for _ in range(steps):
-                    step(x, y)
-            _sync(device)
-    finally:
-        rec.close()
-        pre.remove()
-        post.remove()
-    # In forward order (registration order may differ: PointNet registers its convolutions
-    # before the batch norms between them): what is alive while a block recomputes follows it.
-    names = rec.order + [n for n in names if n not in rec.order]
-    forward = {n: sum(clock.seconds(a, b) for a, b in rec.marks[n]) / steps for n in names}
-    per_call = {n: max(rec.calls[n], 1) for n in names}
-    gradients = float(sum(_nbytes(p.grad) for m in models for p in m.parameters() if p.grad is not None))
-    persistent = float(sum(sum(_nbytes(p) for p in m.parameters()) + _state_bytes(o)
-                           + sum(_nbytes(b) for b in m.buffers()) for m, o in zip(models, opts)))
-    gc.collect()
-    peak = persistent + _peak_of(lambda: step(x, y), device)
-    return Profile(strategy, statistics.median(step_times), statistics.median(optimizer_times),
-                   forward, {n: rec.saved[n] / per_call[n] for n in names},
-                   {n: rec.inputs[n] / per_call[n] for n in names}, persistent, gradients, peak)
+    return profile_together(factory, batch, [strategy], optimizer=optimizer, loss_fn=loss_fn, device=device,
+                            steps=steps, warmup=warmup, measure_blocks=measure_blocks)[0]
 
 
 def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -356,24 +400,22 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     optimizer = optimizer or (lambda params: optim.Adam(params, lr=1e-3))
     loss_fn = loss_fn or cross_entropy
-    profiles = []
+    profiles: list[Profile] = []
+    names = blocks(fuse(factory, 1)) if recompute else []  # each recomputed alone
     for precision in precisions:
         for m in micro_batches:
             for fmt in memory_formats:
                 for B in sorted(set(B_values)):
+                    # One B's strategies are timed together (profile_together): the model takes
+                    # differences of their times (what a recomputation adds, what a second array
+                    # in flight costs), which a drifting device would otherwise distort.
                     strategy = Strategy(B=B, precision=precision, micro_batches=m, memory_format=fmt)
-                    plain = profile_step(factory, example_batch, strategy, optimizer=optimizer,
-                                         loss_fn=loss_fn, device=device, steps=steps, warmup=warmup)
-                    profiles.append(plain)
-                    for n in (plain.forward_time if recompute else ()):
-                        profiles.append(profile_step(
-                            factory, example_batch, dataclasses.replace(strategy, recompute=(n,)),
-                            optimizer=optimizer, loss_fn=loss_fn, device=device, steps=steps, warmup=warmup,
-                            measure_blocks=False))
-                    for k in sorted(set(arrays) - {1}):
-                        profiles.append(profile_step(
-                            factory, example_batch, dataclasses.replace(strategy, arrays=k), optimizer=optimizer,
-                            loss_fn=loss_fn, device=device, steps=steps, warmup=warmup, measure_blocks=False))
+                    group = [strategy]
+                    group += [dataclasses.replace(strategy, recompute=(n,)) for n in names]
+                    group += [dataclasses.replace(strategy, arrays=k) for k in sorted(set(arrays) - {1})]
+                    profiles += profile_together(factory, example_batch, group, optimizer=optimizer,
+                                                 loss_fn=loss_fn, device=device, steps=steps, warmup=warmup,
+                                                 measure_blocks=[True] + [False] * (len(group) - 1))
     return fit_profiles(profiles)
 
 
