@@ -387,6 +387,14 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     flight to profile together (:class:`~hfkern.plan._strategy.InFlight`; on CUDA
     a stream each) at every B, for :meth:`FittedCostModel.in_flight`; counts not
     profiled are modelled as one array after another.
+
+    Each B's strategies are timed together, in interleaved rounds
+    (:func:`profile_together`). Times are the process's: on the CPU, glibc's
+    malloc maps each large allocation afresh (page faults at every step) until
+    enough large blocks were freed, after which it serves them from the heap;
+    the same step can take twice as long in a fresh process as later on. Fit
+    and train under the same conditions (``bench/bench_plan.py`` fixes the
+    thresholds with ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``).
     """
     from .. import optim
     from ..nn.functional import cross_entropy
