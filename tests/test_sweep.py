@@ -372,30 +372,48 @@ class Killed(BaseException):
     """Stands for the process's death: raised by a metric, after the runner's checkpoint."""
 
 
-def test_a_checkpoint_of_two_arrays_in_flight_resumes_both(tmp_path):
-    ckpt = tmp_path / "runner.pt"
-    study = new_study()
-    rounds = []
+def hs_loss(model) -> torch.Tensor:
+    """The built-in "loss" metric, as a metric callable."""
+    _, (xv, yv) = cases.data()
+    return hfkern.nn.functional.cross_entropy(model(hfkern.broadcast(xv, model.B)), yv).double()
+
+
+def run_until_killed(study, ckpt, n_trials: int, evaluations: int, **kw):
+    """A runner named "r" with checkpoint ``ckpt`` whose process dies at its ``evaluations``-th
+    evaluation of an array (telling the study nothing); returns it."""
+    calls = []
 
     def metric_then_die(model, hp):
-        rounds.append(1)
-        if len(rounds) == 4:  # the second array's second round: the checkpoint of round 1 holds both
+        calls.append(1)
+        if len(calls) == evaluations:
             raise Killed
         return hs_loss(model)
 
-    strategy = hfkern.plan.Strategy(B=2, arrays=2)
-    first = cases.runner(study, B=None, strategy=strategy, checkpoint=ckpt, metric=metric_then_die, name="r")
-    first._fail = lambda *a, **k: None  # a killed process tells nothing
+    runner = cases.runner(study, B=None, checkpoint=ckpt, metric=metric_then_die, name="r", **kw)
+    runner._fail = lambda *a, **k: None  # a killed process tells nothing
     with pytest.raises(Killed):
-        first.run(n_trials=4)
+        runner.run(n_trials=n_trials)
     assert ckpt.exists()
+    return runner
+
+
+def resume(study, ckpt, **kw):
+    """The runner of :func:`run_until_killed` started again with the same checkpoint."""
+    return cases.runner(study, B=None, checkpoint=ckpt, metric=lambda m, hp: hs_loss(m), name="r", **kw)
+
+
+def test_a_checkpoint_of_two_arrays_in_flight_resumes_both(tmp_path):
+    ckpt = tmp_path / "runner.pt"
+    study = new_study()
+    strategy = hfkern.plan.Strategy(B=2, arrays=2)
+    # Dies at the second array's second evaluation: the checkpoint of round 1 holds both arrays.
+    run_until_killed(study, ckpt, 4, evaluations=4, strategy=strategy)
     saved = torch.load(ckpt, weights_only=False)
     assert len(saved["arrays"]) == 2 and saved["strategy"] == strategy
     running = [t.number for t in study.trials if t.state == TrialState.RUNNING]
     # Killed in the second round's evaluations: the first array had reported it, the second not.
     assert len(running) == 4 and sorted(len(t.intermediate_values) for t in study.trials) == [1, 1, 2, 2]
-    again = cases.runner(study, B=None, strategy=strategy, checkpoint=ckpt, metric=lambda m, hp: hs_loss(m),
-                         name="r")
+    again = resume(study, ckpt, strategy=strategy)
     rounds_again = watch_in_flight(again)
     summary = again.run(n_trials=4)
     assert summary.completed == 4 and len(rounds_again[0]) == 2  # both arrays resumed, together
@@ -407,31 +425,12 @@ def test_a_checkpoint_of_two_arrays_in_flight_resumes_both(tmp_path):
 def test_a_resumed_runner_keeps_the_strategy_its_memory_budget_planned(tmp_path):
     ckpt = tmp_path / "runner.pt"
     study = new_study()
-    calls = []
-
-    def metric_then_die(model, hp):
-        calls.append(1)
-        if len(calls) == 2:
-            raise Killed
-        return hs_loss(model)
-
-    first = cases.runner(study, B=None, memory_budget=64 * 2**20, checkpoint=ckpt, metric=metric_then_die,
-                         name="r")
-    first._fail = lambda *a, **k: None
-    with pytest.raises(Killed):
-        first.run(n_trials=3)
-    again = cases.runner(study, B=None, memory_budget=64 * 2**20, checkpoint=ckpt,
-                         metric=lambda m, hp: hs_loss(m), name="r")
+    first = run_until_killed(study, ckpt, 3, evaluations=2, memory_budget=64 * 2**20)
+    again = resume(study, ckpt, memory_budget=64 * 2**20)
     assert again.run(n_trials=3).completed == 3
     assert again.strategy == first.strategy and not hasattr(again, "plans")  # restored, not planned again
     for t in study.trials:
         check_alone(t)
-
-
-def hs_loss(model) -> torch.Tensor:
-    """The built-in "loss" metric, as a metric callable."""
-    _, (xv, yv) = cases.data()
-    return hfkern.nn.functional.cross_entropy(model(hfkern.broadcast(xv, model.B)), yv).double()
 
 
 @pytest.mark.gpu
