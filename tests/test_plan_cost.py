@@ -209,3 +209,18 @@ def test_strategies_timed_together_see_the_same_device():
     a = profile_step(mlp, (x, y), Strategy(B=2), steps=4, loss_fn=drift, **kw)
     b = profile_step(mlp, (x, y), Strategy(B=2), steps=4, loss_fn=drift, **kw)
     assert a.step_time / b.step_time > 4.0, (a.step_time, b.step_time)
+
+
+def test_the_drift_between_array_sizes_is_taken_out_of_the_fit():
+    """The device is 10x slower while B = 1's strategies are profiled than for the rest: the plain
+    steps of every B, timed together afterwards, scale each B's times, so B = 1 and B = 2 (whose
+    steps cost about the same: the loss's sleep) are fitted alike; unscaled, B = 1 would be ~5x B = 2."""
+    x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
+    # B = 1's group: 1 warm-up, 4 timed steps, 4 hooked steps and the peak's step.
+    drift = Drifting(slow=1 + 4 + 4 + 1)
+    model = fit_cost_model(mlp, (x, y), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=drift,
+                           device="cpu", B_values=(1, 2), steps=4, warmup=1, recompute=False)
+    assert drift.calls == 2 * 10 + 2 * (1 + 4)  # the two groups, then the plain steps timed together
+    one, two = (p.step_time for p in model.profiles)
+    assert 0.5 < one / two < 2.0, (one, two)
+    assert two < 0.015  # both the fast device's

@@ -203,6 +203,12 @@ class _Run:
         _sync(self.device)
         self.step_times.append(self.clock.seconds(start, end))
 
+    def close(self) -> None:
+        """Remove the optimizer's timing hooks (they hold this run: a cycle until removed)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
     def finish(self, steps: int, measure_blocks: bool) -> Profile:
         x, y, clock, model = self.x, self.y, self.clock, self.models[0]
         optimizer_times = [clock.seconds(a, b) for a, b in self.opt_marks]
@@ -216,8 +222,7 @@ class _Run:
                 _sync(self.device)
         finally:
             rec.close()
-            for h in self.hooks:
-                h.remove()
+            self.close()
         # In forward order (registration order may differ: PointNet registers its convolutions
         # before the batch norms between them): what is alive while a block recomputes follows it.
         names = rec.order + [n for n in names if n not in rec.order]
@@ -231,6 +236,19 @@ class _Run:
         return Profile(self.strategy, statistics.median(self.step_times), statistics.median(optimizer_times),
                        forward, {n: rec.saved[n] / per_call[n] for n in names},
                        {n: rec.inputs[n] / per_call[n] for n in names}, persistent, gradients, peak)
+
+
+def _time_in_rounds(runs: Sequence[_Run], steps: int) -> None:
+    """``steps`` rounds, each timing one step of every run, the order rotated from round to round."""
+    for r in range(steps):
+        for i in range(len(runs)):
+            runs[(r + i) % len(runs)].time()
+
+
+def _scaled(p: Profile, factor: float) -> Profile:
+    """``p`` with every time multiplied by ``factor``."""
+    return dataclasses.replace(p, step_time=p.step_time * factor, optimizer_time=p.optimizer_time * factor,
+                               forward_time={n: t * factor for n, t in p.forward_time.items()})
 
 
 def profile_together(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
@@ -253,9 +271,7 @@ def profile_together(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor
     if isinstance(measure_blocks, bool):
         measure_blocks = [measure_blocks] * len(strategies)
     runs: list[_Run | None] = [_Run(factory, batch, s, optimizer, loss_fn, device, warmup) for s in strategies]
-    for r in range(steps):
-        for i in range(len(runs)):
-            runs[(r + i) % len(runs)].time()
+    _time_in_rounds(runs, steps)
     out = []
     for i, blocks_too in enumerate(measure_blocks):
         out.append(runs[i].finish(steps, blocks_too))
@@ -389,7 +405,9 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     profiled are modelled as one array after another.
 
     Each B's strategies are timed together, in interleaved rounds
-    (:func:`profile_together`). Times are the process's: on the CPU, glibc's
+    (:func:`profile_together`), and then the plain steps of all B together,
+    to which each B's times are scaled (the device's drift between one B and
+    the next does not bend the curves). Times are the process's: on the CPU, glibc's
     malloc maps each large allocation afresh (page faults at every step) until
     enough large blocks were freed, after which it serves them from the heap;
     the same step can take twice as long in a fresh process as later on. Fit
@@ -413,17 +431,30 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     for precision in precisions:
         for m in micro_batches:
             for fmt in memory_formats:
-                for B in sorted(set(B_values)):
+                plain = [Strategy(B=B, precision=precision, micro_batches=m, memory_format=fmt)
+                         for B in sorted(set(B_values))]
+                groups = []
+                for strategy in plain:
                     # One B's strategies are timed together (profile_together): the model takes
                     # differences of their times (what a recomputation adds, what a second array
                     # in flight costs), which a drifting device would otherwise distort.
-                    strategy = Strategy(B=B, precision=precision, micro_batches=m, memory_format=fmt)
                     group = [strategy]
                     group += [dataclasses.replace(strategy, recompute=(n,)) for n in names]
                     group += [dataclasses.replace(strategy, arrays=k) for k in sorted(set(arrays) - {1})]
-                    profiles += profile_together(factory, example_batch, group, optimizer=optimizer,
-                                                 loss_fn=loss_fn, device=device, steps=steps, warmup=warmup,
-                                                 measure_blocks=[True] + [False] * (len(group) - 1))
+                    groups.append(profile_together(factory, example_batch, group, optimizer=optimizer,
+                                                   loss_fn=loss_fn, device=device, steps=steps, warmup=warmup,
+                                                   measure_blocks=[True] + [False] * (len(group) - 1)))
+                # The groups were timed one after another: the plain steps of every B are timed
+                # together once more, and each group's times are scaled to them, so that the
+                # curves in B do not follow the device's drift from one group to the next.
+                runs = [_Run(factory, example_batch, s, optimizer, loss_fn, device, warmup) for s in plain]
+                _time_in_rounds(runs, steps)
+                factors = [statistics.median(r.step_times) / g[0].step_time for r, g in zip(runs, groups)]
+                for r in runs:
+                    r.close()
+                runs.clear()  # their arrays freed before the next setting's
+                for factor, group in zip(factors, groups):
+                    profiles += [_scaled(p, factor) for p in group]
     return fit_profiles(profiles)
 
 
