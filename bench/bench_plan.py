@@ -120,7 +120,8 @@ def run_workload(name: str, args, device) -> dict:
     factory, batch, loss, optimizer, mbs = case(name, args.size)
     t0 = time.perf_counter()
     model = hp.fit_cost_model(factory, batch, optimizer=optimizer, loss_fn=loss, device=device,
-                              B_values=args.profile_B, micro_batches=mbs, steps=args.profile_steps)
+                              B_values=args.profile_B, precisions=args.precisions, micro_batches=mbs,
+                              arrays=args.arrays, steps=args.profile_steps)
     fit_s = time.perf_counter() - t0
     blocks = model.blocks
     # The blocks that save the most, recomputed: half of them.
@@ -129,6 +130,8 @@ def run_workload(name: str, args, device) -> dict:
     checks = [hp.Strategy(B=args.check_B), hp.Strategy(B=args.check_B, recompute=heavy)]
     if 2 in mbs:
         checks.append(hp.Strategy(B=args.check_B, micro_batches=2))
+    checks += [hp.Strategy(B=args.check_B, precision=p) for p in args.precisions if p != "fp32"]
+    checks += [hp.Strategy(B=args.check_B, arrays=k) for k in args.arrays if k > 1]
     accuracy = []
     for s, (mt, mm) in zip(checks, measure(factory, batch, checks, loss, optimizer, device, args.profile_steps)):
         pt, pm = model.predict(s)
@@ -136,7 +139,7 @@ def run_workload(name: str, args, device) -> dict:
                              predicted_peak=pm, measured_peak=mm, memory_error=rel(pm, mm)))
     t0 = time.perf_counter()
     front = hp.search(model, trials=args.trials, steps=args.steps, B_values=range(1, args.max_B + 1),
-                      micro_batches=mbs, memory_formats=("auto",))
+                      precisions=args.precisions, micro_batches=mbs, arrays=args.arrays, memory_formats=("auto",))
     search_s = time.perf_counter() - t0
     # Every plan of the set, measured (at most --measure of them, spread over the front).
     pick = front if len(front) <= args.measure else [front[round(i * (len(front) - 1) / (args.measure - 1))]
@@ -144,11 +147,13 @@ def run_workload(name: str, args, device) -> dict:
     measured = []
     pick_measured = measure(factory, batch, [p.strategy for p in pick], loss, optimizer, device, args.profile_steps)
     for p, (mt, mm) in zip(pick, pick_measured):
+        # A measured step of a plan is one step of all its arrays in flight together.
         rounds = math.ceil(args.trials / (p.B * p.arrays))
         measured.append(dict(strategy=p.strategy.label, B=p.B, recompute=list(p.recompute),
-                             micro_batches=p.micro_batches, predicted_time=p.time, predicted_peak=p.peak_memory,
-                             measured_time=rounds * args.steps * p.arrays * mt, measured_peak=mm,
-                             measured_step_s=mt))
+                             micro_batches=p.micro_batches, precision=p.precision, arrays=p.arrays,
+                             predicted_time=p.time, predicted_peak=p.peak_memory,
+                             predicted_step_s=p.arrays * p.step_time, measured_time=rounds * args.steps * mt,
+                             measured_peak=mm, measured_step_s=mt))
     # A budget where recomputation fits more models than plain fusion: the least memory any plan
     # with recomputation needs at the largest B one reaches; plain fusion's largest B within it.
     more = None
@@ -172,7 +177,8 @@ def run_workload(name: str, args, device) -> dict:
                   measured=[(p, m["measured_time"], m["measured_peak"]) for p, m in zip(pick, measured)])
     return dict(workload=name, blocks=blocks, fit_seconds=fit_s, search_seconds=search_s, accuracy=accuracy,
                 front=[dict(strategy=p.strategy.label, B=p.B, recompute=list(p.recompute),
-                            micro_batches=p.micro_batches, predicted_time=p.time, predicted_peak=p.peak_memory)
+                            micro_batches=p.micro_batches, precision=p.precision, arrays=p.arrays,
+                            predicted_time=p.time, predicted_peak=p.peak_memory)
                        for p in front], measured_front=measured, more_models=more)
 
 
@@ -197,6 +203,10 @@ def main(argv=None) -> None:
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile-B", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"], default=None,
+                    help="default: fp32 and bf16 on CUDA, fp32 on the CPU (as hfkern.plan)")
+    ap.add_argument("--arrays", type=int, nargs="+", default=None,
+                    help="arrays in flight searched and profiled; default: 1 and 2 on CUDA, 1 on the CPU")
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--check-B", type=int, default=12, help="B of the accuracy checks (not fitted)")
     ap.add_argument("--max-B", type=int, default=16)
@@ -205,16 +215,25 @@ def main(argv=None) -> None:
     ap.add_argument("--measure", type=int, default=6, help="plans of the front measured, at most")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="directory for plan.json and the plots")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds after which no further workload is started")
     ap.add_argument("--system-malloc", action="store_true",
                     help="on the CPU, keep glibc's default malloc thresholds (see the module's docstring)")
     args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    args.precisions = args.precisions or (["fp32", "bf16"] if cuda else ["fp32"])
+    args.arrays = args.arrays or ([1, 2] if cuda else [1])
     malloc = steady_malloc(args) if argv is None else None  # a call from Python keeps its process
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     results = []
+    started = time.monotonic()
     for name in args.workloads:
+        if args.time_budget is not None and time.monotonic() - started > args.time_budget:
+            print(f"{name}: not started (--time-budget {args.time_budget:.0f} s spent)", flush=True)
+            continue
         r = run_workload(name, args, device)
         results.append(r)
         acc = "; ".join(f"{a['strategy']}: time {a['time_error']:+.0%}, memory {a['memory_error']:+.0%}"
@@ -224,14 +243,14 @@ def main(argv=None) -> None:
             m = r["more_models"]
             print(f"  within {m['budget'] / 2**20:.1f} MiB: plain fusion B = {m['plain_B']}, with recomputation "
                   f"B = {m['plan_B']} ({m['plan']}); per-model step time {m['per_model_step_cost']:+.0%}")
-    record = dict(benchmark="bench/bench_plan.py", date=datetime.date.today().isoformat(),
-                  device=(torch.cuda.get_device_name(device) if device.type == "cuda"
-                          else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"),
-                  python=platform.python_version(), torch=torch.__version__, hfkern=hfkern.__version__,
-                  malloc=malloc, args=vars(args), workloads=results)
-    if args.out:
-        with open(os.path.join(args.out, "plan.json"), "w") as f:
-            json.dump(record, f, indent=1)
+        if args.out:  # after every workload: a run stopped later keeps what it measured
+            record = dict(benchmark="bench/bench_plan.py", date=datetime.date.today().isoformat(),
+                          device=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                                  else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"),
+                          python=platform.python_version(), torch=torch.__version__, hfkern=hfkern.__version__,
+                          malloc=malloc, args=vars(args), workloads=results)
+            with open(os.path.join(args.out, "plan.json"), "w") as f:
+                json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

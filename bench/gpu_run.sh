@@ -6,6 +6,7 @@
 #     bash bench/gpu_run.sh          # all: build, end-to-end training, GPU tests, kernels
 #     bash bench/gpu_run.sh train    # part "train": the long end-to-end benchmark alone
 #     bash bench/gpu_run.sh kernels  # part "kernels": tests, kernel and optimizer benchmarks alone
+#     bash bench/gpu_run.sh plan     # part "plan": hfkern.plan's cost model and fronts (a second, short command)
 #
 # Default ("all"), each stage's exit status recorded, a failing stage never stopping the next:
 #   1. build        hfkern._C for the device (as in part "kernels" below)
@@ -51,6 +52,17 @@
 #   Results in $OUT: train_<device>_<date>.json / .md (and the plots where matplotlib is
 #   installed; else `python bench/train_throughput.py --report FILE.json` draws them),
 #   convergence_resnet18_<device>_<date>.json, gpu_run_train.log.
+#
+# Part "plan" (a short second command, about 4 minutes; the environment stage, then):
+#   plan         bench/bench_plan.py --size full on the GPU: the cost model fitted at
+#                B = 1, 2, 4, 8 (fp32 and bf16, one and two arrays in flight on CUDA streams),
+#                its predictions against measured steps at B = 12, the Pareto set found and
+#                its plans measured; ResNet-18 first, then the transformer LM, PointNet,
+#                MobileNetV2, BERT-small and DCGAN, none started after HFKERN_PLAN_SECONDS
+#                (default 180; the workload running then finishes, killed at 150 s more).
+#                hfkern._C is not built: auto takes the torch path on CUDA.
+#   Results in $OUT/plan: plan.json (written after every workload) and a plot per
+#   workload; gpu_run_plan.log.
 #
 # Part "kernels" stages (each one's exit status is recorded; a failing stage never stops the next):
 #   1. build        the CUDA extension hfkern._C in place (python setup.py build_ext
@@ -109,6 +121,7 @@
 #   TRAIN_B              the array sizes of part "train" (default "1 4 16 32 64")
 #   TRAIN_ARGS           extra options for train_throughput.py, e.g. "--workloads resnet18"
 #   HFKERN_CONVERGENCE_SECONDS  cap on the convergence check (default 120)
+#   HFKERN_PLAN_SECONDS  part "plan": seconds after which no workload is started (default 180)
 #   PYTHON               the interpreter (default python3)
 #
 # hfkern is used in place through PYTHONPATH (no pip install, so no dependency
@@ -137,9 +150,9 @@ TRAIN_ARGS=${TRAIN_ARGS:-}
 CONVERGENCE_SECONDS=${HFKERN_CONVERGENCE_SECONDS:-120}
 PART=${1:-all}
 case $PART in
-all | kernels | train) ;;
+all | kernels | train | plan) ;;
 *)
-    echo "usage: bash bench/gpu_run.sh [all|kernels|train] (got '$PART')" >&2
+    echo "usage: bash bench/gpu_run.sh [all|kernels|train|plan] (got '$PART')" >&2
     exit 2
     ;;
 esac
@@ -391,6 +404,13 @@ convergence() {
         "$PY" bench/convergence.py --steps 50 --out "$OUT"
 }
 
+plan() {
+    local budget=${HFKERN_PLAN_SECONDS:-180}
+    timeout -k 10 $((budget + 150)) "$PY" bench/bench_plan.py --size full --device cuda --profile-steps 5 \
+        --workloads resnet18 transformer_lm pointnet mobilenet_v2 bert_small dcgan \
+        --time-budget "$budget" --out "$OUT/plan"
+}
+
 # finish: the stages' summary and the files; the run's exit status.
 finish() {
     echo
@@ -486,8 +506,18 @@ for n, fam in sorted(f.discover().items(), key=lambda kv: (len(kv[1].shapes), kv
     finish
 }
 
+main_plan() {
+    : >"$STAGES"
+    echo "hfkern GPU run, part plan: results in $OUT/plan"
+    run_stage environment environment
+    run_stage plan plan
+    finish
+}
+
 if [[ $PART == train ]]; then
     main_train 2>&1 | tee "$OUT/gpu_run_train.log"
+elif [[ $PART == plan ]]; then
+    main_plan 2>&1 | tee "$OUT/gpu_run_plan.log"
 elif [[ $PART == kernels ]]; then
     main 2>&1 | tee "$OUT/gpu_run.log"
 else
