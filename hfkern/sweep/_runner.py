@@ -1043,14 +1043,11 @@ class Runner:
     def _forget_old_epochs(self) -> None:
         """Drop the batch orders' permutations of epochs no held trial trains again (arrays of one
         batch size and optimizer share an order)."""
-        oldest: dict[int, tuple[_Settings, int]] = {}
-        for a in self._arrays:
-            for b in a.active():
-                epoch = a.slots[b].step // a.settings.steps_per_epoch
-                settings, seen = oldest.get(id(a.settings), (a.settings, epoch))
-                oldest[id(a.settings)] = (settings, min(seen, epoch))
-        for settings, epoch in oldest.values():
-            settings.order.forget_before(epoch)
+        for settings in {id(a.settings): a.settings for a in self._arrays}.values():
+            epochs = [a.slots[b].step // settings.steps_per_epoch
+                      for a in self._arrays if a.settings is settings for b in a.active()]
+            if epochs:
+                settings.order.forget_before(min(epochs))
 
     # ---- checkpoint and resume ---------------------------------------------------------
     def _save(self) -> None:
