@@ -224,3 +224,24 @@ def test_the_drift_between_array_sizes_is_taken_out_of_the_fit():
     one, two = (p.step_time for p in model.profiles)
     assert 0.5 < one / two < 2.0, (one, two)
     assert two < 0.015  # both the fast device's
+
+
+def test_without_interleaving_one_strategy_is_profiled_at_a_time():
+    """interleave=False: each strategy's steps run together (warm-up, timed, hooked, its peak's),
+    one array alive at a time, and nothing is timed again across B."""
+    import hfkern
+
+    calls = []
+
+    def loss(out, y):
+        calls.append(out.shape[0])
+        return hfkern.nn.functional.cross_entropy(out, y)
+
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    kw = dict(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=loss, device="cpu", B_values=(1, 2),
+              steps=2, warmup=1)
+    model = fit_cost_model(mlp, (x, y), recompute=False, interleave=False, **kw)
+    assert calls == [1] * 6 + [2] * 6
+    assert [p.strategy.B for p in model.profiles] == [1, 2] and model.predict(Strategy(B=3))[0] > 0
+    with pytest.raises(TypeError, match="interleave must be a bool"):
+        fit_cost_model(mlp, (x, y), interleave="no", **kw)

@@ -391,7 +391,7 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
                    device: torch.device | str | None = None, B_values: Sequence[int] = (1, 2, 4, 8),
                    precisions: Sequence[str] = ("fp32",), micro_batches: Sequence[int] = (1,),
                    memory_formats: Sequence[str] = ("auto",), arrays: Sequence[int] = (1,), steps: int = 3,
-                   warmup: int = 2, recompute: bool = True) -> FittedCostModel:
+                   warmup: int = 2, recompute: bool = True, interleave: bool = True) -> FittedCostModel:
     """Profile ``hfkern.fuse(factory, B)`` at each B of ``B_values`` in every setting and fit the curves (:class:`Curve`).
 
     ``example_batch``: ``(inputs [N, ...], targets [N])``, one batch as one model
@@ -404,10 +404,15 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     a stream each) at every B, for :meth:`FittedCostModel.in_flight`; counts not
     profiled are modelled as one array after another.
 
-    Each B's strategies are timed together, in interleaved rounds
-    (:func:`profile_together`), and then the plain steps of all B together,
-    to which each B's times are scaled (the device's drift between one B and
-    the next does not bend the curves). Times are the process's: on the CPU, glibc's
+    ``interleave`` (default): each B's strategies are timed together, in
+    interleaved rounds (:func:`profile_together`), and then the plain steps of
+    all B together, to which each B's times are scaled (the device's drift
+    between one B and the next does not bend the curves). Their arrays are
+    alive together: one B's plain array, one per block and one per array in
+    flight, then one plain array per B. ``interleave=False`` profiles one
+    strategy at a time (one array alive; pass the result to
+    ``hfkern.plan(..., cost_model=...)`` where the arrays of several together
+    do not fit the device), and the drift goes into the fit. Times are the process's: on the CPU, glibc's
     malloc maps each large allocation afresh (page faults at every step) until
     enough large blocks were freed, after which it serves them from the heap;
     the same step can take twice as long in a fresh process as later on. Fit
@@ -417,6 +422,8 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     from .. import optim
     from ..nn.functional import cross_entropy
 
+    if not isinstance(interleave, bool):
+        raise TypeError(f"fit_cost_model: interleave must be a bool, got {type(interleave).__name__}")
     if len(set(B_values)) < 2:
         raise ValueError(f"fit_cost_model: B_values needs at least two distinct sizes to fit curves, got "
                          f"{list(B_values)}")
@@ -428,34 +435,43 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     loss_fn = loss_fn or cross_entropy
     profiles: list[Profile] = []
     names = blocks(fuse(factory, 1)) if recompute else []  # each recomputed alone
+    kw = dict(optimizer=optimizer, loss_fn=loss_fn, device=device, steps=steps, warmup=warmup)
     for precision in precisions:
         for m in micro_batches:
             for fmt in memory_formats:
-                plain = [Strategy(B=B, precision=precision, micro_batches=m, memory_format=fmt)
-                         for B in sorted(set(B_values))]
                 groups = []
-                for strategy in plain:
+                for B in sorted(set(B_values)):
                     # One B's strategies are timed together (profile_together): the model takes
                     # differences of their times (what a recomputation adds, what a second array
                     # in flight costs), which a drifting device would otherwise distort.
+                    strategy = Strategy(B=B, precision=precision, micro_batches=m, memory_format=fmt)
                     group = [strategy]
                     group += [dataclasses.replace(strategy, recompute=(n,)) for n in names]
                     group += [dataclasses.replace(strategy, arrays=k) for k in sorted(set(arrays) - {1})]
-                    groups.append(profile_together(factory, example_batch, group, optimizer=optimizer,
-                                                   loss_fn=loss_fn, device=device, steps=steps, warmup=warmup,
-                                                   measure_blocks=[True] + [False] * (len(group) - 1)))
-                # The groups were timed one after another: the plain steps of every B are timed
-                # together once more, and each group's times are scaled to them, so that the
-                # curves in B do not follow the device's drift from one group to the next.
-                runs = [_Run(factory, example_batch, s, optimizer, loss_fn, device, warmup) for s in plain]
-                _time_in_rounds(runs, steps)
-                factors = [statistics.median(r.step_times) / g[0].step_time for r, g in zip(runs, groups)]
-                for r in runs:
-                    r.close()
-                runs.clear()  # their arrays freed before the next setting's
-                for factor, group in zip(factors, groups):
-                    profiles += [_scaled(p, factor) for p in group]
+                    if interleave:
+                        groups.append(profile_together(factory, example_batch, group,
+                                                       measure_blocks=[True] + [False] * (len(group) - 1), **kw))
+                    else:
+                        profiles += [profile_step(factory, example_batch, s, measure_blocks=i == 0, **kw)
+                                     for i, s in enumerate(group)]
+                if interleave:
+                    profiles += _scaled_across_B(factory, example_batch, groups, **kw)
     return fit_profiles(profiles)
+
+
+def _scaled_across_B(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
+                     groups: Sequence[list[Profile]], *, optimizer: Callable, loss_fn: Callable,
+                     device: torch.device, steps: int, warmup: int) -> list[Profile]:
+    """The profiles of ``groups`` (one B's strategies each, its plain one first), timed one group
+    after another, scaled to the plain steps of every B timed together now: the curves in B then
+    do not follow the device's drift from one group to the next."""
+    runs = [_Run(factory, batch, g[0].strategy, optimizer, loss_fn, device, warmup) for g in groups]
+    _time_in_rounds(runs, steps)
+    factors = [statistics.median(r.step_times) / g[0].step_time for r, g in zip(runs, groups)]
+    for r in runs:
+        r.close()
+    runs.clear()  # their arrays freed before anything else is profiled
+    return [_scaled(p, factor) for factor, group in zip(factors, groups) for p in group]
 
 
 def _saved_bytes(plain: Profile, recomputed: dict[str, Profile]) -> dict[str, float]:
