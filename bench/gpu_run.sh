@@ -406,7 +406,7 @@ convergence() {
 
 plan() {
     local budget=${HFKERN_PLAN_SECONDS:-180}
-    timeout -k 10 $((budget + 150)) "$PY" bench/bench_plan.py --size full --device cuda --profile-steps 5 \
+    timeout -k 10 $((budget + 150)) "$PY" bench/bench_plan.py --size full --device cuda --profile-steps 3 \
         --workloads resnet18 transformer_lm pointnet mobilenet_v2 bert_small dcgan \
         --time-budget "$budget" --out "$OUT/plan"
 }
