@@ -337,6 +337,24 @@ def test_a_memory_budget_picks_the_fastest_plan_that_fits():
         cases.runner(study, B=2, memory_budget=2**20)
 
 
+def test_a_device_budget_plans_within_what_the_device_offers():
+    """memory_budget="device": hfkern.plan's own budget (90% of the device's free memory)."""
+    study = new_study()
+    runner = cases.runner(study, B=None, memory_budget="device")
+    summary = runner.run(n_trials=3)
+    plans = runner.plans
+    chosen = plans.best()
+    assert plans.memory_budget > 0 and chosen.peak_memory <= plans.memory_budget
+    assert runner.strategy == chosen.strategy and summary.B == chosen.B and summary.completed == 3
+    for t in study.trials:
+        check_alone(t)
+    for bad in ("host", -1, 0, True):
+        with pytest.raises(ValueError, match="memory_budget must be a positive number of bytes or 'device'"):
+            cases.runner(study, B=None, memory_budget=bad)
+    with pytest.raises(ValueError, match="memory_budget picks B and the strategy"):
+        cases.runner(study, B=2, memory_budget="device")
+
+
 def watch_in_flight(runner) -> list[list[tuple]]:
     """Record the groups (width) of the arrays that train together in each of ``runner``'s rounds."""
     rounds, train_round = [], runner._train_round

@@ -262,11 +262,15 @@ class Runner:
             flight leave each trial's results unchanged; bf16 and
             micro-batches (models without batch norm only) change them as they
             would alone.
-        memory_budget: bytes a device offers the sweep. With ``B`` and
-            ``strategy`` not given, :func:`hfkern.plan` (profiling the first
-            trial's model) picks the fastest strategy whose predicted peak fits,
-            B up to 64 and ``n_trials``, one or two arrays in flight on CUDA:
-            a user says only which trials to run.
+        memory_budget: bytes a device offers the sweep, or ``"device"``: what
+            ``device`` offers (90% of its free memory, as
+            :func:`hfkern.max_array_size` reads it). With ``B`` and ``strategy``
+            not given, :func:`hfkern.plan` (profiling the first trial's model)
+            picks the fastest strategy whose predicted peak fits, B up to 64
+            and ``n_trials``, one or two arrays in flight on CUDA: a user says
+            only which trials to run. ``runner.plans`` is then the Pareto set
+            it chose from. Without it (and without ``B``), B is the largest
+            array that fits, with no other strategy.
     """
 
     def __init__(
@@ -302,7 +306,7 @@ class Runner:
         eval_batch_size: int = 1024,
         capture: bool = True,
         strategy: Any = None,
-        memory_budget: float | None = None,
+        memory_budget: float | str | None = None,
     ):
         who = "Runner"
         if not isinstance(study, optuna.Study):
@@ -384,8 +388,9 @@ class Runner:
             if self.B is None:
                 self.B = strategy.B
         if memory_budget is not None:
-            if not (_is_number(memory_budget) and memory_budget > 0):
-                raise ValueError(f"{who}: memory_budget must be a positive number of bytes, got {memory_budget!r}")
+            if not (memory_budget == "device" or (_is_number(memory_budget) and memory_budget > 0)):
+                raise ValueError(f"{who}: memory_budget must be a positive number of bytes or 'device', got "
+                                 f"{memory_budget!r}")
             if B is not None or strategy is not None:
                 raise ValueError(f"{who}: memory_budget picks B and the strategy; pass it without B and strategy")
         self.strategy = strategy
@@ -820,14 +825,14 @@ class Runner:
         plans = hplan(lambda: self._build_model(entry), (x[:bs], y[:bs]), trials=self._n_trials,
                       steps=settings.total_steps, device=self.device, optimizer=lambda params: cls(params, **kw),
                       loss_fn=loss, B_values=range(1, min(_MAX_B, self._n_trials) + 1),
-                      memory_budget=self.memory_budget)
+                      memory_budget=None if self.memory_budget == "device" else self.memory_budget)
         chosen = plans.best()
         self.strategy = chosen.strategy
         self.plans = plans
         _log.info("plan: %s", chosen.strategy.label)
         if self.progress:
             _report.note(f"hfkern.sweep: {chosen.strategy.label} (predicted {chosen.step_time * 1e3:.1f} ms a step, "
-                         f"{chosen.peak_memory / 2**20:.1f} MiB of {self.memory_budget / 2**20:.1f} MiB)")
+                         f"{chosen.peak_memory / 2**20:.1f} MiB of {plans.memory_budget / 2**20:.1f} MiB)")
         return chosen.B
 
     # ---- training --------------------------------------------------------------------
