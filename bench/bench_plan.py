@@ -171,15 +171,45 @@ def run_workload(name: str, args, device) -> dict:
             more = dict(budget=budget, plain=plain.label, plain_B=plain_B, plain_step_s=t_pl, plain_peak=m_pl,
                         plan=p_rc.strategy.label, plan_B=p_rc.B, plan_step_s=t_rc, plan_peak=m_rc,
                         per_model_step_cost=(t_rc / p_rc.B) / (t_pl / plain_B) - 1)
-    pset = hp.PlanSet(front, model, args.trials, args.steps, None, search_s, fit_s, device)
+    result = dict(workload=name, blocks=blocks, fit_seconds=fit_s, search_seconds=search_s, accuracy=accuracy,
+                  front=[dict(strategy=p.strategy.label, B=p.B, recompute=list(p.recompute),
+                              micro_batches=p.micro_batches, precision=p.precision, arrays=p.arrays,
+                              predicted_time=p.time, predicted_peak=p.peak_memory)
+                         for p in front], measured_front=measured, more_models=more)
     if args.out:
-        pset.plot(os.path.join(args.out, f"{name}.png"), title=f"{name} ({args.size} size) on {device}",
-                  measured=[(p, m["measured_time"], m["measured_peak"]) for p, m in zip(pick, measured)])
-    return dict(workload=name, blocks=blocks, fit_seconds=fit_s, search_seconds=search_s, accuracy=accuracy,
-                front=[dict(strategy=p.strategy.label, B=p.B, recompute=list(p.recompute),
-                            micro_batches=p.micro_batches, precision=p.precision, arrays=p.arrays,
-                            predicted_time=p.time, predicted_peak=p.peak_memory)
-                       for p in front], measured_front=measured, more_models=more)
+        plot(result, args.trials, args.steps, os.path.join(args.out, f"{name}.png"),
+             f"{name} ({args.size} size) on {device}")
+    return result
+
+
+def plot(result: dict, trials: int, steps: int, path: str, title: str) -> None:
+    """A workload's plot from its results: the predicted front, the measured plans beside their
+    predictions, and, where recomputation fits more models, that budget and the plan best()
+    takes within it (else the fastest plan) marked as chosen."""
+    front = []
+    for f in result["front"]:
+        B, arrays = f["B"], f.get("arrays", 1)
+        per_step = f["predicted_time"] / (math.ceil(trials / (B * arrays)) * steps * arrays)
+        front.append(hp.Plan(B, f.get("precision", "fp32"), f["micro_batches"], arrays, "auto",
+                             tuple(f["recompute"]), per_step, f["predicted_peak"], f["predicted_time"]))
+    by_label = {p.strategy.label: p for p in front}
+    more = result["more_models"]
+    budget = more["budget"] if more else None
+    pset = hp.PlanSet(front, None, trials, steps, budget, result["search_seconds"], result["fit_seconds"], None)
+    chosen = pset.best() if budget is not None else min(front, key=lambda p: p.time)
+    pset.plot(path, title=title, chosen=chosen,
+              measured=[(by_label[m["strategy"]], m["measured_time"], m["measured_peak"])
+                        for m in result["measured_front"] if m["strategy"] in by_label])
+
+
+def replot(directory: str) -> None:
+    """Draw the plots of a results directory again from its plan.json (no measuring)."""
+    with open(os.path.join(directory, "plan.json")) as f:
+        record = json.load(f)
+    a = record["args"]
+    for r in record["workloads"]:
+        plot(r, a["trials"], a["steps"], os.path.join(directory, f"{r['workload']}.png"),
+             f"{r['workload']} ({a['size']} size) on {a['device']}")
 
 
 # Every allocation on the heap, nothing given back to the system while the benchmark runs.
@@ -219,7 +249,12 @@ def main(argv=None) -> None:
                     help="seconds after which no further workload is started")
     ap.add_argument("--system-malloc", action="store_true",
                     help="on the CPU, keep glibc's default malloc thresholds (see the module's docstring)")
+    ap.add_argument("--replot", metavar="DIR", default=None,
+                    help="draw DIR's plots again from its plan.json, measuring nothing")
     args = ap.parse_args(argv)
+    if args.replot:
+        replot(args.replot)
+        return
     cuda = args.device.startswith("cuda")
     args.precisions = args.precisions or (["fp32", "bf16"] if cuda else ["fp32"])
     args.arrays = args.arrays or ([1, 2] if cuda else [1])
