@@ -412,12 +412,14 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     flight, then one plain array per B. ``interleave=False`` profiles one
     strategy at a time (one array alive; pass the result to
     ``hfkern.plan(..., cost_model=...)`` where the arrays of several together
-    do not fit the device), and the drift goes into the fit. Times are the process's: on the CPU, glibc's
-    malloc maps each large allocation afresh (page faults at every step) until
-    enough large blocks were freed, after which it serves them from the heap;
-    the same step can take twice as long in a fresh process as later on. Fit
-    and train under the same conditions (``bench/bench_plan.py`` fixes the
-    thresholds with ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``).
+    do not fit the device), and the drift goes into the fit.
+
+    Times are the process's: on the CPU, glibc's malloc maps each large
+    allocation afresh (page faults at every step) until enough large blocks
+    were freed, after which it serves them from the heap; the same step can
+    take twice as long in a fresh process as later on. Fit and train under the
+    same conditions (``bench/bench_plan.py`` fixes the thresholds with
+    ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``).
     """
     from .. import optim
     from ..nn.functional import cross_entropy
