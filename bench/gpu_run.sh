@@ -4,6 +4,7 @@
 # is downloaded). What matters is measured first:
 #
 #     bash bench/gpu_run.sh          # all: build, end-to-end training, GPU tests, kernels
+#     bash bench/gpu_run.sh e2e      # part "e2e": stages 1-4 of "all" (build, environment, end-to-end, GPU tests)
 #     bash bench/gpu_run.sh train    # part "train": the long end-to-end benchmark alone
 #     bash bench/gpu_run.sh kernels  # part "kernels": tests, kernel and optimizer benchmarks alone
 #     bash bench/gpu_run.sh plan     # part "plan": hfkern.plan's cost model and fronts (a second, short command)
@@ -150,9 +151,9 @@ TRAIN_ARGS=${TRAIN_ARGS:-}
 CONVERGENCE_SECONDS=${HFKERN_CONVERGENCE_SECONDS:-120}
 PART=${1:-all}
 case $PART in
-all | kernels | train | plan) ;;
+all | e2e | kernels | train | plan) ;;
 *)
-    echo "usage: bash bench/gpu_run.sh [all|kernels|train|plan] (got '$PART')" >&2
+    echo "usage: bash bench/gpu_run.sh [all|e2e|kernels|train|plan] (got '$PART')" >&2
     exit 2
     ;;
 esac
@@ -227,10 +228,12 @@ EOF
     return $rc
 }
 
+# gpu_tests [KEEP]: the GPU tests, leaving KEEP seconds of the run to the stages after
+# them (default 200: part "kernels" runs its benchmarks after the tests; in part "all"
+# the kernel benchmarks take only what is left, so the tests keep RESERVE).
 gpu_tests() {
-    # Leave the benchmark at least 200 s of the run.
-    local budget
-    budget=$(max 30 "$(min "$TEST_SECONDS" $(($(left) - 200)))")
+    local budget keep=${1:-200}
+    budget=$(max 30 "$(min "$TEST_SECONDS" $(($(left) - keep)))")
     echo "python -m pytest -m gpu tests (at most ${budget} s; full log in gpu_tests.log)"
     # importlib import mode: tests/ and tests/triton/ hold test files of the same
     # basename (test_conv.py), which the default mode cannot collect together.
@@ -443,7 +446,7 @@ main_all() {
     run_stage environment environment
     run_stage train_e2e train_e2e
     TEST_SECONDS=$(min "$TEST_SECONDS" 100)
-    run_stage gpu_tests gpu_tests
+    run_stage gpu_tests gpu_tests "$RESERVE"
     run_stage ceilings ceilings
     if (($(left) > RESERVE + 40)); then
         run_stage bench_bytes bench_bytes "$(min "$BYTES_SECONDS" $(max 30 $((($(left) - RESERVE) * 2 / 3))))"
@@ -460,6 +463,19 @@ main_all() {
     run_stage report report
     run_stage report_optim report_optim
     run_stage report_bytes report_bytes
+    finish
+}
+
+# main_e2e: the first four stages of "all" and nothing after them, for a device session
+# that spends what is left on part "plan" instead of the kernel benchmarks.
+main_e2e() {
+    : >"$STAGES"
+    echo "hfkern GPU run, part e2e: results in $OUT, target ${RUN_SECONDS} s"
+    run_stage build build_extension
+    run_stage environment environment
+    run_stage train_e2e train_e2e
+    TEST_SECONDS=$(min "$TEST_SECONDS" 100)
+    run_stage gpu_tests gpu_tests 0
     finish
 }
 
@@ -516,6 +532,8 @@ main_plan() {
 
 if [[ $PART == train ]]; then
     main_train 2>&1 | tee "$OUT/gpu_run_train.log"
+elif [[ $PART == e2e ]]; then
+    main_e2e 2>&1 | tee "$OUT/gpu_run_e2e.log"
 elif [[ $PART == plan ]]; then
     main_plan 2>&1 | tee "$OUT/gpu_run_plan.log"
 elif [[ $PART == kernels ]]; then
