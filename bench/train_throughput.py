@@ -323,6 +323,8 @@ def _worker(conn, spec: dict, barrier) -> None:
             torch.set_flush_denormal(True)      # denormal arithmetic would slow late steps on a CPU
         device = torch.device(spec["device"])
         if device.type == "cuda":
+            if device.index is None:        # set_device wants an index, not "cuda"
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
         memory = _Memory(device)
         t0 = time.perf_counter()
