@@ -317,6 +317,9 @@ def _describe(e: BaseException) -> dict:
 
 def _worker(conn, spec: dict, barrier) -> None:
     """A mode's process: build, warm up, then answer the coordinator's commands."""
+    # A time limit's SIGINT goes to the whole process group: the coordinator keeps the rounds
+    # already timed and stops its workers itself, so a worker must not die mid-round first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(spec["threads"])
         if spec["device"] == "cpu":
@@ -469,8 +472,9 @@ def start_group(ctx, key, mode, backend, workload, precision, B, s: Settings) ->
 
 
 def run_cell(ctx, workload: str, precision: str, B: int, keys, s: Settings, profile: tuple[int, int] | None,
-             progress=None) -> tuple[list[dict], dict]:
-    """Time every mode of one (workload, precision, B) in interleaved rounds."""
+             progress=None) -> tuple[list[dict], dict, bool]:
+    """Time every mode of one (workload, precision, B) in interleaved rounds: (rows, profiles,
+    interrupted). A SIGINT (the time limit's) ends the cell with the rounds already timed."""
     groups: list[Group] = []
     try:
         return _run_cell(ctx, workload, precision, B, keys, s, profile, progress, groups)
@@ -495,34 +499,47 @@ def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress,
             continue
         groups.append(start_group(ctx, key, mode, backend, workload, precision, B, s))
     live = []
-    for g in groups:                    # every group builds and warms up at once; gather in turn
-        if g.error:
-            continue
-        try:
-            infos = g.gather(s.timeout * 4)
-            g.info = {"build_s": max(i["build_s"] for i in infos), "warmup_s": max(i["warmup_s"] for i in infos)}
-            live.append(g)
-        except (_WorkerError, TimeoutError, EOFError, OSError) as e:
-            g.error = e.payload if isinstance(e, _WorkerError) else {"error": f"{type(e).__name__}: {e}", "oom": False}
-            g.close()
-    for _ in range(s.rounds):
-        for g in list(live):
+    interrupted = False
+    t0 = time.perf_counter()
+    try:
+        for g in groups:                # every group builds and warms up at once; gather in turn
+            if g.error:
+                continue
             try:
-                g.send("run", s.steps)
-                spans = g.gather(s.timeout)
-                g.times.append((max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)) / s.steps)
+                infos = g.gather(s.timeout * 4)
+                g.info = {"build_s": max(i["build_s"] for i in infos),
+                          "warmup_s": max(i["warmup_s"] for i in infos)}
+                live.append(g)
+                _log(progress, f"{workload} {precision} B={B} {g.key}: ready after {time.perf_counter() - t0:.0f} s "
+                               f"(build {g.info['build_s']:.1f} s, warm-up {g.info['warmup_s']:.1f} s)")
             except (_WorkerError, TimeoutError, EOFError, OSError) as e:
-                g.error = e.payload if isinstance(e, _WorkerError) else {"error": f"{type(e).__name__}: {e}", "oom": False}
-                live.remove(g)
+                g.error = e.payload if isinstance(e, _WorkerError) else {"error": f"{type(e).__name__}: {e}",
+                                                                         "oom": False}
+                _log(progress, f"{workload} {precision} B={B} {g.key}: failed ({g.error['error'][:120]})")
                 g.close()
-        if progress is not None:
-            progress()
+        for _ in range(s.rounds):
+            for g in list(live):
+                try:
+                    g.send("run", s.steps)
+                    spans = g.gather(s.timeout)
+                    g.times.append((max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)) / s.steps)
+                except (_WorkerError, TimeoutError, EOFError, OSError) as e:
+                    g.error = e.payload if isinstance(e, _WorkerError) else {"error": f"{type(e).__name__}: {e}",
+                                                                             "oom": False}
+                    live.remove(g)
+                    g.close()
+            if progress is not None:
+                progress()
+    except KeyboardInterrupt:
+        # The time limit: keep each mode's complete rounds (a mode that has none reports so).
+        interrupted = True
+        _log(progress, f"{workload} {precision} B={B}: interrupted; keeping the rounds already timed")
     profiles = {}
     profiled = {g.key for g in live}
     if s.profile_modes == "slowest-array":
         timed = [g for g in live if g.mode in ARRAY_MODES and g.times]
         profiled = {max(timed, key=lambda g: statistics.median(g.times)).key} if timed else set()
-    for g in live:
+    for g in [] if interrupted else live:
         with contextlib.suppress(_WorkerError, TimeoutError, EOFError, OSError):
             g.send("memory")
             peaks = g.gather(s.timeout)
@@ -540,14 +557,22 @@ def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress,
         row = {"workload": workload, "mode": g.mode, "backend": g.backend, "key": g.key, "B": B,
                "precision": precision}
         if g.error or not g.times:
-            row.update(error=(g.error or {}).get("error", "no time"), oom=(g.error or {}).get("oom", False))
+            none = "interrupted before its first round" if interrupted else "no time"
+            row.update(error=(g.error or {}).get("error", none), oom=(g.error or {}).get("oom", False))
         else:
             med = statistics.median(g.times)
             row.update(step_ms=1e3 * med, min_step_ms=1e3 * min(g.times), rounds=len(g.times),
                        peak_mb=None if g.info.get("peak_bytes") is None else g.info["peak_bytes"] / 2**20,
                        build_s=g.info["build_s"], warmup_s=g.info["warmup_s"])
         rows.append(row)
-    return rows, profiles
+    return rows, profiles, interrupted
+
+
+def _log(progress, text: str) -> None:
+    if progress is not None:
+        progress.log(text)
+    else:
+        print(text, file=sys.stderr, flush=True)
 
 
 # ==== results: rows, gaps, summary, plots ========================================================
@@ -570,15 +595,20 @@ def finish_rows(rows: list[dict], workloads, size: str, env: dict) -> None:
     """Samples/s and speedups over serial, vmap, concurrent and hfta at equal B; device and versions."""
     from bench.models import WORKLOADS
 
-    by_cell: dict = {}
     for r in rows:
         r.update(env)
         r["size"] = size
         if "step_ms" in r:
-            w = WORKLOADS[r["workload"]]
-            r["samples_per_s"] = r["B"] * w.samples(size) / (r["step_ms"] / 1e3)
-            by_cell.setdefault((r["workload"], r["precision"], r["B"]), {})[r["mode"] + (
-                f"[{r['backend']}]" if r["backend"] else "")] = r["samples_per_s"]
+            r["samples_per_s"] = r["B"] * WORKLOADS[r["workload"]].samples(size) / (r["step_ms"] / 1e3)
+    speedups(rows)
+
+
+def speedups(rows: list[dict]) -> None:
+    """Each row's speedups over serial, vmap, concurrent and hfta of its (workload, precision, B)."""
+    by_cell: dict = {}
+    for r in rows:
+        if "samples_per_s" in r:
+            by_cell.setdefault((r["workload"], r["precision"], r["B"]), {})[r["key"]] = r["samples_per_s"]
     for r in rows:
         if "samples_per_s" not in r:
             continue
@@ -740,9 +770,11 @@ def merge(records: list[dict]) -> dict:
            "seconds": sum(r["seconds"] for r in records), "rows": [], "profiles": {}, "gaps": [], "skipped": []}
     for r in records:
         out["rows"] += r["rows"]
-        out["profiles"].update(r["profiles"])
-        out["gaps"] += r["gaps"]
+        for cell, per_mode in r["profiles"].items():
+            out["profiles"].setdefault(cell, {}).update(per_mode)
         out["skipped"] += r["skipped"]
+    speedups(out["rows"])        # against the baselines of another run of the same cell too
+    out["gaps"] = gaps(out["rows"], out["profiles"])
     return out
 
 
@@ -777,6 +809,13 @@ class _Progress:
         self.done += n
         if self.bar is not None:
             self.bar.update(n)
+
+    def log(self, text: str) -> None:
+        """A line of its own above the bar (a mode ready, failed, interrupted)."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def note(self, text: str) -> None:
         if self.bar is not None:
@@ -825,10 +864,12 @@ def _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, 
             progress.note(f"{workload} {precision} B={B}")
             prof = (args.profile_steps, args.profile_top) if B == profile_B and precision in args.profile_precisions \
                 else None
-            cell_rows, cell_prof = run_cell(ctx, workload, precision, B, cell_keys, s, prof, progress)
+            cell_rows, cell_prof, interrupted = run_cell(ctx, workload, precision, B, cell_keys, s, prof, progress)
             rows += cell_rows
             if cell_prof:
                 profiles[f"{workload}|{precision}|{B}"] = cell_prof
+            if interrupted:
+                raise KeyboardInterrupt
             for r in cell_rows:
                 if "error" in r and r["mode"] != "concurrent":
                     dropped[r["key"]] = r["error"]
@@ -845,8 +886,10 @@ def _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, 
             while hi - lo > max(1, lo // 8):
                 mid = (lo + hi) // 2
                 progress.note(f"{workload} {precision} bisect B={mid}")
-                cell_rows, _ = run_cell(ctx, workload, precision, mid, akeys, s, None)
+                cell_rows, _, interrupted = run_cell(ctx, workload, precision, mid, akeys, s, None)
                 rows += cell_rows
+                if interrupted:
+                    raise KeyboardInterrupt
                 arr = [r for r in cell_rows if r["mode"] == "array"]
                 lo, hi = (mid, hi) if all("error" not in r for r in arr) else (lo, mid)
 
@@ -886,7 +929,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, B = 2, one round, compile with aot_eager: the harness's own check")
     p.add_argument("--report", metavar="JSON", nargs="+",
-                   help="only write the summary and plots of saved results (several: merged into --name)")
+                   help="only write the summary and plots of saved results (several, or with --name: merged "
+                        "into --out/--name, speedups taken across the runs)")
     args = p.parse_args(argv)
     # A time limit's SIGINT or SIGTERM stops the sweep and writes what it has; a
     # process started in the background by a shell inherits SIGINT ignored.
@@ -898,13 +942,14 @@ def main(argv=None) -> int:
         for path in args.report:
             with open(path) as f:
                 records.append(json.load(f))
-        if len(records) == 1:
+        if len(records) == 1 and not args.name:
             record = records[0]
             stem = args.report[0][:-5] if args.report[0].endswith(".json") else args.report[0]
             files = [stem + ".md"]
         else:
             if not args.name:
                 p.error("--report with several files: --name STEM names the merged result")
+            os.makedirs(args.out, exist_ok=True)
             record = merge(records)
             stem = os.path.join(args.out, args.name)
             files = write_outputs(record, stem, plots=False)

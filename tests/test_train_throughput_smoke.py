@@ -99,3 +99,57 @@ def test_convergence_check_smoke(tmp_path, steps):
     assert record["passed"] and len(record["serial"]) == len(record["array"]) == steps
     assert all(len(r) == 3 for r in record["array"])
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_a_time_limit_keeps_the_rounds_already_timed(tmp_path):
+    """SIGINT (a time limit's) in the middle of a cell: the modes keep the rounds they finished,
+    each mode said when it was ready, and the result is written."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join("bench", "train_throughput.py"), "--size", "smoke", "--B", "2", "--precisions", "fp32",
+         "--workloads", "pointnet", "--modes", "serial", "array", "--rounds", "100000", "--steps", "1", "--warmup", "1",
+         "--out", str(tmp_path), "--name", "t", "--no-plots"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready = []
+    try:
+        for line in proc.stderr:              # tqdm's bar ends its updates with \r, the log lines with \n
+            if ": ready after " in line:
+                ready.append(line.split(": ready after ")[0].rsplit(" ", 1)[-1])
+                if len(ready) == 2:
+                    break
+        time.sleep(3)                         # rounds of a smoke step take milliseconds
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert sorted(ready) == ["array[torch]", "serial"]
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    assert "interrupted; keeping the rounds already timed" in err
+    record = json.loads((tmp_path / "t.json").read_text())
+    rows = {r["key"]: r for r in record["rows"]}
+    assert set(rows) == {"serial", "array[torch]"}
+    for r in rows.values():
+        assert "error" not in r and 1 <= r["rounds"] < 100000 and r["step_ms"] > 0, r
+    assert rows["array[torch]"]["vs_serial"] > 0
+    assert record["skipped"] == ["interrupted: the cells after the last one reported"]
+
+
+def test_merged_runs_compare_with_the_baselines_of_another_run(tmp_path):
+    """gpu_run.sh times the other backends in a run of their own: the merged report gives their
+    speedups over the first run's serial and hfta rows of the same cell."""
+    for name, modes in (("a", ["serial", "hfta", "array"]), ("b", ["array+capture"])):
+        proc = _run("train_throughput.py", "--smoke", "--precisions", "fp32", "--workloads", "pointnet",
+                    "--modes", *modes, "--out", str(tmp_path), "--name", name, "--no-plots")
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["rows"][0]["vs_serial"] is None              # run b alone has no baseline
+    proc = _run("train_throughput.py", "--report", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                "--name", "m", "--out", str(tmp_path), "--no-plots")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["key"]: r for r in json.loads((tmp_path / "m.json").read_text())["rows"]}
+    capture, serial = rows["array+capture[torch]"], rows["serial"]
+    assert capture["vs_serial"] == capture["samples_per_s"] / serial["samples_per_s"]
+    assert capture["vs_hfta"] == capture["samples_per_s"] / rows["hfta"]["samples_per_s"]
