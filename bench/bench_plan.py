@@ -2,7 +2,8 @@
 
 For each workload of bench/models (at ``--size``), this
 
-1. fits the cost model from measured steps at B = ``--profile-B`` (default 1, 2, 4, 8);
+1. fits the cost model from measured steps at B = ``--profile-B`` (default 1, 2, 4, 8, and 16
+   on CUDA: ``hfkern.plan.default_profile_B``), and keeps those profiles in ``plan.json``;
 2. measures configurations it was not fitted on (a larger B; recomputation of
    half the blocks; two micro-batches for models without batch norm) and
    reports predicted against measured step time and peak memory;
@@ -44,6 +45,7 @@ labels), since its generator's step needs the discriminator.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -112,6 +114,14 @@ def measure(factory, batch, strategies, loss, optimizer, device, steps):
     return [(p.step_time, p.peak) for p in profiles]
 
 
+def profile_record(p: hp.Profile) -> dict:
+    """One profile of the fit as JSON (``hfkern.plan.fit_profiles`` refits from these)."""
+    out = dataclasses.asdict(p)
+    out["strategy"] = p.strategy.label
+    out["strategy_fields"] = {**dataclasses.asdict(p.strategy), "recompute": list(p.strategy.recompute)}
+    return out
+
+
 def rel(pred: float, meas: float) -> float:
     return (pred - meas) / meas
 
@@ -155,17 +165,22 @@ def run_workload(name: str, args, device) -> dict:
                              predicted_step_s=p.arrays * p.step_time, measured_time=rounds * args.steps * mt,
                              measured_peak=mm, measured_step_s=mt))
     # A budget where recomputation fits more models than plain fusion: the least memory any plan
-    # with recomputation needs at the largest B one reaches; plain fusion's largest B within it.
+    # with recomputation needs at the largest B one reaches; plain fusion's largest B within it,
+    # plain fusion being that plan without its recomputation (same precision, micro-batches,
+    # arrays and layout), so that the difference is recomputation's alone.
     more = None
     with_rc = [p for p in front if p.recompute]
     if with_rc:
         top = max(p.B for p in with_rc)
         p_rc = min((p for p in with_rc if p.B == top), key=lambda p: p.peak_memory)
         budget = p_rc.peak_memory * 1.001
-        fitting = [B for B in range(1, args.max_B + 1) if model.predict(hp.Strategy(B=B))[1] <= budget]
+        def plain_at(B):
+            return dataclasses.replace(p_rc.strategy, B=B, recompute=())
+
+        fitting = [B for B in range(1, args.max_B + 1) if model.predict(plain_at(B))[1] <= budget]
         plain_B = max(fitting, default=0)
         if 0 < plain_B < p_rc.B:
-            plain = hp.Strategy(B=plain_B)
+            plain = plain_at(plain_B)
             (t_rc, m_rc), (t_pl, m_pl) = measure(factory, batch, [p_rc.strategy, plain], loss, optimizer, device,
                                                  args.profile_steps)
             more = dict(budget=budget, plain=plain.label, plain_B=plain_B, plain_step_s=t_pl, plain_peak=m_pl,
@@ -175,7 +190,8 @@ def run_workload(name: str, args, device) -> dict:
                   front=[dict(strategy=p.strategy.label, B=p.B, recompute=list(p.recompute),
                               micro_batches=p.micro_batches, precision=p.precision, arrays=p.arrays,
                               predicted_time=p.time, predicted_peak=p.peak_memory)
-                         for p in front], measured_front=measured, more_models=more)
+                         for p in front], measured_front=measured, more_models=more,
+                  profiles=[profile_record(p) for p in model.profiles])
     if args.out:
         plot(result, args.trials, args.steps, os.path.join(args.out, f"{name}.png"),
              f"{name} ({args.size} size) on {device}")
@@ -232,7 +248,8 @@ def main(argv=None) -> None:
     ap.add_argument("--size", default="cpu", choices=["cpu", "full", "smoke"])
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--profile-B", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--profile-B", type=int, nargs="+", default=None,
+                    help="array sizes profiled; default hfkern.plan.default_profile_B: 1 2 4 8, and 16 on CUDA")
     ap.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"], default=None,
                     help="default: fp32 and bf16 on CUDA, fp32 on the CPU (as hfkern.plan)")
     ap.add_argument("--arrays", type=int, nargs="+", default=None,
@@ -258,6 +275,7 @@ def main(argv=None) -> None:
     cuda = args.device.startswith("cuda")
     args.precisions = args.precisions or (["fp32", "bf16"] if cuda else ["fp32"])
     args.arrays = args.arrays or ([1, 2] if cuda else [1])
+    args.profile_B = args.profile_B or list(hp.default_profile_B(args.device))
     malloc = steady_malloc(args) if argv is None else None  # a call from Python keeps its process
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

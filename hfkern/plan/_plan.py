@@ -118,7 +118,7 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
          loss_fn: Callable | None = None, B_values: Sequence[int] | None = None,
          precisions: Sequence[str] | None = None, micro_batches: Sequence[int] = (1,),
          arrays: Sequence[int] | None = None, memory_formats: Sequence[str] = ("auto",),
-         memory_budget: float | None = None, profile_B: Sequence[int] = (1, 2, 4, 8),
+         memory_budget: float | None = None, profile_B: Sequence[int] | None = None,
          cost_model: FittedCostModel | None = None) -> PlanSet:
     """The Pareto set of strategies for training ``trials`` trials of ``steps`` steps of ``factory``'s model.
 
@@ -136,7 +136,8 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
         memory_formats: layouts searched.
         memory_budget: bytes a device offers; plans above it are left out (default:
             90% of the device's free memory, as :func:`hfkern.max_array_size` reads it).
-        profile_B: the array sizes profiled to fit the cost model.
+        profile_B: the array sizes profiled to fit the cost model (default
+            :func:`hfkern.plan.default_profile_B`: 1, 2, 4, 8, and 16 on CUDA).
         cost_model: a fitted model to reuse instead of profiling again.
     """
     from ..sweep._memory import _free_bytes
