@@ -97,9 +97,9 @@
 #   7. report       the kernel parts merged into one CSV + JSON and summarized;
 #                   the graph-timed and optimizer summaries printed last
 #
-# Results go to $OUT (default bench/results/gpu_run), flat, at most 11 files:
+# Results go to $OUT (default bench/results/gpu_run), flat, at most 12 files:
 #   gpu_run.log  everything printed, ending with each stage's exit status and seconds;
-#   gpu_tests.log  the pytest output;
+#   gpu_tests.log  the pytest output; gpu_test_failures.log  each failure's traceback as it happened;
 #   kernels_<device>_<date>.csv / .json        the eager kernel benchmark rows (bench/README.md);
 #   kernels-bytes_<device>_<date>.csv / .json  the bytes suite's rows (layouts, fused norms, elementwise);
 #   graph_kernels_<device>_<date>.csv / .json  the graph-timed rows;
@@ -110,7 +110,7 @@
 #   HFKERN_RUN_SECONDS   wall-clock target for the whole script (default 510)
 #   HFKERN_TEST_SECONDS  cap on the GPU tests (default 180)
 #   HFKERN_TEST_WORKERS  pytest-xdist processes for the GPU tests, where xdist is
-#                        installed (default 8)
+#                        installed (default 12)
 #   BENCH_ARGS           extra options for bench_kernels.py, e.g. "--quick" or "--dtypes bf16"
 #   OPTIM_ARGS           extra options for bench_optim.py, e.g. "--ops adam --B 16"
 #   HFKERN_OPTIM_SECONDS cap on the optimizer benchmark's time budget (default 75)
@@ -147,7 +147,7 @@ BYTES_SECONDS=${HFKERN_BYTES_SECONDS:-90}
 # The bytes suite asks how the layouts, a conversion and fusion compare; B separate calls
 # (loop) and vmap answer other questions and would take half its time.
 BYTES_ARGS=${BYTES_ARGS:---dtypes bf16 --impls torch,triton,cuda,grouped_nchw,grouped_nhwc,grouped,convert,unfused_torch,unfused_triton}
-XDIST_WORKERS=${HFKERN_TEST_WORKERS:-8}
+XDIST_WORKERS=${HFKERN_TEST_WORKERS:-12}
 TRAIN_B=${TRAIN_B:-1 4 16 32 64}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 CONVERGENCE_SECONDS=${HFKERN_CONVERGENCE_SECONDS:-120}
@@ -249,7 +249,13 @@ gpu_tests() {
         par=(-n "$XDIST_WORKERS")
     fi
     echo "test processes: ${par[1]:-1}"
-    HFKERN_TRITON_AUTOTUNE=0 timeout -k 10 "$budget" "$PY" -m pytest -m gpu tests --import-mode=importlib -v -rfE \
+    # The library's own tests (fusion, capture, autocast, plans, sweeps) before the kernel
+    # directories: pytest collects in the order given and xdist hands out in that order, so a
+    # run stopped at its cap has run those. Each failure's traceback is written as it happens
+    # (HFKERN_FAILURE_LOG, tests/conftest.py); pytest's summary comes only at the end.
+    local order=(tests/test_*.py tests/cuda tests/triton)
+    HFKERN_FAILURE_LOG=$OUT/gpu_test_failures.log HFKERN_TRITON_AUTOTUNE=0 timeout -k 10 "$budget" \
+        "$PY" -m pytest -m gpu "${order[@]}" --import-mode=importlib -v -rfE \
         --tb=short --durations=15 -p no:cacheprovider ${par[@]+"${par[@]}"} >"$OUT/gpu_tests.log" 2>&1
     local rc=$?
     tail -n 60 "$OUT/gpu_tests.log"

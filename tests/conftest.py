@@ -39,6 +39,24 @@ def _emulator_missing() -> str:
     return ""
 
 
+_failure_log = None
+
+
+def pytest_configure(config):
+    global _failure_log
+    # Not in pytest-xdist's workers: their reports reach the controller, which logs them once.
+    if os.environ.get("HFKERN_FAILURE_LOG") and not hasattr(config, "workerinput"):
+        _failure_log = os.environ["HFKERN_FAILURE_LOG"]
+
+
+def pytest_runtest_logreport(report):
+    """With ``HFKERN_FAILURE_LOG=FILE``, each failure's traceback is appended to FILE as it happens:
+    pytest prints them at the end, which a run stopped at its time cap never reaches."""
+    if _failure_log and report.failed:
+        with open(_failure_log, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     if any("emulator" in item.keywords for item in items):
