@@ -126,6 +126,7 @@
 #   HFKERN_CONVERGENCE_SECONDS  cap on the convergence check (default 120)
 #   HFKERN_PLAN_SECONDS  part "plan": seconds after which no workload is started (default 180)
 #   PYTHON               the interpreter (default python3)
+#   HFKERN_WHEELS        a folder of wheels to install first, offline (a machine without network)
 #
 # hfkern is used in place through PYTHONPATH (no pip install, so no dependency
 # is touched); the build stage puts hfkern/_C*.so beside the sources and its
@@ -165,6 +166,17 @@ START=$(date +%s)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+# HFKERN_WHEELS=DIR: wheels installed first (offline, into a temporary folder put on
+# PYTHONPATH), for a machine without network that lacks a test or benchmark dependency:
+# the sweep's tests need optuna and SQLAlchemy (bench/README.md says how to fetch them).
+if [[ -n ${HFKERN_WHEELS:-} ]]; then
+    WHEEL_SITE=$(mktemp -d) || exit 1
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WHEEL_SITE" "$HFKERN_WHEELS"/*.whl; then
+        export PYTHONPATH="$PYTHONPATH:$WHEEL_SITE"
+    else
+        echo "HFKERN_WHEELS: installing the wheels of $HFKERN_WHEELS failed; going on without them"
+    fi
+fi
 
 mkdir -p "$OUT" || exit 1
 WORK=$(mktemp -d) || exit 1

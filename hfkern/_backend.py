@@ -320,10 +320,13 @@ def _choose(op: str, device_type: str, dtype: torch.dtype | None = None) -> tupl
         if not ok:
             raise RuntimeError(f"hfkern backend {requested!r} is not available: {why}")
         return requested, "requested explicitly"
-    passed_over = []
+    passed_over, never = [], []
     for name in AUTO_PREFERENCE:
         impl = impls.get(name)
-        if impl is None or not impl.auto or not _serves(impl, device_type):
+        if impl is None or not _serves(impl, device_type):
+            continue
+        if not impl.auto:
+            never.append(name)
             continue
         if dtype is not None and impl.dtypes and dtype not in impl.dtypes:
             continue
@@ -332,6 +335,8 @@ def _choose(op: str, device_type: str, dtype: torch.dtype | None = None) -> tupl
         served = device_type if dtype is None else f"{device_type} {dtype}"
         if name == "torch":
             why = f"auto: first available of {list(AUTO_PREFERENCE)} serving {served}"
+            if never:
+                why += f"; {' and '.join(never)} registered with auto=False (chosen only when requested)"
             if passed_over:
                 why += (f"; no committed training-step result shows the step faster with "
                         f"{' or '.join(passed_over)} on {_device_name(device_type)!r}")

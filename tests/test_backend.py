@@ -152,6 +152,23 @@ def test_auto_needs_a_committed_training_step_result(monkeypatch):
         _backend._resolved.clear()
 
 
+def test_auto_says_which_implementations_it_never_chooses(monkeypatch):
+    calls = []
+    _backend.register("test_only_op", "torch", lambda: calls.append("torch"))
+    _backend.register("test_only_op", "cuda", lambda: calls.append("cuda"), auto=False)
+    monkeypatch.setitem(_backend._availability, "cuda", lambda: (True, "pretend"))
+    _pretend_evidence(monkeypatch, _record())          # evidence does not make it eligible
+    try:
+        _backend._default = "auto"
+        _backend.resolve("test_only_op", torch.device("cuda"))()
+        assert calls == ["torch"]
+        why = hfkern.backend_info()["ops"]["test_only_op"]["cuda"]
+        assert "cuda registered with auto=False (chosen only when requested)" in why, why
+    finally:
+        del _backend._registry["test_only_op"]
+        _backend._resolved.clear()
+
+
 def test_auto_on_cuda_takes_the_torch_path_for_every_op_without_evidence(monkeypatch):
     _backend._load_packages()
     for name in ("triton", "cuda"):
