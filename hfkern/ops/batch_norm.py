@@ -556,17 +556,15 @@ def _(grad_y, x, weight, mean, rstd, training, output_mask, bias=None, activatio
 class _ArrayBatchNorm(torch.autograd.Function):
     """Autograd around the mutating forward op (which cannot carry a torch.library formula)."""
 
+    # forward(ctx, ...), not forward + setup_context: autograd binds the arguments of a
+    # setup_context Function to forward's signature (inspect.signature) at every call.
     @staticmethod
-    def forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps,
                 activation):
-        return array_batch_norm_op(
+        output = array_batch_norm_op(
             x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps,
             activation,
         )
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, *_, training, _momentum, _eps, activation = inputs
         _, mean, rstd = output
         save_forward(ctx, x, weight, bias, mean, rstd, activation)
         ctx.training = training
@@ -576,6 +574,7 @@ class _ArrayBatchNorm(torch.autograd.Function):
         # The backward runs pinned to the forward's backend, whatever thread runs
         # it; a compiled graph resolves its ops when it runs instead.
         ctx.backend = None if torch.compiler.is_compiling() else _backend.current(_FWD, x.device, x.dtype)
+        return output
 
     @staticmethod
     def backward(ctx, grad_y, grad_mean, grad_rstd):
