@@ -21,7 +21,7 @@
 #                   each other backend (cuda, then triton) in a run of its own, since Triton's
 #                   first steps compile and autotune; each run with a profile summary of
 #                   its slowest hfkern mode at B = 32 (host time, GPU time and kernel launches
-#                   per step, top kernels); one report of both; capped at HFKERN_E2E_SECONDS
+#                   per step, top kernels); one report of all; capped at HFKERN_E2E_SECONDS
 #                   (default 250)
 #   4. gpu_tests    python -m pytest -m gpu tests, capped at HFKERN_TEST_SECONDS (default 100 here)
 #   5. ceilings     the device's copy bandwidth and matmul rates (bench/bandwidth.py)

@@ -500,7 +500,7 @@ def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress,
         groups.append(start_group(ctx, key, mode, backend, workload, precision, B, s))
     live = []
     interrupted = False
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     try:
         for g in groups:                # every group builds and warms up at once; gather in turn
             if g.error:
@@ -510,11 +510,10 @@ def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress,
                 g.info = {"build_s": max(i["build_s"] for i in infos),
                           "warmup_s": max(i["warmup_s"] for i in infos)}
                 live.append(g)
-                _log(progress, f"{workload} {precision} B={B} {g.key}: ready after {time.perf_counter() - t0:.0f} s "
+                _log(progress, f"{workload} {precision} B={B} {g.key}: ready after {time.perf_counter() - started:.0f} s "
                                f"(build {g.info['build_s']:.1f} s, warm-up {g.info['warmup_s']:.1f} s)")
             except (_WorkerError, TimeoutError, EOFError, OSError) as e:
-                g.error = e.payload if isinstance(e, _WorkerError) else {"error": f"{type(e).__name__}: {e}",
-                                                                         "oom": False}
+                g.error = _error_of(e)
                 _log(progress, f"{workload} {precision} B={B} {g.key}: failed ({g.error['error'][:120]})")
                 g.close()
         for _ in range(s.rounds):
@@ -524,8 +523,7 @@ def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress,
                     spans = g.gather(s.timeout)
                     g.times.append((max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)) / s.steps)
                 except (_WorkerError, TimeoutError, EOFError, OSError) as e:
-                    g.error = e.payload if isinstance(e, _WorkerError) else {"error": f"{type(e).__name__}: {e}",
-                                                                             "oom": False}
+                    g.error = _error_of(e)
                     live.remove(g)
                     g.close()
             if progress is not None:
@@ -566,6 +564,11 @@ def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress,
                        build_s=g.info["build_s"], warmup_s=g.info["warmup_s"])
         rows.append(row)
     return rows, profiles, interrupted
+
+
+def _error_of(e: BaseException) -> dict:
+    """A row's error of a worker's failure, or of the coordinator's (timeout, lost pipe)."""
+    return e.payload if isinstance(e, _WorkerError) else {"error": f"{type(e).__name__}: {e}", "oom": False}
 
 
 def _log(progress, text: str) -> None:
