@@ -4,7 +4,8 @@
 # is downloaded). What matters is measured first:
 #
 #     bash bench/gpu_run.sh          # all: build, end-to-end training, GPU tests, kernels
-#     bash bench/gpu_run.sh e2e      # part "e2e": stages 1-4 of "all" (build, environment, end-to-end, GPU tests)
+#     bash bench/gpu_run.sh e2e      # part "e2e": stages 1-4 of "all" (build, environment, end-to-end, GPU tests),
+#                                    # the end-to-end stage with up to 300 s (HFKERN_E2E_SECONDS)
 #     bash bench/gpu_run.sh train    # part "train": the long end-to-end benchmark alone
 #     bash bench/gpu_run.sh kernels  # part "kernels": tests, kernel and optimizer benchmarks alone
 #     bash bench/gpu_run.sh plan     # part "plan": hfkern.plan's cost model and fronts (a second, short command)
@@ -17,9 +18,11 @@
 #                   ops), array, array+capture (hfkern.capture_step) and array+capture+cl (the
 #                   same with the images in channels-last array memory) on the torch path, the
 #                   ResNet-18 bf16 cells first (B ascending: a mode that fails at a B is not
-#                   tried at larger ones), with three quarters of the budget; then the array of
-#                   each other backend (cuda, then triton) in a run of its own, since Triton's
-#                   first steps compile and autotune; each run with a profile summary of
+#                   tried at larger ones), with three quarters of the budget; then, each in a
+#                   run of its own with what is left: ResNet-18's array under torch.compile,
+#                   plain and mode="reduce-overhead" (array+compile, array+compile-ro), and
+#                   the array of each other backend (cuda, then triton: Triton's first steps
+#                   compile and autotune); each run with a profile summary of
 #                   its slowest hfkern mode at B = 32 (host time, GPU time and kernel launches
 #                   per step, top kernels); one report of all; capped at HFKERN_E2E_SECONDS
 #                   (default 250)
@@ -454,7 +457,7 @@ finish() {
 # Triton processes' compiling and autotuning. One report of all, speedups taken across them.
 train_e2e() {
     local budget first rest t0 others b rc=0 runs=()
-    budget=$(max 60 "$(min "$E2E_SECONDS" $(($(left) - 200)))")
+    budget=$(max 60 "$(min "$E2E_SECONDS" $(($(left) - ${E2E_KEEP:-200})))")
     first=$((budget * 3 / 4))
     t0=$(date +%s)
     local common=(--size full --workloads resnet18 pointnet --precisions bf16 fp32 --B 8 32 --rounds 3 --steps 3
@@ -464,23 +467,31 @@ train_e2e() {
     timeout -s INT -k 30 $((first + 60)) "$PY" bench/train_throughput.py "${common[@]}" --backends torch \
         --modes serial hfta array array+capture array+capture+cl --time-budget "$first" --name torch $TRAIN_ARGS || rc=$?
     [[ -f $WORK/e2e/torch.json ]] && runs+=("$WORK/e2e/torch.json")
-    # The CUDA backend first (its kernels are built), then Triton (its first steps compile and
-    # autotune every conv shape: minutes for ResNet-18 on a fresh machine), each in a run of its own
-    # so that one backend's warm-up never holds up another's cells.
+    # Then, each in a run of its own so that one's warm-up never holds up another's cells:
+    # torch.compile of the array, plain and mode="reduce-overhead" (torch's CUDA graphs, what
+    # array+capture is weighed against; inductor compiles for a minute or more), ResNet-18 only;
+    # the CUDA backend's array (its kernels are built); Triton's (its first steps compile and
+    # autotune every conv shape: minutes for ResNet-18 on a fresh machine).
     others=$("$PY" -c "import hfkern
 info = hfkern.backend_info()['backends']
 print(' '.join(n for n in ('cuda', 'triton') if n in info and info[n]['available']))")
-    for b in $others; do
+    local name extra
+    for name in compile $others; do
         rest=$((budget - ($(date +%s) - t0)))
         if ((rest < 30)); then
-            echo "array[$b] not run: ${rest} s of the end-to-end budget left"
+            echo "$name not run: ${rest} s of the end-to-end budget left"
             continue
         fi
-        echo "array[$b]: time budget ${rest} s"
+        if [[ $name == compile ]]; then
+            extra=(--backends torch --modes array+compile array+compile-ro --workloads resnet18)
+        else
+            extra=(--backends "$name" --modes array)
+        fi
+        echo "$name: time budget ${rest} s"
         # shellcheck disable=SC2086  # TRAIN_ARGS is a list
-        timeout -s INT -k 30 $((rest + 60)) "$PY" bench/train_throughput.py "${common[@]}" --backends "$b" \
-            --modes array --time-budget "$rest" --name "$b" $TRAIN_ARGS || rc=$?
-        [[ -f $WORK/e2e/$b.json ]] && runs+=("$WORK/e2e/$b.json")
+        timeout -s INT -k 30 $((rest + 60)) "$PY" bench/train_throughput.py "${common[@]}" "${extra[@]}" \
+            --time-budget "$rest" --name "$name" $TRAIN_ARGS || rc=$?
+        [[ -f $WORK/e2e/$name.json ]] && runs+=("$WORK/e2e/$name.json")
     done
     ((${#runs[@]})) || { echo "no end-to-end results"; return 1; }
     "$PY" bench/train_throughput.py --report "${runs[@]}" --out "$OUT" --name "train_e2e_$(date -u +%Y-%m-%d)" || rc=1
@@ -518,6 +529,9 @@ main_all() {
 # main_e2e: the first four stages of "all" and nothing after them, for a device session
 # that spends what is left on part "plan" instead of the kernel benchmarks.
 main_e2e() {
+    # No kernel benchmarks after the tests: the end-to-end stage may take more of the run.
+    E2E_SECONDS=${HFKERN_E2E_SECONDS:-300}
+    E2E_KEEP=160
     : >"$STAGES"
     echo "hfkern GPU run, part e2e: results in $OUT, target ${RUN_SECONDS} s"
     run_stage build build_extension

@@ -22,6 +22,10 @@ Modes (``--modes``):
   grouped conv and batched GEMM; ``triton`` and ``cuda`` are hfkern's kernels);
 * ``array+compile``: the same with the fused model under ``torch.compile``
   (forward and backward; compile time is reported, not timed);
+* ``array+compile-ro``: the same under ``torch.compile(mode="reduce-overhead")``,
+  torch's own answer to host-bound steps (inductor's CUDA graphs of the forward
+  and backward; the optimizer step eager), against which ``array+capture`` is
+  weighed;
 * ``array+capture``: the same whole step (forward, losses, backward, optimizer)
   under :func:`hfkern.capture_step`: one CUDA graph replay per step after the
   warm-up calls (on a CPU it runs eagerly, as ``array``).
@@ -93,10 +97,11 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-MODES = ("serial", "concurrent", "vmap", "hfta", "array", "array+compile", "array+capture", "array+cl",
-         "array+capture+cl")
+MODES = ("serial", "concurrent", "vmap", "hfta", "array", "array+compile", "array+compile-ro", "array+capture",
+         "array+cl", "array+capture+cl")
 PRECISIONS = ("fp32", "bf16")
-ARRAY_MODES = ("array", "array+compile", "array+capture", "array+cl", "array+capture+cl")
+ARRAY_MODES = ("array", "array+compile", "array+compile-ro", "array+capture", "array+cl", "array+capture+cl")
+COMPILE_MODES = ("array+compile", "array+compile-ro")
 
 
 # ==== the worker side: one mode's models, optimizers and data in one process ====================
@@ -204,8 +209,9 @@ class Runner:
             self.arrays = {n: a.to(memory_format=torch.channels_last) for n, a in self.arrays.items()}
         self.opts = {n: array_opt(a.parameters(), lr=lrs, **opt_kwargs) for n, a in self.arrays.items()}
         self.forward = dict(self.arrays)
-        if self.mode == "array+compile":
-            self.forward = {n: torch.compile(a, backend=spec["compile_backend"]) for n, a in self.arrays.items()}
+        if self.mode in COMPILE_MODES:
+            kw = {"mode": "reduce-overhead"} if self.mode == "array+compile-ro" else {}
+            self.forward = {n: torch.compile(a, backend=spec["compile_backend"], **kw) for n, a in self.arrays.items()}
         if self.mode.startswith("array+capture"):
             self.captured = hfkern.capture_step(
                 lambda *batch: self.w.step(self._array_apply, self._array_update, batch), *self.batch)
@@ -860,7 +866,7 @@ def _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, 
                 progress(s.rounds)
                 continue
             cell_keys = [k for k in keys if k[0] not in dropped
-                         and not (k[1] == "array+compile" and args.compile_B and B not in args.compile_B)]
+                         and not (k[1] in COMPILE_MODES and args.compile_B and B not in args.compile_B)]
             if not cell_keys:
                 progress(s.rounds)
                 continue
@@ -927,8 +933,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--name", help="file stem (default train_<device>_<date>)")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--compile-B", type=int, nargs="+", help="the B values array+compile runs at (default: all)")
-    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of array+compile")
+    p.add_argument("--compile-B", type=int, nargs="+",
+                   help="the B values array+compile and array+compile-ro run at (default: all)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of array+compile and array+compile-ro")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, B = 2, one round, compile with aot_eager: the harness's own check")
     p.add_argument("--report", metavar="JSON", nargs="+",

@@ -29,8 +29,8 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
     proc = _run("train_throughput.py", "--smoke", "--precisions", "fp32", "--out", str(tmp_path), "--name", "t")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     record = json.loads((tmp_path / "t.json").read_text())
-    keys = ["serial", "concurrent", "vmap", "hfta", "array[torch]", "array+compile[torch]", "array+capture[torch]",
-            "array+cl[torch]", "array+capture+cl[torch]"]
+    keys = ["serial", "concurrent", "vmap", "hfta", "array[torch]", "array+compile[torch]", "array+compile-ro[torch]",
+            "array+capture[torch]", "array+cl[torch]", "array+capture+cl[torch]"]
     rows = record["rows"]
     assert {(r["workload"], r["key"]) for r in rows} == {(w, k) for w in WORKLOADS for k in keys}
     for r in rows:
@@ -54,8 +54,8 @@ def test_smoke_every_workload_in_every_mode(tmp_path):
     for w in WORKLOADS:
         assert f"## {w}, fp32" in summary
         assert (tmp_path / f"t_{w}.png").stat().st_size > 0
-    assert ("| B | serial | concurrent | vmap | hfta | array[torch] | array+compile[torch] | array+capture[torch] "
-            "| array+cl[torch] | array+capture+cl[torch] |" in summary)
+    assert ("| B | serial | concurrent | vmap | hfta | array[torch] | array+compile[torch] | array+compile-ro[torch] "
+            "| array+capture[torch] | array+cl[torch] | array+capture+cl[torch] |" in summary)
     assert "Profiled steps (per step of all B models)" in summary
     # the summary and plots are rendered again from the saved JSON alone
     (tmp_path / "t.md").unlink()
