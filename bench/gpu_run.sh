@@ -19,9 +19,9 @@
 #                   same with the images in channels-last array memory) on the torch path, the
 #                   ResNet-18 bf16 cells first (B ascending: a mode that fails at a B is not
 #                   tried at larger ones), with three quarters of the budget; then, each in a
-#                   run of its own with what is left: ResNet-18's array under torch.compile,
-#                   plain and mode="reduce-overhead" (array+compile, array+compile-ro), and
-#                   the array of each other backend (cuda, then triton: Triton's first steps
+#                   run of its own with what is left: the CUDA backend's array, ResNet-18's
+#                   array under torch.compile, plain and mode="reduce-overhead"
+#                   (array+compile, array+compile-ro), and Triton's array (its first steps
 #                   compile and autotune); each run with a profile summary of
 #                   its slowest hfkern mode at B = 32 (host time, GPU time and kernel launches
 #                   per step, top kernels); one report of all; capped at HFKERN_E2E_SECONDS
@@ -467,16 +467,18 @@ train_e2e() {
     timeout -s INT -k 30 $((first + 60)) "$PY" bench/train_throughput.py "${common[@]}" --backends torch \
         --modes serial hfta array array+capture array+capture+cl --time-budget "$first" --name torch $TRAIN_ARGS || rc=$?
     [[ -f $WORK/e2e/torch.json ]] && runs+=("$WORK/e2e/torch.json")
-    # Then, each in a run of its own so that one's warm-up never holds up another's cells:
-    # torch.compile of the array, plain and mode="reduce-overhead" (torch's CUDA graphs, what
-    # array+capture is weighed against; inductor compiles for a minute or more), ResNet-18 only;
-    # the CUDA backend's array (its kernels are built); Triton's (its first steps compile and
-    # autotune every conv shape: minutes for ResNet-18 on a fresh machine).
-    others=$("$PY" -c "import hfkern
+    # Then, each in a run of its own so that one's warm-up never holds up another's cells: the
+    # CUDA backend's array (its kernels are built: it warms up at once); torch.compile of the
+    # array, plain and mode="reduce-overhead" (torch's CUDA graphs, what array+capture is
+    # weighed against; inductor compiles for a minute or more), ResNet-18 only; Triton's array
+    # (its first steps compile and autotune every conv shape: minutes for ResNet-18 on a fresh
+    # machine).
+    local name extra order
+    order=$("$PY" -c "import hfkern
 info = hfkern.backend_info()['backends']
-print(' '.join(n for n in ('cuda', 'triton') if n in info and info[n]['available']))")
-    local name extra
-    for name in compile $others; do
+ok = lambda n: n in info and info[n]['available']
+print(' '.join(n for n in ('cuda', 'compile', 'triton') if n == 'compile' or ok(n)))")
+    for name in $order; do
         rest=$((budget - ($(date +%s) - t0)))
         if ((rest < 30)); then
             echo "$name not run: ${rest} s of the end-to-end budget left"
