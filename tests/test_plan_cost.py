@@ -245,3 +245,33 @@ def test_without_interleaving_one_strategy_is_profiled_at_a_time():
     assert [p.strategy.B for p in model.profiles] == [1, 2] and model.predict(Strategy(B=3))[0] > 0
     with pytest.raises(TypeError, match="interleave must be a bool"):
         fit_cost_model(mlp, (x, y), interleave="no", **kw)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_a_default_size_that_does_not_fit_the_device_is_left_out_with_a_warning(monkeypatch, interleave):
+    """The default sizes past 8 (16 on CUDA) may not fit a device: their profiles running out of
+    memory leave that size out, with a warning; sizes the caller chose, or 8 and below, raise."""
+    import hfkern.plan._cost as cost
+
+    real = cost.profile_together
+
+    def tight(factory, batch, strategies, **kw):          # a device that holds arrays of B < 16
+        if any(s.B >= 16 for s in strategies):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(factory, batch, strategies, **kw)
+
+    monkeypatch.setattr(cost, "profile_together", tight)
+    monkeypatch.setattr(cost, "default_profile_B", lambda device: (1, 2, 16))
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    kw = dict(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), device="cpu", steps=1, warmup=1, recompute=False,
+              interleave=interleave, precisions=("fp32", "bf16"))
+    with pytest.warns(UserWarning, match=r"the profiles at B = 16 \(B=16 fp32 and its variants\) do not fit cpu"):
+        model = fit_cost_model(mlp, (x, y), **kw)
+    assert sorted({p.strategy.B for p in model.profiles}) == [1, 2]     # in bf16 too: not tried again
+    assert model.predict(Strategy(B=16))[0] > 0
+    with pytest.raises(torch.OutOfMemoryError):
+        fit_cost_model(mlp, (x, y), B_values=(1, 2, 16), **kw)
+    monkeypatch.setattr(cost, "default_profile_B", lambda device: (1, 16))
+    monkeypatch.setattr(cost, "_ALWAYS_PROFILED", 16)
+    with pytest.raises(torch.OutOfMemoryError):
+        fit_cost_model(mlp, (x, y), **kw)

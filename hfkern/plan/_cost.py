@@ -33,6 +33,7 @@ import dataclasses
 import gc
 import statistics
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -386,6 +387,9 @@ class FittedCostModel:
         return k * time * time_factor, k * peak * memory_factor
 
 
+_ALWAYS_PROFILED = 8  # the default sizes up to this one must fit; a larger one may be left out
+
+
 def default_profile_B(device: torch.device | str) -> tuple[int, ...]:
     """The array sizes :func:`fit_cost_model` profiles by default: 1, 2, 4, 8, and 16 on CUDA.
 
@@ -393,7 +397,9 @@ def default_profile_B(device: torch.device | str) -> tuple[int, ...]:
     the host is the bottleneck and grows with B once the device is, and a curve continued past
     its largest profiled B with the slope it has there misses that knee. Measured on an H200
     (ResNet-18 at full size, bf16, fitted at B <= 8): steps at B = 12 and 16 took 18% and 22%
-    longer than predicted. On the CPU the step grows with B from the start."""
+    longer than predicted. On the CPU the step grows with B from the start. Where the
+    profiles at 16 do not fit the device, :func:`fit_cost_model` leaves that size out with a
+    warning (given ``B_values`` explicitly, it raises)."""
     return (1, 2, 4, 8, 16) if torch.device(device).type == "cuda" else (1, 2, 4, 8)
 
 
@@ -440,7 +446,8 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     if not isinstance(interleave, bool):
         raise TypeError(f"fit_cost_model: interleave must be a bool, got {type(interleave).__name__}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    B_values = default_profile_B(device) if B_values is None else B_values
+    by_default = B_values is None
+    B_values = default_profile_B(device) if by_default else B_values
     if len(set(B_values)) < 2:
         raise ValueError(f"fit_cost_model: B_values needs at least two distinct sizes to fit curves, got "
                          f"{list(B_values)}")
@@ -450,6 +457,7 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     optimizer = optimizer or (lambda params: optim.Adam(params, lr=1e-3))
     loss_fn = loss_fn or cross_entropy
     profiles: list[Profile] = []
+    too_large: set[int] = set()    # default sizes whose profiles ran out of device memory
     names = blocks(fuse(factory, 1)) if recompute else []  # each recomputed alone
     kw = dict(optimizer=optimizer, loss_fn=loss_fn, device=device, steps=steps, warmup=warmup)
     for precision in precisions:
@@ -457,6 +465,8 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
             for fmt in memory_formats:
                 groups = []
                 for B in sorted(set(B_values)):
+                    if B in too_large:
+                        continue
                     # One B's strategies are timed together (profile_together): the model takes
                     # differences of their times (what a recomputation adds, what a second array
                     # in flight costs), which a drifting device would otherwise distort.
@@ -464,15 +474,33 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
                     group = [strategy]
                     group += [dataclasses.replace(strategy, recompute=(n,)) for n in names]
                     group += [dataclasses.replace(strategy, arrays=k) for k in sorted(set(arrays) - {1})]
-                    if interleave:
-                        groups.append(profile_together(factory, example_batch, group,
-                                                       measure_blocks=[True] + [False] * (len(group) - 1), **kw))
-                    else:
-                        profiles += [profile_step(factory, example_batch, s, measure_blocks=i == 0, **kw)
-                                     for i, s in enumerate(group)]
+                    try:
+                        if interleave:
+                            groups.append(profile_together(
+                                factory, example_batch, group, measure_blocks=[True] + [False] * (len(group) - 1),
+                                **kw))
+                        else:
+                            profiles += [profile_step(factory, example_batch, s, measure_blocks=i == 0, **kw)
+                                         for i, s in enumerate(group)]
+                    except torch.OutOfMemoryError:
+                        if not by_default or B <= _ALWAYS_PROFILED:
+                            raise
+                        too_large.add(B)
+                    if B in too_large:  # out of the handler: the failed arrays are garbage now
+                        _release(device)
+                        warnings.warn(f"fit_cost_model: the profiles at B = {B} ({strategy.label} and its "
+                                      f"variants) do not fit {device}; the curves are fitted without that size "
+                                      f"(pass B_values to choose the sizes)", stacklevel=2)
                 if interleave:
                     profiles += _scaled_across_B(factory, example_batch, groups, **kw)
     return fit_profiles(profiles)
+
+
+def _release(device: torch.device) -> None:
+    """Return what a failed profile held to the device (its arrays, its allocator's cache)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _scaled_across_B(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
