@@ -174,6 +174,7 @@ def run_workload(name: str, args, device) -> dict:
         top = max(p.B for p in with_rc)
         p_rc = min((p for p in with_rc if p.B == top), key=lambda p: p.peak_memory)
         budget = p_rc.peak_memory * 1.001
+
         def plain_at(B):
             return dataclasses.replace(p_rc.strategy, B=B, recompute=())
 
