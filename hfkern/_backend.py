@@ -379,6 +379,34 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype | None = None) -> 
     return _lookup(op, device, dtype)[1]
 
 
+def eager_torch(op: str, device: torch.device, dtype: torch.dtype | None = None) -> bool:
+    """Whether a call of ``op`` now would run the torch backend in eager mode (no compiler
+    tracing it): where the library's differentiable entry points (what ``hfkern.nn``
+    calls) may run the torch implementation under torch's own autograd instead of
+    dispatching the op. Same values, same layouts; the backward is then torch's
+    C++ graph rather than the op's Python formula and gradient ops, which on a
+    training step whose host issues the work is most of the difference
+    (``bench/profile_host.py``). Under ``torch.compile`` the ops stay opaque, as
+    they always were."""
+    return _eager_paths and not torch.compiler.is_compiling() and _lookup(op, device, dtype)[0] == "torch"
+
+
+_eager_paths = True
+
+
+@contextlib.contextmanager
+def dispatched_ops() -> Iterator[None]:
+    """Within the block every differentiable entry point dispatches its op, as under
+    ``torch.compile`` (:func:`eager_torch` is False): what tests compare the eager
+    paths with, and benchmarks time them against. Process-wide, not per thread."""
+    global _eager_paths
+    before, _eager_paths = _eager_paths, False
+    try:
+        yield
+    finally:
+        _eager_paths = before
+
+
 def current(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
     """The name of the backend :func:`resolve` picks now for the same arguments
     (what an op's ``setup_context`` records for its backward to :func:`pinned`)."""

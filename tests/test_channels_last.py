@@ -219,23 +219,18 @@ class _SmallResNet(nn.Module):
 
 
 def _conv_formats(monkeypatch):
-    """Record (input format, output format) of every array_conv call."""
+    """Record (input format, output format) of every array convolution's torch path (the
+    op's torch implementation and the eager path both run it)."""
     import hfkern.ops.conv as conv_ops
 
-    seen, resolve = [], conv_ops._backend.resolve
+    seen, conv_torch = [], conv_ops._conv_torch
 
-    def spy(op, *args):
-        fn = resolve(op, *args)
-        if op != "array_conv":
-            return fn
+    def spy(x, weight, *rest):
+        y = conv_torch(x, weight, *rest)
+        seen.append((array_memory_format(x, shared=x.dim() != weight.dim()), array_memory_format(y)))
+        return y
 
-        def run(x, weight, *rest):
-            y = fn(x, weight, *rest)
-            seen.append((array_memory_format(x, shared=x.dim() != weight.dim()), array_memory_format(y)))
-            return y
-        return run
-
-    monkeypatch.setattr(conv_ops._backend, "resolve", spy)
+    monkeypatch.setattr(conv_ops, "_conv_torch", spy)
     return seen
 
 

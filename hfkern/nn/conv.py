@@ -32,7 +32,7 @@ from .._array import (
     array_memory_format, check_channels, check_input, conv_output_size, from_grouped,
     is_shared, to_array_memory_format, to_grouped,
 )
-from ..ops.conv import array_conv
+from ..ops.conv import conv
 from ._base import ArrayModule, reset_kaiming_uniform
 
 __all__ = ["Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d"]
@@ -125,7 +125,7 @@ class _ArrayConvNd(ArrayModule):
             x = to_array_memory_format(x, memory_format)
         if is_shared(x):
             x = x[0]
-        return array_conv(
+        return conv(
             x, self.weight, self.bias, list(self.stride), list(padding),
             list(self.dilation), self._transposed, list(output_padding), self.groups,
         )

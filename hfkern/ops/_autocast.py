@@ -39,6 +39,17 @@ def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
     return value
 
 
+def cast_inputs(policy: str, device_type: str, *values: Any) -> tuple:
+    """``values`` as an op with autocast ``policy`` would receive them in the current
+    region on ``device_type`` (unchanged outside one): for the eager paths that run
+    an op's implementation without dispatching the op
+    (:func:`hfkern._backend.eager_torch`)."""
+    if not torch.is_autocast_enabled(device_type):
+        return values
+    dtype = torch.float32 if policy == "fp32" else torch.get_autocast_dtype(device_type)
+    return tuple(_cast(v, device_type, dtype) for v in values)
+
+
 def register_like(qualname: str, torch_op: str, policy: str, device_types: Iterable[str] = ("cpu", "cuda")) -> None:
     """:func:`register` on those of ``device_types`` where torch's own ``torch_op``
     (``"aten::rms_norm"``) has an autocast kernel in this torch build.

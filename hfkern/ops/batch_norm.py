@@ -203,21 +203,25 @@ def _flat(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.reshape(-1)
 
 
-def _from_grouped_like(y: Tensor, x: Tensor) -> Tensor:
+def _from_grouped_like(y: Tensor, x: Tensor, op: bool = True) -> Tensor:
     """torch's grouped output ``[N, B*C, *S]`` as ``[B, N, C, *S]`` in x's memory, with x's
     strides also on size-1 dims (the same elements: one channel in channels-last memory),
-    so the layout is exactly ``torch.empty_like(x)``'s, as the fake promises."""
+    so the layout is exactly ``torch.empty_like(x)``'s, as the fake promises. ``op``: an
+    op's result (:func:`op_result`), else a view under autograd."""
     out = from_grouped(y, x.shape[0], _grouped_format(x))
     if out.stride() != x.stride() and all(
             n == 1 or a == b for n, a, b in zip(x.shape, out.stride(), x.stride())):
         out = out.as_strided(x.shape, x.stride(), out.storage_offset())
-    return op_result(out)
+    return op_result(out) if op else out
 
 
 def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
-                     activation):
+                     activation, op: bool = True):
     """Training on memory whose grouped view is free: torch's kernel (cuDNN, oneDNN) on
-    the grouped view, about twice as fast as strided reductions over ``x``."""
+    the grouped view, about twice as fast as strided reductions over ``x``. ``op``: the
+    op's kernel; else differentiable by torch's autograd (:func:`array_batch_norm`'s
+    eager path: ReLU in place on the batch norm's output, which its backward does not
+    read)."""
     B, C = x.shape[0], x.shape[2]
     running, factor = (None, None), 0.0
     if running_mean is not None and momentum is not None:
@@ -234,7 +238,7 @@ def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tra
     if running_mean is not None and momentum is None:
         _update_running(running_mean, running_var, num_batches_tracked,
                         running[0].view(B, C), running[1].view(B, C), None)
-    return _from_grouped_like(y, x), mean.view(B, C), rstd.view(B, C)
+    return _from_grouped_like(y, x, op), mean.view(B, C), rstd.view(B, C)
 
 
 def _affine(centered: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -614,7 +618,20 @@ def array_batch_norm(
     ``[B, C]`` (accumulation dtype, not differentiable). In training the
     running statistics are updated in place. The full contract is the module
     docstring.
+
+    Where the torch backend serves a training call in eager mode
+    (:func:`hfkern._backend.eager_torch`) on memory whose grouped view is free,
+    without an activation or with ReLU, torch's batch norm on that view runs
+    under torch's own autograd (the same kernels as the op's torch path, with
+    C++ backward nodes); otherwise the op with its autograd Function.
     """
+    if (training and activation in ("none", "relu") and _backend.eager_torch(_FWD, x.device, x.dtype)
+            and min(x.shape) > 1 and _grouped_ok(x, weight, bias, running_mean, running_var)):
+        # (a dim of one: y may take x's strides through as_strided, which the op's gradient keeps)
+        _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum,
+                       activation)
+        return _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
+                                activation, op=False)
     return _ArrayBatchNorm.apply(
         x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation
     )

@@ -49,7 +49,7 @@ from .._array import (
     new_batch_major, op_result, per_model_memory_first, to_grouped,
 )
 
-__all__ = ["array_conv", "array_conv_input_grad", "array_conv_weight_grad"]
+__all__ = ["array_conv", "array_conv_input_grad", "array_conv_weight_grad", "conv"]
 
 _FWD, _DGRAD, _WGRAD = "array_conv", "array_conv_input_grad", "array_conv_weight_grad"
 
@@ -135,24 +135,24 @@ def _pointwise_matmul(w: Tensor, x: Tensor) -> Tensor:
     return y.view(N, B, w.shape[1], *s).transpose(0, 1)
 
 
-@_backend.implements(_FWD, "torch")
-def array_conv_torch(
+def _conv_torch(
     x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
 ) -> Tensor:
+    """The torch path's forward in differentiable torch ops; its result may be a view."""
     B = weight.shape[0]
     fmt = array_memory_format(x, shared=x.dim() != weight.dim())
     if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
         y = _pointwise_matmul(weight.flatten(2), x)
         if bias is not None:
             y = y.add_(bias.view(B, 1, -1, *([1] * (x.dim() - 3))))
-        return op_result(y)
+        return y
     if x.dim() == weight.dim():  # per-model input
         y = aten.convolution(
             to_grouped(x), _flat_weight(weight), None if bias is None else bias.reshape(-1),
             stride, padding, dilation, transposed, output_padding, B * groups,
         )
-        return op_result(from_grouped(y, B, fmt))
+        return from_grouped(y, B, fmt)
     # shared input [N, C_in, *s]: one dense conv
     dense_bias = None
     if bias is not None:
@@ -161,7 +161,15 @@ def array_conv_torch(
         x, _dense_weight(weight, transposed, groups), dense_bias,
         stride, padding, dilation, transposed, output_padding, groups,
     )
-    return op_result(from_grouped(_swap_channel_blocks(y, groups, B), B, fmt))
+    return from_grouped(_swap_channel_blocks(y, groups, B), B, fmt)
+
+
+@_backend.implements(_FWD, "torch")
+def array_conv_torch(
+    x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+) -> Tensor:
+    return op_result(_conv_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups))
 
 
 @_backend.implements(_DGRAD, "torch")
@@ -217,6 +225,26 @@ def array_conv_weight_grad_torch(
         return like_weight(gw.reshape(gw.shape[0], B, -1, *gw.shape[2:]).transpose(0, 1), weight)
     # [(g, B, c), C_in/g, *k] -> [B, (g, c), C_in/g, *k]
     return like_weight(gw.reshape(groups, B, -1, *gw.shape[1:]).transpose(0, 1).reshape(weight.shape), weight)
+
+
+def conv(
+    x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+    dilation: list[int], transposed: bool, output_padding: list[int], groups: int,
+) -> Tensor:
+    """The differentiable array convolution (what ``hfkern.nn``'s convolutions call):
+    ``hfkern::array_conv``'s arguments, results and layouts.
+
+    Where the torch backend serves the call in eager mode
+    (:func:`hfkern._backend.eager_torch`), the torch implementation runs under
+    torch's own autograd: one C++ backward node (``convolution_backward``, input
+    and weight gradients in one call) instead of the op's Python formula and
+    its two gradient ops. Otherwise (another backend, ``torch.compile``) the op.
+    """
+    if not _backend.eager_torch(_FWD, x.device):
+        return array_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
+    x, weight, bias = _autocast.cast_inputs(_AUTOCAST, x.device.type, x, weight, bias)
+    return _conv_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
 # ---- the ops -------------------------------------------------------------------
@@ -410,4 +438,5 @@ def _weight_grad_backward(ctx, grad_grad_w):
 array_conv_weight_grad.register_autograd(_weight_grad_backward, setup_context=_weight_grad_setup_context)
 
 # Under torch.autocast a convolution runs in the region's dtype on every device, as torch's does.
-_autocast.register("hfkern::array_conv", "lower")
+_AUTOCAST = "lower"
+_autocast.register("hfkern::array_conv", _AUTOCAST)

@@ -1,0 +1,288 @@
+"""The eager paths of the torch backend (``hfkern._backend.eager_torch``): where the torch
+backend serves an array convolution or a training batch norm outside ``torch.compile``,
+``hfkern.nn`` runs the torch implementation under torch's own autograd instead of
+dispatching the op. Everything a caller sees must be what the dispatched op gives:
+values, dtypes, strides, running statistics, gradients and their layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hfkern
+import hfkern.nn as hnn
+import hfkern.ops.batch_norm as bn_ops
+import hfkern.ops.conv as conv_ops
+from hfkern import _backend
+from hfkern._array import array_memory_format
+
+GRAD_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+class _Calls:
+    """Counts the calls of a module-level function that the entry point looks up at call time."""
+
+    def __init__(self, monkeypatch, module, name):
+        self.n, fn = 0, getattr(module, name)
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+
+
+def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t`` [B, N, C, *s] with the same values in another memory layout."""
+    if layout == "contiguous":
+        return t.contiguous()
+    if layout == "batch_major":  # [N, B, ...] memory: an array conv's output
+        return t.transpose(0, 1).contiguous().transpose(0, 1)
+    if layout == "channels_last":  # [N, H, W, B, C] memory
+        return t.permute(1, 3, 4, 0, 2).contiguous().permute(3, 0, 4, 1, 2)
+    if layout == "strided":
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    raise ValueError(layout)
+
+
+def _run(module: nn.Module, x: torch.Tensor, grad_seed: int, *, eager: bool):
+    """Forward and backward of a copy of ``module`` on a fresh leaf with ``x``'s values and
+    strides: (output, input grad, {name: param grad}, {name: buffer})."""
+    import copy
+
+    m = copy.deepcopy(module)
+    leaf = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    if leaf.stride() != x.stride():  # clone keeps dense layouts only
+        leaf = torch.empty_strided(x.shape, x.stride()).copy_(x).requires_grad_()
+    ctx = _backend.dispatched_ops() if not eager else torch.enable_grad()
+    with ctx:
+        y = m(leaf)
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(grad_seed))
+        y.backward(g)
+    return y, leaf.grad, {n: p.grad for n, p in m.named_parameters()}, {n: b.clone() for n, b in m.named_buffers()}
+
+
+def _strides(t: torch.Tensor) -> tuple:
+    """The strides that place elements (a dim of size one has none that matters)."""
+    return tuple(s for n, s in zip(t.shape, t.stride()) if n > 1)
+
+
+def _assert_same(a, b, *, exact_forward=True):
+    ya, gxa, pa, ba = a
+    yb, gxb, pb, bb = b
+    assert ya.dtype == yb.dtype and ya.shape == yb.shape and ya.stride() == yb.stride()
+    if exact_forward:  # the same kernels on the same memory
+        assert torch.equal(ya, yb)
+    else:
+        torch.testing.assert_close(ya, yb)
+    assert gxa.dtype == gxb.dtype
+    torch.testing.assert_close(gxa, gxb, **GRAD_TOL)
+    assert pa.keys() == pb.keys()
+    for n in pa:
+        assert _strides(pa[n]) == _strides(pb[n]), n  # gradients laid out like their parameters
+        torch.testing.assert_close(pa[n], pb[n], **GRAD_TOL, msg=n)
+    for n in ba:
+        torch.testing.assert_close(ba[n], bb[n], atol=0, rtol=0, msg=n)
+
+
+CONVS = [
+    # (module factory, one model's input shape)
+    (lambda B: hnn.Conv2d(3, 5, 3, padding=1, B=B), (4, 3, 7, 9)),
+    (lambda B: hnn.Conv2d(4, 6, 3, stride=2, dilation=2, groups=2, bias=False, B=B), (3, 4, 11, 10)),
+    (lambda B: hnn.Conv2d(4, 6, 1, B=B), (2, 4, 8, 8)),  # the CPU's batched-matmul 1x1 path
+    (lambda B: hnn.Conv2d(3, 4, 3, padding="same", padding_mode="reflect", B=B), (2, 3, 6, 5)),
+    (lambda B: hnn.Conv1d(4, 6, 3, padding=2, B=B), (3, 4, 13)),
+    (lambda B: hnn.Conv1d(4, 6, 1, B=B), (3, 4, 64)),
+    (lambda B: hnn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1, B=B), (2, 4, 5, 6)),
+    (lambda B: hnn.ConvTranspose1d(6, 4, 4, stride=3, groups=2, B=B), (2, 6, 7)),
+]
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("case", range(len(CONVS)))
+@pytest.mark.parametrize("layout", ["contiguous", "batch_major", "channels_last", "strided"])
+def test_conv_eager_path_equals_the_op(case, B, layout, monkeypatch):
+    make, shape = CONVS[case]
+    if layout == "channels_last" and len(shape) != 4:
+        pytest.skip("channels-last memory is 2-D only")
+    torch.manual_seed(case)
+    module = make(B)
+    x = _layout(torch.randn(B, *shape), layout)
+    ops = _Calls(monkeypatch, conv_ops, "array_conv")
+    eager = _run(module, x, case, eager=True)
+    assert ops.n == 0  # the op was not dispatched
+    dispatched = _run(module, x, case, eager=False)
+    assert ops.n > 0
+    _assert_same(eager, dispatched)
+    if layout in ("batch_major", "channels_last"):  # the array keeps its memory order
+        assert array_memory_format(eager[0]) == array_memory_format(x)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_conv_eager_path_with_a_shared_input(B, monkeypatch):
+    torch.manual_seed(1)
+    module = hnn.Conv2d(3, 4, 3, groups=1, B=B)
+    base = torch.randn(2, 3, 6, 6)
+    results = []
+    for eager in (True, False):
+        m = hnn.Conv2d(3, 4, 3, B=B)
+        m.load_state_dict(module.state_dict())
+        leaf = base.clone().requires_grad_()
+        with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+            y = m(hfkern.broadcast(leaf, B))
+            y.backward(torch.ones_like(y))
+        results.append((y, leaf.grad, m.weight.grad, m.bias.grad))
+    (y, gx, gw, gb), (y2, gx2, gw2, gb2) = results
+    assert torch.equal(y, y2) and y.stride() == y2.stride()
+    for a, b in ((gx, gx2), (gw, gw2), (gb, gb2)):
+        torch.testing.assert_close(a, b, **GRAD_TOL)
+
+
+def test_conv_eager_path_under_autocast_computes_in_the_region_dtype():
+    torch.manual_seed(2)
+    module = hnn.Conv2d(3, 4, 3, B=2)
+    x = torch.randn(2, 2, 3, 8, 8)
+    outs = []
+    for eager in (True, False):
+        with (torch.enable_grad() if eager else _backend.dispatched_ops()), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(module(x))
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_conv_eager_path_is_differentiable_twice():
+    """Gradient penalties: torch's convolution backward is differentiable, as the op's formulas are."""
+    torch.manual_seed(3)
+    module = hnn.Conv2d(2, 3, 3, B=2)
+    x = torch.randn(2, 2, 2, 5, 5)
+    grads = []
+    for eager in (True, False):
+        module.zero_grad()
+        leaf = x.clone().requires_grad_()
+        with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+            (gx,) = torch.autograd.grad(module(leaf).square().sum(), leaf, create_graph=True)
+            gx.square().sum().backward()
+        grads.append(module.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], **GRAD_TOL)
+
+
+def test_conv_checks_arguments_on_the_eager_path():
+    w = torch.randn(2, 4, 3, 3, 3)
+    with pytest.raises(NotImplementedError):
+        conv_ops.conv(torch.randn(2, 1, 3, 4, 4, 4), torch.randn(2, 4, 3, 3, 3, 3), None, [1] * 3, [0] * 3,
+                      [1] * 3, False, [0] * 3, 1)
+    with pytest.raises(ValueError):
+        conv_ops.conv(torch.randn(2, 1, 3, 6, 6), w, None, [1], [0, 0], [1, 1], False, [0, 0], 1)
+
+
+@pytest.mark.parametrize("B", [2, 3])
+@pytest.mark.parametrize("layout", ["batch_major", "channels_last", "contiguous"])
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("activation", ["none", "relu"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm_eager_path_equals_the_op(B, layout, momentum, activation, affine, monkeypatch):
+    torch.manual_seed(B)
+    module = hnn.BatchNorm2d(5, momentum=momentum, affine=affine, activation=activation, B=B)
+    if affine:
+        with torch.no_grad():
+            module.weight.uniform_(0.5, 1.5)
+            module.bias.uniform_(-0.5, 0.5)
+    module.num_batches_tracked.copy_(torch.arange(B) + 2)  # per-model counts: momentum=None differs by model
+    x = _layout(torch.randn(B, 4, 5, 3, 6), layout)
+    ops = _Calls(monkeypatch, bn_ops, "array_batch_norm_op")
+    eager = _run(module, x, B, eager=True)
+    taken = ops.n == 0
+    dispatched = _run(module, x, B, eager=False)
+    assert ops.n > 0
+    # Contiguous [B, N, ...] memory has no free grouped view: the op serves it.
+    assert taken == (layout != "contiguous")
+    _assert_same(eager, dispatched)
+
+
+def test_batch_norm_eager_path_in_mixed_precision():
+    """bf16 activations with float32 parameters and statistics (what autocast's convs feed it)."""
+    torch.manual_seed(4)
+    B, C = 2, 3
+    x0 = _layout(torch.randn(B, 4, C, 5, 5), "batch_major").bfloat16()
+    results = []
+    for eager in (True, False):
+        x = torch.empty_strided(x0.shape, x0.stride(), dtype=x0.dtype).copy_(x0).requires_grad_()
+        w = torch.linspace(0.5, 1.5, B * C).view(B, C).requires_grad_()
+        b = torch.linspace(-0.5, 0.5, B * C).view(B, C).requires_grad_()
+        rm, rv = torch.zeros(B, C), torch.ones(B, C)
+        with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+            y, mean, rstd = bn_ops.array_batch_norm(x, w, b, rm, rv, None, True, 0.1, 1e-5, "relu")
+            y.backward(torch.ones_like(y))
+        results.append((y, mean, rstd, rm, rv, x.grad, w.grad, b.grad))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and _strides(a) == _strides(b)
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert results[0][0].dtype == torch.bfloat16 and results[0][1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("case", ["eval", "gelu", "B=1", "one channel"])
+def test_batch_norm_cases_the_eager_path_leaves_to_the_op(case, monkeypatch):
+    """What the eager path does not serve goes to the op, with the same results either way."""
+    B, C, activation = (1 if case == "B=1" else 2), (1 if case == "one channel" else 3), (
+        "gelu" if case == "gelu" else "relu")
+    module = hnn.BatchNorm2d(C, activation=activation, B=B)
+    if case == "eval":
+        module.eval()
+    x = _layout(torch.randn(B, 4, C, 5, 5), "batch_major")
+    ops = _Calls(monkeypatch, bn_ops, "array_batch_norm_op")
+    _run(module, x, 0, eager=True)
+    assert ops.n == 1
+
+
+def test_batch_norm_eager_path_checks_before_changing_state():
+    module = hnn.BatchNorm2d(3, B=2)
+    before = module.running_mean.clone()
+    x = _layout(torch.randn(2, 4, 3, 5, 5), "batch_major")
+    with pytest.raises(ValueError):
+        bn_ops.array_batch_norm(x, module.weight, module.bias, module.running_mean[:, :2], module.running_var,
+                                module.num_batches_tracked, True, 0.1, 1e-5)
+    assert torch.equal(module.running_mean, before)
+
+
+def test_eager_paths_follow_the_selected_backend(monkeypatch):
+    """``use_backend("torch")`` and ``auto`` on the CPU take them; under torch.compile the ops stay."""
+    x = torch.randn(2, 3, 3, 6, 6)
+    for selection in ("torch", "auto"):
+        with hfkern.use_backend(selection):
+            assert _backend.eager_torch("array_conv", x.device)
+    with _backend.dispatched_ops():
+        assert not _backend.eager_torch("array_conv", x.device)
+    assert _backend.eager_torch("array_conv", x.device)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not _backend.eager_torch("array_conv", x.device)
+
+
+def test_fused_resnet_block_trains_the_same_on_both_paths():
+    """A fused model of torch modules (hfkern.fuse: conv, batch norm + ReLU, residual add in place)
+    trains identically for a few optimizer steps on either path."""
+    from bench.models.resnet import BasicBlock
+
+    torch.manual_seed(5)
+    models = [nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                            BasicBlock(8, 8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+              for _ in range(3)]
+    x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 4, (6,))
+    losses = []
+    for eager in (True, False):
+        fused = hfkern.fuse(models)
+        opt = hfkern.optim.SGD(fused.parameters(), lr=[0.1, 0.05, 0.02], momentum=0.9)
+        run = []
+        for _ in range(3):
+            opt.zero_grad()
+            with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+                loss = hfkern.nn.functional.cross_entropy(fused(hfkern.broadcast(x, 3)), hfkern.broadcast(y, 3))
+                loss.sum().backward()
+            opt.step()
+            run.append(loss.detach())
+        losses.append((torch.stack(run), [p.detach().clone() for p in fused.parameters()]))
+    torch.testing.assert_close(losses[0][0], losses[1][0], **GRAD_TOL)
+    for a, b in zip(losses[0][1], losses[1][1]):
+        torch.testing.assert_close(a, b, **GRAD_TOL)
