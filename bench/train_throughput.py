@@ -20,6 +20,10 @@ Modes (``--modes``):
   once per backend (``--backends``; by default those available on the device:
   ``torch`` serves hfkern's ops by the original paper's kernels, cuDNN
   grouped conv and batched GEMM; ``triton`` and ``cuda`` are hfkern's kernels);
+* ``array+ops``: ``array`` with every hfkern op dispatched as under
+  ``torch.compile`` (``hfkern._backend.dispatched_ops()``): the torch backend
+  without its eager paths (its convolutions and batch norms under torch's own
+  autograd), to measure the host time those save (only when asked for);
 * ``array+compile``: the same with the fused model under ``torch.compile``
   (forward and backward; compile time is reported, not timed);
 * ``array+compile-ro``: the same under ``torch.compile(mode="reduce-overhead")``,
@@ -97,11 +101,13 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-MODES = ("serial", "concurrent", "vmap", "hfta", "array", "array+compile", "array+compile-ro", "array+capture",
-         "array+cl", "array+capture+cl")
+MODES = ("serial", "concurrent", "vmap", "hfta", "array", "array+ops", "array+compile", "array+compile-ro",
+         "array+capture", "array+cl", "array+capture+cl")
 PRECISIONS = ("fp32", "bf16")
-ARRAY_MODES = ("array", "array+compile", "array+compile-ro", "array+capture", "array+cl", "array+capture+cl")
+ARRAY_MODES = ("array", "array+ops", "array+compile", "array+compile-ro", "array+capture", "array+cl",
+               "array+capture+cl")
 COMPILE_MODES = ("array+compile", "array+compile-ro")
+DIAGNOSTIC_MODES = ("array+ops",)  # run when asked for
 
 
 # ==== the worker side: one mode's models, optimizers and data in one process ====================
@@ -271,7 +277,8 @@ class Runner:
         if self.mode in ("serial", "concurrent"):
             return torch.cat([self.w.step(*self._one_model(k), self.batch) for k in range(len(self.indices))])
         apply = {"vmap": self._vmap_apply, "hfta": self._hfta_apply}.get(self.mode, self._array_apply)
-        with (self.hfkern.use_backend(self.backend) if self.backend else contextlib.nullcontext()):
+        with (self.hfkern.use_backend(self.backend) if self.backend else contextlib.nullcontext()), \
+                (self.hfkern._backend.dispatched_ops() if self.mode == "array+ops" else contextlib.nullcontext()):
             if self.mode.startswith("array+capture"):
                 return self.captured(*self.batch)
             return self.w.step(apply, self._array_update, self.batch)
@@ -908,7 +915,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=[m for m in MODES if m not in DIAGNOSTIC_MODES], choices=MODES,
+                   help=f"default: all but {', '.join(DIAGNOSTIC_MODES)}")
     p.add_argument("--backends", nargs="+", help="array backends (default: those available on the device)")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--size", choices=("full", "cpu", "smoke"), help="workload sizes (default: full on CUDA, cpu otherwise)")
