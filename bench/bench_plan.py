@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hfkern  # noqa: E402
 import hfkern.plan as hp  # noqa: E402
 from bench.models import WORKLOADS, mean_cross_entropy  # noqa: E402
+from bench.report import recorded_path  # noqa: E402
 
 
 class _Bert(nn.Module):
@@ -302,7 +303,7 @@ def main(argv=None) -> None:
                           device=(torch.cuda.get_device_name(device) if device.type == "cuda"
                                   else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"),
                           python=platform.python_version(), torch=torch.__version__, hfkern=hfkern.__version__,
-                          malloc=malloc, args=vars(args), workloads=results)
+                          malloc=malloc, args={**vars(args), "out": recorded_path(args.out)}, workloads=results)
             with open(os.path.join(args.out, "plan.json"), "w") as f:
                 json.dump(record, f, indent=1)
 

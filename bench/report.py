@@ -213,6 +213,30 @@ def merge(paths: Iterable[str]) -> tuple[dict, list[dict]]:
     return meta, rows
 
 
+def recorded_path(path: str | None) -> str | None:
+    """``path`` as a result file records it: relative to the repository where it lies inside
+    it, else ``"<out>"`` (a scratch folder of the machine that ran it says nothing)."""
+    if path is None:
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rel = os.path.relpath(os.path.abspath(path), root)
+    return "<out>" if rel == ".." or rel.startswith(".." + os.sep) else rel
+
+
+def recorded_argv(argv: Iterable[str]) -> list[str]:
+    """A command line as a result file records it: the value of ``--out`` by :func:`recorded_path`."""
+    out, after_out = [], False
+    for a in argv:
+        if after_out:
+            out.append(recorded_path(a))
+        elif a.startswith("--out="):
+            out.append("--out=" + recorded_path(a[len("--out="):]))
+        else:
+            out.append(a)
+        after_out = a == "--out"
+    return out
+
+
 def slug(text: str) -> str:
     """A file-name-safe form of a device name: lower case, [a-z0-9-] only."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40]

@@ -999,11 +999,14 @@ def main(argv=None) -> int:
     s = Settings(size=size, device=str(device), threads=args.threads, steps=args.steps, rounds=args.rounds,
                  warmup=args.warmup, timeout=args.timeout, max_procs=args.max_procs,
                  compile_backend=args.compile_backend, profile_modes=args.profile_modes)
+    from bench.report import recorded_argv
+
     env = environment(device, args.threads)
     t0 = time.perf_counter()
     result = sweep(args, s, keys, env)
     record = {"benchmark": "bench/train_throughput.py", "environment": env,
-              "command": "python bench/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python bench/train_throughput.py " + " ".join(
+                  recorded_argv(argv if argv is not None else sys.argv[1:])),
               "settings": {"size": size, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
                            "threads": args.threads, "modes": list(args.modes), "backends": backends,
                            "precisions": list(args.precisions), "profile_B": args.profile_B,

@@ -279,15 +279,32 @@ def from_grouped(
     """``[N, B*C, *s]`` -> a ``[B, N, C, *s]`` view of array memory: ``[N, B, C, *s]``,
     or ``[N, H, W, B, C]`` for ``memory_format=torch.channels_last`` (a copy only
     where ``y`` is not already in that format)."""
+    y = _grouped_in(y, memory_format)
+    return y.view(y.shape[0], B, y.shape[1] // B, *y.shape[2:]).transpose(0, 1)
+
+
+def fresh_array(y: torch.Tensor, B: int, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """:func:`from_grouped` for a grouped result computed under autograd that no backward
+    node saved (a convolution's or a batch norm's output): the same memory and strides,
+    as a tensor of its own rather than a view of ``y``. In-place ops on it (a
+    ``ReLU(inplace=True)``, a residual ``+=``) are then plain in-place ops; on a view,
+    autograd would rebase the view's history, whose backward copies the whole base
+    per op (``CopySlices``). Its version counter is not ``y``'s, which is why ``y``
+    must not be saved for backward: apply what saves it (an activation) to the result."""
+    y = _grouped_in(y, memory_format)
+    return torch.ops.aten._unsafe_view(y, (y.shape[0], B, y.shape[1] // B, *y.shape[2:])).transpose_(0, 1)
+
+
+def _grouped_in(y: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """The grouped ``y`` in ``memory_format`` (a copy only where it is not)."""
     if memory_format == torch.channels_last:
         # Memory that is both formats at once must have exactly the channels-last
         # strides to count as channels-last (array_memory_format): a fake's strides.
         if not y.is_contiguous(memory_format=memory_format) or \
                 (y.is_contiguous() and y.stride() != _canonical_strides(y, memory_format, image=True)):
             y = torch.empty_like(y, memory_format=memory_format).copy_(y)
-    else:
-        y = y.contiguous()
-    return y.view(y.shape[0], B, y.shape[1] // B, *y.shape[2:]).transpose(0, 1)
+        return y
+    return y.contiguous()
 
 
 # ---- index and gradient rows of the array embedding --------------------------------

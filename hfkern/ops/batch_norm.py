@@ -98,7 +98,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._array import (
-    array_memory_format, from_grouped, is_shared, op_result, per_model_memory_first, to_grouped,
+    array_memory_format, fresh_array, from_grouped, is_shared, op_result, per_model_memory_first, to_grouped,
 )
 from .._dtypes import acc_dtype
 from ._norm import (
@@ -203,16 +203,15 @@ def _flat(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.reshape(-1)
 
 
-def _from_grouped_like(y: Tensor, x: Tensor, op: bool = True) -> Tensor:
+def _from_grouped_like(y: Tensor, x: Tensor) -> Tensor:
     """torch's grouped output ``[N, B*C, *S]`` as ``[B, N, C, *S]`` in x's memory, with x's
     strides also on size-1 dims (the same elements: one channel in channels-last memory),
-    so the layout is exactly ``torch.empty_like(x)``'s, as the fake promises. ``op``: an
-    op's result (:func:`op_result`), else a view under autograd."""
+    so the layout is exactly ``torch.empty_like(x)``'s, as the fake promises."""
     out = from_grouped(y, x.shape[0], _grouped_format(x))
     if out.stride() != x.stride() and all(
             n == 1 or a == b for n, a, b in zip(x.shape, out.stride(), x.stride())):
         out = out.as_strided(x.shape, x.stride(), out.storage_offset())
-    return op_result(out) if op else out
+    return op_result(out)
 
 
 def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
@@ -220,8 +219,8 @@ def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tra
     """Training on memory whose grouped view is free: torch's kernel (cuDNN, oneDNN) on
     the grouped view, about twice as fast as strided reductions over ``x``. ``op``: the
     op's kernel; else differentiable by torch's autograd (:func:`array_batch_norm`'s
-    eager path: ReLU in place on the batch norm's output, which its backward does not
-    read)."""
+    eager path; x has no dim of size one, so the output needs no :func:`_from_grouped_like`
+    strides)."""
     B, C = x.shape[0], x.shape[2]
     running, factor = (None, None), 0.0
     if running_mean is not None and momentum is not None:
@@ -234,11 +233,14 @@ def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tra
     y, mean, rstd = torch.native_batch_norm(
         to_grouped(x), *_grouped_params(x, weight, bias), *running, True, factor, eps
     )
-    activate_(y, activation)
+    if op:
+        y = _from_grouped_like(activate_(y, activation), x)
+    else:  # the activation saves its output: the array itself, not the grouped view (fresh_array)
+        y = activate_(fresh_array(y, B, _grouped_format(x)), activation)
     if running_mean is not None and momentum is None:
         _update_running(running_mean, running_var, num_batches_tracked,
                         running[0].view(B, C), running[1].view(B, C), None)
-    return _from_grouped_like(y, x, op), mean.view(B, C), rstd.view(B, C)
+    return y, mean.view(B, C), rstd.view(B, C)
 
 
 def _affine(centered: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,

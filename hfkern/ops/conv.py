@@ -45,7 +45,7 @@ from torch import Tensor
 from .. import _backend
 from . import _autocast
 from .._array import (
-    array_memory_format, check_conv_args, conv_output_size, from_grouped, like_weight,
+    array_memory_format, check_conv_args, conv_output_size, fresh_array, from_grouped, like_weight,
     new_batch_major, op_result, per_model_memory_first, to_grouped,
 )
 
@@ -137,11 +137,14 @@ def _pointwise_matmul(w: Tensor, x: Tensor) -> Tensor:
 
 def _conv_torch(
     x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int], padding: Sequence[int],
-    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int, fresh: bool = False,
 ) -> Tensor:
-    """The torch path's forward in differentiable torch ops; its result may be a view."""
+    """The torch path's forward in differentiable torch ops: a view of the grouped result,
+    or with ``fresh`` (under autograd) a tensor of its own (:func:`fresh_array`); the
+    CPU's 1x1 matmul path gives a view either way (:func:`conv` leaves it to the op)."""
     B = weight.shape[0]
     fmt = array_memory_format(x, shared=x.dim() != weight.dim())
+    to_array = fresh_array if fresh else from_grouped
     if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
         y = _pointwise_matmul(weight.flatten(2), x)
         if bias is not None:
@@ -152,7 +155,7 @@ def _conv_torch(
             to_grouped(x), _flat_weight(weight), None if bias is None else bias.reshape(-1),
             stride, padding, dilation, transposed, output_padding, B * groups,
         )
-        return from_grouped(y, B, fmt)
+        return to_array(y, B, fmt)
     # shared input [N, C_in, *s]: one dense conv
     dense_bias = None
     if bias is not None:
@@ -161,7 +164,7 @@ def _conv_torch(
         x, _dense_weight(weight, transposed, groups), dense_bias,
         stride, padding, dilation, transposed, output_padding, groups,
     )
-    return from_grouped(_swap_channel_blocks(y, groups, B), B, fmt)
+    return to_array(_swap_channel_blocks(y, groups, B), B, fmt)
 
 
 @_backend.implements(_FWD, "torch")
@@ -240,11 +243,14 @@ def conv(
     and weight gradients in one call) instead of the op's Python formula and
     its two gradient ops. Otherwise (another backend, ``torch.compile``) the op.
     """
-    if not _backend.eager_torch(_FWD, x.device):
+    # The CPU's 1x1 convolutions as batched matmuls stay ops: under autograd the matmul would
+    # save its weights broadcast over the N samples (the op's backward reads the weights).
+    if (not _backend.eager_torch(_FWD, x.device)
+            or _pointwise(x, weight, stride, padding, dilation, transposed, groups)):
         return array_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
     x, weight, bias = _autocast.cast_inputs(_AUTOCAST, x.device.type, x, weight, bias)
-    return _conv_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    return _conv_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, fresh=True)
 
 
 # ---- the ops -------------------------------------------------------------------
