@@ -384,10 +384,10 @@ def eager_torch(op: str, device: torch.device, dtype: torch.dtype | None = None)
     tracing it): where the library's differentiable entry points (what ``hfkern.nn``
     calls) may run the torch implementation under torch's own autograd instead of
     dispatching the op. Same values, same layouts; the backward is then torch's
-    C++ graph rather than the op's Python formula and gradient ops, which on a
-    training step whose host issues the work is most of the difference
-    (``bench/profile_host.py``). Under ``torch.compile`` the ops stay opaque, as
-    they always were."""
+    C++ graph rather than the op's Python formula and gradient ops, which is most
+    of the host time of a training step whose host issues the work
+    (``bench/train_throughput.py --modes array array+ops``). Under
+    ``torch.compile`` the ops stay opaque, as they always were."""
     return _eager_paths and not torch.compiler.is_compiling() and _lookup(op, device, dtype)[0] == "torch"
 
 

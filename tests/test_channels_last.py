@@ -225,8 +225,8 @@ def _conv_formats(monkeypatch):
 
     seen, conv_torch = [], conv_ops._conv_torch
 
-    def spy(x, weight, *rest):
-        y = conv_torch(x, weight, *rest)
+    def spy(x, weight, *rest, **kwargs):
+        y = conv_torch(x, weight, *rest, **kwargs)
         seen.append((array_memory_format(x, shared=x.dim() != weight.dim()), array_memory_format(y)))
         return y
 

@@ -288,3 +288,60 @@ def test_fused_resnet_block_trains_the_same_on_both_paths():
     torch.testing.assert_close(losses[0][0], losses[1][0], **GRAD_TOL)
     for a, b in zip(losses[0][1], losses[1][1]):
         torch.testing.assert_close(a, b, **GRAD_TOL)
+
+
+def _graph_names(t: torch.Tensor) -> set[str]:
+    """The names of every node of ``t``'s backward graph."""
+    names, todo, seen = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo += [f for f, _ in fn.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("layout", ["batch_major", "channels_last"])
+def test_in_place_ops_on_eager_outputs_are_plain_and_exact(layout):
+    """A residual ``+=`` and an in-place activation on the outputs: no view rebase (whose
+    backward copies the whole base per op), and the op's gradients."""
+    torch.manual_seed(6)
+    conv, bn = hnn.Conv2d(3, 3, 3, padding=1, B=2), hnn.BatchNorm2d(3, B=2)
+    x0 = _layout(torch.randn(2, 4, 3, 6, 6), layout)
+    results = []
+    for eager in (True, False):
+        c, b = conv.__class__(3, 3, 3, padding=1, B=2), bn.__class__(3, B=2)
+        c.load_state_dict(conv.state_dict())
+        b.load_state_dict(bn.state_dict())
+        x = torch.empty_strided(x0.shape, x0.stride()).copy_(x0).requires_grad_()
+        with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+            y = c(x)
+            assert not y._is_view()
+            y = torch.nn.functional.leaky_relu(y, 0.2, inplace=True)
+            z = b(y)
+            z += x
+            z.relu_()
+            if eager:
+                assert "CopySlices" not in _graph_names(z) and "AsStridedBackward0" not in _graph_names(z)
+            z.backward(torch.ones_like(z))
+        results.append((z.detach(), x.grad, c.weight.grad, b.weight.grad, b.running_var.clone()))
+    for a, b_ in zip(*results):
+        torch.testing.assert_close(a, b_, **GRAD_TOL)
+
+
+def test_in_place_change_of_an_eager_relu_output_is_an_error_as_in_torch():
+    """Batch norm + ReLU saves its output, as torch's ReLU does: changing it in place before
+    backward raises, as it does for B torch modules, rather than giving a wrong gradient."""
+    bn = hnn.BatchNorm2d(3, activation="relu", B=2)
+    x = _layout(torch.randn(2, 4, 3, 5, 5), "batch_major").requires_grad_()
+    y = bn(x)
+    y += 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    ref = nn.BatchNorm2d(3)
+    r = torch.relu(ref(torch.randn(4, 3, 5, 5, requires_grad=True)))
+    r += 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        r.sum().backward()
