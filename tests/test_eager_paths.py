@@ -32,6 +32,22 @@ class _Calls:
         monkeypatch.setattr(module, name, counted)
 
 
+class _RegistryCalls:
+    """Counts the calls of a backend's registered implementation of an op."""
+
+    def __init__(self, request, op, backend="torch"):
+        self.n, impl = 0, _backend._registry[op][backend]
+        fn = impl.load()
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return fn(*args, **kwargs)
+        _backend.register(op, backend, counted, device_types=impl.device_types or None, auto=impl.auto,
+                          dtypes=impl.dtypes or None)
+        request.addfinalizer(lambda: _backend.register(op, backend, fn, device_types=impl.device_types or None,
+                                                       auto=impl.auto, dtypes=impl.dtypes or None))
+
+
 def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     """``t`` [B, N, C, *s] with the same values in another memory layout."""
     if layout == "contiguous":
@@ -185,7 +201,7 @@ def test_conv_checks_arguments_on_the_eager_path():
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("activation", ["none", "relu"])
 @pytest.mark.parametrize("affine", [True, False])
-def test_batch_norm_eager_path_equals_the_op(B, layout, momentum, activation, affine, monkeypatch):
+def test_batch_norm_eager_path_equals_the_op(B, layout, momentum, activation, affine, monkeypatch, request):
     torch.manual_seed(B)
     module = hnn.BatchNorm2d(5, momentum=momentum, affine=affine, activation=activation, B=B)
     if affine:
@@ -195,12 +211,14 @@ def test_batch_norm_eager_path_equals_the_op(B, layout, momentum, activation, af
     module.num_batches_tracked.copy_(torch.arange(B) + 2)  # per-model counts: momentum=None differs by model
     x = _layout(torch.randn(B, 4, 5, 3, 6), layout)
     ops = _Calls(monkeypatch, bn_ops, "array_batch_norm_op")
+    direct = _RegistryCalls(request, "array_batch_norm")
     eager = _run(module, x, B, eager=True)
-    taken = ops.n == 0
+    assert ops.n == 0
+    # Contiguous [B, N, ...] memory has no free grouped view: the Function serves it, calling
+    # the torch implementation without the dispatcher.
+    assert direct.n == (layout == "contiguous")
     dispatched = _run(module, x, B, eager=False)
-    assert ops.n > 0
-    # Contiguous [B, N, ...] memory has no free grouped view: the op serves it.
-    assert taken == (layout != "contiguous")
+    assert ops.n > 0 and direct.n == (layout == "contiguous") + 1
     _assert_same(eager, dispatched)
 
 
@@ -225,18 +243,44 @@ def test_batch_norm_eager_path_in_mixed_precision():
     assert results[0][0].dtype == torch.bfloat16 and results[0][1].dtype == torch.float32
 
 
-@pytest.mark.parametrize("case", ["eval", "gelu", "B=1", "one channel"])
-def test_batch_norm_cases_the_eager_path_leaves_to_the_op(case, monkeypatch):
-    """What the eager path does not serve goes to the op, with the same results either way."""
-    B, C, activation = (1 if case == "B=1" else 2), (1 if case == "one channel" else 3), (
-        "gelu" if case == "gelu" else "relu")
-    module = hnn.BatchNorm2d(C, activation=activation, B=B)
+@pytest.mark.parametrize("case", ["eval", "gelu", "B=1", "one channel", "1-d"])
+def test_batch_norm_cases_the_autograd_function_serves_without_the_dispatcher(case, monkeypatch, request):
+    """What torch's batch norm under autograd does not serve runs the op's autograd Function,
+    which calls the torch implementations directly: the dispatched op's results."""
+    B = 1 if case == "B=1" else 2
+    C = 1 if case == "one channel" else 3
+    module = (hnn.BatchNorm1d if case == "1-d" else hnn.BatchNorm2d)(
+        C, activation="gelu" if case == "gelu" else "relu", B=B)
     if case == "eval":
+        module.running_mean.uniform_(-1, 1)
         module.eval()
-    x = _layout(torch.randn(B, 4, C, 5, 5), "batch_major")
+    shape = (B, 4, C) if case == "1-d" else (B, 4, C, 5, 5)
+    x = torch.randn(shape).transpose(0, 1).contiguous().transpose(0, 1)
     ops = _Calls(monkeypatch, bn_ops, "array_batch_norm_op")
-    _run(module, x, 0, eager=True)
-    assert ops.n == 1
+    direct = _RegistryCalls(request, "array_batch_norm")
+    eager = _run(module, x, 0, eager=True)
+    assert (ops.n, direct.n) == (0, 1)
+    dispatched = _run(module, x, 0, eager=False)
+    assert (ops.n, direct.n) == (1, 2)
+    _assert_same(eager, dispatched)
+
+
+def test_batch_norm_function_path_is_differentiable_twice():
+    """create_graph=True: the Function's backward dispatches the backward op, whose formula
+    gives the double backward."""
+    torch.manual_seed(7)
+    module = hnn.BatchNorm1d(3, B=2)
+    x0 = torch.randn(2, 5, 3)
+    grads = []
+    for eager in (True, False):
+        module.zero_grad()
+        x = x0.clone().requires_grad_()
+        with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+            (gx,) = torch.autograd.grad(module(x).pow(3).sum(), x, create_graph=True)
+            gx.square().sum().backward()
+        grads.append((x.grad.clone(), module.weight.grad.clone()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **GRAD_TOL)
 
 
 def test_batch_norm_eager_path_checks_before_changing_state():

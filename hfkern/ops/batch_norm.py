@@ -560,26 +560,39 @@ def _(grad_y, x, weight, mean, rstd, training, output_mask, bias=None, activatio
 
 
 class _ArrayBatchNorm(torch.autograd.Function):
-    """Autograd around the mutating forward op (which cannot carry a torch.library formula)."""
+    """Autograd around the mutating forward op (which cannot carry a torch.library formula).
+
+    ``eager`` (:func:`hfkern._backend.eager_torch`): the registered torch
+    implementations are called directly, forward and backward, rather than through
+    the dispatcher: the same functions on the same arguments, so the same results,
+    for less host time.
+    A backward that builds a graph (``create_graph=True``) dispatches the backward
+    op, whose formula gives the double backward.
+    """
 
     # forward(ctx, ...), not forward + setup_context: autograd binds the arguments of a
     # setup_context Function to forward's signature (inspect.signature) at every call.
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-                activation):
-        output = array_batch_norm_op(
-            x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-            activation,
-        )
+                activation, eager):
+        args = (x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+                activation)
+        if eager:
+            _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum,
+                           activation)
+            output = _backend.resolve(_FWD, x.device, x.dtype)(*args)
+        else:
+            output = array_batch_norm_op(*args)
         _, mean, rstd = output
         save_forward(ctx, x, weight, bias, mean, rstd, activation)
-        ctx.training = training
+        ctx.training, ctx.eager = training, eager
         # No gradient flows into mean and rstd: autograd would otherwise hand the
         # backward two [B, C] zero tensors it allocates and fills every step.
         ctx.set_materialize_grads(False)
         # The backward runs pinned to the forward's backend, whatever thread runs
         # it; a compiled graph resolves its ops when it runs instead.
-        ctx.backend = None if torch.compiler.is_compiling() else _backend.current(_FWD, x.device, x.dtype)
+        ctx.backend = None if torch.compiler.is_compiling() else (
+            "torch" if eager else _backend.current(_FWD, x.device, x.dtype))
         return output
 
     @staticmethod
@@ -588,14 +601,18 @@ class _ArrayBatchNorm(torch.autograd.Function):
         mask = grad_mask(ctx, weight)
         none = (None,) * 7
         if not any(mask) or grad_y is None:
-            return (None, None, None) + none
+            return (None, None, None, None) + none
         args = (grad_y, x, weight, mean, rstd, ctx.training, mask, bias, ctx.activation)
-        if ctx.backend is None:
+        if ctx.eager and not torch.is_grad_enabled():
+            with _backend.pinned(ctx.backend):
+                fn = _backend.resolve(_BWD, grad_y.device, x.dtype)
+            gx, gw, gb = fn(*args)
+        elif ctx.backend is None:
             gx, gw, gb = array_batch_norm_backward(*args)
         else:
             with _backend.pinned(ctx.backend):
                 gx, gw, gb = array_batch_norm_backward(*args)
-        return input_grads(ctx, mask, gx, gw, gb) + none
+        return input_grads(ctx, mask, gx, gw, gb) + none + (None,)
 
 
 def array_batch_norm(
@@ -625,17 +642,20 @@ def array_batch_norm(
     (:func:`hfkern._backend.eager_torch`) on memory whose grouped view is free,
     without an activation or with ReLU, torch's batch norm on that view runs
     under torch's own autograd (the same kernels as the op's torch path, with
-    C++ backward nodes); otherwise the op with its autograd Function.
+    C++ backward nodes); in the other eager cases on the torch backend, the
+    autograd Function calls the torch implementations without the dispatcher;
+    otherwise the op with its autograd Function.
     """
-    if (training and activation in ("none", "relu") and _backend.eager_torch(_FWD, x.device, x.dtype)
-            and min(x.shape) > 1 and _grouped_ok(x, weight, bias, running_mean, running_var)):
+    eager = _backend.eager_torch(_FWD, x.device, x.dtype)
+    if (eager and training and activation in ("none", "relu") and min(x.shape) > 1
+            and _grouped_ok(x, weight, bias, running_mean, running_var)):
         # (a dim of one: y may take x's strides through as_strided, which the op's gradient keeps)
         _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum,
                        activation)
         return _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
                                 activation, op=False)
     return _ArrayBatchNorm.apply(
-        x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation
+        x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation, eager
     )
 
 
