@@ -6,6 +6,8 @@ values, dtypes, strides, running statistics, gradients and their layouts."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -30,6 +32,11 @@ class _Calls:
             self.n += 1
             return fn(*args, **kwargs)
         monkeypatch.setattr(module, name, counted)
+
+
+def _path(eager: bool):
+    """The eager paths (the default) or, for the reference, every op dispatched."""
+    return contextlib.nullcontext() if eager else _backend.dispatched_ops()
 
 
 class _RegistryCalls:
@@ -72,8 +79,7 @@ def _run(module: nn.Module, x: torch.Tensor, grad_seed: int, *, eager: bool):
     leaf = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
     if leaf.stride() != x.stride():  # clone keeps dense layouts only
         leaf = torch.empty_strided(x.shape, x.stride()).copy_(x).requires_grad_()
-    ctx = _backend.dispatched_ops() if not eager else torch.enable_grad()
-    with ctx:
+    with _path(eager):
         y = m(leaf)
         g = torch.randn(y.shape, generator=torch.Generator().manual_seed(grad_seed))
         y.backward(g)
@@ -148,7 +154,7 @@ def test_conv_eager_path_with_a_shared_input(B, monkeypatch):
         m = hnn.Conv2d(3, 4, 3, B=B)
         m.load_state_dict(module.state_dict())
         leaf = base.clone().requires_grad_()
-        with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+        with _path(eager):
             y = m(hfkern.broadcast(leaf, B))
             y.backward(torch.ones_like(y))
         results.append((y, leaf.grad, m.weight.grad, m.bias.grad))
@@ -164,7 +170,7 @@ def test_conv_eager_path_under_autocast_computes_in_the_region_dtype():
     x = torch.randn(2, 2, 3, 8, 8)
     outs = []
     for eager in (True, False):
-        with (torch.enable_grad() if eager else _backend.dispatched_ops()), \
+        with _path(eager), \
                 torch.autocast("cpu", dtype=torch.bfloat16):
             outs.append(module(x))
     assert outs[0].dtype == outs[1].dtype == torch.bfloat16
@@ -180,7 +186,7 @@ def test_conv_eager_path_is_differentiable_twice():
     for eager in (True, False):
         module.zero_grad()
         leaf = x.clone().requires_grad_()
-        with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+        with _path(eager):
             (gx,) = torch.autograd.grad(module(leaf).square().sum(), leaf, create_graph=True)
             gx.square().sum().backward()
         grads.append(module.weight.grad.clone())
@@ -233,7 +239,7 @@ def test_batch_norm_eager_path_in_mixed_precision():
         w = torch.linspace(0.5, 1.5, B * C).view(B, C).requires_grad_()
         b = torch.linspace(-0.5, 0.5, B * C).view(B, C).requires_grad_()
         rm, rv = torch.zeros(B, C), torch.ones(B, C)
-        with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+        with _path(eager):
             y, mean, rstd = bn_ops.array_batch_norm(x, w, b, rm, rv, None, True, 0.1, 1e-5, "relu")
             y.backward(torch.ones_like(y))
         results.append((y, mean, rstd, rm, rv, x.grad, w.grad, b.grad))
@@ -275,7 +281,7 @@ def test_batch_norm_function_path_is_differentiable_twice():
     for eager in (True, False):
         module.zero_grad()
         x = x0.clone().requires_grad_()
-        with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+        with _path(eager):
             (gx,) = torch.autograd.grad(module(x).pow(3).sum(), x, create_graph=True)
             gx.square().sum().backward()
         grads.append((x.grad.clone(), module.weight.grad.clone()))
@@ -323,7 +329,7 @@ def test_fused_resnet_block_trains_the_same_on_both_paths():
         run = []
         for _ in range(3):
             opt.zero_grad()
-            with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+            with _path(eager):
                 loss = hfkern.nn.functional.cross_entropy(fused(hfkern.broadcast(x, 3)), hfkern.broadcast(y, 3))
                 loss.sum().backward()
             opt.step()
@@ -360,7 +366,7 @@ def test_in_place_ops_on_eager_outputs_are_plain_and_exact(layout):
         c.load_state_dict(conv.state_dict())
         b.load_state_dict(bn.state_dict())
         x = torch.empty_strided(x0.shape, x0.stride()).copy_(x0).requires_grad_()
-        with (torch.enable_grad() if eager else _backend.dispatched_ops()):
+        with _path(eager):
             y = c(x)
             assert not y._is_view()
             y = torch.nn.functional.leaky_relu(y, 0.2, inplace=True)
