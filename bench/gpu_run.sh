@@ -20,7 +20,8 @@
 #                   ResNet-18 bf16 cells first (B ascending: a mode that fails at a B is not
 #                   tried at larger ones), with three quarters of the budget; then, each in a
 #                   run of its own with what is left: the CUDA backend's array, ResNet-18's
-#                   array under torch.compile, plain and mode="reduce-overhead"
+#                   array with every op dispatched (array+ops: the torch path without its
+#                   eager paths), ResNet-18's array under torch.compile, plain and mode="reduce-overhead"
 #                   (array+compile, array+compile-ro), and Triton's array (its first steps
 #                   compile and autotune); each run with a profile summary of
 #                   its slowest hfkern mode at B = 32 (host time, GPU time and kernel launches
@@ -468,7 +469,8 @@ train_e2e() {
         --modes serial hfta array array+capture array+capture+cl --time-budget "$first" --name torch $TRAIN_ARGS || rc=$?
     [[ -f $WORK/e2e/torch.json ]] && runs+=("$WORK/e2e/torch.json")
     # Then, each in a run of its own so that one's warm-up never holds up another's cells: the
-    # CUDA backend's array (its kernels are built: it warms up at once); torch.compile of the
+    # CUDA backend's array (its kernels are built: it warms up at once); ResNet-18's array with
+    # every op dispatched (what the torch path's eager paths save on this device); torch.compile of the
     # array, plain and mode="reduce-overhead" (torch's CUDA graphs, what array+capture is
     # weighed against; inductor compiles for a minute or more), ResNet-18 only; Triton's array
     # (its first steps compile and autotune every conv shape: minutes for ResNet-18 on a fresh
@@ -477,7 +479,7 @@ train_e2e() {
     order=$("$PY" -c "import hfkern
 info = hfkern.backend_info()['backends']
 ok = lambda n: n in info and info[n]['available']
-print(' '.join(n for n in ('cuda', 'compile', 'triton') if n == 'compile' or ok(n)))")
+print(' '.join(n for n in ('cuda', 'ops', 'compile', 'triton') if n in ('ops', 'compile') or ok(n)))")
     for name in $order; do
         rest=$((budget - ($(date +%s) - t0)))
         if ((rest < 30)); then
@@ -486,6 +488,8 @@ print(' '.join(n for n in ('cuda', 'compile', 'triton') if n == 'compile' or ok(
         fi
         if [[ $name == compile ]]; then
             extra=(--backends torch --modes array+compile array+compile-ro --workloads resnet18)
+        elif [[ $name == ops ]]; then
+            extra=(--backends torch --modes array+ops --workloads resnet18)
         else
             extra=(--backends "$name" --modes array)
         fi

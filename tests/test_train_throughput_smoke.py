@@ -153,3 +153,17 @@ def test_merged_runs_compare_with_the_baselines_of_another_run(tmp_path):
     capture, serial = rows["array+capture[torch]"], rows["serial"]
     assert capture["vs_serial"] == capture["samples_per_s"] / serial["samples_per_s"]
     assert capture["vs_hfta"] == capture["samples_per_s"] / rows["hfta"]["samples_per_s"]
+
+
+def test_the_dispatched_ops_mode_runs_beside_the_array(tmp_path):
+    """array+ops (every hfkern op dispatched: the torch path without its eager paths) trains
+    the same models as array, so gpu_run.sh can time what the eager paths save."""
+    proc = _run("train_throughput.py", "--smoke", "--precisions", "fp32", "--workloads", "resnet18", "--B", "2",
+                "--modes", "array", "array+ops", "--out", str(tmp_path), "--name", "t", "--no-plots")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    record = json.loads((tmp_path / "t.json").read_text())
+    rows = {r["key"]: r for r in record["rows"]}
+    assert set(rows) == {"array[torch]", "array+ops[torch]"}
+    for r in rows.values():
+        assert "error" not in r and r["step_ms"] > 0, r
+    assert "--out <out>" in record["command"]  # a scratch folder is not recorded
