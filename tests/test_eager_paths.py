@@ -395,3 +395,64 @@ def test_in_place_change_of_an_eager_relu_output_is_an_error_as_in_torch():
     r += 1
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         r.sum().backward()
+
+
+NORMS = [
+    lambda B: hnn.LayerNorm(6, B=B),
+    lambda B: hnn.LayerNorm((3, 6), bias=False, B=B),
+    lambda B: hnn.LayerNorm(6, elementwise_affine=False, B=B),
+    lambda B: hnn.LayerNorm(6, activation="gelu", B=B),
+    lambda B: hnn.RMSNorm(6, B=B),
+    lambda B: hnn.RMSNorm(6, eps=1e-3, elementwise_affine=False, B=B),
+]
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("case", range(len(NORMS)))
+@pytest.mark.parametrize("strided", [False, True])
+def test_layer_norms_without_the_dispatcher_equal_the_ops(case, B, strided, request):
+    """LayerNorm and RMSNorm call the registered torch implementations from their own autograd
+    Function in eager mode: exactly the dispatched op's results."""
+    torch.manual_seed(case)
+    module = NORMS[case](B)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.uniform_(0.5, 1.5)
+    op = "array_rms_norm" if isinstance(module, hnn.RMSNorm) else "array_layer_norm"
+    x = torch.randn(B, 4, 3, 6)
+    if strided:
+        x = _layout(x, "strided")
+    fwd, bwd = _RegistryCalls(request, op), _RegistryCalls(request, op + "_backward")
+    eager = _run(module, x, case, eager=True)
+    dispatched = _run(module, x, case, eager=False)
+    assert (fwd.n, bwd.n) == (2, 2)  # each path ran the torch implementations once
+    _assert_same(eager, dispatched)
+    for a, b in zip(eager[2].values(), dispatched[2].values()):
+        assert torch.equal(a, b)  # the same functions on the same arguments
+    assert torch.equal(eager[1], dispatched[1])
+
+
+@pytest.mark.parametrize("make", [lambda: hnn.LayerNorm(5, B=2), lambda: hnn.RMSNorm(5, B=2)])
+def test_layer_norms_without_the_dispatcher_are_differentiable_twice(make):
+    torch.manual_seed(8)
+    module = make()
+    x0 = torch.randn(2, 3, 5)
+    grads = []
+    for eager in (True, False):
+        module.zero_grad()
+        x = x0.clone().requires_grad_()
+        with _path(eager):
+            (gx,) = torch.autograd.grad(module(x).pow(3).sum(), x, create_graph=True)
+            gx.square().sum().backward()
+        grads.append((x.grad.clone(), module.weight.grad.clone()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **GRAD_TOL)
+
+
+def test_layer_norm_checks_arguments_on_the_eager_path():
+    from hfkern.ops.layer_norm import layer_norm
+
+    with pytest.raises(ValueError):
+        layer_norm(torch.randn(2, 3, 6), torch.randn(2, 5), None, 1, 1e-5)
+    with pytest.raises(ValueError):
+        layer_norm(torch.randn(2, 3, 6), None, None, 1, 1e-5, "tanh")

@@ -32,7 +32,7 @@ from .._array import (
 from .._dtypes import acc_dtype
 from ..ops.batch_norm import array_batch_norm
 from ..ops._norm import check_activation
-from ..ops.layer_norm import array_layer_norm, array_rms_norm
+from ..ops.layer_norm import layer_norm, rms_norm
 from ._base import ArrayModule, torch_module
 
 __all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d"]
@@ -125,8 +125,8 @@ class LayerNorm(_FusedActivation, ArrayModule):
         n = len(self.normalized_shape)
         if is_shared(x) and self.weight is None and self.bias is None:
             # Without parameters the B models compute the same thing: once.
-            return array_layer_norm(x[:1], None, None, n, self.eps, activation)[0].expand(x.shape)
-        return array_layer_norm(x, self.weight, self.bias, n, self.eps, activation)[0]
+            return layer_norm(x[:1], None, None, n, self.eps, activation)[0].expand(x.shape)
+        return layer_norm(x, self.weight, self.bias, n, self.eps, activation)[0]
 
 
 class RMSNorm(ArrayModule):
@@ -168,8 +168,8 @@ class RMSNorm(ArrayModule):
         # bfloat16 and float16 input), not of the input's dtype.
         eps = torch.finfo(acc_dtype(x.dtype)).eps if self.eps is None else self.eps
         if is_shared(x) and self.weight is None:
-            return array_rms_norm(x[:1], None, n, eps)[0].expand(x.shape)
-        return array_rms_norm(x, self.weight, n, eps)[0]
+            return rms_norm(x[:1], None, n, eps)[0].expand(x.shape)
+        return rms_norm(x, self.weight, n, eps)[0]
 
 
 class GroupNorm(ArrayModule):

@@ -39,12 +39,17 @@ def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
     return value
 
 
-def cast_inputs(policy: str, device_type: str, *values: Any) -> tuple:
-    """``values`` as an op with autocast ``policy`` would receive them in the current
-    region on ``device_type`` (unchanged outside one): for the eager paths that run
-    an op's implementation without dispatching the op
+# (qualname, device type) -> the policy registered
+_policies: dict[tuple[str, str], str] = {}
+
+
+def cast_inputs(qualname: str, device_type: str, *values: Any) -> tuple:
+    """``values`` as op ``qualname`` receives them in the current autocast region on
+    ``device_type`` (unchanged outside one, and where the op has no rule there): for
+    the eager paths that run an op's implementation without dispatching the op
     (:func:`hfkern._backend.eager_torch`)."""
-    if not torch.is_autocast_enabled(device_type):
+    policy = _policies.get((qualname, device_type))
+    if policy is None or not torch.is_autocast_enabled(device_type):
         return values
     dtype = torch.float32 if policy == "fp32" else torch.get_autocast_dtype(device_type)
     return tuple(_cast(v, device_type, dtype) for v in values)
@@ -83,3 +88,4 @@ def register(qualname: str, policy: str, device_types: Iterable[str] = ("cpu", "
                 return op(*_cast(args, _device_type, dtype), **_cast(kwargs, _device_type, dtype))
 
         lib.impl(name, kernel, key, with_keyset=True)
+        _policies[(qualname, device_type)] = policy

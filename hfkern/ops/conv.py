@@ -249,7 +249,7 @@ def conv(
             or _pointwise(x, weight, stride, padding, dilation, transposed, groups)):
         return array_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
-    x, weight, bias = _autocast.cast_inputs(_AUTOCAST, x.device.type, x, weight, bias)
+    x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
     return _conv_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, fresh=True)
 
 
@@ -444,5 +444,4 @@ def _weight_grad_backward(ctx, grad_grad_w):
 array_conv_weight_grad.register_autograd(_weight_grad_backward, setup_context=_weight_grad_setup_context)
 
 # Under torch.autocast a convolution runs in the region's dtype on every device, as torch's does.
-_AUTOCAST = "lower"
-_autocast.register("hfkern::array_conv", _AUTOCAST)
+_autocast.register("hfkern::array_conv", "lower")

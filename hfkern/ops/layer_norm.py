@@ -443,6 +443,48 @@ def _ln_backward(ctx, grad_y, grad_mean, grad_rstd):
 array_layer_norm.register_autograd(_ln_backward, setup_context=_ln_setup_context)
 
 
+# ---- the eager entry points ---------------------------------------------------
+#
+# What hfkern.nn calls. Where the torch backend serves a call in eager mode
+# (hfkern._backend.eager_torch), an autograd Function runs the registered torch
+# implementations directly, forward and backward, with the op's own formula: the
+# same functions on the same arguments, without the dispatcher's host time per
+# call. A backward that builds a graph (create_graph=True) runs the op's formula,
+# which dispatches the backward op for its double-backward formula.
+
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float,
+               activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+    """``array_layer_norm``'s arguments and results, differentiable, without the dispatcher
+    on the torch backend in eager mode."""
+    x, weight, bias = _autocast.cast_inputs("hfkern::array_layer_norm", x.device.type, x, weight, bias)
+    if not _backend.eager_torch(_LN_FWD, x.device, x.dtype):
+        return array_layer_norm(x, weight, bias, norm_ndim, eps, activation)
+    _check(_LN_FWD, x, weight, bias, norm_ndim)
+    check_activation(f"hfkern::{_LN_FWD}", activation)
+    return _EagerLayerNorm.apply(x, weight, bias, norm_ndim, eps, activation)
+
+
+class _EagerLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, norm_ndim, eps, activation):
+        output = _backend.resolve(_LN_FWD, x.device, x.dtype)(x, weight, bias, norm_ndim, eps, activation)
+        _ln_setup_context(ctx, (x, weight, bias, norm_ndim, eps, activation), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_mean, grad_rstd):
+        if torch.is_grad_enabled():
+            return _ln_backward(ctx, grad_y, grad_mean, grad_rstd)
+        x, weight, mean, rstd, bias = ctx.saved_tensors
+        mask = grad_mask(ctx, weight)
+        if not any(mask):
+            return None, None, None, None, None, None
+        with _backend.pinned(ctx.backend):
+            fn = _backend.resolve(_LN_BWD, grad_y.device, x.dtype)
+        gx, gw, gb = fn(grad_y, x, weight, mean, rstd, ctx.norm_ndim, mask, bias, ctx.activation)
+        return input_grads(ctx, mask, gx, gw, gb) + (None, None, None)
+
+
 # ---- double backward --------------------------------------------------------
 #
 # The backward ops' gradients are derived, not written out: each formula takes
@@ -555,6 +597,38 @@ def _rms_backward(ctx, grad_y, grad_rstd):
 
 
 array_rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup_context)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, norm_ndim: int, eps: float) -> tuple[Tensor, Tensor]:
+    """``array_rms_norm``'s arguments and results, differentiable, without the dispatcher on
+    the torch backend in eager mode (see :func:`layer_norm`)."""
+    x, weight = _autocast.cast_inputs("hfkern::array_rms_norm", x.device.type, x, weight)
+    if not _backend.eager_torch(_RMS_FWD, x.device, x.dtype):
+        return array_rms_norm(x, weight, norm_ndim, eps)
+    _check(_RMS_FWD, x, weight, None, norm_ndim)
+    return _EagerRMSNorm.apply(x, weight, norm_ndim, eps)
+
+
+class _EagerRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, norm_ndim, eps):
+        output = _backend.resolve(_RMS_FWD, x.device, x.dtype)(x, weight, norm_ndim, eps)
+        _rms_setup_context(ctx, (x, weight, norm_ndim, eps), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_rstd):
+        if torch.is_grad_enabled():
+            return _rms_backward(ctx, grad_y, grad_rstd)
+        x, weight, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        mask = [needs[0], weight is not None and needs[1]]
+        if not any(mask):
+            return None, None, None, None
+        with _backend.pinned(ctx.backend):
+            fn = _backend.resolve(_RMS_BWD, grad_y.device, x.dtype)
+        gx, gw = fn(grad_y, x, weight, rstd, ctx.norm_ndim, mask)
+        return gx if mask[0] else None, gw if mask[1] else None, None, None
 array_rms_norm_backward.register_autograd(
     _norm_backward_backward, setup_context=_rms_backward_setup_context
 )
