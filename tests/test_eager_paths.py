@@ -456,3 +456,37 @@ def test_layer_norm_checks_arguments_on_the_eager_path():
         layer_norm(torch.randn(2, 3, 6), torch.randn(2, 5), None, 1, 1e-5)
     with pytest.raises(ValueError):
         layer_norm(torch.randn(2, 3, 6), None, None, 1, 1e-5, "tanh")
+
+
+EMBEDDINGS = [
+    dict(),
+    dict(padding_idx=2),
+    dict(scale_grad_by_freq=True),
+    dict(padding_idx=0, scale_grad_by_freq=True),
+    dict(sparse=True),
+]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("case", range(len(EMBEDDINGS)))
+def test_embedding_without_the_dispatcher_equals_the_op(case, shared, request):
+    """hfkern.nn.Embedding calls the registered torch implementations from its own autograd
+    Function in eager mode (the sparse backward keeps the op's): the dispatched op's results."""
+    torch.manual_seed(case)
+    B = 3
+    module = hnn.Embedding(7, 4, B=B, **EMBEDDINGS[case])
+    idx = torch.randint(0, 7, (5, 6)) if shared else torch.randint(0, 7, (B, 5, 6))
+    if shared:
+        idx = hfkern.broadcast(idx, B)
+    fwd = _RegistryCalls(request, "array_embedding")
+    results = []
+    for eager in (True, False):
+        module.zero_grad()
+        with _path(eager):
+            y = module(idx)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(case)))
+        g = module.weight.grad
+        results.append((y.detach(), g.to_dense() if g.is_sparse else g.clone()))
+    assert fwd.n == 2
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -8,8 +8,8 @@ from torch.nn import init
 
 from .._array import is_shared
 from ..ops.embedding import (
-    array_embedding,
     array_embedding_renorm_,
+    embedding,
     embedding_checked_indices,
     raise_if_out_of_range,
 )
@@ -148,7 +148,7 @@ class Embedding(ArrayModule):
             with torch.no_grad():
                 array_embedding_renorm_(self.weight, idx, float(self.max_norm), float(self.norm_type))
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
-        return array_embedding(self.weight, idx, padding_idx, self.scale_grad_by_freq, self.sparse)
+        return embedding(self.weight, idx, padding_idx, self.scale_grad_by_freq, self.sparse)
 
     @classmethod
     def from_pretrained(

@@ -331,6 +331,37 @@ def _weight_grad(ctx, grad_out):
 array_embedding.register_autograd(_backward, setup_context=_setup_context)
 
 
+def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False,
+              sparse: bool = False) -> Tensor:
+    """``array_embedding``'s arguments and result, differentiable (what ``hfkern.nn.Embedding``
+    calls). Where the torch backend serves the call in eager mode
+    (:func:`hfkern._backend.eager_torch`), an autograd Function runs the registered torch
+    implementations directly with the op's formula, without the dispatcher's host time; a
+    backward that builds a graph (``create_graph=True``), or a sparse one, runs the op's
+    formula."""
+    if not _backend.eager_torch(_FWD, weight.device):
+        return array_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    _check_padding_idx(_FWD, padding_idx, weight.shape[-2])
+    return _EagerEmbedding.apply(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+
+
+class _EagerEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, indices, padding_idx, scale_grad_by_freq, sparse):
+        out = _backend.resolve(_FWD, weight.device)(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+        _setup_context(ctx, (weight, indices, padding_idx, scale_grad_by_freq, sparse), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled() or ctx.sparse or not ctx.needs_input_grad[0]:
+            return _backward(ctx, grad_out)
+        (indices,) = ctx.saved_tensors
+        with _backend.pinned(ctx.backend):
+            fn = _backend.resolve(_BWD, grad_out.device)
+        return fn(grad_out, indices, ctx.num_weights, ctx.padding_idx, ctx.scale_grad_by_freq), None, None, None, None
+
+
 # The backward ops' gradients are written out: both are linear in grad_out,
 # grad_w[b, v] = sum over positions p with indices[b, p] == v of s[b, p] * grad_out[b, p]
 # with s = 0 at padding_idx, 1 / (hits of row v in model b) under
