@@ -428,15 +428,15 @@ def _ln_setup_context(ctx, inputs, output):
     ctx.backend = _backend.current(_LN_FWD, x.device, x.dtype)
 
 
-def _ln_backward(ctx, grad_y, grad_mean, grad_rstd):
+def _ln_backward(ctx, grad_y, grad_mean, grad_rstd, direct: bool = False):
+    """The formula; ``direct``: the backend's implementation called without the dispatcher."""
     x, weight, mean, rstd, bias = ctx.saved_tensors
     mask = grad_mask(ctx, weight)
     if not any(mask):
         return None, None, None, None, None, None
     with _backend.pinned(ctx.backend):
-        gx, gw, gb = array_layer_norm_backward(
-            grad_y, x, weight, mean, rstd, ctx.norm_ndim, mask, bias, ctx.activation
-        )
+        backward = _backend.resolve(_LN_BWD, grad_y.device, x.dtype) if direct else array_layer_norm_backward
+        gx, gw, gb = backward(grad_y, x, weight, mean, rstd, ctx.norm_ndim, mask, bias, ctx.activation)
     return input_grads(ctx, mask, gx, gw, gb) + (None, None, None)
 
 
@@ -473,16 +473,7 @@ class _EagerLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_mean, grad_rstd):
-        if torch.is_grad_enabled():
-            return _ln_backward(ctx, grad_y, grad_mean, grad_rstd)
-        x, weight, mean, rstd, bias = ctx.saved_tensors
-        mask = grad_mask(ctx, weight)
-        if not any(mask):
-            return None, None, None, None, None, None
-        with _backend.pinned(ctx.backend):
-            fn = _backend.resolve(_LN_BWD, grad_y.device, x.dtype)
-        gx, gw, gb = fn(grad_y, x, weight, mean, rstd, ctx.norm_ndim, mask, bias, ctx.activation)
-        return input_grads(ctx, mask, gx, gw, gb) + (None, None, None)
+        return _ln_backward(ctx, grad_y, grad_mean, grad_rstd, direct=not torch.is_grad_enabled())
 
 
 # ---- double backward --------------------------------------------------------
@@ -585,14 +576,16 @@ def _rms_setup_context(ctx, inputs, output):
     ctx.backend = _backend.current(_RMS_FWD, x.device, x.dtype)
 
 
-def _rms_backward(ctx, grad_y, grad_rstd):
+def _rms_backward(ctx, grad_y, grad_rstd, direct: bool = False):
+    """The formula; ``direct``: the backend's implementation called without the dispatcher."""
     x, weight, rstd = ctx.saved_tensors
     needs = ctx.needs_input_grad
     mask = [needs[0], weight is not None and needs[1]]
     if not any(mask):
         return None, None, None, None
     with _backend.pinned(ctx.backend):
-        gx, gw = array_rms_norm_backward(grad_y, x, weight, rstd, ctx.norm_ndim, mask)
+        backward = _backend.resolve(_RMS_BWD, grad_y.device, x.dtype) if direct else array_rms_norm_backward
+        gx, gw = backward(grad_y, x, weight, rstd, ctx.norm_ndim, mask)
     return gx if mask[0] else None, gw if mask[1] else None, None, None
 
 
@@ -618,17 +611,9 @@ class _EagerRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_rstd):
-        if torch.is_grad_enabled():
-            return _rms_backward(ctx, grad_y, grad_rstd)
-        x, weight, rstd = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        mask = [needs[0], weight is not None and needs[1]]
-        if not any(mask):
-            return None, None, None, None
-        with _backend.pinned(ctx.backend):
-            fn = _backend.resolve(_RMS_BWD, grad_y.device, x.dtype)
-        gx, gw = fn(grad_y, x, weight, rstd, ctx.norm_ndim, mask)
-        return gx if mask[0] else None, gw if mask[1] else None, None, None
+        return _rms_backward(ctx, grad_y, grad_rstd, direct=not torch.is_grad_enabled())
+
+
 array_rms_norm_backward.register_autograd(
     _norm_backward_backward, setup_context=_rms_backward_setup_context
 )
