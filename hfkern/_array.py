@@ -107,7 +107,9 @@ def check_channels(module: str, x: torch.Tensor, dim: int, expected: int, name: 
 
 def per_model_memory_first(x: torch.Tensor) -> bool:
     """True if ``x`` ([B, N, ...]) is stored as ``[N, B, ...]``-contiguous memory."""
-    return x.dim() >= 2 and x.transpose(0, 1).is_contiguous()
+    if x.dim() < 2:
+        return False
+    return x.numel() == 0 or _dense_in(x.shape, x.stride(), (1, 0, *range(2, x.dim())))
 
 
 def fold(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
@@ -201,23 +203,48 @@ def array_memory_format(x: torch.Tensor, shared: bool = False) -> torch.memory_f
     ``H = W = 1``) is channels-last only with exactly the strides
     :func:`new_batch_major` (or ``torch.empty(..., memory_format=
     torch.channels_last)``) gives it. Other ranks are ``contiguous_format``.
+
+    Read from the sizes and strides (every layer asks, so no view is made).
     """
     image = shared or (x.dim() == 5 and is_shared(x))
+    sizes, strides = x.shape, x.stride()
     if image:
-        x = x[0] if x.dim() == 5 else x
-        if x.dim() != 4:
+        if x.dim() == 5:
+            sizes, strides = sizes[1:], strides[1:]
+        if len(sizes) != 4:
             return torch.contiguous_format
-        channels_last = x.is_contiguous(memory_format=torch.channels_last)
-        nchw = x.is_contiguous()
+        cl_order, nchw_order = _NHWC, _NCHW
     else:
-        if x.dim() != 5:
+        if len(sizes) != 5:
             return torch.contiguous_format
-        channels_last = x.permute(_TO_NHWBC).is_contiguous()
-        nchw = x.transpose(0, 1).is_contiguous()
+        cl_order, nchw_order = _TO_NHWBC, _TO_NBCHW
+    # torch counts any empty tensor contiguous, and so any permutation of one (the array
+    # case); its channels-last check of an image reads the strides whatever the sizes.
+    empty = x.numel() == 0
+    channels_last = (empty and not image) or _dense_in(sizes, strides, cl_order)
+    nchw = empty or _dense_in(sizes, strides, nchw_order)
     if channels_last and nchw:  # both: the exact strides decide
+        x = x[0] if x.dim() == 5 and image else x
         cl_strides = _canonical_strides(x, torch.channels_last, image)
-        channels_last = x.stride() == cl_strides != _canonical_strides(x, torch.contiguous_format, image)
+        channels_last = tuple(strides) == cl_strides != _canonical_strides(x, torch.contiguous_format, image)
     return torch.channels_last if channels_last else torch.contiguous_format
+
+
+_NHWC, _NCHW, _TO_NBCHW = (0, 2, 3, 1), (0, 1, 2, 3), (1, 0, 2, 3, 4)
+
+
+def _dense_in(sizes, strides, order) -> bool:
+    """Whether dims ``order`` (outermost first) of a tensor of ``sizes`` and
+    ``strides`` are dense row-major memory: ``x.permute(order).is_contiguous()``
+    without making the view (dims of size one place no condition, as in torch)."""
+    expected = 1
+    for d in reversed(order):
+        size = sizes[d]
+        if size != 1:
+            if strides[d] != expected:
+                return False
+            expected *= size
+    return True
 
 
 def check_memory_format(where: str, memory_format: object, allow_none: bool = False) -> torch.memory_format | None:

@@ -48,6 +48,54 @@ def test_array_memory_format_names_the_grouped_views_format():
     assert back.transpose(0, 1).is_contiguous() and torch.equal(back, nchw)
 
 
+def _memory_format_by_views(x, shared=False):
+    """array_memory_format's definition in torch's own contiguity checks on views."""
+    from hfkern._array import _TO_NHWBC, _canonical_strides, is_shared
+    image = shared or (x.dim() == 5 and is_shared(x))
+    if image:
+        x = x[0] if x.dim() == 5 else x
+        if x.dim() != 4:
+            return NCHW
+        channels_last, nchw = x.is_contiguous(memory_format=CL), x.is_contiguous()
+    else:
+        if x.dim() != 5:
+            return NCHW
+        channels_last, nchw = x.permute(_TO_NHWBC).is_contiguous(), x.transpose(0, 1).is_contiguous()
+    if channels_last and nchw:
+        channels_last = x.stride() == _canonical_strides(x, CL, image) != _canonical_strides(x, NCHW, image)
+    return CL if channels_last else NCHW
+
+
+def test_array_memory_format_reads_strides_as_torchs_contiguity_checks_do():
+    # array_memory_format and per_model_memory_first read sizes and strides without
+    # making views: the same answers as torch's checks on the views, for permuted,
+    # expanded, arbitrarily strided and empty tensors of every rank they see.
+    from hfkern._array import per_model_memory_first
+    gen = torch.Generator().manual_seed(0)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    checked = 0
+    for _ in range(3000):
+        rank = pick([3, 4, 5])
+        shape = [pick([0, 1, 1, 2, 3]) for _ in range(rank)]
+        kind = pick(["permuted", "strided", "expanded"])
+        if kind == "strided":
+            x = torch.empty(600).as_strided(shape, [pick([0, 1, 2, 3, 6]) for _ in range(rank)])
+        else:
+            perm = torch.randperm(rank, generator=gen).tolist()
+            x = torch.empty([shape[p] for p in perm]).permute([perm.index(i) for i in range(rank)])
+            if kind == "expanded" and rank == 4:
+                x = x.unsqueeze(0).expand(pick([1, 2, 3]), *shape)
+        for shared in (False, True) if x.dim() == 4 else (False,):
+            assert array_memory_format(x, shared) == _memory_format_by_views(x, shared), (
+                x.shape, x.stride(), shared)
+            checked += 1
+        assert per_model_memory_first(x) == x.transpose(0, 1).is_contiguous(), (x.shape, x.stride())
+    assert checked > 3000
+
+
 # ---- the conv ops keep the input's format ----------------------------------------
 
 def _conv_fns(backend):

@@ -1,8 +1,10 @@
 """The eager paths of the torch backend (``hfkern._backend.eager_torch``): where the torch
 backend serves an array convolution or a training batch norm outside ``torch.compile``,
 ``hfkern.nn`` runs the torch implementation under torch's own autograd instead of
-dispatching the op. Everything a caller sees must be what the dispatched op gives:
-values, dtypes, strides, running statistics, gradients and their layouts."""
+dispatching the op; the other norms, the embedding and the optimizers call the
+registered implementations without the dispatcher. Everything a caller sees must be
+what the dispatched op gives: values, dtypes, strides, running statistics, gradients
+and their layouts, optimizer state."""
 
 from __future__ import annotations
 
@@ -478,3 +480,60 @@ def test_embedding_without_the_dispatcher_equals_the_op(case, shared, request):
     assert fwd.n == 2
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+# ---- optimizer steps --------------------------------------------------------------
+
+OPTIMIZERS = [
+    ("SGD", dict(lr=[0.1, 0.05, 0.2], momentum=[0.9, 0.0, 0.5], weight_decay=1e-2)),
+    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True)),
+    ("Adam", dict(lr=[1e-2, 2e-2, 5e-3], amsgrad=True, weight_decay=1e-3)),
+    ("AdamW", dict(lr=1e-2, maximize=True)),
+    ("Adagrad", dict(lr=[0.1, 0.2, 0.05])),
+    ("Adadelta", dict(lr=1.0, weight_decay=1e-2)),
+    ("RMSprop", dict(lr=1e-2, momentum=0.5, centered=True)),
+    ("LARS", dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
+    ("LAMB", dict(lr=1e-2, weight_decay=1e-2)),
+]
+
+
+@pytest.mark.parametrize("skip_some", [False, True])
+@pytest.mark.parametrize("case", range(len(OPTIMIZERS)), ids=[f"{n}{i}" for i, (n, _) in enumerate(OPTIMIZERS)])
+def test_optimizer_steps_without_the_dispatcher_equal_the_op(case, skip_some, monkeypatch):
+    """In eager mode an array optimizer calls the selected implementation of its step directly
+    (checks included) rather than through the op: bit for bit the op's parameters and state,
+    for float32 and bfloat16 parameters, with a skip mask."""
+    import hfkern.optim as hoptim
+    from hfkern.ops import optim as optim_ops
+
+    name, kwargs = OPTIMIZERS[case]
+    cls = getattr(hoptim, name)
+    op_name = cls._spec.op
+    calls = _Calls(monkeypatch, optim_ops, op_name)
+    torch.manual_seed(case)
+    init = [torch.randn(3, 4, 3), torch.randn(3, 5), torch.randn(3, 2, 2).bfloat16()]
+    grads = [[torch.randn_like(t) for t in init] for _ in range(3)]
+    skip = torch.tensor([False, True, False]) if skip_some else None
+    results = []
+    for eager in (True, False):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **kwargs)
+        with _path(eager):
+            for step_grads in grads:
+                for p, g in zip(params, step_grads):
+                    p.grad = g.clone()
+                versions = [p._version for p in params]
+                opt.step(skip=skip)
+                # every parameter written in place, as autograd's saved-tensor check must see
+                assert all(p._version > v for p, v in zip(params, versions))
+        if eager:
+            assert calls.n == 0
+        results.append((params, opt.state_dict()["state"]))
+    assert calls.n == len(grads)
+    (p_eager, s_eager), (p_op, s_op) = results
+    for a, b in zip(p_eager, p_op):
+        assert torch.equal(a, b)
+    for i in s_op:
+        assert s_eager[i].keys() == s_op[i].keys()
+        for key in s_op[i]:
+            assert torch.equal(s_eager[i][key], s_op[i][key]), (i, key)

@@ -18,6 +18,7 @@ import torch
 
 import hfkern.optim as hoptim
 from hfkern._dtypes import acc_dtype
+from hfkern._optim_specs import ADAM_SPEC
 from hfkern.ops import optim as ops
 
 SHAPES = [(5, 3), (7,), (2, 3, 3, 1)]  # per-model parameter shapes of the first group
@@ -921,6 +922,40 @@ def test_ops_check_their_arguments():
     sgd[3] = _op_args("SGD")[3]  # step counts without momentum buffers
     with pytest.raises(ValueError, match="steps to hold 0 tensors"):
         ops.sgd_step_(*sgd)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["direct", "dispatched"])
+def test_ops_name_the_tensor_that_does_not_fit(eager):
+    # Every list is compared with the parameters at once; a mismatch at any index is
+    # named with its list, index and what was expected, and nothing is updated. The
+    # optimizers call the implementation directly in eager mode and the op under
+    # dispatched_ops(): both check.
+    args = _op_args("Adam")
+    before = [t.clone() for t in args[0]]
+
+    def replaced(pos, i, t):
+        bad = list(args)
+        bad[pos] = list(args[pos])
+        bad[pos][i] = t
+        return bad
+
+    p1 = args[0][1]
+    cases = [
+        (replaced(0, 1, torch.randn(4, 5)), ValueError, r"parameter of shape \[B=3, \.\.\.\], got \[4, 5\] at index 1"),
+        (replaced(0, 1, torch.randint(3, p1.shape)), TypeError, "floating-point parameter, got torch.int64 at index 1"),
+        (replaced(1, 1, p1.double()), ValueError, r"grads\[1\] of shape \[3, 5\] and dtype torch.float32"),
+        (replaced(1, 1, torch.randn(3, 6)), ValueError, r"grads\[1\] of shape \[3, 5\].*got \[3, 6\]"),
+        (replaced(3, 1, torch.rand(3, 6)), ValueError, r"exp_avg_sqs\[1\] of shape \[3, 5\]"),
+        (replaced(4, 1, torch.rand(3, 5, dtype=torch.float64)), ValueError, r"max_exp_avg_sqs\[1\] .*got \[3, 5\] torch.float64"),
+        (replaced(5, 1, torch.zeros(3, dtype=torch.int32)), ValueError, r"steps\[1\] of shape \[3\] and dtype float32"),
+        (replaced(5, 1, torch.zeros(4)), ValueError, r"steps\[1\] of shape \[3\]"),
+    ]
+    call = (lambda a: ops.run_step(ADAM_SPEC, *a)) if eager else (lambda a: ops.adam_step_(*a))
+    for bad, error, message in cases:
+        with pytest.raises(error, match=message):
+            call(bad)
+    for p, b in zip(args[0], before):
+        assert torch.equal(p, b)
 
 
 @pytest.mark.parametrize("make", [

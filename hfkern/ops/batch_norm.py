@@ -169,17 +169,20 @@ def _grouped_format(x: Tensor) -> torch.memory_format | None:
     return None
 
 
-def _grouped_ok(x: Tensor, *per_channel: Tensor | None, grad_y: Tensor | None = None) -> bool:
-    """Whether torch's own batch norm can serve ``x`` on the free grouped view
-    ``[N, B*C, *S]`` (see :func:`_grouped_format`): float32 or float64 ``x`` with
-    every per-channel tensor of its dtype, or torch's mixed precision (bfloat16 or
-    float16 ``x``, as autocast's convs give it, with float32 per-channel tensors);
-    the statistics are in the accumulation dtype either way."""
+def _grouped_view(x: Tensor, *per_channel: Tensor | None, grad_y: Tensor | None = None) -> torch.memory_format | None:
+    """The memory format of the free grouped view ``[N, B*C, *S]`` of ``x`` (see
+    :func:`_grouped_format`) where torch's own batch norm can serve ``x`` on it, else
+    None: float32 or float64 ``x`` with every per-channel tensor of its dtype, or
+    torch's mixed precision (bfloat16 or float16 ``x``, as autocast's convs give it,
+    with float32 per-channel tensors); the statistics are in the accumulation dtype
+    either way."""
     # B > 1: for B = 1 the view's strides would differ from torch.empty_like(x)'s
-    return (x.dtype in _PARAM_DTYPE and x.numel() > 0 and x.dim() > 3 and x.size(0) > 1
-            and not is_shared(x) and _grouped_format(x) is not None
+    if not (x.dtype in _PARAM_DTYPE and x.numel() > 0 and x.dim() > 3 and x.size(0) > 1
+            and not is_shared(x)
             and all(t is None or t.dtype == _PARAM_DTYPE[x.dtype] for t in per_channel)
-            and (grad_y is None or grad_y.dtype == x.dtype))
+            and (grad_y is None or grad_y.dtype == x.dtype)):
+        return None
+    return _grouped_format(x)
 
 
 # The per-channel dtype torch's batch norm takes with each activation dtype on the grouped
@@ -203,11 +206,12 @@ def _flat(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.reshape(-1)
 
 
-def _from_grouped_like(y: Tensor, x: Tensor) -> Tensor:
+def _from_grouped_like(y: Tensor, x: Tensor, fmt: torch.memory_format) -> Tensor:
     """torch's grouped output ``[N, B*C, *S]`` as ``[B, N, C, *S]`` in x's memory, with x's
     strides also on size-1 dims (the same elements: one channel in channels-last memory),
-    so the layout is exactly ``torch.empty_like(x)``'s, as the fake promises."""
-    out = from_grouped(y, x.shape[0], _grouped_format(x))
+    so the layout is exactly ``torch.empty_like(x)``'s, as the fake promises. ``fmt``:
+    :func:`_grouped_view` of x."""
+    out = from_grouped(y, x.shape[0], fmt)
     if out.stride() != x.stride() and all(
             n == 1 or a == b for n, a, b in zip(x.shape, out.stride(), x.stride())):
         out = out.as_strided(x.shape, x.stride(), out.storage_offset())
@@ -215,12 +219,12 @@ def _from_grouped_like(y: Tensor, x: Tensor) -> Tensor:
 
 
 def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
-                     activation, op: bool = True):
-    """Training on memory whose grouped view is free: torch's kernel (cuDNN, oneDNN) on
-    the grouped view, about twice as fast as strided reductions over ``x``. ``op``: the
-    op's kernel; else differentiable by torch's autograd (:func:`array_batch_norm`'s
-    eager path; x has no dim of size one, so the output needs no :func:`_from_grouped_like`
-    strides)."""
+                     activation, fmt: torch.memory_format, op: bool = True):
+    """Training on memory whose grouped view is free (``fmt``: :func:`_grouped_view` of
+    x): torch's kernel (cuDNN, oneDNN) on the grouped view, about twice as fast as
+    strided reductions over ``x``. ``op``: the op's kernel; else differentiable by
+    torch's autograd (:func:`array_batch_norm`'s eager path; x has no dim of size one,
+    so the output needs no :func:`_from_grouped_like` strides)."""
     B, C = x.shape[0], x.shape[2]
     running, factor = (None, None), 0.0
     if running_mean is not None and momentum is not None:
@@ -234,9 +238,9 @@ def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tra
         to_grouped(x), *_grouped_params(x, weight, bias), *running, True, factor, eps
     )
     if op:
-        y = _from_grouped_like(activate_(y, activation), x)
+        y = _from_grouped_like(activate_(y, activation), x, fmt)
     else:  # the activation saves its output: the array itself, not the grouped view (fresh_array)
-        y = activate_(fresh_array(y, B, _grouped_format(x)), activation)
+        y = activate_(fresh_array(y, B, fmt), activation)
     if running_mean is not None and momentum is None:
         _update_running(running_mean, running_var, num_batches_tracked,
                         running[0].view(B, C), running[1].view(B, C), None)
@@ -270,9 +274,10 @@ def array_batch_norm_torch(
 ) -> tuple[Tensor, Tensor, Tensor]:
     B, C = x.shape[0], x.shape[2]
     acc = acc_dtype(x.dtype)
-    if training and values_per_channel(x) > 0 and _grouped_ok(x, weight, bias, running_mean, running_var):
+    fmt = _grouped_view(x, weight, bias, running_mean, running_var) if training else None
+    if fmt is not None and values_per_channel(x) > 0:
         return _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum,
-                                eps, activation)
+                                eps, activation, fmt)
     if training:
         n = values_per_channel(x)
         # A shared input is the same batch for every model: its statistics once.
@@ -312,9 +317,9 @@ def array_batch_norm_backward_torch(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_weight, grad_bias); an output whose mask entry is False is ``[0]``."""
     acc = mean.dtype
-    if training and _grouped_ok(x, weight, bias, mean, grad_y=grad_y):
+    fmt = _grouped_view(x, weight, bias, mean, grad_y=grad_y) if training else None
+    if fmt is not None:
         B, N, C = x.shape[:3]
-        fmt = _grouped_format(x)
         if activation != "none":
             # g = grad_y * act'(z) in one pass, written in x's layout for the grouped view
             z = _affine(x - _channel_view(mean, x), x, rstd, weight, bias)
@@ -333,7 +338,7 @@ def array_batch_norm_backward_torch(
         )
         # unrequested outputs: distinct empties, as custom-op outputs may not alias
         return (
-            _from_grouped_like(gx, x) if output_mask[0] else x.new_empty(0),
+            _from_grouped_like(gx, x, fmt) if output_mask[0] else x.new_empty(0),
             gw.view(B, C) if output_mask[1] else x.new_empty(0),
             # without a weight, grad_bias has x's dtype (the contract), not the ones' float32
             gb.view(B, C).to(x.dtype if weight is None else weight.dtype) if output_mask[2] else x.new_empty(0),
@@ -647,13 +652,14 @@ def array_batch_norm(
     otherwise the op with its autograd Function.
     """
     eager = _backend.eager_torch(_FWD, x.device, x.dtype)
-    if (eager and training and activation in ("none", "relu") and min(x.shape) > 1
-            and _grouped_ok(x, weight, bias, running_mean, running_var)):
-        # (a dim of one: y may take x's strides through as_strided, which the op's gradient keeps)
+    # (a dim of one: y may take x's strides through as_strided, which the op's gradient keeps)
+    fmt = (_grouped_view(x, weight, bias, running_mean, running_var)
+           if eager and training and activation in ("none", "relu") and min(x.shape) > 1 else None)
+    if fmt is not None:
         _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum,
                        activation)
         return _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
-                                activation, op=False)
+                                activation, fmt, op=False)
     return _ArrayBatchNorm.apply(
         x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation, eager
     )

@@ -120,9 +120,9 @@ def _pointwise(x: Tensor, weight: Tensor, stride, padding, dilation, transposed:
     holds the measurement this rule rests on; CUDA keeps cuDNN's grouped conv.
     """
     if not (x.device.type == "cpu" and x.dim() == weight.dim() and not transposed and groups == 1
-            and array_memory_format(x) == torch.contiguous_format
             and all(k == 1 for k in weight.shape[3:]) and all(v == 1 for v in stride)
-            and all(v == 0 for v in padding) and all(v == 1 for v in dilation)):
+            and all(v == 0 for v in padding) and all(v == 1 for v in dilation)
+            and array_memory_format(x) == torch.contiguous_format):
         return False
     c_out, c_in = weight.shape[1], weight.shape[2]
     return c_out * c_in <= (c_in + c_out) * math.prod(x.shape[3:])
@@ -151,7 +151,7 @@ def _conv_torch(
             y = y.add_(bias.view(B, 1, -1, *([1] * (x.dim() - 3))))
         return y
     if x.dim() == weight.dim():  # per-model input
-        y = aten.convolution(
+        y = torch.convolution(
             to_grouped(x), _flat_weight(weight), None if bias is None else bias.reshape(-1),
             stride, padding, dilation, transposed, output_padding, B * groups,
         )
@@ -160,7 +160,7 @@ def _conv_torch(
     dense_bias = None
     if bias is not None:
         dense_bias = bias.reshape(B, groups, -1).transpose(0, 1).reshape(-1)
-    y = aten.convolution(
+    y = torch.convolution(
         x, _dense_weight(weight, transposed, groups), dense_bias,
         stride, padding, dilation, transposed, output_padding, groups,
     )

@@ -156,6 +156,39 @@ def _check(spec: OptimizerSpec, args: Sequence[Any]) -> None:
     if n == 0:
         return
     B = params[0].size(0)
+    if not _lists_match(params, grads, lists, steps, B):
+        _explain_mismatch(op, params, grads, lists, steps, B)
+    if skip is not None and (
+        skip.dtype != torch.bool or skip.shape != (B,) or skip.device != params[0].device
+    ):
+        raise ValueError(
+            f"hfkern::{op}: expected skip of shape [{B}] and dtype torch.bool on {params[0].device}, "
+            f"got {list(skip.shape)} {skip.dtype} on {skip.device}"
+        )
+
+
+def _lists_match(params, grads, lists: dict, steps, B: int) -> bool:
+    """Whether every tensor list fits ``params`` (the conditions :func:`_explain_mismatch`
+    names), compared list against list: a step checks every call, so the common case
+    costs a few list comparisons rather than Python branches per tensor."""
+    shapes = [p.shape for p in params]
+    dtypes = [p.dtype for p in params]
+    if not all(len(s) and s[0] == B for s in shapes) or not set(dtypes) <= _FLOAT_SET:
+        return False
+    if [g.shape for g in grads] != shapes or [g.dtype for g in grads] != dtypes:
+        return False
+    state_dtypes = [acc_dtype(d) for d in dtypes]
+    for lst in lists.values():
+        if lst and ([t.shape for t in lst] != shapes or [t.dtype for t in lst] != state_dtypes):
+            return False
+    return not steps or all(s.shape == (B,) and s.dtype == torch.float32 for s in steps)
+
+
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
+def _explain_mismatch(op: str, params, grads, lists: dict, steps, B: int) -> None:
+    """Raise for the first tensor that does not fit (see :func:`_lists_match`)."""
     for i, (p, g) in enumerate(zip(params, grads)):
         if p.dim() == 0 or p.size(0) != B:
             raise ValueError(
@@ -180,13 +213,7 @@ def _check(spec: OptimizerSpec, args: Sequence[Any]) -> None:
                 f"hfkern::{op}: expected steps[{i}] of shape [{B}] and dtype float32, "
                 f"got {list(steps[i].shape)} {steps[i].dtype}"
             )
-    if skip is not None and (
-        skip.dtype != torch.bool or skip.shape != (B,) or skip.device != params[0].device
-    ):
-        raise ValueError(
-            f"hfkern::{op}: expected skip of shape [{B}] and dtype torch.bool on {params[0].device}, "
-            f"got {list(skip.shape)} {skip.dtype} on {skip.device}"
-        )
+    raise AssertionError(f"hfkern::{op}: tensor lists judged mismatched, but no tensor differs")
 
 
 def _step_op(spec: OptimizerSpec) -> Callable[[Callable], Any]:
@@ -209,8 +236,10 @@ def _step_op(spec: OptimizerSpec) -> Callable[[Callable], Any]:
     return define
 
 
-def _step(spec: OptimizerSpec, *args: Any) -> None:
-    """Check the arguments and run the implementation the registry picks."""
+def run_step(spec: OptimizerSpec, *args: Any) -> None:
+    """Check the arguments and run the implementation the registry picks: the op's body,
+    which the array optimizers call directly on the torch backend outside
+    ``torch.compile`` (no dispatcher)."""
     _check(spec, args)
     if args[0]:
         _backend.resolve(spec.op, args[0][0].device)(*args)
@@ -260,8 +289,19 @@ def _cols(h: Tensor, tensors: Sequence[Tensor], *, match_dtype: bool = False) ->
 
 
 def _per_tensor(x: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Row i of the ``[n, B]`` tensor ``x`` as a column broadcasting against ``tensors[i]``."""
-    return [_col(row, t) for row, t in zip(x.unbind(0), tensors)]
+    """Row i of the ``[n, B]`` tensor ``x`` as a column broadcasting against ``tensors[i]``.
+
+    Per rank among ``tensors``, its rows gathered and viewed as ``[k, B, 1, ...]``, one
+    ``unbind`` makes the k columns (C++ makes the views) rather than a view op per tensor."""
+    by_rank: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_rank.setdefault(t.dim(), []).append(i)
+    out: list[Tensor] = [x] * len(tensors)
+    for rank, idx in by_rank.items():
+        rows = x if len(idx) == len(tensors) else x[idx]
+        for i, col in zip(idx, rows.reshape(*rows.shape, *([1] * (rank - 1))).unbind(0)):
+            out[i] = col
+    return out
 
 
 class _Targets:
@@ -392,7 +432,7 @@ def sgd_step_(
             g = g + momentum * buf if nesterov else buf
         p = p - lr * g
     """
-    _step(SGD_SPEC, params, grads, momentum_buffers, steps, hypers, nesterov, maximize, has_weight_decay, skip)
+    run_step(SGD_SPEC, params, grads, momentum_buffers, steps, hypers, nesterov, maximize, has_weight_decay, skip)
 
 
 @_backend.implements(SGD_SPEC.op, "torch")
@@ -456,7 +496,7 @@ def adam_step_(
     ``1 - beta ** t`` is computed as ``-expm1(t * log(beta))``, which keeps full
     relative precision where ``beta ** t`` is close to 1 (``beta = 0`` gives 1).
     """
-    _step(ADAM_SPEC, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hypers,
+    run_step(ADAM_SPEC, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hypers,
           amsgrad, maximize, decoupled_weight_decay, has_weight_decay, skip)
 
 
@@ -503,7 +543,7 @@ def adagrad_step_(
         state_sum = state_sum + g * g
         p = p - clr * g / (sqrt(state_sum) + eps)
     """
-    _step(ADAGRAD_SPEC, params, grads, state_sums, steps, hypers, maximize, has_weight_decay, skip)
+    run_step(ADAGRAD_SPEC, params, grads, state_sums, steps, hypers, maximize, has_weight_decay, skip)
 
 
 @_backend.implements(ADAGRAD_SPEC.op, "torch")
@@ -540,7 +580,7 @@ def adadelta_step_(
         acc_delta = rho * acc_delta + (1 - rho) * delta * delta
         p = p - lr * delta
     """
-    _step(ADADELTA_SPEC, params, grads, square_avgs, acc_deltas, steps, hypers, maximize, has_weight_decay, skip)
+    run_step(ADADELTA_SPEC, params, grads, square_avgs, acc_deltas, steps, hypers, maximize, has_weight_decay, skip)
 
 
 @_backend.implements(ADADELTA_SPEC.op, "torch")
@@ -595,7 +635,7 @@ def rmsprop_step_(
         else:
             p = p - lr * g / avg
     """
-    _step(RMSPROP_SPEC, params, grads, square_avgs, grad_avgs, momentum_buffers, steps, hypers,
+    run_step(RMSPROP_SPEC, params, grads, square_avgs, grad_avgs, momentum_buffers, steps, hypers,
           centered, maximize, has_weight_decay, skip)
 
 
@@ -682,7 +722,7 @@ def lars_step_(
     The momentum is the paper's (the learning rate inside the buffer), so a
     learning-rate change acts on new gradients only.
     """
-    _step(LARS_SPEC, params, grads, momentum_buffers, steps, hypers, exclude_1d, maximize, has_weight_decay,
+    run_step(LARS_SPEC, params, grads, momentum_buffers, steps, hypers, exclude_1d, maximize, has_weight_decay,
           skip)
 
 
@@ -749,7 +789,7 @@ def lamb_step_(
     ``norm_min = 0, norm_max = inf`` make it the identity. ``1 - beta ** t`` is
     computed as in ``adam_step_``.
     """
-    _step(LAMB_SPEC, params, grads, exp_avgs, exp_avg_sqs, steps, hypers, bias_correction, exclude_1d,
+    run_step(LAMB_SPEC, params, grads, exp_avgs, exp_avg_sqs, steps, hypers, bias_correction, exclude_1d,
           maximize, has_weight_decay, skip)
 
 
