@@ -153,11 +153,28 @@ def _affine_params(x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_n
     return w, b
 
 
+def _native_ok(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """Whether torch's own layer norm computes xhat for ``x`` as this path must: float32
+    or float64 ``x`` (its accumulation dtype, so xhat is not rounded before the affine
+    step), dense row-major (no copy), parameters of x's dtype, not empty."""
+    return (x.dtype in _NATIVE_DTYPES and x.numel() > 0 and x.is_contiguous()
+            and all(p is None or p.dtype == x.dtype for p in (weight, bias)))
+
+
+_NATIVE_DTYPES = (torch.float32, torch.float64)
+
+
 @_backend.implements("array_layer_norm", "torch")
 def array_layer_norm_torch(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float,
     activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if _native_ok(x, weight, bias):
+        # One kernel for the statistics and xhat (torch's layer norm without its affine step)
+        xhat, mean, rstd = torch.native_layer_norm(x, x.shape[x.dim() - norm_ndim:], None, None, eps)
+        w, b = _affine_params(x, weight, bias, norm_ndim, x.dtype)
+        y = activate_(_write_affine(torch.empty_like(x), xhat, w, b), activation)
+        return y, _stats_out(mean, x, norm_ndim), _stats_out(rstd, x, norm_ndim)
     acc = acc_dtype(x.dtype)
     xf = x.to(acc)
     var, mean = torch.var_mean(xf, dim=_norm_dims(x, norm_ndim), correction=0, keepdim=True)
@@ -461,7 +478,31 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim:
         return array_layer_norm(x, weight, bias, norm_ndim, eps, activation)
     _check(_LN_FWD, x, weight, bias, norm_ndim)
     check_activation(f"hfkern::{_LN_FWD}", activation)
+    if _native_ok(x, weight, bias):
+        return _native_layer_norm(x, weight, bias, norm_ndim, eps, activation)
     return _EagerLayerNorm.apply(x, weight, bias, norm_ndim, eps, activation)
+
+
+def _native_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float,
+                       activation: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The torch implementation's forward (:func:`_native_ok` inputs) in differentiable torch
+    ops: torch's layer norm and the affine step under torch's autograd (C++ backward nodes:
+    ``native_layer_norm_backward`` and the affine op's), the same values as the op."""
+    xhat, mean, rstd = torch.native_layer_norm(x, x.shape[x.dim() - norm_ndim:], None, None, eps)
+    w, b = _affine_params(x, weight, bias, norm_ndim, x.dtype)
+    if w is not None and b is not None:
+        y = torch.addcmul(b, xhat, w)
+    elif w is not None:
+        y = xhat * w
+    elif b is not None:
+        y = xhat + b
+    else:
+        y = xhat
+    if activation == "relu":
+        y = y.relu_()  # (no backward node saves y: ReLU saves its result, as in torch)
+    elif activation == "gelu":
+        y = torch.nn.functional.gelu(y)  # GELU saves its input
+    return y, _stats_out(mean.detach(), x, norm_ndim), _stats_out(rstd.detach(), x, norm_ndim)
 
 
 class _EagerLayerNorm(torch.autograd.Function):
