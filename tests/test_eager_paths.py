@@ -136,9 +136,11 @@ def test_conv_eager_path_equals_the_op(case, B, layout, monkeypatch):
     x = _layout(torch.randn(B, *shape), layout)
     ops = _Calls(monkeypatch, conv_ops, "array_conv")
     eager = _run(module, x, case, eager=True)
-    # the op was not dispatched, but for the CPU's 1x1 convolutions as batched matmuls
+    # the op was not dispatched; the CPU's 1x1 convolutions as batched matmuls keep its
+    # formula in an autograd Function, the others run under torch's autograd
+    assert ops.n == 0
     pointwise = all(k == 1 for k in module.kernel_size) and not module._transposed and layout != "channels_last"
-    assert (ops.n > 0) == pointwise
+    assert ("_EagerConv" in eager[0].grad_fn.name()) == pointwise
     dispatched = _run(module, x, case, eager=False)
     assert ops.n > 0
     _assert_same(eager, dispatched)
@@ -179,10 +181,12 @@ def test_conv_eager_path_under_autocast_computes_in_the_region_dtype():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_conv_eager_path_is_differentiable_twice():
-    """Gradient penalties: torch's convolution backward is differentiable, as the op's formulas are."""
+@pytest.mark.parametrize("kernel_size", [3, 1], ids=["conv", "pointwise"])
+def test_conv_eager_path_is_differentiable_twice(kernel_size):
+    """Gradient penalties: torch's convolution backward is differentiable, as the op's formulas
+    are (the 1x1 convolutions' Function runs them under create_graph)."""
     torch.manual_seed(3)
-    module = hnn.Conv2d(2, 3, 3, B=2)
+    module = hnn.Conv2d(2, 3, kernel_size, B=2)
     x = torch.randn(2, 2, 2, 5, 5)
     grads = []
     for eager in (True, False):

@@ -241,16 +241,52 @@ def conv(
     (:func:`hfkern._backend.eager_torch`), the torch implementation runs under
     torch's own autograd: one C++ backward node (``convolution_backward``, input
     and weight gradients in one call) instead of the op's Python formula and
-    its two gradient ops. Otherwise (another backend, ``torch.compile``) the op.
+    its two gradient ops. The CPU's 1x1 convolutions that run as batched
+    matmuls keep the op's formula, which reads the weights (under autograd the
+    matmul would save them broadcast over the N samples), in an autograd
+    Function that calls the torch implementations without the dispatcher.
+    Otherwise (another backend, ``torch.compile``) the op.
     """
-    # The CPU's 1x1 convolutions as batched matmuls stay ops: under autograd the matmul would
-    # save its weights broadcast over the N samples (the op's backward reads the weights).
-    if (not _backend.eager_torch(_FWD, x.device)
-            or _pointwise(x, weight, stride, padding, dilation, transposed, groups)):
+    if not _backend.eager_torch(_FWD, x.device):
         return array_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
     x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
+    if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
+        return _EagerConv.apply(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     return _conv_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, fresh=True)
+
+
+class _EagerConv(torch.autograd.Function):
+    """``hfkern::array_conv`` with its formula, the torch implementations called directly
+    (as the op calls them, below autocast). A backward that builds a graph
+    (``create_graph=True``) runs the op's formula, whose gradient ops are differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+        args = (stride, padding, dilation, transposed, output_padding, groups)
+        fn = _backend.resolve(_FWD, x.device)
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                y = fn(x, weight, bias, *args)
+        else:
+            y = fn(x, weight, bias, *args)
+        _setup_context(ctx, (x, weight, bias, *args), y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():
+            return _backward(ctx, grad_out)
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        with _backend.pinned(ctx.backend):
+            if ctx.needs_input_grad[0]:
+                grad_x = _backend.resolve(_DGRAD, grad_out.device)(grad_out, weight, ctx.input_size, *ctx.conv_args)
+            if ctx.needs_input_grad[1]:
+                grad_w = _backend.resolve(_WGRAD, grad_out.device)(grad_out, x, weight, *ctx.conv_args)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = _bias_grad(grad_out)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 # ---- the ops -------------------------------------------------------------------
