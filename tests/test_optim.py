@@ -946,7 +946,8 @@ def test_ops_name_the_tensor_that_does_not_fit(eager):
         (replaced(1, 1, p1.double()), ValueError, r"grads\[1\] of shape \[3, 5\] and dtype torch.float32"),
         (replaced(1, 1, torch.randn(3, 6)), ValueError, r"grads\[1\] of shape \[3, 5\].*got \[3, 6\]"),
         (replaced(3, 1, torch.rand(3, 6)), ValueError, r"exp_avg_sqs\[1\] of shape \[3, 5\]"),
-        (replaced(4, 1, torch.rand(3, 5, dtype=torch.float64)), ValueError, r"max_exp_avg_sqs\[1\] .*got \[3, 5\] torch.float64"),
+        (replaced(4, 1, torch.rand(3, 5, dtype=torch.float64)), ValueError,
+         r"max_exp_avg_sqs\[1\] .*got \[3, 5\] torch.float64"),
         (replaced(5, 1, torch.zeros(3, dtype=torch.int32)), ValueError, r"steps\[1\] of shape \[3\] and dtype float32"),
         (replaced(5, 1, torch.zeros(4)), ValueError, r"steps\[1\] of shape \[3\]"),
     ]
@@ -956,6 +957,35 @@ def test_ops_name_the_tensor_that_does_not_fit(eager):
             call(bad)
     for p, b in zip(args[0], before):
         assert torch.equal(p, b)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("SGD", dict(lr=[0.1, 0.2, 0.05], momentum=0.9, dampening=0.3, weight_decay=1e-2)),
+    ("Adam", dict(lr=[1e-2, 2e-2, 5e-3])),
+    ("Adagrad", dict(lr=0.1, lr_decay=0.1)),
+    ("LARS", dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
+    ("LAMB", dict(lr=1e-2, weight_decay=1e-2)),
+])
+def test_a_step_does_not_depend_on_the_order_of_parameters(name, kwargs):
+    # The per-(parameter, model) factors (bias corrections, first momentum updates, trust
+    # ratios) are kept rank by rank: parameters of interleaved ranks, skipped by turns so
+    # that their step counts differ, update bit for bit as they do in another order.
+    torch.manual_seed(5)
+    shapes = [(3, 5), (3, 2, 2, 2), (3, 4), (3, 2, 3), (3, 1, 2, 3), (3, 6)]
+    init = [torch.randn(s) for s in shapes]
+    steps = [[torch.randn(s) if (k + i) % 3 else None for i, s in enumerate(shapes)] for k in range(4)]
+    order = [3, 0, 5, 1, 4, 2]
+    results = []
+    for perm in (list(range(len(shapes))), order):
+        params = [torch.nn.Parameter(init[i].clone()) for i in perm]
+        opt = getattr(hoptim, name)(params, **kwargs)
+        for grads in steps:
+            for p, i in zip(params, perm):
+                p.grad = None if grads[i] is None else grads[i].clone()
+            opt.step()
+        results.append({i: p.detach() for p, i in zip(params, perm)})
+    for i in range(len(shapes)):
+        assert torch.equal(results[0][i], results[1][i]), i
 
 
 @pytest.mark.parametrize("make", [

@@ -136,15 +136,16 @@ def _sum_rows(t: Tensor, norm_ndim: int, dtype: torch.dtype) -> Tensor:
     return t.sum(dim=batch_dims).to(dtype).contiguous()
 
 
-def _write_affine(y: Tensor, xhat: Tensor, w: Tensor | None, b: Tensor | None) -> Tensor:
-    """y <- xhat * w + b, computed in xhat's dtype, rounded once into y."""
+def _write_affine(y: Tensor | None, xhat: Tensor, w: Tensor | None, b: Tensor | None) -> Tensor:
+    """y <- xhat * w + b, computed in xhat's dtype, rounded once into y (None: a new
+    tensor, differentiable; xhat itself without affine parameters)."""
     if w is not None and b is not None:
         return torch.addcmul(b, xhat, w, out=y)
     if w is not None:
         return torch.mul(xhat, w, out=y)
     if b is not None:
         return torch.add(xhat, b, out=y)
-    return y.copy_(xhat)
+    return xhat if y is None else y.copy_(xhat)
 
 
 def _affine_params(x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, acc):
@@ -170,11 +171,7 @@ def array_layer_norm_torch(
     activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     if _native_ok(x, weight, bias):
-        # One kernel for the statistics and xhat (torch's layer norm without its affine step)
-        xhat, mean, rstd = torch.native_layer_norm(x, x.shape[x.dim() - norm_ndim:], None, None, eps)
-        w, b = _affine_params(x, weight, bias, norm_ndim, x.dtype)
-        y = activate_(_write_affine(torch.empty_like(x), xhat, w, b), activation)
-        return y, _stats_out(mean, x, norm_ndim), _stats_out(rstd, x, norm_ndim)
+        return _native_layer_norm(x, weight, bias, norm_ndim, eps, activation, out=torch.empty_like(x))
     acc = acc_dtype(x.dtype)
     xf = x.to(acc)
     var, mean = torch.var_mean(xf, dim=_norm_dims(x, norm_ndim), correction=0, keepdim=True)
@@ -484,24 +481,15 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim:
 
 
 def _native_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int, eps: float,
-                       activation: str) -> tuple[Tensor, Tensor, Tensor]:
-    """The torch implementation's forward (:func:`_native_ok` inputs) in differentiable torch
-    ops: torch's layer norm and the affine step under torch's autograd (C++ backward nodes:
-    ``native_layer_norm_backward`` and the affine op's), the same values as the op."""
+                       activation: str, out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Layer norm of :func:`_native_ok` inputs: torch's layer norm without its affine step
+    (one kernel for the statistics and xhat), then the per-model affine step, into ``out``
+    (the torch implementation) or, with None, differentiable by torch's autograd (the eager
+    path: C++ backward nodes, ``native_layer_norm_backward`` and the affine op's)."""
     xhat, mean, rstd = torch.native_layer_norm(x, x.shape[x.dim() - norm_ndim:], None, None, eps)
     w, b = _affine_params(x, weight, bias, norm_ndim, x.dtype)
-    if w is not None and b is not None:
-        y = torch.addcmul(b, xhat, w)
-    elif w is not None:
-        y = xhat * w
-    elif b is not None:
-        y = xhat + b
-    else:
-        y = xhat
-    if activation == "relu":
-        y = y.relu_()  # (no backward node saves y: ReLU saves its result, as in torch)
-    elif activation == "gelu":
-        y = torch.nn.functional.gelu(y)  # GELU saves its input
+    # (the activation in place: no backward node saves the affine output or xhat)
+    y = activate_(_write_affine(out, xhat, w, b), activation)
     return y, _stats_out(mean.detach(), x, norm_ndim), _stats_out(rstd.detach(), x, norm_ndim)
 
 

@@ -288,20 +288,45 @@ def _cols(h: Tensor, tensors: Sequence[Tensor], *, match_dtype: bool = False) ->
     return out
 
 
-def _per_tensor(x: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Row i of the ``[n, B]`` tensor ``x`` as a column broadcasting against ``tensors[i]``.
+class _Columns:
+    """Per-(parameter, model) quantities as columns broadcasting against the parameters.
 
-    Per rank among ``tensors``, its rows gathered and viewed as ``[k, B, 1, ...]``, one
-    ``unbind`` makes the k columns (C++ makes the views) rather than a view op per tensor."""
-    by_rank: dict[int, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_rank.setdefault(t.dim(), []).append(i)
-    out: list[Tensor] = [x] * len(tensors)
-    for rank, idx in by_rank.items():
-        rows = x if len(idx) == len(tensors) else x[idx]
-        for i, col in zip(idx, rows.reshape(*rows.shape, *([1] * (rank - 1))).unbind(0)):
-            out[i] = col
-    return out
+    An ``[n, B]`` tensor of such quantities is kept with its rows in *rank order*
+    (the parameters grouped by rank, :meth:`stack` builds it so), so that each rank's
+    rows are one slice, viewed as ``[k, B, 1, ...]`` and split by one ``unbind``: C++
+    makes the n column views, rather than a view op per parameter, and nothing is
+    gathered (no index tensor, which a captured CUDA graph could not copy to the device).
+    Every list of a step (parameters, gradients, state) has the parameters' ranks in
+    the parameters' order, so one instance serves them all.
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]):
+        by_rank: dict[int, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_rank.setdefault(t.dim(), []).append(i)
+        self._groups = list(by_rank.items())
+        self.order = [i for _, idx in self._groups for i in idx]
+
+    def stack(self, rows: Sequence[Tensor]) -> Tensor:
+        """``[n, B]``: the ``[B]`` tensors ``rows`` (one per parameter) in rank order."""
+        return torch.stack([rows[i] for i in self.order])
+
+    def positions(self, indices: Sequence[int]) -> list[int]:
+        """The rows of parameters ``indices`` in rank order."""
+        where = {i: r for r, i in enumerate(self.order)}
+        return [where[i] for i in indices]
+
+    def __call__(self, x: Tensor) -> list[Tensor]:
+        """Row r of the rank-ordered ``[n, B]`` ``x`` as the column of its parameter, in the
+        parameters' order."""
+        out: list[Tensor] = [x] * len(self.order)
+        start = 0
+        for rank, idx in self._groups:
+            rows = x[start:start + len(idx)]
+            for i, col in zip(idx, rows.reshape(*rows.shape, *([1] * (rank - 1))).unbind(0)):
+                out[i] = col
+            start += len(idx)
+        return out
 
 
 class _Targets:
@@ -378,18 +403,18 @@ def _ema_sq_(avgs: list[Tensor], d: list[Tensor], decay: Tensor) -> None:
 
 
 def _add_scaled_ratio_(
-    p: list[Tensor], num: list[Tensor], sq: list[Tensor], eps: Tensor, scale: Tensor,
+    p: list[Tensor], num: list[Tensor], sq: list[Tensor], eps: Tensor, scale: Tensor, columns: _Columns,
     root_divisor: Tensor | None = None,
 ) -> None:
     """``p += scale * num / (sqrt(sq) [/ root_divisor] + eps)``; ``scale`` and
-    ``root_divisor`` are per (parameter, model), ``[n, B]``."""
+    ``root_divisor`` are per (parameter, model), ``[n, B]`` in ``columns``' rank order."""
     denom = torch._foreach_sqrt(sq)
     if root_divisor is not None:
-        torch._foreach_div_(denom, _per_tensor(root_divisor, denom))
+        torch._foreach_div_(denom, columns(root_divisor))
     torch._foreach_add_(denom, _cols(eps, denom))
     update = torch._foreach_div(num, denom)
     del denom
-    torch._foreach_addcmul_(p, update, _per_tensor(scale, p))
+    torch._foreach_addcmul_(p, update, columns(scale))
 
 
 def _bias_correction(beta: Tensor, t: Tensor) -> Tensor:
@@ -449,12 +474,13 @@ def sgd_step_torch(params, grads, momentum_buffers, steps, hypers, nesterov, max
     # A model's first update with momentum sets its buffer to the gradient (torch
     # clones it): from zeros that is buf * 0 + g * 1. A model without momentum keeps
     # its buffer: buf * 1 + g * 0.
-    first = torch.stack(steps) == 0
+    columns = _Columns(p)
+    first = columns.stack(steps) == 0
     decay = torch.where(on, torch.where(first, 0.0, h.momentum), 1.0)
     scale = torch.where(on, torch.where(first, 1.0, 1 - h.dampening), 0.0)
     bufs = targets(momentum_buffers)
-    torch._foreach_mul_(bufs, _per_tensor(decay, bufs))
-    torch._foreach_addcmul_(bufs, d, _per_tensor(scale, bufs))
+    torch._foreach_mul_(bufs, columns(decay))
+    torch._foreach_addcmul_(bufs, d, columns(scale))
     if nesterov:
         # (every model has momentum; one without, from an in-place edit, gets g + 0 * buf)
         d = torch._foreach_addcmul(d, bufs, _cols(h.momentum, bufs))
@@ -497,7 +523,7 @@ def adam_step_(
     relative precision where ``beta ** t`` is close to 1 (``beta = 0`` gives 1).
     """
     run_step(ADAM_SPEC, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hypers,
-          amsgrad, maximize, decoupled_weight_decay, has_weight_decay, skip)
+             amsgrad, maximize, decoupled_weight_decay, has_weight_decay, skip)
 
 
 @_backend.implements(ADAM_SPEC.op, "torch")
@@ -518,10 +544,11 @@ def adam_step_torch(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
         v_max = targets(max_exp_avg_sqs)
         torch._foreach_maximum_(v_max, v)
         v = v_max
-    t = torch.stack(steps).to(hypers.dtype)
+    columns = _Columns(p)
+    t = columns.stack(steps).to(hypers.dtype)
     step_size = h.lr / _bias_correction(h.beta1, t)
     bc2_sqrt = _bias_correction(h.beta2, t).sqrt()
-    _add_scaled_ratio_(p, m, v, h.eps, -step_size, bc2_sqrt)
+    _add_scaled_ratio_(p, m, v, h.eps, -step_size, columns, bc2_sqrt)
     targets.commit()
 
 
@@ -553,11 +580,12 @@ def adagrad_step_torch(params, grads, state_sums, steps, hypers, maximize, has_w
     targets = _Targets(skip)
     p = targets(params)
     d = _direction(grads, p, h.weight_decay if has_weight_decay else None, maximize)
-    t = torch.stack(steps).to(hypers.dtype)
+    columns = _Columns(p)
+    t = columns.stack(steps).to(hypers.dtype)
     clr = h.lr / (1 + (t - 1) * h.lr_decay)
     sums = targets(state_sums)
     torch._foreach_addcmul_(sums, d, d)
-    _add_scaled_ratio_(p, d, sums, h.eps, -clr)
+    _add_scaled_ratio_(p, d, sums, h.eps, -clr, columns)
     targets.commit()
 
 
@@ -636,7 +664,7 @@ def rmsprop_step_(
             p = p - lr * g / avg
     """
     run_step(RMSPROP_SPEC, params, grads, square_avgs, grad_avgs, momentum_buffers, steps, hypers,
-          centered, maximize, has_weight_decay, skip)
+             centered, maximize, has_weight_decay, skip)
 
 
 @_backend.implements(RMSPROP_SPEC.op, "torch")
@@ -723,7 +751,7 @@ def lars_step_(
     learning-rate change acts on new gradients only.
     """
     run_step(LARS_SPEC, params, grads, momentum_buffers, steps, hypers, exclude_1d, maximize, has_weight_decay,
-          skip)
+             skip)
 
 
 @_backend.implements(LARS_SPEC.op, "torch")
@@ -734,14 +762,15 @@ def lars_step_torch(params, grads, momentum_buffers, steps, hypers, exclude_1d, 
     targets = _Targets(skip)
     p = targets(params)
     d = list(_direction(grads, p, None, maximize))
-    scale = h.lr.expand(len(p), -1).clone()  # lr * local_lr, [n, B]
+    columns = _Columns(p)
+    scale = h.lr.expand(len(p), -1).clone()  # lr * local_lr, [n, B] in rank order
     adapted = _adapted(params, exclude_1d)
     if adapted:
         pa, da = [p[i] for i in adapted], [d[i] for i in adapted]
         w_norm, g_norm = _model_norms(pa, hypers.dtype), _model_norms(da, hypers.dtype)
         local = _trust_ratio(w_norm, g_norm, h.trust_coefficient * w_norm,
                              g_norm + h.weight_decay * w_norm + h.eps)
-        scale[adapted] = h.lr * local
+        scale[columns.positions(adapted)] = h.lr * local
         if has_weight_decay:
             da = torch._foreach_addcmul(da, pa, _cols(h.weight_decay, pa))
             for i, t in zip(adapted, da):
@@ -752,12 +781,12 @@ def lars_step_torch(params, grads, momentum_buffers, steps, hypers, exclude_1d, 
         o = on.to(hypers.dtype)
         bufs = targets(momentum_buffers)
         torch._foreach_mul_(bufs, _cols(torch.where(on, h.momentum, 1.0), bufs))
-        torch._foreach_addcmul_(bufs, d, _per_tensor(scale * o, bufs))
+        torch._foreach_addcmul_(bufs, d, columns(scale * o))
         # w - buf with momentum, w - scale * g without
         torch._foreach_addcmul_(p, bufs, _cols(-o, p))
-        torch._foreach_addcmul_(p, d, _per_tensor(-scale * (1 - o), p))
+        torch._foreach_addcmul_(p, d, columns(-scale * (1 - o)))
     else:
-        torch._foreach_addcmul_(p, d, _per_tensor(-scale, p))
+        torch._foreach_addcmul_(p, d, columns(-scale))
     targets.commit()
 
 
@@ -790,7 +819,7 @@ def lamb_step_(
     computed as in ``adam_step_``.
     """
     run_step(LAMB_SPEC, params, grads, exp_avgs, exp_avg_sqs, steps, hypers, bias_correction, exclude_1d,
-          maximize, has_weight_decay, skip)
+             maximize, has_weight_decay, skip)
 
 
 @_backend.implements(LAMB_SPEC.op, "torch")
@@ -806,17 +835,18 @@ def lamb_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, hypers, bias_co
     _ema_sq_(v, d, h.beta2)
     del d
     denom = torch._foreach_sqrt(v)
+    columns = _Columns(p)
     if bias_correction:
-        t = torch.stack(steps).to(hypers.dtype)
-        torch._foreach_div_(denom, _per_tensor(_bias_correction(h.beta2, t).sqrt(), denom))
+        t = columns.stack(steps).to(hypers.dtype)
+        torch._foreach_div_(denom, columns(_bias_correction(h.beta2, t).sqrt()))
         torch._foreach_add_(denom, _cols(h.eps, denom))
-        r = torch._foreach_div(m, _per_tensor(_bias_correction(h.beta1, t), m))
+        r = torch._foreach_div(m, columns(_bias_correction(h.beta1, t)))
         torch._foreach_div_(r, denom)
     else:
         torch._foreach_add_(denom, _cols(h.eps, denom))
         r = torch._foreach_div(m, denom)
     del denom
-    scale = h.lr.expand(len(p), -1).clone()  # lr * ratio, [n, B]
+    scale = h.lr.expand(len(p), -1).clone()  # lr * ratio, [n, B] in rank order
     adapted = _adapted(params, exclude_1d)
     if adapted:
         pa, ra = [p[i] for i in adapted], [r[i] for i in adapted]
@@ -824,8 +854,8 @@ def lamb_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, hypers, bias_co
             torch._foreach_addcmul_(ra, pa, _cols(h.weight_decay, pa))
         w_norm, r_norm = _model_norms(pa, hypers.dtype), _model_norms(ra, hypers.dtype)
         phi = torch.minimum(torch.maximum(w_norm, h.norm_min), h.norm_max)
-        scale[adapted] = h.lr * _trust_ratio(w_norm, r_norm, phi, r_norm)
-    torch._foreach_addcmul_(p, r, _per_tensor(-scale, p))
+        scale[columns.positions(adapted)] = h.lr * _trust_ratio(w_norm, r_norm, phi, r_norm)
+    torch._foreach_addcmul_(p, r, columns(-scale))
     targets.commit()
 
 
