@@ -964,7 +964,9 @@ def test_ops_name_the_tensor_that_does_not_fit(eager):
     ("Adam", dict(lr=[1e-2, 2e-2, 5e-3])),
     ("Adagrad", dict(lr=0.1, lr_decay=0.1)),
     ("LARS", dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
+    ("LARS", dict(lr=0.1, momentum=0.9, weight_decay=1e-3, exclude_1d=True)),
     ("LAMB", dict(lr=1e-2, weight_decay=1e-2)),
+    ("LAMB", dict(lr=1e-2, weight_decay=1e-2, exclude_1d=True)),
 ])
 def test_a_step_does_not_depend_on_the_order_of_parameters(name, kwargs):
     # The per-(parameter, model) factors (bias corrections, first momentum updates, trust

@@ -85,6 +85,7 @@ NaN in any of the n ``[B, ...]`` gradients (on grads[0]'s device).
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
@@ -311,10 +312,22 @@ class _Columns:
         """``[n, B]``: the ``[B]`` tensors ``rows`` (one per parameter) in rank order."""
         return torch.stack([rows[i] for i in self.order])
 
-    def positions(self, indices: Sequence[int]) -> list[int]:
-        """The rows of parameters ``indices`` in rank order."""
-        where = {i: r for r, i in enumerate(self.order)}
-        return [where[i] for i in indices]
+    def ordered(self, indices: Sequence[int]) -> list[int]:
+        """Parameters ``indices`` in rank order."""
+        chosen = set(indices)
+        return [i for i in self.order if i in chosen]
+
+    def rows(self, indices: Sequence[int], values: Tensor, default: Tensor) -> Tensor:
+        """``[n, B]`` in rank order: for the parameters ``indices`` the rows of ``values``
+        (one per parameter, in :meth:`ordered` order), for the others the ``[B]``
+        ``default``; concatenated slices, no index."""
+        chosen = set(indices)
+        pieces, taken = [], 0
+        for is_chosen, run in itertools.groupby(self.order, key=chosen.__contains__):
+            k = len(list(run))
+            pieces.append(values[taken:taken + k] if is_chosen else default.expand(k, -1))
+            taken += k if is_chosen else 0
+        return torch.cat(pieces)
 
     def __call__(self, x: Tensor) -> list[Tensor]:
         """Row r of the rank-ordered ``[n, B]`` ``x`` as the column of its parameter, in the
@@ -763,14 +776,14 @@ def lars_step_torch(params, grads, momentum_buffers, steps, hypers, exclude_1d, 
     p = targets(params)
     d = list(_direction(grads, p, None, maximize))
     columns = _Columns(p)
-    scale = h.lr.expand(len(p), -1).clone()  # lr * local_lr, [n, B] in rank order
-    adapted = _adapted(params, exclude_1d)
+    scale = h.lr.expand(len(p), -1)  # lr * local_lr, [n, B] in rank order
+    adapted = columns.ordered(_adapted(params, exclude_1d))
     if adapted:
         pa, da = [p[i] for i in adapted], [d[i] for i in adapted]
         w_norm, g_norm = _model_norms(pa, hypers.dtype), _model_norms(da, hypers.dtype)
         local = _trust_ratio(w_norm, g_norm, h.trust_coefficient * w_norm,
                              g_norm + h.weight_decay * w_norm + h.eps)
-        scale[columns.positions(adapted)] = h.lr * local
+        scale = columns.rows(adapted, h.lr * local, h.lr)
         if has_weight_decay:
             da = torch._foreach_addcmul(da, pa, _cols(h.weight_decay, pa))
             for i, t in zip(adapted, da):
@@ -846,15 +859,15 @@ def lamb_step_torch(params, grads, exp_avgs, exp_avg_sqs, steps, hypers, bias_co
         torch._foreach_add_(denom, _cols(h.eps, denom))
         r = torch._foreach_div(m, denom)
     del denom
-    scale = h.lr.expand(len(p), -1).clone()  # lr * ratio, [n, B] in rank order
-    adapted = _adapted(params, exclude_1d)
+    scale = h.lr.expand(len(p), -1)  # lr * ratio, [n, B] in rank order
+    adapted = columns.ordered(_adapted(params, exclude_1d))
     if adapted:
         pa, ra = [p[i] for i in adapted], [r[i] for i in adapted]
         if has_weight_decay:
             torch._foreach_addcmul_(ra, pa, _cols(h.weight_decay, pa))
         w_norm, r_norm = _model_norms(pa, hypers.dtype), _model_norms(ra, hypers.dtype)
         phi = torch.minimum(torch.maximum(w_norm, h.norm_min), h.norm_max)
-        scale[columns.positions(adapted)] = h.lr * _trust_ratio(w_norm, r_norm, phi, r_norm)
+        scale = columns.rows(adapted, h.lr * _trust_ratio(w_norm, r_norm, phi, r_norm), h.lr)
     torch._foreach_addcmul_(p, r, columns(-scale))
     targets.commit()
 
