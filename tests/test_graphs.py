@@ -233,8 +233,9 @@ def test_values_that_change_the_work_force_a_new_capture(simulated):
 
 
 class _HostReads(torch.overrides.TorchFunctionMode):
-    """Records the torch calls that read device values on the host (a CUDA graph cannot hold
-    them: on a GPU each would synchronize, and under capture it fails)."""
+    """Records the torch calls that read device values on the host or index with host values
+    (a CUDA graph cannot hold them: on a GPU each would synchronize or copy a list of indices
+    to the device, and under capture it fails)."""
 
     NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "unique",
              "unique_consecutive", "masked_select", "equal", "argwhere"}
@@ -245,10 +246,11 @@ class _HostReads(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        index = args[1] if name == "__getitem__" and len(args) > 1 else None
-        boolean_index = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                            for i in (index if isinstance(index, tuple) else (index,)))
-        if name in self.NAMES or boolean_index:
+        index = args[1] if name in ("__getitem__", "__setitem__") and len(args) > 1 else None
+        parts = index if isinstance(index, tuple) else (index,)
+        boolean_index = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+        list_index = any(isinstance(i, list) for i in parts)  # a host tensor of indices, copied over
+        if name in self.NAMES or boolean_index or list_index:
             self.found.append(name)
         return func(*args, **(kwargs or {}))
 
@@ -308,3 +310,32 @@ def test_the_captured_part_with_a_grad_scaler_and_skip_masks_reads_nothing_on_th
     finally:
         graphs._recording.capturing, graphs._recording.host_steps = False, []
     assert reads.found == [] and len(deferred) == 1
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("SGD", dict(lr=[0.1, 0.2, 0.05], momentum=0.9, dampening=0.1, weight_decay=1e-2)),
+    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
+    ("Adam", dict(lr=1e-2, amsgrad=True, weight_decay=1e-2)),
+    ("AdamW", dict(lr=1e-2)),
+    ("Adagrad", dict(lr=0.1, lr_decay=0.1)),
+    ("Adadelta", dict(lr=1.0)),
+    ("RMSprop", dict(lr=1e-2, momentum=0.5, centered=True)),
+    ("LARS", dict(lr=0.1, momentum=0.9, weight_decay=1e-3, exclude_1d=True)),
+    ("LAMB", dict(lr=1e-2, weight_decay=1e-2, exclude_1d=True)),
+])
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_optimizer_steps_on_the_torch_path_read_and_index_nothing_from_the_host(name, kwargs, skip_nonfinite):
+    """Every array optimizer's step on the torch backend (what auto runs on CUDA) can be
+    captured: no host read of a device value and no index from a host list, over parameters
+    of interleaved ranks (the per-(parameter, model) factors are kept rank by rank)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(B, 5), (B, 2, 2, 2), (B, 4), (B, 2, 3)]]
+    opt = getattr(hfkern.optim, name)(params, skip_nonfinite=skip_nonfinite, **kwargs)
+    with hfkern.use_backend("torch"):
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            reads = _HostReads()
+            with reads:
+                opt.step(skip=torch.tensor([False, True, False]))
+            assert reads.found == []
