@@ -87,6 +87,8 @@ from ._capture import FuseError
 from .nn._base import ArrayModule, _zero_slot_, seeded
 from .nn.normalization import LayerNorm as _ArrayLayerNorm
 from .nn.normalization import _BatchNorm as _ArrayBatchNorm
+from .nn.conv import _ArrayConvNd
+from ._array import fresh_array
 
 __all__ = ["FuseError", "FusedModel", "fuse", "unfuse"]
 
@@ -771,6 +773,70 @@ class _NormActivation(_capture.GraphTarget):
         return _backend.current(op, x.device, x.dtype) != "torch"
 
 
+# ---- a convolution and the batch norm on its output as one call -----------------------
+# On the torch path in eager mode, a convolution leaf whose output goes only into a batch
+# norm leaf (in training) runs both on the grouped view [N, B*C, *S]: torch's grouped
+# convolution, then torch's batch norm on its result, one array view made at the end.
+# The same kernels on the same memory as the two calls: what is saved is the array view
+# between them (its autograd nodes both ways) and a module call's checks.
+
+def _conv_norms(graph: fx.Graph, leaves: dict[str, nn.Module], array_classes: dict) -> dict[fx.Node, fx.Node]:
+    """batch-norm node -> convolution node for every batch-norm leaf called on one input, the
+    output of a convolution leaf called on one input that nothing else reads, in the same
+    grad and autocast mode, no hooks on either, both in the same top-level block (what
+    :func:`hfkern.plan` recomputes is a top-level block)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    mode_changes = [order[n] for n in graph.nodes if _capture.changes_mode(n)]
+
+    def single_call(node: fx.Node, base: type) -> bool:
+        module = leaves.get(node.target) if node.op == "call_module" else None
+        return (module is not None and issubclass(array_classes.get(type(module), type(None)), base)
+                and len(node.args) == 1 and isinstance(node.args[0], fx.Node) and not node.kwargs
+                and not _hooked(module))
+
+    found = {}
+    for node in graph.nodes:
+        if not single_call(node, _ArrayBatchNorm):
+            continue
+        conv = node.args[0]
+        if (single_call(conv, _ArrayConvNd) and len(conv.users) == 1
+                and conv.target.split(".")[0] == node.target.split(".")[0]
+                and not any(order[conv] < i < order[node] for i in mode_changes)):
+            found[node] = conv
+    return found
+
+
+class _ConvNorm(_capture.GraphTarget):
+    """A convolution leaf, the batch norm on its output and (``activation``, when the norm's
+    output only goes into one) the activation on that, as one call: on the grouped view where
+    the torch path serves both in eager mode, else the calls the model makes."""
+
+    def __init__(self, activation: str | None):
+        self.activation = activation
+        self._norm_activation = _NormActivation(activation) if activation else None
+        self._named(f"conv_norm_{activation}" if activation else "conv_norm")
+
+    def __call__(self, conv: nn.Module, norm: nn.Module, x: torch.Tensor, act_module: nn.Module | None = None) -> Any:
+        if _hooked(conv) or _hooked(norm) or _hooked(act_module) or norm.activation != "none":
+            y = conv(x)  # something observes the calls (hooks added since): the calls themselves
+        else:
+            grouped = conv._grouped_output(x)
+            if grouped is None:
+                y = conv(x)
+            else:
+                yg, fmt = grouped
+                fused = "relu" if self.activation == "relu" else "none"
+                z = norm._normalize_grouped(yg, conv.B, fmt, fused)
+                if z is not None:
+                    if self.activation is None or fused == self.activation:
+                        return z
+                    return act_module(z) if act_module is not None else _ACTIVATION_FUNCTIONS[self.activation](z)
+                y = fresh_array(yg, conv.B, fmt)  # what conv(x) gives on this path
+        if self._norm_activation is None:
+            return norm(y)
+        return self._norm_activation(norm, y, act_module)
+
+
 # ---- the fused model -----------------------------------------------------------------
 def _parent(root: nn.Module, path: str) -> tuple[nn.Module, str]:
     head, _, name = path.rpartition(".")
@@ -1394,9 +1460,14 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
     array: dict[fx.Node, bool] = {}
     norm_activations = _norm_activations(graph, model, leaves, array_classes)
     fused_into = {act: norm for norm, (_, act) in norm_activations.items()}
+    conv_norms = _conv_norms(graph, leaves, array_classes)
+    convs_in_norms = set(conv_norms.values())
     for node in graph.nodes:
         if node in fused_into:  # the activation ran in its norm's call: its value is that call's
             env[node], array[node] = env[fused_into[node]], array[fused_into[node]]
+            continue
+        if node in convs_in_norms:  # runs in its batch norm's call, which alone reads its value
+            env[node], array[node] = None, True
             continue
         marks = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), lambda n: array[n])
         any_array = any(array[n] for n in node.all_input_nodes)
@@ -1420,11 +1491,23 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
             array[node] = any_array or has_state
             if cls in array_classes:
                 data = _DATA_ARGS.get(array_classes[cls].__name__, (0,))
+                if node in conv_norms:
+                    conv = conv_norms[node]
+                    data, args = (0,), (env[conv.args[0]],)  # the convolution's input (one data arg)
+                    array[node] = True
+                    node_args = conv.args
+                else:
+                    node_args = node.args
                 args = tuple(
                     out.call_function(_share, (a, B)) if i in data and isinstance(a, fx.Node)
-                    and not array[node.args[i]] else a
+                    and not array[node_args[i]] else a
                     for i, a in enumerate(args))
-                if node in norm_activations:
+                if node in conv_norms:
+                    activation, act = norm_activations.get(node, (None, None))
+                    act_module = (out.get_attr(act.target),) if act is not None and act.op == "call_module" else ()
+                    env[node] = out.call_function(_ConvNorm(activation), (
+                        out.get_attr(conv_norms[node].target), out.get_attr(node.target), *args, *act_module))
+                elif node in norm_activations:
                     activation, act = norm_activations[node]
                     act_module = (out.get_attr(act.target),) if act.op == "call_module" else ()
                     env[node] = out.call_function(

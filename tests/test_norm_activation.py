@@ -3,6 +3,7 @@ against B separate torch modules (the norm, then the activation)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -738,3 +739,141 @@ def test_fused_call_runs_one_op_only_where_a_kernel_serves_the_norm(kernel, monk
     fused = hfkern.fuse(models)
     _check_against_models(fused, models, torch.randn(B, 2, 3, 5, 5))
     assert ("relu" in seen) == kernel
+
+
+# ---- a convolution and its batch norm as one call (hfkern.fuse, torch path) -------------------
+
+class ConvNormNet(nn.Module):
+    """Convolutions whose outputs only a batch norm reads, inside top-level blocks: with a
+    ReLU after the norm, with nothing, transposed with a GELU, and 1-D."""
+
+    def __init__(self, **bn):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, **bn), nn.ReLU(inplace=True),
+            nn.Conv2d(4, 5, 3, stride=2, padding=1), nn.BatchNorm2d(5, **bn),
+            nn.ConvTranspose2d(5, 4, 2, stride=2), nn.BatchNorm2d(4, **bn), nn.GELU(),
+        )
+        self.tail = nn.Sequential(nn.Conv1d(4, 3, 3, padding=1), nn.BatchNorm1d(3, **bn), nn.ReLU())
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.features(x)
+        return self.head(self.tail(h.flatten(2)).mean(-1))
+
+
+def _conv_norm_calls(fused):
+    from hfkern.fusion import _ConvNorm
+    return [n.target.activation for n in fused.graph.nodes if isinstance(n.target, _ConvNorm)]
+
+
+class _Count:
+    def __init__(self, monkeypatch, module, name):
+        self.n, fn = 0, getattr(module, name)
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+
+
+@pytest.mark.parametrize("bn", [{}, dict(momentum=None), dict(affine=False), dict(track_running_stats=False)],
+                         ids=["default", "cumulative", "no_affine", "untracked"])
+def test_fuse_runs_a_convolution_and_its_batch_norm_as_one_call(bn, monkeypatch):
+    """On the torch path in eager mode the pair runs on the grouped view (torch's grouped
+    convolution, then its batch norm on the result): every model computes, trains and keeps
+    running statistics as its torch model does, in training and in eval."""
+    import hfkern.nn.normalization as hnorm
+    B = 3
+    torch.manual_seed(0)
+    models = [ConvNormNet(**bn) for _ in range(B)]
+    for m in models:
+        _randomized([m for m in m.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)])
+    fused = hfkern.fuse(models)
+    assert _conv_norm_calls(fused) == ["relu", None, "gelu", "relu"]
+    calls = _Count(monkeypatch, hnorm, "grouped_batch_norm")
+    x = torch.randn(B, 4, 3, 6, 6)
+    for step in range(2):
+        fused.zero_grad()
+        for m in models:
+            m.zero_grad()
+        _check_against_models(fused, models, x + step)
+    assert calls.n == 8  # the four pairs, both steps, on the grouped view
+    fused.eval()
+    for m in models:
+        m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), torch.stack([m(x[b]) for b, m in enumerate(models)]),
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["contiguous", "channels_last", "bf16_autocast", "B1"])
+def test_fused_conv_norm_call_equals_the_two_calls(case):
+    """The one call gives the two calls' outputs bit for bit (the same kernels on the same
+    memory), their running statistics, and their gradients to rounding (the reference: every
+    op dispatched, where the pair runs as the two calls)."""
+    B = 1 if case == "B1" else 3
+    torch.manual_seed(1)
+    fused = hfkern.fuse([ConvNormNet() for _ in range(B)])
+    if case == "channels_last":
+        fused = fused.to(memory_format=torch.channels_last)
+    twin = copy.deepcopy(fused)
+    x = torch.randn(B, 4, 3, 6, 6)
+    region = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if case == "bf16_autocast" else contextlib.nullcontext
+    outs = []
+    for model, reference in ((fused, False), (twin, True)):
+        with (_backend.dispatched_ops() if reference else contextlib.nullcontext()), region():
+            y = model(x)
+            y.float().square().sum().backward()
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    for (name, a), b in zip(fused.named_buffers(), twin.buffers()):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(fused.named_parameters(), twin.parameters()):
+        tol = dict(rtol=2e-2, atol=2e-2) if case == "bf16_autocast" else dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a.grad, b.grad, **tol, msg=name)
+
+
+def test_fuse_keeps_a_convolution_and_its_batch_norm_apart_where_it_must():
+    """Not fused: a pair split between two top-level blocks (hfkern.plan recomputes whole
+    top-level blocks), a convolution output read twice, a grad-mode region between them."""
+    class Apart(nn.Module):
+        def __init__(self):
+            super().__init__()
+            # (no biases: a bias before a batch norm has a gradient of zero, up to rounding)
+            self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+            self.bn = nn.BatchNorm2d(4)  # another top-level block than conv
+            self.twice = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4))
+            self.frozen = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4))
+
+        def forward(self, x):
+            h = self.bn(self.conv(x))
+            c = self.twice[0](h)
+            h = self.twice[1](c) + c
+            c = self.frozen[0](h)
+            with torch.no_grad():
+                f = self.frozen[1](c)
+            return h + f
+
+    B = 2
+    models = [Apart() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    assert _conv_norm_calls(fused) == []
+    _check_against_models(fused, models, torch.randn(B, 2, 3, 5, 5))
+
+
+def test_hooks_added_after_fusing_see_the_convolution_and_norm_outputs():
+    B = 2
+    torch.manual_seed(2)
+    models = [ConvNormNet() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    seen = {}
+    for name in ("features.0", "features.1"):
+        fused.get_submodule(name).register_forward_hook(
+            lambda m, args, out, name=name: seen.__setitem__(name, out.detach().clone()))
+    x = torch.randn(B, 4, 3, 6, 6)
+    fused(x)
+    for b, m in enumerate(models):
+        conv_out = m.features[0](x[b])
+        torch.testing.assert_close(seen["features.0"][b], conv_out, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(seen["features.1"][b], m.features[1](conv_out), rtol=1e-4, atol=1e-5)

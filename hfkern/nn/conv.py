@@ -32,7 +32,7 @@ from .._array import (
     array_memory_format, check_channels, check_input, conv_output_size, from_grouped,
     is_shared, to_array_memory_format, to_grouped,
 )
-from ..ops.conv import conv
+from ..ops.conv import conv, grouped_conv
 from ._base import ArrayModule, reset_kaiming_uniform
 
 __all__ = ["Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d"]
@@ -118,17 +118,45 @@ class _ArrayConvNd(ArrayModule):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         return _evidence.auto_memory_format(x.device, dtype)
 
+    def _in_memory_format(self, x: torch.Tensor) -> torch.Tensor:
+        """x ([B, N, C, *s], possibly shared) in the memory format this conv converts to."""
+        memory_format = self._input_memory_format(x)
+        return x if memory_format is None else to_array_memory_format(x, memory_format)
+
     def _conv(self, x: torch.Tensor, padding, output_padding) -> torch.Tensor:
         """x: [B, N, C, *s] (possibly shared) already padded for non-zero modes."""
-        memory_format = self._input_memory_format(x)
-        if memory_format is not None:
-            x = to_array_memory_format(x, memory_format)
+        x = self._in_memory_format(x)
         if is_shared(x):
             x = x[0]
         return conv(
             x, self.weight, self.bias, list(self.stride), list(padding),
             list(self.dilation), self._transposed, list(output_padding), self.groups,
         )
+
+    def _direct_padding(self) -> tuple[int, ...] | None:
+        """The padding the convolution applies itself (zeros, the same on both sides of
+        every dim), or None where ``F.pad`` pads first."""
+        if self._transposed:
+            return tuple(self.padding) if self.padding_mode == "zeros" else None
+        pad = self._reversed_padding_repeated_twice  # F.pad order: last dim first
+        left, right = pad[0::2][::-1], pad[1::2][::-1]
+        return tuple(left) if self.padding_mode == "zeros" and left == right else None
+
+    def _grouped_output(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.memory_format] | None:
+        """``forward(input)`` as ``(y, fmt)`` with ``y`` the grouped result ``[N, B*C_out, *s']``
+        (see :func:`hfkern.ops.conv.grouped_conv`), where the eager torch path computes it
+        so: a batched per-model input and padding the convolution applies itself; else None.
+        Raises what ``forward`` raises for a bad input."""
+        x, unbatched = self._check(input)
+        padding = self._direct_padding()
+        if unbatched or padding is None:
+            return None
+        x = self._in_memory_format(x)
+        if is_shared(x):
+            return None
+        return grouped_conv(x, self.weight, self.bias, list(self.stride), list(padding), list(self.dilation),
+                            self._transposed, list(self.output_padding) if self._transposed else [0] * self._n,
+                            self.groups)
 
 
 class _ArrayConv(_ArrayConvNd):
@@ -145,9 +173,10 @@ class _ArrayConv(_ArrayConvNd):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x, unbatched = self._check(input)
-        pad = self._reversed_padding_repeated_twice  # F.pad order: last dim first
-        left, right = pad[0::2][::-1], pad[1::2][::-1]
-        if self.padding_mode != "zeros" or left != right:
+        conv_padding = self._direct_padding()
+        if conv_padding is None:
+            pad = self._reversed_padding_repeated_twice  # F.pad order: last dim first
+            left = pad[0::2][::-1]
             # Non-zero padding modes and the asymmetric part of padding='same'
             # are applied by F.pad first, as torch does.
             mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
@@ -160,8 +189,6 @@ class _ArrayConv(_ArrayConvNd):
                 x = F.pad(x[0], pad, mode=mode).expand(x.shape[0], -1, -1, *([-1] * self._n))
             else:
                 x = from_grouped(F.pad(to_grouped(x), pad, mode=mode), x.shape[0], array_memory_format(x))
-        else:
-            conv_padding = left
         y = self._conv(x, conv_padding, [0] * self._n)
         return y.squeeze(1) if unbatched else y
 

@@ -30,7 +30,7 @@ from .._array import (
     array_memory_format, check_channels, check_input, from_grouped, is_shared, per_model_memory_first, to_grouped,
 )
 from .._dtypes import acc_dtype
-from ..ops.batch_norm import array_batch_norm
+from ..ops.batch_norm import array_batch_norm, grouped_batch_norm, grouped_serves
 from ..ops._norm import check_activation
 from ..ops.layer_norm import layer_norm, rms_norm
 from ._base import ArrayModule, torch_module
@@ -337,6 +337,27 @@ class _BatchNorm(_FusedActivation, ArrayModule):
             x, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
             use_batch_stats, self.momentum, self.eps, activation,
         )[0]
+
+
+    def _normalize_grouped(self, xg: Tensor, B: int, fmt: torch.memory_format, activation: str) -> Tensor | None:
+        """``_normalize`` of the array whose grouped form is ``xg`` (``[N, B*C, *S]``, ``fmt`` its
+        array memory format) without making the array first, where
+        :func:`hfkern.ops.batch_norm.grouped_serves` (what ``hfkern.fuse`` runs for a
+        convolution whose output only this norm reads); None, nothing changed, where
+        ``_normalize`` must run on the array."""
+        param = self.weight if self.weight is not None else self.running_mean
+        use_batch_stats = self.training or self.running_mean is None
+        if not (use_batch_stats and B == self.B and xg.dim() in self._model_ndims
+                and xg.shape[1] == B * self.num_features and self.eps > 0.0
+                and (param is None or (xg.device == param.device and (
+                    xg.dtype == param.dtype or torch.is_autocast_enabled(xg.device.type))))
+                and grouped_serves(xg, B, self.weight, self.bias, self.running_mean, self.running_var,
+                                   activation=activation)):
+            return None
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)  # as _normalize: counted before the op runs
+        return grouped_batch_norm(xg, B, fmt, self.weight, self.bias, self.running_mean, self.running_var,
+                                  self.num_batches_tracked, self.momentum, self.eps, activation)
 
 
 class BatchNorm1d(_BatchNorm):

@@ -192,14 +192,15 @@ _PARAM_DTYPE = {torch.float64: torch.float64, torch.float32: torch.float32,
                 torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
-def _grouped_params(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-    """weight and bias flat ``[B*C]`` for torch's kernel. Without them, mixed precision
-    gets float32 ones and zeros (the same math): without a float32 parameter torch's
-    kernels take the reduced dtype for the statistics too."""
-    if weight is not None or x.dtype == _PARAM_DTYPE[x.dtype]:
+def _grouped_params(xg: Tensor, weight: Tensor | None, bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """weight and bias flat ``[B*C]`` for torch's kernel on the grouped ``xg``. Without them,
+    mixed precision gets float32 ones and zeros (the same math): without a float32
+    parameter torch's kernels take the reduced dtype for the statistics too."""
+    if weight is not None or xg.dtype == _PARAM_DTYPE[xg.dtype]:
         return _flat(weight), _flat(bias)
-    n = x.shape[0] * x.shape[2]
-    return x.new_ones(n, dtype=torch.float32), (_flat(bias) if bias is not None else x.new_zeros(n, dtype=torch.float32))
+    n = xg.shape[1]
+    return (xg.new_ones(n, dtype=torch.float32),
+            _flat(bias) if bias is not None else xg.new_zeros(n, dtype=torch.float32))
 
 
 def _flat(t: Tensor | None) -> Tensor | None:
@@ -225,26 +226,60 @@ def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tra
     strided reductions over ``x``. ``op``: the op's kernel; else differentiable by
     torch's autograd (:func:`array_batch_norm`'s eager path; x has no dim of size one,
     so the output needs no :func:`_from_grouped_like` strides)."""
-    B, C = x.shape[0], x.shape[2]
+    B = x.shape[0]
+    y, mean, rstd = _grouped_train(to_grouped(x), B, weight, bias, running_mean, running_var,
+                                   num_batches_tracked, momentum, eps)
+    if op:
+        y = _from_grouped_like(activate_(y, activation), x, fmt)
+    else:  # the activation saves its output: the array itself, not the grouped view (fresh_array)
+        y = activate_(fresh_array(y, B, fmt), activation)
+    return y, mean, rstd
+
+
+def _grouped_train(xg, B, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps):
+    """torch's training batch norm of the grouped ``xg`` (``[N, B*C, *S]``), running statistics
+    updated: ``(yg, mean [B, C], rstd [B, C])``."""
+    C = xg.shape[1] // B
     running, factor = (None, None), 0.0
     if running_mean is not None and momentum is not None:
         running, factor = (running_mean.view(-1), running_var.view(-1)), momentum  # updated in place
     elif running_mean is not None:
         # Per-model factors: torch writes the batch mean and unbiased variance
         # (momentum 1 into zeros), blended per model below.
-        stats = _PARAM_DTYPE[x.dtype]
-        running, factor = (x.new_zeros(B * C, dtype=stats), x.new_zeros(B * C, dtype=stats)), 1.0
-    y, mean, rstd = torch.native_batch_norm(
-        to_grouped(x), *_grouped_params(x, weight, bias), *running, True, factor, eps
-    )
-    if op:
-        y = _from_grouped_like(activate_(y, activation), x, fmt)
-    else:  # the activation saves its output: the array itself, not the grouped view (fresh_array)
-        y = activate_(fresh_array(y, B, fmt), activation)
+        stats = _PARAM_DTYPE[xg.dtype]
+        running, factor = (xg.new_zeros(B * C, dtype=stats), xg.new_zeros(B * C, dtype=stats)), 1.0
+    y, mean, rstd = torch.native_batch_norm(xg, *_grouped_params(xg, weight, bias), *running, True, factor, eps)
     if running_mean is not None and momentum is None:
         _update_running(running_mean, running_var, num_batches_tracked,
                         running[0].view(B, C), running[1].view(B, C), None)
     return y, mean.view(B, C), rstd.view(B, C)
+
+
+def grouped_serves(xg: Tensor, B: int, *per_channel: Tensor | None, activation: str = "none") -> bool:
+    """Whether :func:`grouped_batch_norm` serves the array whose grouped form is ``xg``
+    (``[N, B*C, *S]``) with these per-channel tensors: as :func:`array_batch_norm`'s eager
+    path on the array's free grouped view, the torch backend outside ``torch.compile``,
+    no activation or ReLU, no dim of size one, dtypes torch's kernel pairs."""
+    return (_backend.eager_torch(_FWD, xg.device, xg.dtype) and activation in ("none", "relu")
+            and xg.dim() >= 3 and min(B, *xg.shape, xg.shape[1] // B) > 1 and xg.dtype in _PARAM_DTYPE
+            and all(t is None or t.dtype == _PARAM_DTYPE[xg.dtype] for t in per_channel))
+
+
+def grouped_batch_norm(
+    xg: Tensor, B: int, fmt: torch.memory_format, weight: Tensor | None, bias: Tensor | None,
+    running_mean: Tensor | None, running_var: Tensor | None, num_batches_tracked: Tensor | None,
+    momentum: float | None, eps: float, activation: str = "none",
+) -> Tensor:
+    """Training batch norm of the array whose grouped form is ``xg`` (``[N, B*C, *S]``, e.g.
+    :func:`hfkern.ops.conv.grouped_conv`'s result, ``fmt`` its array memory format) where
+    :func:`grouped_serves`: the output array of :func:`array_batch_norm`'s eager path (a
+    tensor of its own, :func:`hfkern._array.fresh_array`), the running statistics
+    updated, the arguments checked as the op checks them."""
+    C = xg.shape[1] // B
+    _check_forward(torch.empty((B, xg.shape[0], C, *xg.shape[2:]), dtype=xg.dtype, device="meta"), weight, bias,
+                   running_mean, running_var, num_batches_tracked, True, momentum, activation)
+    y, _, _ = _grouped_train(xg, B, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps)
+    return activate_(fresh_array(y, B, fmt), activation)
 
 
 def _affine(centered: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,

@@ -151,11 +151,8 @@ def _conv_torch(
             y = y.add_(bias.view(B, 1, -1, *([1] * (x.dim() - 3))))
         return y
     if x.dim() == weight.dim():  # per-model input
-        y = torch.convolution(
-            to_grouped(x), _flat_weight(weight), None if bias is None else bias.reshape(-1),
-            stride, padding, dilation, transposed, output_padding, B * groups,
-        )
-        return to_array(y, B, fmt)
+        return to_array(_grouped_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding,
+                                      groups), B, fmt)
     # shared input [N, C_in, *s]: one dense conv
     dense_bias = None
     if bias is not None:
@@ -165,6 +162,17 @@ def _conv_torch(
         stride, padding, dilation, transposed, output_padding, groups,
     )
     return to_array(_swap_channel_blocks(y, groups, B), B, fmt)
+
+
+def _grouped_conv(
+    x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+) -> Tensor:
+    """The convolution of a per-model input as one grouped convolution: ``[N, B*C_out, *s']``."""
+    return torch.convolution(
+        to_grouped(x), _flat_weight(weight), None if bias is None else bias.reshape(-1),
+        stride, padding, dilation, transposed, output_padding, weight.shape[0] * groups,
+    )
 
 
 @_backend.implements(_FWD, "torch")
@@ -254,6 +262,26 @@ def conv(
     if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
         return _EagerConv.apply(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     return _conv_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, fresh=True)
+
+
+def grouped_conv(
+    x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+    dilation: list[int], transposed: bool, output_padding: list[int], groups: int,
+) -> tuple[Tensor, torch.memory_format] | None:
+    """:func:`conv`'s eager torch path for a per-model input, stopped before the array
+    view: ``(y, fmt)``, ``y`` the grouped result ``[N, B*C_out, *s']`` (differentiable by
+    torch's autograd) and ``fmt`` the array memory format ``conv`` would give the output
+    (:func:`hfkern._array.fresh_array` of the two is exactly its result). None where
+    ``conv`` takes another path: another backend or ``torch.compile``, a shared input,
+    the CPU's 1x1 convolutions as batched matmuls. What ``hfkern.fuse`` runs for a
+    convolution whose output only a batch norm reads (:func:`hfkern.ops.batch_norm.grouped_batch_norm`)."""
+    if (not _backend.eager_torch(_FWD, x.device) or x.dim() != weight.dim()
+            or _pointwise(x, weight, stride, padding, dilation, transposed, groups)):
+        return None
+    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
+    x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
+    fmt = array_memory_format(x)
+    return _grouped_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups), fmt
 
 
 class _EagerConv(torch.autograd.Function):
