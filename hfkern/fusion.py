@@ -23,6 +23,16 @@ rewritten op by op.
   no activation node). Not where the norm output has another user, a hook
   could see it, or a grad-mode or autocast region starts or ends between the
   two; the models' own modules and state are unchanged by it.
+* **A convolution and its batch norm** become one call too (``conv_norm``,
+  with the norm's fused activation: ``conv_norm_relu``): a convolution leaf
+  whose output only a BatchNorm leaf reads, under the same conditions, both in
+  the same top-level block (what :func:`hfkern.plan` recomputes). On the
+  torch path in eager mode a training step then runs both on the grouped view
+  ``[N, B*C, *S]`` (torch's grouped convolution, its batch norm on the
+  result, one array view at the end): the same kernels on the same memory as
+  the two calls, without the array view between them and its autograd nodes.
+  Elsewhere (eval, another backend, ``torch.compile``, hooks added since) the
+  call makes the two calls.
 * **Everything else** in the captured code (reshapes such as
   ``x.view(x.size(0), -1)``, ``torch.flatten(x, 1)``, concatenations, chunks,
   residual adds, functional calls, reductions over dims, parameters used
