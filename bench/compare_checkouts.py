@@ -128,15 +128,18 @@ def main(argv: list[str] | None = None) -> int:
         command = recorded_argv(sys.argv[1:] if argv is None else argv)
         start = command.index("--roots") + 1
         command[start:start + len(args.roots)] = [f"<{rev}>" for rev in revisions]
+        # Settings of the C allocator change CPU step times (page faults of fresh memory).
+        malloc = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
         record = {"benchmark": "compare_checkouts", "command": command, "revisions": revisions,
-                  "environment": env, "rows": rows}
+                  "environment": env, "malloc_env": malloc, "rows": rows}
         Path(args.out + ".json").write_text(json.dumps(record, indent=1) + "\n")
         head = "| workload | " + " | ".join(f"`{rev}`" for rev in revisions) + " |"
         lines = [f"# One training step in {len(revisions)} checkouts: {env['device']}, {env['date']}", "",
                  f"torch {env['torch']}, Python {env['python']}; workload size `{args.size}`, B = {args.B}, "
                  f"mode `{args.mode}`, {args.precision}; median of {args.rounds} interleaved rounds of "
                  f"{args.steps} steps, ms per step (speedup over `{revisions[0]}`); command: "
-                 f"`python bench/compare_checkouts.py {' '.join(command)}` (each `<rev>` a checkout of that "
+                 f"`{''.join(f'{k}={v} ' for k, v in malloc.items())}"
+                 f"python bench/compare_checkouts.py {' '.join(command)}` (each `<rev>` a checkout of that "
                  "revision with its extension built)", "",
                  head, "| --- |" + " --- |" * len(revisions)]
         for row in rows:
