@@ -158,3 +158,16 @@ def import_sweep_extra(name: str = "optuna"):
     if os.environ.get("HFKERN_REQUIRE_EXTENSIONS") == "1":
         return importlib.import_module(name)
     return pytest.importorskip(name, reason=f"{name} is not installed (pip install 'hfkern[sweep]')")
+
+
+class CallCounter:
+    """Counts the calls of a module-level function (looked up at call time by its callers),
+    replaced for the test by ``monkeypatch``: ``n`` calls so far."""
+
+    def __init__(self, monkeypatch, module, name: str):
+        self.n, fn = 0, getattr(module, name)
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)

@@ -20,20 +20,12 @@ import hfkern.ops.batch_norm as bn_ops
 import hfkern.ops.conv as conv_ops
 from hfkern import _backend
 from hfkern._array import array_memory_format
+from _util import CallCounter
 
 GRAD_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-class _Calls:
-    """Counts the calls of a module-level function that the entry point looks up at call time."""
-
-    def __init__(self, monkeypatch, module, name):
-        self.n, fn = 0, getattr(module, name)
-
-        def counted(*args, **kwargs):
-            self.n += 1
-            return fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, counted)
+_Calls = CallCounter
 
 
 def _path(eager: bool):

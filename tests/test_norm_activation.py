@@ -19,6 +19,7 @@ from hfkern import _backend
 from hfkern.fusion import _NormActivation
 from hfkern.ops.batch_norm import array_batch_norm, array_batch_norm_backward, array_batch_norm_op
 from hfkern.ops.layer_norm import array_layer_norm, array_layer_norm_backward
+from _util import CallCounter
 
 EPS = 1e-3
 GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
@@ -614,6 +615,22 @@ def _check_against_models(fused, models, x, loss=lambda y: y.square().sum()):
             torch.testing.assert_close(state[k][b], v, rtol=1e-4, atol=1e-5)
 
 
+def _train_then_evaluate(fused, models, x, steps=2):
+    """Training steps checked against the models (running statistics advance per model),
+    then the outputs in eval mode."""
+    for step in range(steps):
+        fused.zero_grad()
+        for m in models:
+            m.zero_grad()
+        _check_against_models(fused, models, x + step)
+    fused.eval()
+    for m in models:
+        m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), torch.stack([m(x[b]) for b, m in enumerate(models)]),
+                                   rtol=1e-4, atol=1e-5)
+
+
 def test_fuse_resnet_block_fuses_bn_relu():
     B = 3
     models = [BasicBlock() for _ in range(B)]
@@ -625,18 +642,7 @@ def test_fuse_resnet_block_fuses_bn_relu():
     assert _fused_calls(fused) == ["relu"]
     assert not [n for n in fused.graph.nodes if n.op == "call_module" and n.target == "relu"]
     assert [n for n in fused.graph.nodes if n.op == "call_module" and n.target == "bn2"]
-    x = torch.randn(B, 2, 3, 5, 5)
-    for step in range(2):  # train: running statistics advance per model
-        fused.zero_grad()
-        for m in models:
-            m.zero_grad()
-        _check_against_models(fused, models, x + step)
-    fused.eval()
-    for m in models:
-        m.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(fused(x), torch.stack([m(x[b]) for b, m in enumerate(models)]),
-                                   rtol=1e-4, atol=1e-5)
+    _train_then_evaluate(fused, models, torch.randn(B, 2, 3, 5, 5))
     assert _fused_calls(fused) == ["relu"]
     # surgery sees the original architecture, its separate ReLU included
     extracted = fused.extract_model(1)
@@ -767,16 +773,6 @@ def _conv_norm_calls(fused):
     return [n.target.activation for n in fused.graph.nodes if isinstance(n.target, _ConvNorm)]
 
 
-class _Count:
-    def __init__(self, monkeypatch, module, name):
-        self.n, fn = 0, getattr(module, name)
-
-        def counted(*args, **kwargs):
-            self.n += 1
-            return fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, counted)
-
-
 @pytest.mark.parametrize("bn", [{}, dict(momentum=None), dict(affine=False), dict(track_running_stats=False)],
                          ids=["default", "cumulative", "no_affine", "untracked"])
 def test_fuse_runs_a_convolution_and_its_batch_norm_as_one_call(bn, monkeypatch):
@@ -791,20 +787,11 @@ def test_fuse_runs_a_convolution_and_its_batch_norm_as_one_call(bn, monkeypatch)
         _randomized([m for m in m.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)])
     fused = hfkern.fuse(models)
     assert _conv_norm_calls(fused) == ["relu", None, "gelu", "relu"]
-    calls = _Count(monkeypatch, hnorm, "grouped_batch_norm")
-    x = torch.randn(B, 4, 3, 6, 6)
-    for step in range(2):
-        fused.zero_grad()
-        for m in models:
-            m.zero_grad()
-        _check_against_models(fused, models, x + step)
-    assert calls.n == 8  # the four pairs, both steps, on the grouped view
-    fused.eval()
-    for m in models:
-        m.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(fused(x), torch.stack([m(x[b]) for b, m in enumerate(models)]),
-                                   rtol=1e-4, atol=1e-5)
+    calls = CallCounter(monkeypatch, hnorm, "grouped_batch_norm")
+    _train_then_evaluate(fused, models, torch.randn(B, 4, 3, 6, 6))
+    # the four pairs on the grouped view in both training steps, and in eval where a norm
+    # without running statistics normalizes with the batch's
+    assert calls.n == (12 if bn.get("track_running_stats") is False else 8)
 
 
 @pytest.mark.parametrize("case", ["contiguous", "channels_last", "bf16_autocast", "B1"])
