@@ -821,6 +821,35 @@ def test_fused_conv_norm_call_equals_the_two_calls(case):
         torch.testing.assert_close(a.grad, b.grad, **tol, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16_autocast"])
+def test_gpu_fused_conv_norm_call_matches_the_two_calls(precision, monkeypatch):
+    """On CUDA (cuDNN's grouped convolution and batch norm) the one call trains as the two
+    calls do: outputs, running statistics and gradients, against every op dispatched."""
+    import hfkern.nn.normalization as hnorm
+    calls = CallCounter(monkeypatch, hnorm, "grouped_batch_norm")
+    B = 3
+    torch.manual_seed(3)
+    fused = hfkern.fuse([ConvNormNet() for _ in range(B)]).cuda()
+    twin = copy.deepcopy(fused)
+    x = torch.randn(B, 4, 3, 6, 6, device="cuda")
+    region = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision != "fp32" else contextlib.nullcontext
+    tol = dict(rtol=2e-2, atol=2e-2) if precision != "fp32" else dict(rtol=1e-4, atol=1e-4)
+    outs = []
+    with hfkern.use_backend("torch"):
+        for model, reference in ((fused, False), (twin, True)):
+            with (_backend.dispatched_ops() if reference else contextlib.nullcontext()), region():
+                y = model(x)
+                y.float().square().sum().backward()
+            outs.append(y.float())
+    assert _conv_norm_calls(fused) == ["relu", None, "gelu", "relu"] and calls.n == 4
+    torch.testing.assert_close(outs[0], outs[1], **tol)
+    for (name, a), b in zip(fused.named_buffers(), twin.buffers()):
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
+    for (name, a), b in zip(fused.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, **tol, msg=name)
+
+
 def test_fuse_keeps_a_convolution_and_its_batch_norm_apart_where_it_must():
     """Not fused: a pair split between two top-level blocks (hfkern.plan recomputes whole
     top-level blocks), a convolution output read twice, a grad-mode region between them."""

@@ -338,7 +338,6 @@ class _BatchNorm(_FusedActivation, ArrayModule):
             use_batch_stats, self.momentum, self.eps, activation,
         )[0]
 
-
     def _normalize_grouped(self, xg: Tensor, B: int, fmt: torch.memory_format, activation: str) -> Tensor | None:
         """``_normalize`` of the array whose grouped form is ``xg`` (``[N, B*C, *S]``, ``fmt`` its
         array memory format) without making the array first, where
