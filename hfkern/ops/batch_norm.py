@@ -178,8 +178,7 @@ def _grouped_view(x: Tensor, *per_channel: Tensor | None, grad_y: Tensor | None 
     either way."""
     # B > 1: for B = 1 the view's strides would differ from torch.empty_like(x)'s
     if not (x.dtype in _PARAM_DTYPE and x.numel() > 0 and x.dim() > 3 and x.size(0) > 1
-            and not is_shared(x)
-            and all(t is None or t.dtype == _PARAM_DTYPE[x.dtype] for t in per_channel)
+            and not is_shared(x) and _pairs(x, per_channel)
             and (grad_y is None or grad_y.dtype == x.dtype)):
         return None
     return _grouped_format(x)
@@ -190,6 +189,12 @@ def _grouped_view(x: Tensor, *per_channel: Tensor | None, grad_y: Tensor | None 
 # parameters, running and saved statistics).
 _PARAM_DTYPE = {torch.float64: torch.float64, torch.float32: torch.float32,
                 torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
+def _pairs(x: Tensor, per_channel: tuple[Tensor | None, ...]) -> bool:
+    """Whether every per-channel tensor has the dtype torch's kernel pairs with x's (``x.dtype``
+    one of ``_PARAM_DTYPE``'s keys)."""
+    return all(t is None or t.dtype == _PARAM_DTYPE[x.dtype] for t in per_channel)
 
 
 def _grouped_params(xg: Tensor, weight: Tensor | None, bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
@@ -262,7 +267,7 @@ def grouped_serves(xg: Tensor, B: int, *per_channel: Tensor | None, activation: 
     no activation or ReLU, no dim of size one, dtypes torch's kernel pairs."""
     return (_backend.eager_torch(_FWD, xg.device, xg.dtype) and activation in ("none", "relu")
             and xg.dim() >= 3 and min(B, *xg.shape, xg.shape[1] // B) > 1 and xg.dtype in _PARAM_DTYPE
-            and all(t is None or t.dtype == _PARAM_DTYPE[xg.dtype] for t in per_channel))
+            and _pairs(xg, per_channel))
 
 
 def grouped_batch_norm(

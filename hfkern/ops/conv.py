@@ -257,11 +257,16 @@ def conv(
     """
     if not _backend.eager_torch(_FWD, x.device):
         return array_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
-    x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
+    x, weight, bias = _eager_inputs(x, weight, bias, stride, padding, dilation, output_padding, groups)
     if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
         return _EagerConv.apply(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     return _conv_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, fresh=True)
+
+
+def _eager_inputs(x, weight, bias, stride, padding, dilation, output_padding, groups):
+    """The eager path's ``(x, weight, bias)``: the op's argument checks, then its autocast rule."""
+    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
+    return _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
 
 
 def grouped_conv(
@@ -278,8 +283,7 @@ def grouped_conv(
     if (not _backend.eager_torch(_FWD, x.device) or x.dim() != weight.dim()
             or _pointwise(x, weight, stride, padding, dilation, transposed, groups)):
         return None
-    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
-    x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
+    x, weight, bias = _eager_inputs(x, weight, bias, stride, padding, dilation, output_padding, groups)
     fmt = array_memory_format(x)
     return _grouped_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups), fmt
 
