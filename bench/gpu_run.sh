@@ -479,7 +479,8 @@ train_e2e() {
     order=$("$PY" -c "import hfkern
 info = hfkern.backend_info()['backends']
 ok = lambda n: n in info and info[n]['available']
-print(' '.join(n for n in ('cuda', 'ops', 'compile', 'triton') if n in ('ops', 'compile') or ok(n)))")
+print(' '.join(n for n in ('cuda', 'optim', 'ops', 'compile', 'triton')
+               if n in ('ops', 'compile') or ok(n) or (n == 'optim' and (ok('cuda') or ok('triton')))))")
     for name in $order; do
         rest=$((budget - ($(date +%s) - t0)))
         if ((rest < 30)); then
@@ -488,6 +489,13 @@ print(' '.join(n for n in ('cuda', 'ops', 'compile', 'triton') if n in ('ops', '
         fi
         if [[ $name == compile ]]; then
             extra=(--backends torch --modes array+compile array+compile-ro --workloads resnet18)
+        elif [[ $name == optim ]]; then
+            # The torch path with only the optimizer steps on hfkern's kernels: the per-op
+            # evidence auto asks for (hfkern._evidence), with capture, where launches cost.
+            extra=(--backends $("$PY" -c "import hfkern
+info = hfkern.backend_info()['backends']
+print(' '.join(f'torch,sgd_step_={n},adam_step_={n}' for n in ('cuda', 'triton') if info[n]['available']))")
+                --modes array array+capture)
         elif [[ $name == ops ]]; then
             extra=(--backends torch --modes array+ops --workloads resnet18)
         else

@@ -19,7 +19,10 @@ Modes (``--modes``):
 * ``array``: ``hfkern.fuse`` of the B models with the hfkern array optimizer,
   once per backend (``--backends``; by default those available on the device:
   ``torch`` serves hfkern's ops by the original paper's kernels, cuDNN
-  grouped conv and batched GEMM; ``triton`` and ``cuda`` are hfkern's kernels);
+  grouped conv and batched GEMM; ``triton`` and ``cuda`` are hfkern's kernels;
+  a selection with per-op choices, ``torch,sgd_step_=cuda,adam_step_=cuda``,
+  is the torch path with those ops on another backend: one op's evidence for
+  ``auto``, :mod:`hfkern._evidence`);
 * ``array+ops``: ``array`` with every hfkern op dispatched as under
   ``torch.compile`` (``hfkern._backend.dispatched_ops()``): the torch backend
   without its eager paths (its convolutions and batch norms under torch's own
@@ -917,7 +920,9 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--modes", nargs="+", default=[m for m in MODES if m not in DIAGNOSTIC_MODES], choices=MODES,
                    help=f"default: all but {', '.join(DIAGNOSTIC_MODES)}")
-    p.add_argument("--backends", nargs="+", help="array backends (default: those available on the device)")
+    p.add_argument("--backends", nargs="+",
+                   help="array backends (default: those available on the device); a backend with per-op "
+                        "choices, torch,sgd_step_=cuda, times one op's kernels within the torch path's step")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--size", choices=("full", "cpu", "smoke"), help="workload sizes (default: full on CUDA, cpu otherwise)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -993,8 +998,13 @@ def main(argv=None) -> int:
     import hfkern
 
     for b in backends:
-        if b not in hfkern.backend_info()["backends"]:
+        if b.split(",")[0] not in hfkern.backend_info()["backends"]:
             p.error(f"--backends: unknown backend {b!r}; expected some of {tuple(hfkern.backend_info()['backends'])}")
+        if "," in b:  # per-op choices: checked as hfkern checks them, availability included
+            try:
+                hfkern._backend._check_requestable(b, "--backends")
+            except (ValueError, TypeError, RuntimeError) as e:
+                p.error(str(e))
     keys = _group_keys(args.modes, backends)
     s = Settings(size=size, device=str(device), threads=args.threads, steps=args.steps, rounds=args.rounds,
                  warmup=args.warmup, timeout=args.timeout, max_procs=args.max_procs,

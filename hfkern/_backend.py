@@ -33,6 +33,14 @@ Where the selection lives:
 * The process default: ``HFKERN_BACKEND`` (read and validated once, when
   ``hfkern`` is imported, by exactly the rules of :func:`set_backend`; unset or
   empty means ``auto``), replaced by :func:`set_backend`.
+* Per op: a selection may name a backend for some ops and another for the rest,
+  ``set_backend("torch", ops={"sgd_step_": "cuda"})`` or the same as one string,
+  ``"torch,sgd_step_=cuda"`` (what ``HFKERN_BACKEND`` and :func:`get_backend`
+  hold). An op's backward ops follow the backend its forward ran, so only
+  forward ops (not ``*_grad`` / ``*_backward``) can be named. This is how one
+  op's kernels are weighed inside a whole training step
+  (``bench/train_throughput.py --backends torch,sgd_step_=cuda``), the evidence
+  :mod:`hfkern._evidence` asks for.
 * :func:`use_backend` overlays it in the current context only (a
   :class:`contextvars.ContextVar`): a thread or an asyncio task that enters
   ``use_backend`` changes nothing that another one sees.
@@ -49,13 +57,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import importlib.util
 import logging
 import os
 import pkgutil
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -219,18 +228,37 @@ def implements(
 
 def get_backend() -> str:
     """The backend requested now: ``use_backend``'s in this context, else the process
-    default (``set_backend``'s, else ``HFKERN_BACKEND``'s, else ``auto``)."""
+    default (``set_backend``'s, else ``HFKERN_BACKEND``'s, else ``auto``). With
+    per-op choices, their string form: ``"torch,adam_step_=cuda"``."""
     return _context.get() or _default
 
 
-def _check_requestable(name: str, what: str = "backend") -> str:
-    """``name`` lower-cased, or the error ``set_backend`` raises for it; ``what``
-    names where the value came from."""
+# Ops that run only inside an op's backward, on the backend pinned by its forward.
+_BACKWARD_SUFFIXES = ("_grad", "_backward")
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(requested: str) -> tuple[str, dict[str, str]]:
+    """A canonical selection string -> (the backend of every other op, {op: backend})."""
+    base, *pairs = requested.split(",")
+    return base, dict(pair.split("=") for pair in pairs)
+
+
+def _requested_for(op: str, requested: str) -> str:
+    """The backend name ``requested`` asks for ``op``."""
+    if "," not in requested:
+        return requested
+    base, ops = _parse(requested)
+    return ops.get(op, base)
+
+
+def _check_name(name: object, what: str) -> str:
+    """A backend name lower-cased and available (or ``auto``), else the error ``set_backend`` raises."""
     if not isinstance(name, str):
         raise TypeError(f"{what} must be a str, one of {_CHOICES}, got {type(name).__name__} {name!r}")
-    if name.lower() not in _CHOICES:
+    if name.strip().lower() not in _CHOICES:
         raise ValueError(f"{what} must be one of {_CHOICES}, got {name!r}")
-    name = name.lower()
+    name = name.strip().lower()
     if name != "auto":
         ok, reason = _availability[name]()
         if not ok:
@@ -239,28 +267,76 @@ def _check_requestable(name: str, what: str = "backend") -> str:
     return name
 
 
-def set_backend(name: str) -> None:
+def _check_requestable(name: str, what: str = "backend", ops: object = None) -> str:
+    """The canonical selection string of ``name`` (a backend, or the string form with
+    per-op choices) and ``ops`` (``{op: backend}``), or the error ``set_backend``
+    raises for it; ``what`` names where the value came from."""
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a str, one of {_CHOICES}, got {type(name).__name__} {name!r}")
+    base, *items = name.split(",")
+    base = _check_name(base, what)
+    chosen: dict[str, str] = {}
+    for item in items:
+        op, eq, backend = item.partition("=")
+        if not eq:
+            raise ValueError(f"{what}: expected per-op choices as op=backend after the backend, "
+                             f"got {item!r} in {name!r}")
+        chosen[_check_op(op.strip(), what)] = backend
+    if ops is not None:
+        if not isinstance(ops, Mapping):
+            raise TypeError(f"ops must be a mapping of op names to backends, got {type(ops).__name__}")
+        for op, backend in ops.items():
+            if not isinstance(op, str):
+                raise TypeError(f"ops: expected op names as str, got {type(op).__name__} {op!r}")
+            chosen[_check_op(op, "ops")] = backend
+    for op, backend in chosen.items():
+        backend = chosen[op] = _check_name(backend, f"{what} for {op}")
+        if backend != "auto" and backend not in _registry[op]:
+            raise ValueError(f"{what}: hfkern backend {backend!r} has no implementation of hfkern::{op}; "
+                             f"registered: {sorted(_registry[op])}")
+    chosen = {op: backend for op, backend in chosen.items() if backend != base}
+    return ",".join([base] + [f"{op}={chosen[op]}" for op in sorted(chosen)])
+
+
+def _check_op(op: str, what: str) -> str:
+    """A forward op's name (``hfkern::`` optional), else ValueError."""
+    name = op.removeprefix("hfkern::")
+    if name not in _registry:
+        forward = sorted(o for o in _registry if not o.endswith(_BACKWARD_SUFFIXES))
+        raise ValueError(f"{what}: no hfkern op {op!r}; forward ops: {forward}")
+    if name.endswith(_BACKWARD_SUFFIXES):
+        raise ValueError(f"{what}: hfkern::{name} runs on the backend its forward op ran; "
+                         f"choose the backend of the forward op instead")
+    return name
+
+
+def set_backend(name: str, *, ops: Mapping[str, str] | None = None) -> None:
     """Select the default backend of every hfkern op in this process.
 
-    One of ``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"`` (any case). Asking
-    for a backend that is not available raises ``RuntimeError`` with the
-    reason; a name not in that list raises ``ValueError``. Inside a
+    One of ``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"`` (any case). ``ops``
+    names another backend for some ops (``{"adam_step_": "cuda"}``, op names as
+    :func:`backend_info` lists them, forward ops only: a backward runs where its
+    forward ran); the same may be written into ``name``, ``"torch,adam_step_=cuda"``.
+    Asking for a backend that is not available raises ``RuntimeError`` with the
+    reason; a name not in that list, an unknown op, a backward op or a backend
+    without an implementation of the op raises ``ValueError``. Inside a
     :func:`use_backend` block the block's choice still wins in that context.
     """
     global _default, _default_source
-    _default, _default_source = _check_requestable(name), "set_backend"
+    _default, _default_source = _check_requestable(name, ops=ops), "set_backend"
 
 
 @contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Select ``name`` in the current context (thread, asyncio task) for the block.
+def use_backend(name: str, *, ops: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Select ``name`` (and ``ops``, as :func:`set_backend`) in the current context
+    (thread, asyncio task) for the block.
 
     Validated as :func:`set_backend` validates; other threads keep their own
     selection, and the previous one is back on exit. Backward passes of
     forwards run inside the block use the block's backends even when run
     after it.
     """
-    token = _context.set(_check_requestable(name))
+    token = _context.set(_check_requestable(name, ops=ops))
     try:
         yield
     finally:
@@ -296,7 +372,7 @@ def _serves(impl: _Impl, device_type: str) -> bool:
 def _choose(op: str, device_type: str, dtype: torch.dtype | None = None) -> tuple[str, str]:
     """Return (backend, reason) for ``op`` on ``device_type`` (and data ``dtype``,
     where given) under the current selection."""
-    requested = get_backend()
+    requested = _requested_for(op, get_backend())
     if device_type != "cpu" or requested not in ("auto", "torch"):
         _load_packages()  # their modules register what they implement
     impls = _registry.get(op)
@@ -362,7 +438,7 @@ def _lookup(op: str, device: torch.device, dtype: torch.dtype | None) -> tuple[s
     hit = _resolved.get(key)
     if hit is None:
         backend, reason = _choose(op, device.type, dtype)
-        if requested == "auto" and (op, device.type, dtype) not in _logged_auto:
+        if _requested_for(op, requested) == "auto" and (op, device.type, dtype) not in _logged_auto:
             _logged_auto.add((op, device.type, dtype))
             logger.debug("hfkern::%s on %s -> %s backend (%s)", op, device.type, backend, reason)
         hit = _resolved[key] = (backend, _registry[op][backend].load())
@@ -449,7 +525,7 @@ def backend_info() -> dict:
             try:
                 backend, why = _choose(op, device_type)
                 served = _registry[op][backend].dtypes
-                if served and get_backend() == "auto":
+                if served and _requested_for(op, get_backend()) == "auto":
                     names = ", ".join(str(d).replace("torch.", "") for d in served)
                     why += f"; for {names}, other dtypes go to the next eligible backend"
                 row[device_type] = f"{backend} ({why})"

@@ -492,3 +492,122 @@ def test_a_broken_backend_package_is_unavailable_with_its_reason(pretend_backend
     assert "pretend_kernels could not be imported" in reason and "a_module_that_does_not_exist" in reason
     ok, why = _backend._cuda_available()
     assert not ok and why == reason
+
+
+# ---- per-op choices ------------------------------------------------------------------
+
+def test_per_op_choices_canonical_string_round_trips():
+    hfkern.set_backend("Torch", ops={"hfkern::sgd_step_": "auto", "adam_step_": "AUTO", "array_conv": "torch"})
+    assert hfkern.get_backend() == "torch,adam_step_=auto,sgd_step_=auto"  # sorted; same-as-base dropped
+    assert hfkern.backend_info()["requested"] == hfkern.get_backend()
+    again = hfkern.get_backend()
+    hfkern.set_backend(again)
+    assert hfkern.get_backend() == again
+    with hfkern.use_backend(" auto , array_conv = torch"):
+        assert hfkern.get_backend() == "auto,array_conv=torch"
+        assert hfkern.backend_info()["source"] == "use_backend"
+    assert hfkern.get_backend() == again
+    hfkern.set_backend("auto", ops={"array_conv": "auto"})
+    assert hfkern.get_backend() == "auto"
+
+
+def test_per_op_choices_resolve_per_op(monkeypatch):
+    calls = []
+    for op in ("test_only_op", "test_other_op"):
+        _backend.register(op, "torch", lambda op=op: calls.append((op, "torch")))
+        _backend.register(op, "cuda", lambda op=op: calls.append((op, "cuda")))
+    monkeypatch.setitem(_backend._availability, "cuda", lambda: (True, "pretend"))
+    cuda = torch.device("cuda")
+    try:
+        with hfkern.use_backend("torch", ops={"test_only_op": "cuda"}):
+            _backend.resolve("test_only_op", cuda)()
+            _backend.resolve("test_other_op", cuda)()
+            assert _backend.current("test_only_op", cuda) == "cuda"
+            info = hfkern.backend_info()["ops"]
+            assert info["test_only_op"]["cuda"].startswith("cuda (requested explicitly")
+            assert info["test_other_op"]["cuda"].startswith("torch (requested explicitly")
+            _backend.resolve("test_only_op", torch.device("cpu"))()  # CPU tensors: the torch path
+        with hfkern.use_backend("cuda", ops={"test_only_op": "torch"}):
+            _backend.resolve("test_only_op", cuda)()
+            _backend.resolve("test_other_op", cuda)()
+        _backend.resolve("test_only_op", cuda)()  # outside: the default (auto, no evidence: torch)
+        assert calls == [("test_only_op", "cuda"), ("test_other_op", "torch"), ("test_only_op", "torch"),
+                         ("test_only_op", "torch"), ("test_other_op", "cuda"), ("test_only_op", "torch")]
+        # A per-op auto is auto's rule for that op, evidence included.
+        _pretend_evidence(monkeypatch, _record())
+        with hfkern.use_backend("torch", ops={"test_only_op": "auto"}):
+            _backend.resolve("test_only_op", cuda)()
+            _backend.resolve("test_other_op", cuda)()
+        assert calls[-2:] == [("test_only_op", "cuda"), ("test_other_op", "torch")]
+    finally:
+        for op in ("test_only_op", "test_other_op"):
+            del _backend._registry[op]
+        _backend._resolved.clear()
+
+
+@pytest.mark.parametrize("name, ops, error, match", [
+    ("torch,nope=torch", None, ValueError, r"backend: no hfkern op 'nope'; forward ops: \[.*'adam_step_'"),
+    ("torch", {"nope": "torch"}, ValueError, r"ops: no hfkern op 'nope'"),
+    ("torch,array_conv_input_grad=torch", None, ValueError,
+     "hfkern::array_conv_input_grad runs on the backend its forward op ran"),
+    ("torch", {"array_batch_norm_backward": "torch"}, ValueError, "runs on the backend its forward op ran"),
+    ("torch,adam_step_", None, ValueError, "expected per-op choices as op=backend after the backend, got 'adam_step_'"),
+    ("torch,adam_step_=cudnn", None, ValueError, r"backend for adam_step_ must be one of .*got 'cudnn'"),
+    ("torch", {"adam_step_": 3}, TypeError, "backend for adam_step_ must be a str.*got int 3"),
+    ("torch", {3: "torch"}, TypeError, "expected op names as str, got int 3"),
+    ("torch", [("adam_step_", "torch")], TypeError, "ops must be a mapping of op names to backends, got list"),
+    ("cudnn,adam_step_=torch", None, ValueError, r"backend must be one of .*got 'cudnn'"),
+])
+def test_per_op_choices_are_validated_before_anything_changes(name, ops, error, match):
+    before = hfkern.get_backend()
+    with pytest.raises(error, match=match):
+        hfkern.set_backend(name, ops=ops)
+    with pytest.raises(error, match=match):
+        with hfkern.use_backend(name, ops=ops):
+            pass
+    assert hfkern.get_backend() == before
+
+
+def test_per_op_choice_of_a_backend_without_the_op(monkeypatch):
+    _backend.register("test_only_op", "torch", lambda: None)
+    monkeypatch.setitem(_backend._availability, "cuda", lambda: (True, "pretend"))
+    try:
+        with pytest.raises(ValueError, match=r"hfkern backend 'cuda' has no implementation of "
+                                             r"hfkern::test_only_op; registered: \['torch'\]"):
+            hfkern.set_backend("torch", ops={"test_only_op": "cuda"})
+    finally:
+        del _backend._registry["test_only_op"]
+
+
+def test_per_op_choice_of_an_unavailable_backend():
+    for name in ("cuda", "triton"):
+        ok, reason = _backend._availability[name]()
+        if ok:
+            continue
+        with pytest.raises(RuntimeError, match=f"backend for sgd_step_={name!r}: hfkern backend {name!r} "
+                                               "is not available"):
+            hfkern.set_backend("torch", ops={"sgd_step_": name})
+
+
+def test_environment_variable_takes_per_op_choices():
+    done = _import_hfkern("torch, sgd_step_=auto", _SHOW)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["torch,sgd_step_=auto", "HFKERN_BACKEND"]
+    done = _import_hfkern("torch,array_conv_weight_grad=torch")
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ValueError: HFKERN_BACKEND: hfkern::array_conv_weight_grad runs on the backend its forward op ran; "
+        "choose the backend of the forward op instead")
+
+
+def test_per_op_choice_reaches_the_eager_paths():
+    # CPU: every choice serves through the torch path, but a per-op "auto" must leave the
+    # op's eager path on (it asks the same registry) and the results unchanged.
+    from hfkern.ops import conv as conv_ops
+
+    x = torch.randn(2, 3, 4, 5, 5)
+    w = torch.randn(2, 6, 4, 3, 3)
+    with hfkern.use_backend("torch", ops={"array_conv": "auto"}):
+        assert _backend.eager_torch("array_conv", x.device)
+        y = conv_ops.conv(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    torch.testing.assert_close(y, conv_ops.array_conv(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))

@@ -167,3 +167,20 @@ def test_the_dispatched_ops_mode_runs_beside_the_array(tmp_path):
     for r in rows.values():
         assert "error" not in r and r["step_ms"] > 0, r
     assert "--out <out>" in record["command"]  # a scratch folder is not recorded
+
+
+def test_a_backend_with_per_op_choices_is_a_mode_of_its_own(tmp_path):
+    """gpu_run.sh times the torch path with only the optimizer steps on hfkern's kernels
+    (``--backends torch,sgd_step_=cuda``): one op's evidence for auto. On a CPU the
+    per-op auto serves the torch path; what is checked is that the selection reaches the
+    workers and keys its rows, and that a bad one is refused up front."""
+    proc = _run("train_throughput.py", "--smoke", "--precisions", "fp32", "--workloads", "resnet18", "--B", "2",
+                "--backends", "torch", "torch,sgd_step_=auto", "--modes", "array",
+                "--out", str(tmp_path), "--name", "t", "--no-plots")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {r["key"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
+    assert set(rows) == {"array[torch]", "array[torch,sgd_step_=auto]"}
+    for r in rows.values():
+        assert "error" not in r and r["step_ms"] > 0, r
+    proc = _run("train_throughput.py", "--smoke", "--backends", "torch,array_conv_input_grad=cuda")
+    assert proc.returncode != 0 and "runs on the backend its forward op ran" in proc.stderr
