@@ -116,6 +116,8 @@ _context: contextvars.ContextVar[str | None] = contextvars.ContextVar("hfkern_ba
 _logged_auto: set[tuple[str, str, torch.dtype | None]] = set()
 # (op, device type, dtype, requested backend) -> (backend, implementation); cleared by register()
 _resolved: dict[tuple[str, str, torch.dtype | None, str], tuple[str, Callable]] = {}
+# Counts register() calls: what callers that cache a decision of the registry compare.
+generation = 0
 
 
 def _torch_available() -> tuple[bool, str]:
@@ -201,8 +203,10 @@ def register(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    global generation
     _registry.setdefault(op, {})[backend] = _Impl(fn, tuple(device_types or ()), auto, tuple(dtypes or ()))
     _resolved.clear()
+    generation += 1
 
 
 def implements(

@@ -502,6 +502,12 @@ class _ArrayCall(_capture.GraphTarget):
         else:
             self.elementwise = fn in _ELEMENTWISE_FUNCTIONS
             self.translate = _TRANSLATED_FUNCTIONS.get(fn)
+        # An elementwise call whose marks are one flag or number per positional argument (a
+        # residual `a + b`, `x * 0.5`): __call__ checks those arguments directly.
+        arg_marks, kwarg_marks = marks if isinstance(marks, tuple) and len(marks) == 2 else (None, None)
+        flat = (self.elementwise and isinstance(arg_marks, tuple) and kwarg_marks == {}
+                and all(m is None or type(m) in (bool, int, float) for m in arg_marks))
+        self._flags = arg_marks if flat else None
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if self.method is not None:
@@ -509,6 +515,9 @@ class _ArrayCall(_capture.GraphTarget):
         return self.fn(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flags = self._flags
+        if flags is not None and not kwargs and len(args) == len(flags) and self._same_rank_arrays(args, flags):
+            return self._call(args, kwargs)  # what the general path below does with such arguments
         dims = _in_dims(self.marks, (args, kwargs))
         arrays = _tensors(dims, (args, kwargs), True)
         if not arrays:
@@ -528,6 +537,20 @@ class _ArrayCall(_capture.GraphTarget):
             except _Fallback:
                 pass
         return self._vmap(dims, args, kwargs)
+
+    @staticmethod
+    def _same_rank_arrays(args: tuple, flags: tuple) -> bool:
+        """Whether every array argument is a tensor, all of one rank, and every other argument
+        a number, bool or None (no tensor the general path would have to align)."""
+        rank = None
+        for a, array in zip(args, flags):
+            if array is True:
+                if type(a) is not torch.Tensor or (rank is not None and a.dim() != rank):
+                    return False
+                rank = a.dim()
+            elif not (a is None or type(a) in (int, float, bool)):
+                return False
+        return rank is not None
 
     @staticmethod
     def _first_holds_arrays(dims: Any) -> bool:
@@ -691,13 +714,22 @@ _RELU_FUNCTIONS = (F.relu, torch.relu, torch.relu_)  # F.relu_ is torch.relu_
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+_GLOBAL_HOOKS = tuple("_global" + h for h in _HOOKS)
+
+
 def _hooked(module: nn.Module | None) -> bool:
     """Whether a call of ``module`` runs hooks (its own or global ones), which would see the
-    norm's output or its gradient."""
+    norm's output or its gradient. (Asked per call: read from the dicts directly.)"""
     if module is None:
         return False
-    return any(getattr(module, h, None) for h in _HOOKS) or any(
-        getattr(nn.modules.module, "_global" + h, None) for h in _HOOKS)
+    own, registry = module.__dict__, vars(nn.modules.module)
+    for h in _HOOKS:
+        if own.get(h):
+            return True
+    for h in _GLOBAL_HOOKS:
+        if registry.get(h):
+            return True
+    return False
 
 
 def _activation_of(node: fx.Node, norm: fx.Node, model: nn.Module) -> str | None:
@@ -825,19 +857,26 @@ class _ConvNorm(_capture.GraphTarget):
         self.activation = activation
         self._norm_activation = _NormActivation(activation) if activation else None
         self._named(f"conv_norm_{activation}" if activation else "conv_norm")
+        # The metadata (_signature) of the last call that took the grouped path: a call of
+        # the same metadata takes it again without the checks, which cost a few tens of
+        # microseconds of host time per call, as much as the two torch calls themselves.
+        self._served: tuple | None = None
 
     def __call__(self, conv: nn.Module, norm: nn.Module, x: torch.Tensor, act_module: nn.Module | None = None) -> Any:
         if _hooked(conv) or _hooked(norm) or _hooked(act_module) or norm.activation != "none":
             y = conv(x)  # something observes the calls (hooks added since): the calls themselves
         else:
-            grouped = conv._grouped_output(x)
+            signature = _signature(conv, norm, x)
+            checked = signature is not None and signature == self._served
+            grouped = conv._grouped_output(x, checked=checked)
             if grouped is None:
                 y = conv(x)
             else:
                 yg, fmt = grouped
                 fused = "relu" if self.activation == "relu" else "none"
-                z = norm._normalize_grouped(yg, conv.B, fmt, fused)
+                z = norm._normalize_grouped(yg, conv.B, fmt, fused, checked=checked)
                 if z is not None:
+                    self._served = signature
                     if self.activation is None or fused == self.activation:
                         return z
                     return act_module(z) if act_module is not None else _ACTIVATION_FUNCTIONS[self.activation](z)
@@ -845,6 +884,34 @@ class _ConvNorm(_capture.GraphTarget):
         if self._norm_activation is None:
             return norm(y)
         return self._norm_activation(norm, y, act_module)
+
+
+_CONV_CONFIG = ("B", "in_channels", "out_channels", "stride", "padding", "dilation", "groups", "padding_mode",
+                "output_padding", "_reversed_padding_repeated_twice", "memory_format")
+_NORM_CONFIG = ("B", "num_features", "training", "track_running_stats", "momentum", "eps", "activation")
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (type(t), t.shape, t.dtype, t.device, t.layout)
+
+
+def _signature(conv: nn.Module, norm: nn.Module, x: Any) -> tuple | None:
+    """Everything whether :class:`_ConvNorm`'s grouped path serves a call depends on, and
+    what its checks read: the input's metadata (strides included), both modules'
+    configuration and their tensors' metadata, the backend selection and the autocast
+    state; None where a call must be checked whatever came before (a compiler tracing
+    it, an input that is not a tensor)."""
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling():
+        return None
+    device_type = x.device.type
+    autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
+    c, n = conv.__dict__, norm.__dict__
+    cp, np_, nb = c["_parameters"], n["_parameters"], n["_buffers"]
+    return (x.shape, x.stride(), x.dtype, x.device, autocast, _backend.get_backend(), _backend._eager_paths,
+            _backend.generation,
+            type(conv), type(norm), *(c.get(k) for k in _CONV_CONFIG), *(n.get(k) for k in _NORM_CONFIG),
+            _meta(cp.get("weight")), _meta(cp.get("bias")), _meta(np_.get("weight")), _meta(np_.get("bias")),
+            _meta(nb.get("running_mean")), _meta(nb.get("running_var")), _meta(nb.get("num_batches_tracked")))
 
 
 # ---- the fused model -----------------------------------------------------------------

@@ -538,3 +538,46 @@ def test_other_threads_are_untouched_while_a_capture_runs():
     hfkern.fuse([Waits() for _ in range(B)])
     thread.join(10)
     assert seen == [torch.Tensor, False, 1]
+
+
+@pytest.mark.parametrize("call", ["a + b", "a * b", "a.add(b)", "torch.mul(a, 2.0)", "a.sub(b, alpha=2)"])
+def test_elementwise_calls_with_arrays_of_one_rank_take_the_direct_call(call, monkeypatch):
+    """An elementwise call whose array arguments are tensors of one rank (a residual `a + b`)
+    calls the function directly, without the general path's argument walk; arrays of
+    different ranks and keyword arguments still take the general path. Both give what B
+    torch models give."""
+    from hfkern import fusion
+
+    calls = {"a + b": lambda a, b: a + b, "a * b": lambda a, b: a * b, "a.add(b)": lambda a, b: a.add(b),
+             "torch.mul(a, 2.0)": lambda a, b: torch.mul(a, 2.0), "a.sub(b, alpha=2)": lambda a, b: a.sub(b, alpha=2)}
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = nn.Linear(3, 3)
+            self.g = nn.Linear(3, 3)
+
+        def forward(self, x, y):
+            a, b = self.f(x), self.g(x)
+            return calls[call](a, b) - self.g(y)  # [N, T, 3] - [N, 3]... per model: ranks differ
+
+    torch.manual_seed(0)
+    B = 3
+    models = [Net() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    seen = []
+    real = fusion._ArrayCall.__call__
+
+    def spy(self, *args, **kwargs):
+        flags = self._flags
+        direct = flags is not None and not kwargs and len(args) == len(flags) and \
+            self._same_rank_arrays(args, flags)
+        seen.append(direct)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(fusion._ArrayCall, "__call__", spy)
+    x, y = torch.randn(B, 4, 5, 3), torch.randn(B, 5, 3)
+    out = fused(x, y)
+    for b, m in enumerate(models):
+        assert_close(out[b], m(x[b], y[b]))
+    assert seen == [("alpha" not in call), False]  # the call, then the subtraction of another rank

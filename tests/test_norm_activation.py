@@ -893,3 +893,151 @@ def test_hooks_added_after_fusing_see_the_convolution_and_norm_outputs():
         conv_out = m.features[0](x[b])
         torch.testing.assert_close(seen["features.0"][b], conv_out, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(seen["features.1"][b], m.features[1](conv_out), rtol=1e-4, atol=1e-5)
+
+
+# ---- the call's checks skipped for metadata seen before -----------------------------------------
+
+def _served(fused):
+    from hfkern.fusion import _ConvNorm
+    return [n.target._served for n in fused.graph.nodes if isinstance(n.target, _ConvNorm)]
+
+
+def _forget(fused):
+    """Clear what the fused model's convolution + batch norm calls remember of earlier calls."""
+    from hfkern.fusion import _ConvNorm
+    for n in fused.graph.nodes:
+        if isinstance(n.target, _ConvNorm):
+            n.target._served = None
+
+
+def _outcome(fn):
+    """What calling ``fn`` gives: its value (detached, cloned) or its exception's type and message."""
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - the comparison is the point
+        return type(e), str(e)
+    return out.detach().clone()
+
+
+def _set_data(path, name, make):
+    def mutate(fused):
+        t = getattr(fused.get_submodule(path), name)
+        t.data = make(t)
+    return mutate
+
+
+def _set_attr(path, name, value):
+    return lambda fused: setattr(fused.get_submodule(path), name, value)
+
+
+_MUTATIONS = {
+    "nothing": lambda fused: None,
+    "conv weight of another shape": _set_data("features.0", "weight", lambda w: torch.ones(w.shape[0], 5, *w.shape[2:])),
+    "conv weight in float64": _set_data("features.0", "weight", lambda w: w.double()),
+    "conv weight channels-last": _set_data(
+        "features.0", "weight", lambda w: w.reshape(-1, *w.shape[2:]).contiguous(
+            memory_format=torch.channels_last).view(w.shape)),
+    "conv bias added": lambda fused: setattr(fused.features[0], "bias", nn.Parameter(torch.linspace(-1, 1, 12).view(3, 4))),
+    "conv padding": _set_attr("features.3", "padding", (0, 0)),
+    "conv stride": _set_attr("features.3", "stride", (1, 1)),
+    "conv dilation of the wrong length": _set_attr("features.3", "dilation", (1,)),
+    "conv groups zero": _set_attr("features.3", "groups", 0),
+    "conv memory format": lambda fused: fused.features[0]._set_memory_format(torch.channels_last),
+    "conv made 1x1": lambda fused: (
+        _set_data("features.0", "weight", lambda w: torch.ones(*w.shape[:3], 1, 1) / 3)(fused),
+        _set_attr("features.0", "padding", (0, 0))(fused),
+        _set_attr("features.0", "_reversed_padding_repeated_twice", [0, 0, 0, 0])(fused)),
+    "norm weight of another shape": _set_data("features.1", "weight", lambda w: w.t().contiguous()),
+    "norm weight in float64": _set_data("features.1", "weight", lambda w: w.double()),
+    "norm weight removed": _set_attr("features.1", "weight", None),
+    "running mean of another shape": _set_data("features.1", "running_mean", lambda t: torch.zeros(t.numel())),
+    "running var in bfloat16": _set_data("features.4", "running_var", lambda t: t.bfloat16()),
+    "step count in float": _set_data("features.1", "num_batches_tracked", lambda t: t.float()),
+    "momentum None": _set_attr("features.1", "momentum", None),
+    "momentum None without step counts": lambda fused: (setattr(fused.features[1], "momentum", None),
+                                                        setattr(fused.features[1], "num_batches_tracked", None)),
+    "eps zero": _set_attr("features.4", "eps", 0.0),
+    "untracked": _set_attr("features.1", "track_running_stats", False),
+    "eval": lambda fused: fused.eval(),
+    "norm eval only": lambda fused: fused.features[4].eval(),
+}
+
+_INPUTS = {
+    "same": lambda x: x,
+    "another batch": lambda x: torch.randn(x.shape[0], 2 * x.shape[1], *x.shape[2:]),
+    "another image size": lambda x: torch.randn(*x.shape[:3], 8, 8),
+    "batch-major": lambda x: x.transpose(0, 1).contiguous().transpose(0, 1),
+    "channels-last": lambda x: x.permute(1, 3, 4, 0, 2).contiguous().permute(3, 0, 4, 1, 2),
+    "float64": lambda x: x.double(),
+    "shared": lambda x: hfkern.broadcast(x[0], x.shape[0]),
+    "wrong channels": lambda x: torch.randn(*x.shape[:2], 2, *x.shape[3:]),
+    "wrong B": lambda x: x[:2],
+    "one sample": lambda x: x[:, :1],
+}
+
+
+@pytest.mark.parametrize("mutation", list(_MUTATIONS))
+@pytest.mark.parametrize("given", ["same", "another batch", "channels-last", "float64", "shared"])
+def test_a_call_that_skips_the_checks_does_what_a_checked_call_does(mutation, given):
+    """The convolution + batch norm call skips its checks when a call of the same metadata
+    (input strides, both modules' configuration, their tensors' shapes, dtypes and devices,
+    backend selection, autocast state) took its path before. Whatever changes after such a
+    call, the next call does exactly what it does on a model that remembers nothing: the same
+    values bit for bit, the same running statistics, or the same error."""
+    B = 3
+    torch.manual_seed(4)
+    models = [ConvNormNet() for _ in range(B)]
+    remembers, forgets = hfkern.fuse(models), hfkern.fuse(models)
+    x = torch.randn(B, 4, 3, 6, 6)
+    for fused in (remembers, forgets):
+        fused(x)
+    _forget(forgets)
+    assert all(s is not None for s in _served(remembers)) and not any(_served(forgets))
+    for fused in (remembers, forgets):
+        _MUTATIONS[mutation](fused)
+    x2 = _INPUTS[given](x)
+    outcomes = [_outcome(lambda: remembers(x2))]
+    _forget(forgets)
+    outcomes.append(_outcome(lambda: forgets(x2)))
+    if isinstance(outcomes[0], torch.Tensor):
+        assert torch.equal(outcomes[0], outcomes[1])
+        for (name, a), b in zip(remembers.named_buffers(), forgets.buffers()):
+            assert torch.equal(a, b), name
+    else:
+        assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("given", [g for g in _INPUTS if g != "same"])
+def test_a_call_after_the_checked_one_with_other_inputs(given):
+    test_a_call_that_skips_the_checks_does_what_a_checked_call_does("nothing", given)
+
+
+def test_the_checks_are_skipped_only_for_metadata_seen_before(monkeypatch):
+    import hfkern.ops.batch_norm as obn
+    B = 2
+    torch.manual_seed(5)
+    fused = hfkern.fuse([ConvNormNet() for _ in range(B)])
+    checks = CallCounter(monkeypatch, obn, "_check_forward")
+    x = torch.randn(B, 4, 3, 6, 6)
+    fused(x)
+    first = checks.n
+    assert first >= 4  # each of the four calls checked
+    fused(x)
+    fused(torch.randn(B, 4, 3, 6, 6))
+    assert checks.n == first  # the same metadata: not again
+    fused(torch.randn(B, 5, 3, 6, 6))
+    assert checks.n == 2 * first  # another batch size: checked
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused(x)
+    assert checks.n == 3 * first
+    with hfkern.use_backend("torch"):  # another selection string (auto before)
+        fused(x)
+    assert checks.n == 4 * first
+
+
+def test_a_compiler_tracing_the_call_never_skips_the_checks(monkeypatch):
+    from hfkern import fusion
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    conv = hfkern.nn.Conv2d(2, 2, 3, padding=1, B=2)
+    norm = hfkern.nn.BatchNorm2d(2, B=2)
+    assert fusion._signature(conv, norm, torch.randn(2, 3, 2, 5, 5)) is None

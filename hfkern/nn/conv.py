@@ -142,21 +142,26 @@ class _ArrayConvNd(ArrayModule):
         left, right = pad[0::2][::-1], pad[1::2][::-1]
         return tuple(left) if self.padding_mode == "zeros" and left == right else None
 
-    def _grouped_output(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.memory_format] | None:
+    def _grouped_output(self, input: torch.Tensor, *, checked: bool = False
+                        ) -> tuple[torch.Tensor, torch.memory_format] | None:
         """``forward(input)`` as ``(y, fmt)`` with ``y`` the grouped result ``[N, B*C_out, *s']``
         (see :func:`hfkern.ops.conv.grouped_conv`), where the eager torch path computes it
         so: a batched per-model input and padding the convolution applies itself; else None.
-        Raises what ``forward`` raises for a bad input."""
-        x, unbatched = self._check(input)
+        Raises what ``forward`` raises for a bad input. ``checked``: a call of the same
+        metadata took this path before (``grouped_conv``'s ``checked``): no checks."""
         padding = self._direct_padding()
-        if unbatched or padding is None:
-            return None
+        if checked:
+            x = input
+        else:
+            x, unbatched = self._check(input)
+            if unbatched or padding is None:
+                return None
         x = self._in_memory_format(x)
-        if is_shared(x):
+        if not checked and is_shared(x):
             return None
         return grouped_conv(x, self.weight, self.bias, list(self.stride), list(padding), list(self.dilation),
                             self._transposed, list(self.output_padding) if self._transposed else [0] * self._n,
-                            self.groups)
+                            self.groups, checked=checked)
 
 
 class _ArrayConv(_ArrayConvNd):

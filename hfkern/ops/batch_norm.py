@@ -241,9 +241,10 @@ def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tra
     return y, mean, rstd
 
 
-def _grouped_train(xg, B, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps):
+def _grouped_train(xg, B, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
+                   stats: bool = True):
     """torch's training batch norm of the grouped ``xg`` (``[N, B*C, *S]``), running statistics
-    updated: ``(yg, mean [B, C], rstd [B, C])``."""
+    updated: ``(yg, mean [B, C], rstd [B, C])`` (with ``stats=False`` the last two are None)."""
     C = xg.shape[1] // B
     running, factor = (None, None), 0.0
     if running_mean is not None and momentum is not None:
@@ -257,6 +258,8 @@ def _grouped_train(xg, B, weight, bias, running_mean, running_var, num_batches_t
     if running_mean is not None and momentum is None:
         _update_running(running_mean, running_var, num_batches_tracked,
                         running[0].view(B, C), running[1].view(B, C), None)
+    if not stats:
+        return y, None, None
     return y, mean.view(B, C), rstd.view(B, C)
 
 
@@ -273,18 +276,35 @@ def grouped_serves(xg: Tensor, B: int, *per_channel: Tensor | None, activation: 
 def grouped_batch_norm(
     xg: Tensor, B: int, fmt: torch.memory_format, weight: Tensor | None, bias: Tensor | None,
     running_mean: Tensor | None, running_var: Tensor | None, num_batches_tracked: Tensor | None,
-    momentum: float | None, eps: float, activation: str = "none",
+    momentum: float | None, eps: float, activation: str = "none", *, checked: bool = False,
 ) -> Tensor:
     """Training batch norm of the array whose grouped form is ``xg`` (``[N, B*C, *S]``, e.g.
     :func:`hfkern.ops.conv.grouped_conv`'s result, ``fmt`` its array memory format) where
     :func:`grouped_serves`: the output array of :func:`array_batch_norm`'s eager path (a
     tensor of its own, :func:`hfkern._array.fresh_array`), the running statistics
-    updated, the arguments checked as the op checks them."""
-    C = xg.shape[1] // B
-    _check_forward(torch.empty((B, xg.shape[0], C, *xg.shape[2:]), dtype=xg.dtype, device="meta"), weight, bias,
-                   running_mean, running_var, num_batches_tracked, True, momentum, activation)
-    y, _, _ = _grouped_train(xg, B, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps)
+    updated, the arguments checked as the op checks them (unless ``checked``: a call of
+    the same metadata passed them before)."""
+    if not checked:
+        _check_forward(_ArrayMeta(xg, B), weight, bias, running_mean, running_var, num_batches_tracked, True,
+                       momentum, activation)
+    y, _, _ = _grouped_train(xg, B, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
+                             stats=False)
     return activate_(fresh_array(y, B, fmt), activation)
+
+
+class _ArrayMeta:
+    """The metadata the argument checks read of the array ``[B, N, C, *S]`` whose grouped
+    form is ``xg``, without making a tensor (a meta tensor costs as much as the checks)."""
+
+    def __init__(self, xg: Tensor, B: int):
+        self.shape = torch.Size((B, xg.shape[0], xg.shape[1] // B, *xg.shape[2:]))
+        self.dtype = xg.dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
 
 
 def _affine(centered: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, bias: Tensor | None,

@@ -271,7 +271,7 @@ def _eager_inputs(x, weight, bias, stride, padding, dilation, output_padding, gr
 
 def grouped_conv(
     x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
-    dilation: list[int], transposed: bool, output_padding: list[int], groups: int,
+    dilation: list[int], transposed: bool, output_padding: list[int], groups: int, *, checked: bool = False,
 ) -> tuple[Tensor, torch.memory_format] | None:
     """:func:`conv`'s eager torch path for a per-model input, stopped before the array
     view: ``(y, fmt)``, ``y`` the grouped result ``[N, B*C_out, *s']`` (differentiable by
@@ -279,11 +279,18 @@ def grouped_conv(
     (:func:`hfkern._array.fresh_array` of the two is exactly its result). None where
     ``conv`` takes another path: another backend or ``torch.compile``, a shared input,
     the CPU's 1x1 convolutions as batched matmuls. What ``hfkern.fuse`` runs for a
-    convolution whose output only a batch norm reads (:func:`hfkern.ops.batch_norm.grouped_batch_norm`)."""
-    if (not _backend.eager_torch(_FWD, x.device) or x.dim() != weight.dim()
-            or _pointwise(x, weight, stride, padding, dilation, transposed, groups)):
-        return None
-    x, weight, bias = _eager_inputs(x, weight, bias, stride, padding, dilation, output_padding, groups)
+    convolution whose output only a batch norm reads (:func:`hfkern.ops.batch_norm.grouped_batch_norm`).
+
+    ``checked``: the caller knows that a call with the same metadata (shapes, strides,
+    dtypes, devices, arguments, backend selection, autocast state) took this path and
+    passed the op's checks, so they are not repeated; autocast's casts still apply."""
+    if not checked:
+        if (not _backend.eager_torch(_FWD, x.device) or x.dim() != weight.dim()
+                or _pointwise(x, weight, stride, padding, dilation, transposed, groups)):
+            return None
+        x, weight, bias = _eager_inputs(x, weight, bias, stride, padding, dilation, output_padding, groups)
+    else:
+        x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
     fmt = array_memory_format(x)
     return _grouped_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups), fmt
 
