@@ -287,6 +287,16 @@ def _matmul(a, b):
     return torch.matmul(a, b)
 
 
+def _bmm(a, b):
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 4 or b.dim() != 4:
+        raise _Fallback  # not per-model 3-D: torch.bmm's own error, under vmap
+    return torch.matmul(a, b)
+
+
+# Translations of calls whose arrays may be in any argument, not only the first.
+_ANY_ARGUMENT = (_matmul, _bmm)
+
+
 def _folded(fn: Callable, batched_rank: int):
     """Ops on ``[N, C, *s]`` that also take an unbatched ``[C, *s]`` (pooling, interpolation):
     a per-model batched input folds B into N; an unbatched one is a batched array input."""
@@ -367,7 +377,7 @@ _TRANSLATED_METHODS: dict[str, Callable] = {
     "softmax": _with_dim("softmax"), "log_softmax": _with_dim("log_softmax"),
     "cumsum": _with_dim("cumsum"), "cumprod": _with_dim("cumprod"), "chunk": _split_like("chunk"),
     "split": _split_like("split"), "unbind": _unbind, "narrow": _narrow, "expand": _expand,
-    "matmul": _matmul, "bmm": _matmul, "__matmul__": _matmul, "__getitem__": _getitem,
+    "matmul": _matmul, "bmm": _bmm, "__matmul__": _matmul, "__getitem__": _getitem,
 }
 _TRANSLATED_FUNCTIONS: dict[Callable, Callable] = {
     torch.flatten: _flatten, torch.reshape: _reshape, torch.transpose: _transpose,
@@ -381,7 +391,7 @@ _TRANSLATED_FUNCTIONS: dict[Callable, Callable] = {
     F.log_softmax: _f_softmax("log_softmax"), torch.chunk: _split_like("chunk"),
     torch.split: _split_like("split"), torch.unbind: _unbind, torch.narrow: _narrow,
     torch.cat: _cat, torch.concat: _cat, torch.concatenate: _cat, torch.stack: _stack,
-    torch.matmul: _matmul, torch.bmm: _matmul, operator.matmul: _matmul, operator.getitem: _getitem,
+    torch.matmul: _matmul, torch.bmm: _bmm, operator.matmul: _matmul, operator.getitem: _getitem,
     builtins.getattr: _getattr, F.adaptive_avg_pool1d: _folded(F.adaptive_avg_pool1d, 3),
     F.adaptive_avg_pool2d: _folded(F.adaptive_avg_pool2d, 4),
     F.adaptive_max_pool1d: _folded(F.adaptive_max_pool1d, 3),
@@ -448,6 +458,7 @@ def _collect_tensors(d: Any, v: Any, array: bool, out: list[torch.Tensor]) -> No
 
 
 _OUT = object()  # marks a tensor output among vmap's non-tensor outputs
+_WALK = object()  # _ArrayCall._direct: the general path decides
 
 
 def _vmap_call(fn: Callable, dims: tuple, args: tuple, kwargs: dict) -> Any:
@@ -502,12 +513,13 @@ class _ArrayCall(_capture.GraphTarget):
         else:
             self.elementwise = fn in _ELEMENTWISE_FUNCTIONS
             self.translate = _TRANSLATED_FUNCTIONS.get(fn)
-        # An elementwise call whose marks are one flag or number per positional argument (a
-        # residual `a + b`, `x * 0.5`): __call__ checks those arguments directly.
+        # Marks of one flag or constant per argument (`a + b`, `x.view(-1, 64)`, `x.max(2,
+        # keepdim=True)`): __call__ reads such arguments directly (_direct) rather than walking
+        # them as trees, the general path's per-call cost.
         arg_marks, kwarg_marks = marks if isinstance(marks, tuple) and len(marks) == 2 else (None, None)
-        flat = (self.elementwise and isinstance(arg_marks, tuple) and kwarg_marks == {}
-                and all(m is None or type(m) in (bool, int, float) for m in arg_marks))
-        self._flags = arg_marks if flat else None
+        flat = (isinstance(arg_marks, tuple) and isinstance(kwarg_marks, dict)
+                and all(_is_plain(m) for m in (*arg_marks, *kwarg_marks.values())))
+        self._arity = (len(arg_marks), tuple(kwarg_marks)) if flat else None
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if self.method is not None:
@@ -515,9 +527,10 @@ class _ArrayCall(_capture.GraphTarget):
         return self.fn(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flags = self._flags
-        if flags is not None and not kwargs and len(args) == len(flags) and self._same_rank_arrays(args, flags):
-            return self._call(args, kwargs)  # what the general path below does with such arguments
+        if self._arity is not None and self._arity == (len(args), tuple(kwargs)):
+            out = self._direct(args, kwargs)
+            if out is not _WALK:
+                return out
         dims = _in_dims(self.marks, (args, kwargs))
         arrays = _tensors(dims, (args, kwargs), True)
         if not arrays:
@@ -531,26 +544,40 @@ class _ArrayCall(_capture.GraphTarget):
                         return self._vmap(dims, args, kwargs)  # in place into a lower-rank tensor
                     args, kwargs = _aligned(dims, (args, kwargs), rank)
                 return self._call(args, kwargs)
-        elif self.translate is not None and not others and self._first_holds_arrays(dims):
+        elif self.translate is not None and not others and (
+                self.translate in _ANY_ARGUMENT or self._first_holds_arrays(dims)):
             try:
                 return self.translate(*args, **kwargs)
             except _Fallback:
                 pass
         return self._vmap(dims, args, kwargs)
 
-    @staticmethod
-    def _same_rank_arrays(args: tuple, flags: tuple) -> bool:
-        """Whether every array argument is a tensor, all of one rank, and every other argument
-        a number, bool or None (no tensor the general path would have to align)."""
-        rank = None
-        for a, array in zip(args, flags):
-            if array is True:
-                if type(a) is not torch.Tensor or (rank is not None and a.dim() != rank):
-                    return False
-                rank = a.dim()
-            elif not (a is None or type(a) in (int, float, bool)):
-                return False
-        return rank is not None
+    def _direct(self, args: tuple, kwargs: dict) -> Any:
+        """What the general path of ``__call__`` does with arguments that are array tensors
+        (where marked) and plain values (:func:`_is_plain`) only, when all arrays have one
+        rank (elementwise; a translated call whose arrays are the first argument, or any
+        for a matmul); ``_WALK`` where the general path must decide."""
+        rank, first_only = None, True
+        for i, (a, mark) in enumerate(zip(args, self.marks[0])):
+            if type(a) is torch.Tensor:
+                if mark is not True or (rank is not None and a.dim() != rank):
+                    return _WALK  # a tensor that is not an array, or arrays of different ranks
+                rank, first_only = a.dim(), first_only and i == 0
+            elif not _is_plain(a):
+                return _WALK
+        for a in kwargs.values():
+            if not _is_plain(a):  # a tensor among the keywords included
+                return _WALK
+        if rank is None:
+            return self._call(args, kwargs)  # its array arguments were shapes or flags
+        if self.elementwise:
+            return self._call(args, kwargs)
+        if self.translate is not None and (first_only or self.translate in _ANY_ARGUMENT):
+            try:
+                return self.translate(*args, **kwargs)
+            except _Fallback:
+                return self._vmap(_in_dims(self.marks, (args, kwargs)), args, kwargs)
+        return _WALK
 
     @staticmethod
     def _first_holds_arrays(dims: Any) -> bool:

@@ -218,11 +218,11 @@ def test_batch_norm_eager_path_equals_the_op(B, layout, momentum, activation, af
     direct = _RegistryCalls(request, "array_batch_norm")
     eager = _run(module, x, B, eager=True)
     assert ops.n == 0
-    # Contiguous [B, N, ...] memory has no free grouped view: the Function serves it, calling
-    # the torch implementation without the dispatcher.
-    assert direct.n == (layout == "contiguous")
+    # Contiguous [B, N, ...] memory has no free grouped view: torch's kernel on a copy of
+    # it, under torch's autograd as on the free view; the op's torch path copies alike.
+    assert direct.n == 0
     dispatched = _run(module, x, B, eager=False)
-    assert ops.n > 0 and direct.n == (layout == "contiguous") + 1
+    assert ops.n > 0 and direct.n == 1
     _assert_same(eager, dispatched)
 
 
@@ -247,7 +247,30 @@ def test_batch_norm_eager_path_in_mixed_precision():
     assert results[0][0].dtype == torch.bfloat16 and results[0][1].dtype == torch.float32
 
 
-@pytest.mark.parametrize("case", ["eval", "gelu", "B=1", "one channel", "1-d"])
+@pytest.mark.parametrize("layout", ["contiguous", "batch_major"])
+@pytest.mark.parametrize("activation", ["none", "relu"])
+def test_batch_norm_eager_path_on_linear_outputs(layout, activation, monkeypatch, request):
+    """BatchNorm1d on [B, N, C] (a linear layer's output, B-major; or [N, B, C] memory): torch's
+    batch norm on the grouped [N, B*C] (a copy where the memory is B-major) under torch's own
+    autograd; the dispatched op's results, strides included."""
+    B, C = 3, 6
+    module = hnn.BatchNorm1d(C, activation=activation, B=B)
+    with torch.no_grad():
+        module.weight.uniform_(0.5, 1.5)
+        module.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(B, 7, C)
+    if layout == "batch_major":
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    ops = _Calls(monkeypatch, bn_ops, "array_batch_norm_op")
+    direct = _RegistryCalls(request, "array_batch_norm")
+    eager = _run(module, x, B, eager=True)
+    assert (ops.n, direct.n) == (0, 0)
+    dispatched = _run(module, x, B, eager=False)
+    assert (ops.n, direct.n) == (1, 1)
+    _assert_same(eager, dispatched)
+
+
+@pytest.mark.parametrize("case", ["eval", "gelu", "B=1", "one channel"])
 def test_batch_norm_cases_the_autograd_function_serves_without_the_dispatcher(case, monkeypatch, request):
     """What torch's batch norm under autograd does not serve runs the op's autograd Function,
     which calls the torch implementations directly: the dispatched op's results."""

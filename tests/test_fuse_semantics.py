@@ -20,6 +20,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import hfkern
+from _util import CallCounter
 
 B = 3
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -540,16 +541,20 @@ def test_other_threads_are_untouched_while_a_capture_runs():
     assert seen == [torch.Tensor, False, 1]
 
 
-@pytest.mark.parametrize("call", ["a + b", "a * b", "a.add(b)", "torch.mul(a, 2.0)", "a.sub(b, alpha=2)"])
-def test_elementwise_calls_with_arrays_of_one_rank_take_the_direct_call(call, monkeypatch):
-    """An elementwise call whose array arguments are tensors of one rank (a residual `a + b`)
-    calls the function directly, without the general path's argument walk; arrays of
-    different ranks and keyword arguments still take the general path. Both give what B
-    torch models give."""
+@pytest.mark.parametrize("call, walked", [
+    ("a + b", set()), ("a * b", set()), ("a.add(b)", set()), ("torch.mul(a, 2.0)", set()),
+    ("a.sub(b, alpha=2)", set()), ("a.transpose(1, 2).transpose(2, 1)", set()),
+    ("torch.sum(a, dim=(0, 1), keepdim=True) * b", set()),
+    ("a.max(1, keepdim=True)[0] + b", {"per_model_getitem"}),            # indexes a tuple of tensors
+    ("a.sum(2, dtype=torch.float64, keepdim=True).float() * b", {"per_model_sum"}),  # a dtype keyword
+])
+def test_calls_of_array_tensors_and_plain_values_take_the_direct_path(call, walked, monkeypatch):
+    """A call whose arguments are array tensors (of one rank, for an elementwise call; only
+    the first, for a translated one) and plain values (numbers, flags, tuples of them) is run
+    without the general path's walk over the arguments; arrays of different ranks (the last
+    subtraction), a non-plain keyword or a tuple of tensors take the general path. Both give
+    what B torch models give."""
     from hfkern import fusion
-
-    calls = {"a + b": lambda a, b: a + b, "a * b": lambda a, b: a * b, "a.add(b)": lambda a, b: a.add(b),
-             "torch.mul(a, 2.0)": lambda a, b: torch.mul(a, 2.0), "a.sub(b, alpha=2)": lambda a, b: a.sub(b, alpha=2)}
 
     class Net(nn.Module):
         def __init__(self):
@@ -559,25 +564,82 @@ def test_elementwise_calls_with_arrays_of_one_rank_take_the_direct_call(call, mo
 
         def forward(self, x, y):
             a, b = self.f(x), self.g(x)
-            return calls[call](a, b) - self.g(y)  # [N, T, 3] - [N, 3]... per model: ranks differ
+            out = eval(call, {"torch": torch, "a": a, "b": b})
+            return out - self.g(y)  # [N, T, 3] - [T, 3] per model: ranks differ
 
     torch.manual_seed(0)
     B = 3
     models = [Net() for _ in range(B)]
     fused = hfkern.fuse(models)
-    seen = []
-    real = fusion._ArrayCall.__call__
+    seen = []  # [name, took the direct path] per call
+    real_call, real_direct = fusion._ArrayCall.__call__, fusion._ArrayCall._direct
 
-    def spy(self, *args, **kwargs):
-        flags = self._flags
-        direct = flags is not None and not kwargs and len(args) == len(flags) and \
-            self._same_rank_arrays(args, flags)
-        seen.append(direct)
-        return real(self, *args, **kwargs)
+    def call_spy(self, *args, **kwargs):
+        seen.append([self.__name__, False])
+        return real_call(self, *args, **kwargs)
 
-    monkeypatch.setattr(fusion._ArrayCall, "__call__", spy)
+    def direct_spy(self, args, kwargs):
+        out = real_direct(self, args, kwargs)
+        seen[-1][1] = out is not fusion._WALK
+        return out
+
+    monkeypatch.setattr(fusion._ArrayCall, "__call__", call_spy)
+    monkeypatch.setattr(fusion._ArrayCall, "_direct", direct_spy)
     x, y = torch.randn(B, 4, 5, 3), torch.randn(B, 5, 3)
     out = fused(x, y)
     for b, m in enumerate(models):
         assert_close(out[b], m(x[b], y[b]))
-    assert seen == [("alpha" not in call), False]  # the call, then the subtraction of another rank
+    assert {name for name, direct in seen if not direct} == walked | {seen[-1][0]}, seen
+
+
+@pytest.mark.parametrize("call", ["torch.bmm(a, b)", "a.bmm(b)", "torch.matmul(a, b)", "a @ b",
+                                  "torch.matmul(a[0], b)", "torch.matmul(a, b[0, 0])", "a @ w",
+                                  "torch.matmul(a.unsqueeze(0), b)"])
+def test_products_of_two_arrays(call, monkeypatch):
+    """bmm and matmul of two array values run as one batched product of the arrays where both
+    are per-model batches of one rank (PointNet's transform: points @ the per-model 3x3), and
+    per model under vmap where torch's broadcasting rules mix ranks; every model computes what
+    its torch model does, forward and backward."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = nn.Linear(3, 3)
+            self.g = nn.Linear(3, 3)
+            self.w = nn.Parameter(torch.randn(3, 3))
+
+        def forward(self, x, y):
+            a, b = self.f(x), self.g(y).transpose(1, 2)  # [N, P, 3] and [N, 3, 3]
+            return eval(call, {"torch": torch, "a": a, "b": b, "w": self.w})
+
+    torch.manual_seed(0)
+    B = 3
+    models = [Net() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    from hfkern import fusion
+    vmapped = CallCounter(monkeypatch, fusion, "_vmap_call")
+    x, y = torch.randn(B, 4, 5, 3), torch.randn(B, 4, 3, 3)
+    out = fused(x, y)
+    assert (vmapped.n == 0) == (call in ("torch.bmm(a, b)", "a.bmm(b)", "torch.matmul(a, b)", "a @ b"))
+    out.square().sum().backward()
+    for b, m in enumerate(models):
+        ref = m(x[b], y[b])
+        assert_close(out[b], ref)
+        ref.square().sum().backward()
+    for (name, p), *ps in zip(fused.named_parameters(), *(m.parameters() for m in models)):
+        if ps[0].grad is None:  # unused by this call
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            assert_close(p.grad, torch.stack([q.grad for q in ps]), msg=name)
+
+
+def test_bmm_of_arrays_that_are_not_per_model_batches_raises():
+    class Net(nn.Module):
+        def forward(self, a, b):
+            return torch.bmm(a, b)
+
+    fused = hfkern.fuse([Net(), Net()])
+    a, b = torch.randn(2, 2, 3, 4, 5), torch.randn(2, 2, 3, 5, 6)  # per model 4-D
+    with pytest.raises(RuntimeError, match="3"):  # torch's message, or vmap's: 3-D expected
+        fused(a, b)
+    with pytest.raises(RuntimeError, match="3D"):
+        Net()(a[0], b[0])
