@@ -821,6 +821,51 @@ def test_fused_conv_norm_call_equals_the_two_calls(case):
         torch.testing.assert_close(a.grad, b.grad, **tol, msg=name)
 
 
+class PointwiseNet(nn.Module):
+    """1x1 convolutions and their batch norms (MobileNetV2's expansions and projections,
+    PointNet's point-wise layers), which the CPU runs as batched matmuls."""
+
+    def __init__(self):
+        super().__init__()
+        # (no biases: a bias before a batch norm has a gradient of zero, up to rounding)
+        self.a = nn.Sequential(nn.Conv2d(3, 8, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                               nn.Conv2d(8, 4, 1, bias=False), nn.BatchNorm2d(4))
+        self.b = nn.Sequential(nn.Conv1d(4, 5, 1, bias=False), nn.BatchNorm1d(5), nn.ReLU())
+        _randomized([m for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)])
+
+    def forward(self, x):
+        return self.b(self.a(x).flatten(2))
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_fused_pointwise_conv_norm_call_equals_the_two_calls(B, monkeypatch):
+    """The CPU's 1x1 convolutions (batched matmuls) and their batch norms run as one call on
+    the matmul's grouped view: the two calls' outputs and running statistics bit for bit,
+    their gradients to rounding, and B torch models' results."""
+    import hfkern.nn.normalization as hnorm
+    torch.manual_seed(2)
+    models = [PointwiseNet() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    assert _conv_norm_calls(fused) == ["relu", None, "relu"]
+    twin = copy.deepcopy(fused)
+    calls = CallCounter(monkeypatch, hnorm, "grouped_batch_norm")
+    x = torch.randn(B, 4, 3, 6, 6)
+    outs = []
+    for _ in range(2):  # the second step skips the checks
+        for model, reference in ((fused, False), (twin, True)):
+            with _backend.dispatched_ops() if reference else contextlib.nullcontext():
+                y = model(x)
+                y.square().sum().backward()
+            outs.append(y)
+        assert torch.equal(outs[-2], outs[-1])
+    assert calls.n == (6 if B > 1 else 0)  # B = 1: a dim of one, the two calls
+    for (name, a), b in zip(fused.named_buffers(), twin.buffers()):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(fused.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+    _check_against_models(hfkern.fuse(models), models, x, loss=lambda y: (y * torch.linspace(-1, 2, y.shape[-1])).sum())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "bf16_autocast"])
 def test_gpu_fused_conv_norm_call_matches_the_two_calls(precision, monkeypatch):

@@ -276,22 +276,26 @@ def grouped_conv(
     """:func:`conv`'s eager torch path for a per-model input, stopped before the array
     view: ``(y, fmt)``, ``y`` the grouped result ``[N, B*C_out, *s']`` (differentiable by
     torch's autograd) and ``fmt`` the array memory format ``conv`` would give the output
-    (:func:`hfkern._array.fresh_array` of the two is exactly its result). None where
-    ``conv`` takes another path: another backend or ``torch.compile``, a shared input,
-    the CPU's 1x1 convolutions as batched matmuls. What ``hfkern.fuse`` runs for a
-    convolution whose output only a batch norm reads (:func:`hfkern.ops.batch_norm.grouped_batch_norm`).
+    (:func:`hfkern._array.fresh_array` of the two is exactly its result; for the CPU's 1x1
+    convolutions, the grouped view of ``conv``'s batched-matmul result). None where
+    ``conv`` takes another path: another backend or ``torch.compile``, a shared input.
+    What ``hfkern.fuse`` runs for a convolution whose output only a batch norm reads
+    (:func:`hfkern.ops.batch_norm.grouped_batch_norm`).
 
     ``checked``: the caller knows that a call with the same metadata (shapes, strides,
     dtypes, devices, arguments, backend selection, autocast state) took this path and
     passed the op's checks, so they are not repeated; autocast's casts still apply."""
     if not checked:
-        if (not _backend.eager_torch(_FWD, x.device) or x.dim() != weight.dim()
-                or _pointwise(x, weight, stride, padding, dilation, transposed, groups)):
+        if not _backend.eager_torch(_FWD, x.device) or x.dim() != weight.dim():
             return None
         x, weight, bias = _eager_inputs(x, weight, bias, stride, padding, dilation, output_padding, groups)
     else:
         x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
     fmt = array_memory_format(x)
+    if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
+        # [B, N, C_out, *s] in [N, B, C_out, *s] memory: its grouped view is free
+        y = _EagerConv.apply(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+        return to_grouped(y), fmt
     return _grouped_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups), fmt
 
 
