@@ -19,7 +19,10 @@
 #                   same with the images in channels-last array memory) on the torch path, the
 #                   ResNet-18 bf16 cells first (B ascending: a mode that fails at a B is not
 #                   tried at larger ones), with three quarters of the budget; then, each in a
-#                   run of its own with what is left: the CUDA backend's array, ResNet-18's
+#                   run of its own with what is left: the CUDA backend's array, the torch
+#                   path's array and array+capture with only the optimizer steps on the CUDA
+#                   and the Triton kernels (--backends torch,sgd_step_=cuda,adam_step_=cuda:
+#                   the per-op evidence auto asks for), ResNet-18's
 #                   array with every op dispatched (array+ops: the torch path without its
 #                   eager paths), ResNet-18's array under torch.compile, plain and mode="reduce-overhead"
 #                   (array+compile, array+compile-ro), and Triton's array (its first steps
