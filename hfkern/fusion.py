@@ -918,8 +918,19 @@ _CONV_CONFIG = ("B", "in_channels", "out_channels", "stride", "padding", "dilati
 _NORM_CONFIG = ("B", "num_features", "training", "track_running_stats", "momentum", "eps", "activation")
 
 
-def _meta(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (type(t), t.shape, t.dtype, t.device, t.layout)
+_UNSEEN = object()  # a module tensor the signature cannot read where it lies (a parametrization's)
+
+
+def _meta(module_dict: dict, name: str) -> Any:
+    """The metadata of a module's parameter or buffer ``name``, read from the module's dicts
+    (no ``Module.__getattr__``); ``_UNSEEN`` where it is neither (a parametrized weight,
+    computed at every access)."""
+    for where in ("_parameters", "_buffers"):
+        tensors = module_dict[where]
+        if name in tensors:
+            t = tensors[name]
+            return None if t is None else (type(t), t.shape, t.dtype, t.device, t.layout)
+    return _UNSEEN
 
 
 def _signature(conv: nn.Module, norm: nn.Module, x: Any) -> tuple | None:
@@ -933,12 +944,13 @@ def _signature(conv: nn.Module, norm: nn.Module, x: Any) -> tuple | None:
     device_type = x.device.type
     autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
     c, n = conv.__dict__, norm.__dict__
-    cp, np_, nb = c["_parameters"], n["_parameters"], n["_buffers"]
+    tensors = (_meta(c, "weight"), _meta(c, "bias"), _meta(n, "weight"), _meta(n, "bias"),
+               _meta(n, "running_mean"), _meta(n, "running_var"), _meta(n, "num_batches_tracked"))
+    if _UNSEEN in tensors:
+        return None
     return (x.shape, x.stride(), x.dtype, x.device, autocast, _backend.get_backend(), _backend._eager_paths,
-            _backend.generation,
-            type(conv), type(norm), *(c.get(k) for k in _CONV_CONFIG), *(n.get(k) for k in _NORM_CONFIG),
-            _meta(cp.get("weight")), _meta(cp.get("bias")), _meta(np_.get("weight")), _meta(np_.get("bias")),
-            _meta(nb.get("running_mean")), _meta(nb.get("running_var")), _meta(nb.get("num_batches_tracked")))
+            _backend.generation, type(conv), type(norm), *(c.get(k) for k in _CONV_CONFIG),
+            *(n.get(k) for k in _NORM_CONFIG), *tensors)
 
 
 # ---- the fused model -----------------------------------------------------------------

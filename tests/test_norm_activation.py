@@ -975,6 +975,11 @@ def _set_attr(path, name, value):
     return lambda fused: setattr(fused.get_submodule(path), name, value)
 
 
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
 _MUTATIONS = {
     "nothing": lambda fused: None,
     "conv weight of another shape": _set_data("features.0", "weight", lambda w: torch.ones(w.shape[0], 5, *w.shape[2:])),
@@ -992,6 +997,10 @@ _MUTATIONS = {
         _set_data("features.0", "weight", lambda w: torch.ones(*w.shape[:3], 1, 1) / 3)(fused),
         _set_attr("features.0", "padding", (0, 0))(fused),
         _set_attr("features.0", "_reversed_padding_repeated_twice", [0, 0, 0, 0])(fused)),
+    "conv weight parametrized": lambda fused: torch.nn.utils.parametrize.register_parametrization(
+        fused.features[0], "weight", _Doubled()),
+    "conv weight a plain tensor": lambda fused: (
+        delattr(fused.features[0], "weight"), setattr(fused.features[0], "weight", torch.ones(3, 4, 3, 3, 3))),
     "norm weight of another shape": _set_data("features.1", "weight", lambda w: w.t().contiguous()),
     "norm weight in float64": _set_data("features.1", "weight", lambda w: w.double()),
     "norm weight removed": _set_attr("features.1", "weight", None),
@@ -1078,6 +1087,19 @@ def test_the_checks_are_skipped_only_for_metadata_seen_before(monkeypatch):
     with hfkern.use_backend("torch"):  # another selection string (auto before)
         fused(x)
     assert checks.n == 4 * first
+
+
+@pytest.mark.parametrize("mutation", ["conv weight parametrized", "conv weight a plain tensor"])
+def test_tensors_the_signature_cannot_read_are_checked_at_every_call(mutation):
+    from hfkern import fusion
+    B = 3
+    fused = hfkern.fuse([ConvNormNet() for _ in range(B)])
+    x = torch.randn(B, 4, 3, 6, 6)
+    fused(x)
+    _MUTATIONS[mutation](fused)
+    assert fusion._signature(fused.features[0], fused.features[1], x) is None
+    fused(x)
+    assert _served(fused)[0] is None
 
 
 def test_a_compiler_tracing_the_call_never_skips_the_checks(monkeypatch):
