@@ -171,3 +171,21 @@ def test_low_precision_bias_gradient_accumulates_in_float32(dtype, n_first):
     # one rounding of the exact sum (float32 accumulation adds far less than that)
     atol = 2 * torch.finfo(dtype).eps * want.abs().max().item()
     torch.testing.assert_close(b.grad.double(), want.to(dtype).double(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("cls", ["Conv1d", "Conv2d", "ConvTranspose2d"])
+def test_padding_set_after_construction_is_what_the_convolution_applies(cls):
+    """torch's convolutions read ``padding`` at every call (zeros mode), so a value set after
+    construction applies; the array convolution does the same, per model as B torch convs."""
+    torch.manual_seed(0)
+    B = 3
+    nd = 1 if cls == "Conv1d" else 2
+    convs = [getattr(torch.nn, cls)(2, 4, 3, padding=1) for _ in range(B)]
+    array = getattr(hnn, cls).from_modules(convs)
+    for conv in (*convs, array):
+        conv.padding = (2,) * nd if cls != "ConvTranspose2d" else (0,) * nd
+    x = torch.randn(B, 5, 2, *([7] * nd))
+    y = array(x)
+    ref = torch.stack([c(x[b]) for b, c in enumerate(convs)])
+    assert y.shape == ref.shape
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)

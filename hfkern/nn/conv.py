@@ -136,8 +136,13 @@ class _ArrayConvNd(ArrayModule):
     def _direct_padding(self) -> tuple[int, ...] | None:
         """The padding the convolution applies itself (zeros, the same on both sides of
         every dim), or None where ``F.pad`` pads first."""
+        padding = self.padding  # what torch's convolution reads, a value set later too
+        if isinstance(padding, int):
+            padding = (padding,) * self._n
         if self._transposed:
-            return tuple(self.padding) if self.padding_mode == "zeros" else None
+            return tuple(padding) if self.padding_mode == "zeros" else None
+        if self.padding_mode == "zeros" and not isinstance(padding, str):
+            return tuple(padding)
         pad = self._reversed_padding_repeated_twice  # F.pad order: last dim first
         left, right = pad[0::2][::-1], pad[1::2][::-1]
         return tuple(left) if self.padding_mode == "zeros" and left == right else None
@@ -244,14 +249,14 @@ class _ArrayConvTranspose(_ArrayConvNd):
         if output_size is not None:
             size = self._spatial_output_size(output_size, x.shape[0], unbatched)
             output_padding = self._output_padding(size, x.shape[-self._n:])
-        y = self._conv(x, self.padding, output_padding)
+        y = self._conv(x, self._direct_padding(), output_padding)
         return y.squeeze(1) if unbatched else y
 
     def _output_padding(self, size: Sequence[int], input_size: Sequence[int]) -> list[int]:
         """The output_padding that gives spatial output sizes ``size`` (torch's rule:
         each within ``stride - 1`` above the smallest size), or ValueError."""
         n = self._n
-        smallest = conv_output_size(input_size, self.kernel_size, self.stride, self.padding,
+        smallest = conv_output_size(input_size, self.kernel_size, self.stride, self._direct_padding(),
                                     self.dilation, True, [0] * n)
         largest = [lo + s - 1 for lo, s in zip(smallest, self.stride)]
         if not all(lo <= o <= hi for o, lo, hi in zip(size, smallest, largest)):
