@@ -412,9 +412,7 @@ def array_batch_norm_backward_torch(
             # g = grad_y * act'(z) in one pass, written in x's layout for the grouped view
             z = _affine(x - _channel_view(mean, x), x, rstd, weight, bias)
             grad_y = activation_grad(grad_y, z, activation, out=torch.empty_like(x))
-        elif copied:
-            pass  # to_grouped copies grad_y as it copies x
-        elif _grouped_format(grad_y) != fmt:
+        elif not copied and _grouped_format(grad_y) != fmt:  # (copied: to_grouped copies grad_y as x)
             # e.g. the gradient of a max over points (PointNet), in [B, N, ...]
             # memory: one copy into x's layout costs less than the strided
             # reductions of the general path (several passes over x and grad_y).
@@ -748,16 +746,14 @@ def array_batch_norm(
     if eager and training and activation in ("none", "relu") and min(x.shape) > 1:
         # (a dim of one: y may take x's strides through as_strided, which the op's gradient keeps)
         fmt = _grouped_view(x, weight, bias, running_mean, running_var)
-        if fmt is not None:
+        if fmt is not None or _grouped_copy(x, weight, bias, running_mean, running_var):
             _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum,
                            activation)
+            if fmt is None:
+                return _copied_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum,
+                                       eps, activation)
             return _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum,
                                     eps, activation, fmt, op=False)
-        if _grouped_copy(x, weight, bias, running_mean, running_var):
-            _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum,
-                           activation)
-            return _copied_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum,
-                                   eps, activation)
     return _ArrayBatchNorm.apply(
         x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation, eager
     )
