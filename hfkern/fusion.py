@@ -52,7 +52,11 @@ State: the fused model keeps model 0's module hierarchy, so ``state_dict()``
 has exactly the original keys, each entry the B models' tensors stacked on a
 new leading dim; :func:`unfuse` (or :meth:`FusedModel.extract_model`) gives back
 torch models of the original class whose ``state_dict`` loads into the
-originals. ``train()``/``eval()`` work as usual: BatchNorm keeps running
+originals. A whole fused model pickles (``torch.save``, ``copy.deepcopy``): its
+rewritten graphs travel as lists of nodes and their code is compiled again on
+load, and the factory given to :func:`fuse` travels where pickle can save it
+(else :meth:`FusedModel.reset_model` of the loaded model asks for ``factory=``).
+``train()``/``eval()`` work as usual: BatchNorm keeps running
 statistics per model, dropout draws per model; code that reads
 ``self.training`` in a ``forward`` is captured in both modes. The fused model
 can be compiled with ``torch.compile``.
@@ -82,7 +86,11 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import importlib
 import operator
+import pickle
+import sys
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -203,54 +211,44 @@ def _squeeze(x, dim=None):
     return x.squeeze(_dims(dim, x.dim() - 1))
 
 
-def _reduction(name: str):
-    def reduce(x, dim=None, keepdim=False, **kw):
-        dims = _all_dims(x) if dim is None else _dims(dim, x.dim() - 1)
-        if dim is None and keepdim:
+# Translations parametrized by the torch function they call are partials of module-level
+# functions, which name that function, so that a fused model's graph pickles (torch.save).
+def _reduce(name: str, x, dim=None, keepdim=False, **kw):
+    dims = _all_dims(x) if dim is None else _dims(dim, x.dim() - 1)
+    if dim is None and keepdim:
+        raise _Fallback
+    return getattr(torch, name)(x, dims, keepdim, **kw)
+
+
+def _extremum(name: str, x, dim=None, keepdim=False):
+    if isinstance(dim, torch.Tensor):
+        raise _Fallback  # torch.max(a, b): handled as element-wise by vmap
+    if dim is None:
+        return getattr(torch, "a" + name)(x, _all_dims(x))
+    return getattr(torch, name)(x, _dim(dim, x.dim() - 1), keepdim)
+
+
+def _argextremum(name: str, x, dim=None, keepdim=False):
+    if dim is None:
+        if keepdim:
             raise _Fallback
-        return getattr(torch, name)(x, dims, keepdim, **kw)
-    return reduce
+        return getattr(torch, name)(x.reshape(x.size(0), -1), 1)
+    return getattr(torch, name)(x, _dim(dim, x.dim() - 1), keepdim)
 
 
-def _extremum(name: str):
-    def extremum(x, dim=None, keepdim=False):
-        if isinstance(dim, torch.Tensor):
-            raise _Fallback  # torch.max(a, b): handled as element-wise by vmap
-        if dim is None:
-            return getattr(torch, "a" + name)(x, _all_dims(x))
-        return getattr(torch, name)(x, _dim(dim, x.dim() - 1), keepdim)
-    return extremum
-
-
-def _argextremum(name: str):
-    def arg(x, dim=None, keepdim=False):
-        if dim is None:
-            if keepdim:
-                raise _Fallback
-            return getattr(torch, name)(x.reshape(x.size(0), -1), 1)
-        return getattr(torch, name)(x, _dim(dim, x.dim() - 1), keepdim)
-    return arg
-
-
-def _with_dim(name: str, extra: int = 0):
+def _with_dim(name: str, x, dim, *args, **kwargs):
     """Ops whose second argument is one dim: ``torch.<name>(x, dim, *rest)``."""
-    def op(x, dim, *args, **kwargs):
-        return getattr(torch, name)(x, _dim(dim, x.dim() - 1, extra), *args, **kwargs)
-    return op
+    return getattr(torch, name)(x, _dim(dim, x.dim() - 1), *args, **kwargs)
 
 
-def _f_softmax(name: str):
-    def op(input, dim=None, _stacklevel=3, dtype=None):
-        if dim is None:
-            raise _Fallback  # torch's implicit-dim rule depends on the rank
-        return getattr(F, name)(input, dim=_dim(dim, input.dim() - 1), dtype=dtype)
-    return op
+def _f_softmax(name: str, input, dim=None, _stacklevel=3, dtype=None):
+    if dim is None:
+        raise _Fallback  # torch's implicit-dim rule depends on the rank
+    return getattr(F, name)(input, dim=_dim(dim, input.dim() - 1), dtype=dtype)
 
 
-def _split_like(name: str):
-    def op(x, size_or_sections, dim=0):
-        return getattr(torch, name)(x, size_or_sections, _dim(dim, x.dim() - 1))
-    return op
+def _split_like(name: str, x, size_or_sections, dim=0):
+    return getattr(torch, name)(x, size_or_sections, _dim(dim, x.dim() - 1))
 
 
 def _unbind(x, dim=0):
@@ -297,19 +295,19 @@ def _bmm(a, b):
 _ANY_ARGUMENT = (_matmul, _bmm)
 
 
-def _folded(fn: Callable, batched_rank: int):
-    """Ops on ``[N, C, *s]`` that also take an unbatched ``[C, *s]`` (pooling, interpolation):
-    a per-model batched input folds B into N; an unbatched one is a batched array input."""
-    def op(input, *args, **kwargs):
-        nd = input.dim() - 1
-        if nd == batched_rank - 1:
-            return fn(input, *args, **kwargs)
-        if nd != batched_rank:
-            raise _Fallback
-        folded, unfold = fold_planes(input)
-        out = fn(folded, *args, **kwargs)
-        return tuple(unfold(o) for o in out) if isinstance(out, tuple) else unfold(out)
-    return op
+def _folded(name: str, batched_rank: int, input, *args, **kwargs):
+    """``F.<name>``, an op on ``[N, C, *s]`` that also takes an unbatched ``[C, *s]`` (pooling,
+    interpolation): a per-model batched input folds B into N; an unbatched one is a batched
+    array input."""
+    fn = getattr(F, name)
+    nd = input.dim() - 1
+    if nd == batched_rank - 1:
+        return fn(input, *args, **kwargs)
+    if nd != batched_rank:
+        raise _Fallback
+    folded, unfold = fold_planes(input)
+    out = fn(folded, *args, **kwargs)
+    return tuple(unfold(o) for o in out) if isinstance(out, tuple) else unfold(out)
 
 
 def _getitem(x, index):
@@ -371,34 +369,30 @@ _ELEMENTWISE_METHODS = {
 _TRANSLATED_METHODS: dict[str, Callable] = {
     "flatten": _flatten, "view": _view, "reshape": _reshape, "transpose": _transpose,
     "swapaxes": _transpose, "permute": _permute, "unsqueeze": _unsqueeze, "squeeze": _squeeze,
-    "sum": _reduction("sum"), "mean": _reduction("mean"), "amax": _reduction("amax"),
-    "amin": _reduction("amin"), "max": _extremum("max"), "min": _extremum("min"),
-    "argmax": _argextremum("argmax"), "argmin": _argextremum("argmin"),
-    "softmax": _with_dim("softmax"), "log_softmax": _with_dim("log_softmax"),
-    "cumsum": _with_dim("cumsum"), "cumprod": _with_dim("cumprod"), "chunk": _split_like("chunk"),
-    "split": _split_like("split"), "unbind": _unbind, "narrow": _narrow, "expand": _expand,
+    **{name: partial(_reduce, name) for name in ("sum", "mean", "amax", "amin")},
+    **{name: partial(_extremum, name) for name in ("max", "min")},
+    **{name: partial(_argextremum, name) for name in ("argmax", "argmin")},
+    **{name: partial(_with_dim, name) for name in ("softmax", "log_softmax", "cumsum", "cumprod")},
+    **{name: partial(_split_like, name) for name in ("chunk", "split")},
+    "unbind": _unbind, "narrow": _narrow, "expand": _expand,
     "matmul": _matmul, "bmm": _bmm, "__matmul__": _matmul, "__getitem__": _getitem,
 }
 _TRANSLATED_FUNCTIONS: dict[Callable, Callable] = {
     torch.flatten: _flatten, torch.reshape: _reshape, torch.transpose: _transpose,
     torch.swapaxes: _transpose, torch.permute: _permute, torch.unsqueeze: _unsqueeze,
-    torch.squeeze: _squeeze, torch.sum: _reduction("sum"), torch.mean: _reduction("mean"),
-    torch.amax: _reduction("amax"), torch.amin: _reduction("amin"), torch.max: _extremum("max"),
-    torch.min: _extremum("min"), torch.argmax: _argextremum("argmax"),
-    torch.argmin: _argextremum("argmin"), torch.softmax: _with_dim("softmax"),
-    torch.log_softmax: _with_dim("log_softmax"), torch.cumsum: _with_dim("cumsum"),
-    torch.cumprod: _with_dim("cumprod"), F.softmax: _f_softmax("softmax"),
-    F.log_softmax: _f_softmax("log_softmax"), torch.chunk: _split_like("chunk"),
-    torch.split: _split_like("split"), torch.unbind: _unbind, torch.narrow: _narrow,
+    torch.squeeze: _squeeze,
+    **{getattr(torch, name): _TRANSLATED_METHODS[name] for name in (
+        "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "softmax", "log_softmax",
+        "cumsum", "cumprod", "chunk", "split")},
+    F.softmax: partial(_f_softmax, "softmax"), F.log_softmax: partial(_f_softmax, "log_softmax"),
+    torch.unbind: _unbind, torch.narrow: _narrow,
     torch.cat: _cat, torch.concat: _cat, torch.concatenate: _cat, torch.stack: _stack,
     torch.matmul: _matmul, torch.bmm: _bmm, operator.matmul: _matmul, operator.getitem: _getitem,
-    builtins.getattr: _getattr, F.adaptive_avg_pool1d: _folded(F.adaptive_avg_pool1d, 3),
-    F.adaptive_avg_pool2d: _folded(F.adaptive_avg_pool2d, 4),
-    F.adaptive_max_pool1d: _folded(F.adaptive_max_pool1d, 3),
-    F.adaptive_max_pool2d: _folded(F.adaptive_max_pool2d, 4),
-    F.avg_pool1d: _folded(F.avg_pool1d, 3), F.avg_pool2d: _folded(F.avg_pool2d, 4),
-    F.max_pool1d: _folded(F.max_pool1d, 3), F.max_pool2d: _folded(F.max_pool2d, 4),
-    F.interpolate: _folded(F.interpolate, 4),
+    builtins.getattr: _getattr,
+    **{getattr(F, name): partial(_folded, name, rank) for name, rank in (
+        ("adaptive_avg_pool1d", 3), ("adaptive_avg_pool2d", 4), ("adaptive_max_pool1d", 3),
+        ("adaptive_max_pool2d", 4), ("avg_pool1d", 3), ("avg_pool2d", 4), ("max_pool1d", 3),
+        ("max_pool2d", 4), ("interpolate", 4))},
 }
 
 # Shape queries: their value is one model's, computed on model 0's slice.
@@ -495,7 +489,116 @@ def _aligned(dims: Any, value: Any, rank: int) -> Any:
     return out if isinstance(value, list) else tuple(out)
 
 
-class _ArrayCall(_capture.GraphTarget):
+# ---- pickling (torch.save of a whole fused model) ------------------------------------------
+class _Global:
+    """A module-level callable pickled as its module and name. torch's ``boolean_dispatch``
+    functions (``F.max_pool2d``, ``F.adaptive_max_pool2d``, ...) are module attributes whose
+    qualified name pickle cannot look up."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def resolve(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)
+
+
+def _to_pickle(value: Any) -> Any:
+    """``value``, or a :class:`_Global` for a callable that its module holds under its
+    ``__name__`` but whose ``__qualname__`` says otherwise."""
+    name = getattr(value, "__name__", None)
+    if isinstance(name, str) and callable(value) and getattr(value, "__qualname__", name) != name:
+        module = sys.modules.get(getattr(value, "__module__", None) or "")
+        if module is not None and getattr(module, name, None) is value:
+            return _Global(module.__name__, name)
+    return value
+
+
+def _from_pickle(value: Any) -> Any:
+    return value.resolve() if isinstance(value, _Global) else value
+
+
+class _NodeRef:
+    """A node named in the arguments of a pickled graph (:func:`graph_state`)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def graph_state(graph: fx.Graph) -> list[tuple]:
+    """``graph`` as a flat list of its nodes. A ``torch.fx.Graph`` pickles as a linked list,
+    one level of recursion per node, which exceeds Python's limit at a few hundred nodes."""
+    def ref(node: fx.Node) -> _NodeRef:
+        return _NodeRef(node.name)
+    return [(n.op, n.name, _to_pickle(n.target), fx.node.map_arg(n.args, ref), fx.node.map_arg(n.kwargs, ref),
+             n.type, n.meta) for n in graph.nodes]
+
+
+def graph_from_state(state: list[tuple]) -> fx.Graph:
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+
+    def node_of(a: Any) -> Any:
+        return env[a.name] if isinstance(a, _NodeRef) else a
+    for op, name, target, args, kwargs, type_expr, meta in state:
+        node = graph.create_node(op, _from_pickle(target), fx.node.map_aggregate(args, node_of),
+                                 fx.node.map_aggregate(kwargs, node_of), name=name, type_expr=type_expr)
+        node.meta.update(meta)
+        env[name] = node
+    return graph
+
+
+def compiled_forward(graph: fx.Graph, filename: str) -> Callable:
+    """The Python function of a fused forward's graph, called as ``forward(fused_model, *args)``;
+    ``filename`` names its code in tracebacks."""
+    code = graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+    exec(compile(code.src, filename, "exec"), namespace)  # noqa: S102
+    return namespace["forward"]
+
+
+class _SavedFactory:
+    """The factory given to :func:`fuse` while a fused model is pickled or deep-copied.
+
+    Pickled where pickle can save it (a module-level function or class, a partial of one);
+    otherwise (a lambda, a local function) the pickle holds a :class:`_LostFactory`, and
+    ``reset_model`` on the loaded model asks for ``factory=``. ``copy.deepcopy`` keeps it as
+    it is, as it keeps functions.
+    """
+
+    def __init__(self, fn: Callable[[], nn.Module]):
+        self.fn = fn
+
+    def __deepcopy__(self, memo: dict) -> "_SavedFactory":
+        return self
+
+    def __reduce__(self) -> tuple:
+        try:
+            pickle.dumps(self.fn)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            return _LostFactory, (repr(self.fn),)
+        return _SavedFactory, (self.fn,)
+
+
+class _LostFactory:
+    """Where a loaded fused model's factory was: pickle could not save the one given to fuse."""
+
+    def __init__(self, description: str):
+        self.description = description
+
+
+class _CallsFunction(_capture.GraphTarget):
+    """A graph target that calls ``self.fn``, pickled through :func:`_to_pickle`."""
+
+    fn: Callable
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "fn": _to_pickle(self.fn)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, fn=_from_pickle(state["fn"]))
+
+
+class _ArrayCall(_CallsFunction):
     """A captured function or method call with array arguments, run per model.
 
     ``marks`` has the shape of the call's ``(args, kwargs)`` with True where an
@@ -590,7 +693,7 @@ class _ArrayCall(_capture.GraphTarget):
         return _vmap_call(lambda *a, **k: self._call(a, k), dims, args, kwargs)
 
 
-class _Metadata(_capture.GraphTarget):
+class _Metadata(_CallsFunction):
     """A shape query on array values: the answer for one model (model 0's slice)."""
 
     def __init__(self, fn: Callable, marks: Any, label: str, method: str | None = None):
@@ -889,6 +992,9 @@ class _ConvNorm(_capture.GraphTarget):
         # microseconds of host time per call, as much as the two torch calls themselves.
         self._served: tuple | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_served": None}  # a copy or a loaded model checks its first call
+
     def __call__(self, conv: nn.Module, norm: nn.Module, x: torch.Tensor, act_module: nn.Module | None = None) -> Any:
         if _hooked(conv) or _hooked(norm) or _hooked(act_module) or norm.activation != "none":
             y = conv(x)  # something observes the calls (hooks added since): the calls themselves
@@ -1037,6 +1143,15 @@ class FusedModel(ArrayModule):
             )
         return self._forwards[modes.pop()]
 
+    def _run_graphs(self, graphs: dict[bool | None, fx.Graph]) -> None:
+        """Run ``graphs`` (one per train/eval mode, as ``_own_graphs``) as the forward:
+        ``_own_graphs`` (what :func:`fuse` made) or a transformation of them (hfkern.plan's
+        recomputation)."""
+        forwards = {mode: compiled_forward(g, f"<hfkern.fuse {self.model_class.__name__}>")
+                    for mode, g in graphs.items()}
+        object.__setattr__(self, "_graphs", graphs)
+        object.__setattr__(self, "_forwards", forwards)
+
     @property
     def graph(self) -> fx.Graph:
         """The rewritten forward (for the current train/eval mode) as a ``torch.fx.Graph``."""
@@ -1046,6 +1161,30 @@ class FusedModel(ArrayModule):
     def code(self) -> str:
         """The Python source of :attr:`graph`."""
         return self.graph.python_code(root_module="self").src
+
+    # ---- pickling ---------------------------------------------------------------------
+    # torch.save(fused) / torch.load and copy.deepcopy: the rewritten graphs travel as flat
+    # node lists and their Python forwards are compiled again; the factory given to fuse
+    # travels where pickle can save it (_SavedFactory).
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_forwards"]
+        state["_graphs"] = {mode: graph_state(g) for mode, g in self._graphs.items()}
+        state["_own_graphs"] = None if self._own_graphs is self._graphs else {
+            mode: graph_state(g) for mode, g in self._own_graphs.items()}
+        if state["_factory"] is not None and not isinstance(state["_factory"], _LostFactory):
+            state["_factory"] = _SavedFactory(state["_factory"])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        graphs = {mode: graph_from_state(g) for mode, g in state.pop("_graphs").items()}
+        own = state["_own_graphs"]
+        state["_own_graphs"] = graphs if own is None else {mode: graph_from_state(g) for mode, g in own.items()}
+        if isinstance(state["_factory"], _SavedFactory):
+            state["_factory"] = state["_factory"].fn
+        super().__setstate__(state)
+        self._run_graphs(graphs)
 
     # ---- conversion -----------------------------------------------------------------
     @classmethod
@@ -1165,10 +1304,17 @@ class FusedModel(ArrayModule):
         draw (a model whose ``__init__`` initializes differently, or clones layers
         as ``nn.TransformerEncoder`` does, needs its factory for an exact fresh
         model); parameters that no submodule initializes (a model's own
-        ``nn.Parameter``) need a factory, and ValueError says which.
+        ``nn.Parameter``) need a factory, and ValueError says which. A model
+        loaded from a pickle that could not hold the factory given to
+        :func:`fuse` (a lambda) raises ValueError asking for ``factory=``.
         """
         b = self._check_slot(b, "reset_model")
         factory = factory or self._factory
+        if isinstance(factory, _LostFactory):
+            raise ValueError(
+                f"reset_model: this model was loaded from a pickle (torch.save) that could not keep the "
+                f"factory given to hfkern.fuse ({factory.description}: pickle saves module-level functions "
+                "and classes, not lambdas or local functions); pass factory=")
         with seeded(seed, self._factory_kwargs().get("device"), "reset_model"):
             fresh = factory() if factory is not None else self._reinitialized()
         if isinstance(fresh, nn.Module):
@@ -1436,14 +1582,8 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
                                 {target: name for (m, target), (name, _) in constants.items() if m == mode},
                                 attribute_state)
                  for mode, g in graphs.items()}
-    forwards = {}
-    for mode, g in rewritten.items():
-        code = g.python_code(root_module="self")
-        namespace = dict(code.globals)
-        exec(compile(code.src, f"<hfkern.fuse {type(first).__name__}>", "exec"), namespace)  # noqa: S102
-        forwards[mode] = namespace["forward"]
-    object.__setattr__(fused, "_graphs", rewritten)
-    object.__setattr__(fused, "_forwards", forwards)
+    object.__setattr__(fused, "_own_graphs", rewritten)
+    fused._run_graphs(rewritten)
     # The modules whose `self.training` the captured code may have read: not the
     # leaves (they read their own mode when they run) nor anything inside them.
     object.__setattr__(fused, "_mode_paths", tuple(

@@ -365,6 +365,25 @@ def test_recomputing_blocks_survive_torch_save():
     assert_close(loaded(x), model(x), **FP32)
 
 
+def test_recomputing_fused_model_survives_torch_save(monkeypatch):
+    strategy = Strategy(B, recompute=("features", "head"))
+    model, twin = twins("cnn")
+    own_code = model.code
+    apply(model, strategy)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert applied(loaded) == strategy and loaded.code == model.code
+    count = counting(monkeypatch)
+    batches = [batch("cnn", 6) for _ in range(2)]
+    ours = run_steps(loaded, strategy, batches)
+    assert count.of(loaded) == {"features.0": 4, "features.1": 4, "conv2": 2, "bn2": 2, "head": 4}
+    assert_same_training(ours, run_steps(twin, Strategy(B), batches), loaded, twin)
+    unapply(loaded)  # the graphs fuse made travelled too
+    assert loaded.code == own_code and applied(loaded) is None
+
+
 # ---- micro-batches -------------------------------------------------------------------------
 MICRO_CASES = [
     ("mlp_no_dropout", True, 2, ()), ("mlp_no_dropout", True, 3, ("body",)),

@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import _capture
 from .._array import broadcast
-from ..fusion import FusedModel
+from ..fusion import FusedModel, compiled_forward, graph_from_state, graph_state
 from ..nn._base import ArrayModule, set_memory_format
 from ..nn.normalization import _BatchNorm as _ArrayBatchNorm
 
@@ -57,10 +57,9 @@ PRECISIONS = ("fp32", "bf16")
 # "auto": each array conv chooses by committed measurements (hfkern._evidence), as without a plan.
 MEMORY_FORMATS = {"auto": None, "contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 
-# Where apply() keeps what it did on the model: the strategy, and a fused model's own
-# captured graphs and forwards (what unapply() and a later apply() start from).
+# Where apply() keeps the strategy it applied on the model. (A fused model keeps its own
+# graphs, what unapply() and a later apply() start from, in _own_graphs.)
 _APPLIED = "_hfkern_plan_strategy"
-_FUSED_BASE = "_hfkern_plan_fused_base"
 
 
 # ---- the strategy ------------------------------------------------------------------------
@@ -317,12 +316,24 @@ class _RecomputeSegment(_capture.GraphTarget):
     of the values the rest of the forward reads.
     """
 
-    def __init__(self, fn: Callable, block: str):
-        self.fn, self.block = fn, block
+    def __init__(self, graph: fx.Graph, block: str):
+        graph.lint()
+        self.graph, self.block = graph, block
+        self.fn = compiled_forward(graph, f"<hfkern.plan recompute {block}>")
         self._named(f"recompute_{block}")
 
     def __call__(self, fused: nn.Module, *inputs: Any) -> tuple:
         return _checkpointed(self.fn, fused.get_submodule(self.block), fused, *inputs)
+
+    # Pickled (torch.save of a fused model with a plan applied) as its graph's nodes.
+    def __getstate__(self) -> dict[str, Any]:
+        state = {**self.__dict__, "graph": graph_state(self.graph)}
+        del state["fn"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, graph=graph_from_state(state["graph"]))
+        self.fn = compiled_forward(self.graph, f"<hfkern.plan recompute {self.block}>")
 
 
 def _label(graph: fx.Graph) -> dict[fx.Node, str | None]:
@@ -382,15 +393,6 @@ def _check_regions(block: str, run: list[fx.Node]) -> None:
                 "block that holds the whole region, or not this one")
 
 
-def _compile(graph: fx.Graph, label: str) -> Callable:
-    """The graph as a function ``forward(self, *placeholders)`` (as :func:`hfkern.fuse` compiles it)."""
-    graph.lint()
-    code = graph.python_code(root_module="self")
-    namespace = dict(code.globals)
-    exec(compile(code.src, f"<hfkern.plan {label}>", "exec"), namespace)  # noqa: S102
-    return namespace["forward"]
-
-
 def _subgraph(run: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
     """The nodes of ``run`` as a graph of their own: ``inputs`` in, the tuple of ``outputs`` out."""
     sub = fx.Graph()
@@ -417,7 +419,7 @@ def _with_recompute(graph: fx.Graph, names: set[str]) -> fx.Graph:
             members = set(run)
             inputs = list(dict.fromkeys(i for n in run for i in n.all_input_nodes if i not in members))
             outputs = [n for n in run if any(u not in members for u in n.users)]
-            target = _RecomputeSegment(_compile(_subgraph(run, inputs, outputs), f"recompute {block}"), block)
+            target = _RecomputeSegment(_subgraph(run, inputs, outputs), block)
             if owner is None:
                 owner = out.get_attr("_fused_self")
             call = out.call_function(target, (owner, *(env[i] for i in inputs)))
@@ -429,16 +431,12 @@ def _with_recompute(graph: fx.Graph, names: set[str]) -> fx.Graph:
     return out
 
 
-def _fused_base(model: FusedModel) -> tuple[dict, dict]:
-    """The fused model's own graphs and forwards, as :func:`hfkern.fuse` made them."""
-    return getattr(model, _FUSED_BASE, (model._graphs, model._forwards))
-
-
-def _fused_forwards(model: FusedModel, names: tuple[str, ...]) -> tuple[dict, dict]:
-    """Graphs and forwards (per train/eval mode) with ``names`` recomputed; raises before any change."""
-    graphs, forwards = _fused_base(model)
+def _fused_graphs(model: FusedModel, names: tuple[str, ...]) -> dict:
+    """The fused forward's graphs (per train/eval mode) with ``names`` recomputed; raises
+    before any change."""
+    graphs = model._own_graphs
     if not names:
-        return graphs, forwards
+        return graphs
     wanted = set(names)
     called = {block for g in graphs.values() for block, _ in _runs(g, wanted)}
     missing = [n for n in names if n not in called]
@@ -447,9 +445,7 @@ def _fused_forwards(model: FusedModel, names: tuple[str, ...]) -> tuple[dict, di
             f"apply: expected blocks that the fused forward calls, got {missing}: their parameters are "
             "used by the model's own forward code, not by a call of the block, so there is nothing "
             "to recompute")
-    new_graphs = {mode: _with_recompute(g, wanted) for mode, g in graphs.items()}
-    return new_graphs, {mode: _compile(g, f"recompute {model.model_class.__name__}")
-                        for mode, g in new_graphs.items()}
+    return {mode: _with_recompute(g, wanted) for mode, g in graphs.items()}
 
 
 # ---- apply / unapply -----------------------------------------------------------------------
@@ -497,11 +493,7 @@ def apply(model: nn.Module, strategy: Strategy) -> nn.Module:
     if unknown:
         raise ValueError(f"apply: expected block names among {valid}, got {unknown}")
     if isinstance(model, FusedModel):
-        graphs, forwards = _fused_forwards(model, strategy.recompute)  # may raise: nothing changed yet
-        if not hasattr(model, _FUSED_BASE):
-            object.__setattr__(model, _FUSED_BASE, (model._graphs, model._forwards))
-        object.__setattr__(model, "_graphs", graphs)
-        object.__setattr__(model, "_forwards", forwards)
+        model._run_graphs(_fused_graphs(model, strategy.recompute))  # may raise: nothing changed yet
     else:
         children = dict(model.named_children())
         for name in strategy.recompute:
@@ -529,11 +521,8 @@ def unapply(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"unapply: expected a torch.nn.Module (an array model), got {type(model).__name__}")
-    if isinstance(model, FusedModel) and hasattr(model, _FUSED_BASE):
-        graphs, forwards = getattr(model, _FUSED_BASE)
-        object.__setattr__(model, "_graphs", graphs)
-        object.__setattr__(model, "_forwards", forwards)
-        delattr(model, _FUSED_BASE)
+    if isinstance(model, FusedModel) and model._graphs is not model._own_graphs:
+        model._run_graphs(model._own_graphs)
     for block in model.children():
         if isinstance(block, Recompute):
             _swap_out(block)
