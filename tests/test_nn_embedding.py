@@ -1,4 +1,5 @@
-"""Embedding: out-of-range indices raise IndexError, in eager mode and under torch.compile alike."""
+"""Embedding: out-of-range indices fail as torch.nn.functional.embedding does on each device (IndexError
+on the CPU, a device-side assertion on CUDA), in eager mode and under torch.compile alike."""
 
 import pytest
 import torch
@@ -67,3 +68,73 @@ def test_checked_indices_op():
     assert torch.equal(out, values) and out.data_ptr() != values.data_ptr()
     with pytest.raises(IndexError, match=r"index 9 in the shared input"):
         embedding_checked_indices(torch.tensor([1, 9]), V, True, "Embedding")
+
+
+# ---- the check as it runs on CUDA: a device-side assertion, no host read ---------------------
+
+@pytest.fixture
+def asserted_on_cpu(monkeypatch):
+    """The CUDA form of the check (torch._assert_async), run on the CPU where its condition can
+    be tested; the assertion raises RuntimeError there at once."""
+    from hfkern.ops import embedding
+
+    monkeypatch.setattr(embedding, "_ASSERTED_ON", embedding._ASSERTED_ON | {"cpu"})
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_device_side_form_of_the_check(asserted_on_cpu, compiled):
+    B = 3
+    torch._dynamo.reset()
+    emb = Embedding(V, D, B=B)
+    run = torch.compile(emb, fullgraph=True, backend="aot_eager") if compiled else emb
+    before = emb.weight.detach().clone()
+    for idx, _, _ in _bad_inputs(B):
+        with pytest.raises(RuntimeError, match=rf"Embedding: an index is out of range \[0, {V}\)"):
+            run(idx)
+    assert torch.equal(emb.weight, before)
+    edges = torch.tensor([[0, V - 1], [V - 1, 0], [3, 3]])  # the range's ends pass
+    mods = emb.to_modules()
+    torch.testing.assert_close(run(edges), torch.stack([m(edges[b]) for b, m in enumerate(mods)]))
+
+
+@pytest.mark.gpu
+def test_gpu_index_check_does_not_synchronize():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    B = 3
+    emb = Embedding(V, D, B=B).cuda()
+    inputs = [torch.randint(0, V, (B, 4, 5), device="cuda"),
+              hfkern.broadcast(torch.randint(0, V, (4, 5), device="cuda"), B)]
+    for idx in inputs:
+        emb(idx)  # first calls: allocations, kernel loads
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [emb(idx) for idx in inputs]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    mods = emb.to_modules()
+    for idx, out in zip(inputs, outs):
+        torch.testing.assert_close(out, torch.stack([m(idx[b]) for b, m in enumerate(mods)]))
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_fails_a_device_side_assertion():
+    """As torch.nn.functional.embedding does on CUDA; run in a process of its own, whose CUDA
+    context the assertion leaves unusable."""
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    code = (
+        "import torch, hfkern\n"
+        f"emb = hfkern.nn.Embedding({V}, {D}, B=2).cuda()\n"
+        f"idx = torch.tensor([[0, 1], [2, {V}]], device='cuda')\n"
+        "emb(idx)\n"
+        "torch.cuda.synchronize()\n"
+        "print('no error')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "no error" not in done.stdout
+    assert "device-side assert" in done.stderr or "Assertion" in done.stderr, done.stderr[-2000:]

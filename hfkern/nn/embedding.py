@@ -27,11 +27,12 @@ def check_indices(
 
     Raises TypeError for a non-tensor or non-integer dtype, ValueError for a
     0-D tensor, a leading dim other than B or a device other than the
-    weight's, and IndexError (what ``torch.nn.functional.embedding`` raises in
-    eager mode on CPU) for an index outside ``[0, num_embeddings)``, naming the
-    value and the model it came from. The range check reads one min/max pair
-    back to the host, in eager mode and (inside an op opaque to the compiler)
-    under ``torch.compile`` alike, so both raise the same IndexError.
+    weight's, and checks the range ``[0, num_embeddings)`` as
+    ``torch.nn.functional.embedding`` does on each device
+    (:func:`~hfkern.ops.embedding.raise_if_out_of_range`): on the CPU an
+    IndexError naming the value and the model it came from, on CUDA a
+    device-side assertion that does not synchronize. In eager mode and (inside
+    an op opaque to the compiler) under ``torch.compile`` alike.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{module}: expected input to be a torch.Tensor of indices, got {type(x).__name__}")
@@ -75,13 +76,17 @@ class Embedding(ArrayModule):
     ``requires_grad`` (``_freeze``, ``from_pretrained(freeze=...)``) carries
     through :meth:`from_modules` and :meth:`to_modules`.
 
-    An index outside ``[0, num_embeddings)`` raises IndexError, the error
-    ``torch.nn.functional.embedding`` raises in eager mode on CPU, before any
-    lookup: in eager mode and under ``torch.compile`` alike, on every device,
-    naming the index and the model it came from. The check reads the indices'
-    minimum and maximum back to the host (one synchronization per call; under
-    ``torch.compile`` it is an opaque op, ``hfkern::embedding_checked_indices``,
-    marked unsafe for CUDA-graph capture).
+    An index outside ``[0, num_embeddings)`` fails before any lookup, as
+    ``torch.nn.functional.embedding``'s does on each device, in eager mode and
+    under ``torch.compile`` alike (there the check is an opaque op,
+    ``hfkern::embedding_checked_indices``). On the CPU it raises IndexError
+    naming the index and the model it came from. On CUDA it fails a device-side
+    assertion, which reads nothing back to the host: a training step does not
+    wait for the device and can be captured as a CUDA graph
+    (:func:`hfkern.capture_step`, ``mode="reduce-overhead"``); the error then
+    surfaces as a RuntimeError at a later synchronization and leaves the CUDA
+    context unusable, as torch's does. Run the same indices on the CPU to see
+    which index and model.
     """
 
     _torch_cls = nn.Embedding

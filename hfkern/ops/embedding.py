@@ -28,11 +28,11 @@ incoming weight gradient at ``indices`` (``array_embedding``, on the backend
 the backward ran), zero at ``padding_idx`` and divided by the row's hit
 count under ``scale_grad_by_freq``. ``indices`` are not differentiable.
 
-Indices must lie in ``[0, V)``. The lookup ops do not check this (that would
-cost a device synchronization per call); an out-of-range index can read another
-model's rows, so callers check at the Python boundary, as
-:class:`hfkern.nn.Embedding` does, with :func:`raise_if_out_of_range` in eager
-mode and ``embedding_checked_indices(values, num_embeddings, shared, module)``
+Indices must lie in ``[0, V)``. The lookup ops do not check this; an
+out-of-range index can read another model's rows, so callers check at the
+Python boundary, as :class:`hfkern.nn.Embedding` does, with
+:func:`raise_if_out_of_range` (IndexError on the CPU, a device-side assertion
+without a synchronization on CUDA) in eager mode and ``embedding_checked_indices(values, num_embeddings, shared, module)``
 (an op opaque to the compiler that returns a checked copy) under
 ``torch.compile``; both raise the same IndexError.
 """
@@ -170,15 +170,30 @@ def array_embedding_renorm_torch(weight: Tensor, indices: Tensor, max_norm: floa
 
 # ---- index range check (for callers at the Python boundary) ---------------------
 
+# Device types on which the range check is a device-side assertion (no host read).
+_ASSERTED_ON = frozenset({"cuda"})
+
+
 def raise_if_out_of_range(module: str, values: Tensor, num_embeddings: int, shared: bool) -> None:
     """IndexError naming the first bad value and its model, if ``values`` leaves ``[0, num_embeddings)``.
 
     ``values`` is the ``[B, *]`` index tensor, or the ``[*]`` tensor a shared
-    input broadcasts. Reads one min/max pair back to the host.
+    input broadcasts. Reads one min/max pair back to the host, except on CUDA:
+    there a bad index fails a device-side assertion instead, which is what
+    ``torch.nn.functional.embedding`` does on CUDA, so that a training step never
+    waits for the device (the host keeps issuing ahead of it) and can be
+    captured as a CUDA graph. The assertion surfaces as a RuntimeError at a
+    later synchronization and leaves the CUDA context unusable, as torch's does;
+    the same indices on the CPU name the index and the model.
     """
     if values.numel() == 0:
         return
-    lo, hi = (int(v) for v in torch.aminmax(values))
+    lo, hi = torch.aminmax(values)
+    if values.device.type in _ASSERTED_ON:
+        torch._assert_async((lo >= 0) & (hi < num_embeddings),
+                            f"{module}: an index is out of range [0, {num_embeddings})")
+        return
+    lo, hi = int(lo), int(hi)
     if lo >= 0 and hi < num_embeddings:
         return
     bad = lo if lo < 0 else hi
@@ -194,16 +209,13 @@ def raise_if_out_of_range(module: str, values: Tensor, num_embeddings: int, shar
 
 
 # The range check as an op the compiler cannot see into, so that a compiled
-# model raises the eager IndexError (with the same message) at run time instead
-# of tracing a device-side assertion, which raises RuntimeError on CPU and
-# poisons the CUDA context on GPU. It returns a copy of the indices (an op may
-# not return its input) that the lookup then reads, which keeps the check in
-# the graph and ordered before the lookup. It synchronizes with the device, as
-# the eager check does, so it is marked unsafe for CUDA-graph capture.
-_CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-
-
-@torch.library.custom_op("hfkern::embedding_checked_indices", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+# model checks as the eager one does (raise_if_out_of_range: on the CPU the
+# IndexError with the same message, on CUDA the device-side assertion) instead
+# of tracing an assertion of its own, which raises RuntimeError on the CPU. It
+# returns a copy of the indices (an op may not return its input) that the
+# lookup then reads, which keeps the check in the graph and ordered before the
+# lookup. On CUDA it does not synchronize, so CUDA graphs may capture it.
+@torch.library.custom_op("hfkern::embedding_checked_indices", mutates_args=())
 def embedding_checked_indices(
     values: Tensor, num_embeddings: int, shared: bool, module: str
 ) -> Tensor:
