@@ -176,8 +176,7 @@ def _grouped_view(x: Tensor, *per_channel: Tensor | None, grad_y: Tensor | None 
     torch's mixed precision (bfloat16 or float16 ``x``, as autocast's convs give it,
     with float32 per-channel tensors); the statistics are in the accumulation dtype
     either way."""
-    # B > 1: for B = 1 the view's strides would differ from torch.empty_like(x)'s
-    if not (x.dtype in _PARAM_DTYPE and x.numel() > 0 and x.dim() > 3 and x.size(0) > 1
+    if not (x.dtype in _PARAM_DTYPE and x.numel() > 0 and x.dim() > 3
             and not is_shared(x) and _pairs(x, per_channel)
             and (grad_y is None or grad_y.dtype == x.dtype)):
         return None
@@ -240,15 +239,20 @@ def _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tra
     """Training on memory whose grouped view is free (``fmt``: :func:`_grouped_view` of
     x): torch's kernel (cuDNN, oneDNN) on the grouped view, about twice as fast as
     strided reductions over ``x``. ``op``: the op's kernel; else differentiable by
-    torch's autograd (:func:`array_batch_norm`'s eager path; x has no dim of size one,
-    so the output needs no :func:`_from_grouped_like` strides)."""
+    torch's autograd (:func:`array_batch_norm`'s eager path; x has no dim of size one
+    but B, so the output takes x's strides without :func:`_from_grouped_like`'s
+    ``as_strided``, whose gradient is a copy of the whole input)."""
     B = x.shape[0]
     y, mean, rstd = _grouped_train(to_grouped(x), B, weight, bias, running_mean, running_var,
                                    num_batches_tracked, momentum, eps)
     if op:
         y = _from_grouped_like(activate_(y, activation), x, fmt)
     else:  # the activation saves its output: the array itself, not the grouped view (fresh_array)
-        y = activate_(fresh_array(y, B, fmt), activation)
+        out = fresh_array(y, B, fmt)
+        if out.stride(0) != x.stride(0):
+            # B = 1 in [B, N, ...] memory, the same elements as [N, B, ...]: x's stride on B
+            out = torch.ops.aten._unsafe_view(out[0], out.shape)
+        y = activate_(out, activation)
     return y, mean, rstd
 
 
@@ -293,7 +297,7 @@ def grouped_serves(xg: Tensor, B: int, *per_channel: Tensor | None, activation: 
     path on the array's free grouped view, the torch backend outside ``torch.compile``,
     no activation or ReLU, no dim of size one, dtypes torch's kernel pairs."""
     return (_backend.eager_torch(_FWD, xg.device, xg.dtype) and activation in ("none", "relu")
-            and xg.dim() >= 3 and min(B, *xg.shape, xg.shape[1] // B) > 1 and xg.dtype in _PARAM_DTYPE
+            and xg.dim() >= 3 and min(*xg.shape, xg.shape[1] // B) > 1 and xg.dtype in _PARAM_DTYPE
             and _pairs(xg, per_channel))
 
 
@@ -743,8 +747,8 @@ def array_batch_norm(
     otherwise the op with its autograd Function.
     """
     eager = _backend.eager_torch(_FWD, x.device, x.dtype)
-    if eager and training and activation in ("none", "relu") and min(x.shape) > 1:
-        # (a dim of one: y may take x's strides through as_strided, which the op's gradient keeps)
+    if eager and training and activation in ("none", "relu") and min(x.shape[1:]) > 1:
+        # (a dim of one but B: y may take x's strides through as_strided, which the op's gradient keeps)
         fmt = _grouped_view(x, weight, bias, running_mean, running_var)
         if fmt is not None or _grouped_copy(x, weight, bias, running_mean, running_var):
             _check_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum,
