@@ -135,6 +135,19 @@ def _pointwise_matmul(w: Tensor, x: Tensor) -> Tensor:
     return y.view(N, B, w.shape[1], *s).transpose(0, 1)
 
 
+def _pointwise_weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
+    """The weight gradient of :func:`_pointwise_matmul`: ``[B, O, I]``, the sum over the N
+    samples of ``grad_out[b, n] @ x[b, n]^T``, as one batched matmul and a sum. Its
+    ``[N, B, O, I]`` partial products are at most the activations' size (the rule of
+    :func:`_pointwise`); oneDNN's grouped 1x1 weight gradient took 1.1x to 5x its time on
+    MobileNetV2's and PointNet's layers (B = 8, one thread). Float32 and float64 only:
+    reduced-precision partial products would be rounded before they are summed."""
+    B, N = x.shape[:2]
+    g = grad_out.transpose(0, 1).reshape(N, B, grad_out.shape[2], -1)
+    xs = x.transpose(0, 1).reshape(N, B, x.shape[2], -1)
+    return torch.matmul(g, xs.transpose(-1, -2)).sum(0)
+
+
 def _conv_torch(
     x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int, fresh: bool = False,
@@ -219,6 +232,9 @@ def array_conv_weight_grad_torch(
 ) -> Tensor:
     """d(loss)/dweight (``weight`` is read for its shape only)."""
     B = weight.shape[0]
+    if x.dtype in (torch.float32, torch.float64) and grad_out.dtype == x.dtype and \
+            _pointwise(x, weight, stride, padding, dilation, transposed, groups):
+        return like_weight(_pointwise_weight_grad(grad_out, x).view(weight.shape), weight)
     if x.dim() == weight.dim():
         gw = aten.convolution_backward(
             to_grouped(grad_out), to_grouped(x), _flat_weight(weight), None,
