@@ -139,9 +139,11 @@ def _pointwise_weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
     """The weight gradient of :func:`_pointwise_matmul`: ``[B, O, I]``, the sum over the N
     samples of ``grad_out[b, n] @ x[b, n]^T``, as one batched matmul and a sum. Its
     ``[N, B, O, I]`` partial products are at most the activations' size (the rule of
-    :func:`_pointwise`); oneDNN's grouped 1x1 weight gradient took 1.1x to 5x its time on
-    MobileNetV2's and PointNet's layers (B = 8, one thread). Float32 and float64 only:
-    reduced-precision partial products would be rounded before they are summed."""
+    :func:`_pointwise`); oneDNN's grouped 1x1 weight gradient took 1.1x to 4.3x its time on
+    MobileNetV2's and PointNet's layers (B = 8, one thread:
+    bench/results/conv_pointwise_wgrad_cpu-1thread_2026-11-28.md, from
+    bench/bench_pointwise_wgrad.py). Float32 and float64 only: reduced-precision
+    partial products would be rounded before they are summed."""
     B, N = x.shape[:2]
     g = grad_out.transpose(0, 1).reshape(N, B, grad_out.shape[2], -1)
     xs = x.transpose(0, 1).reshape(N, B, x.shape[2], -1)
