@@ -55,12 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--layers", nargs="+", default=None,
+                    help="only the layers whose name contains one of these (e.g. pointnet-cpu)")
     ap.add_argument("--out", required=True, help="write <out>.md and <out>.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     B, rows = args.B, []
     for name, N, ci, co, spatial in _layers():
+        if args.layers and not any(part in name for part in args.layers):
+            continue
         x = torch.randn(N, B, ci, *spatial).transpose(0, 1)  # [B, N, C, *S] in [N, B, C, *S] memory
         grad = torch.randn(N, B, co, *spatial).transpose(0, 1)
         weight = torch.empty(B, co, ci, *([1] * len(spatial)))
