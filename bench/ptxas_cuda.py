@@ -185,6 +185,63 @@ def compile_all(archs=DEFAULT_ARCHS, sources=None, nvcc: str | None = None, jobs
     return sorted(functions, key=lambda f: (f.arch, f.source, not f.entry, f.name))
 
 
+@dataclass
+class Frame:
+    """One function's resources in a built cubin, as ``cuobjdump --dump-resource-usage`` reports them."""
+
+    arch: str  # "sm_90"
+    source: str  # relative to csrc/'s parent, as the build named it
+    mangled: str
+    registers: int
+    stack: int  # bytes per thread: local arrays and spills
+    local: int
+
+
+_SECTION = re.compile(r"^Fatbin (elf|ptx) code:")
+_ARCH = re.compile(r"^arch = (sm_\w+)")
+_IDENT = re.compile(r"^identifier = (.+)$")
+_RU_FUNC = re.compile(r"^\s*Function (\S+):$")
+_RU_LINE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)")
+
+
+def _source_name(identifier: str) -> str:
+    """``/anywhere/csrc/optim/x.cu`` -> ``csrc/optim/x.cu``: the build may have run in another checkout."""
+    parts = Path(identifier).parts
+    return str(Path(*parts[len(parts) - 1 - parts[::-1].index("csrc"):])) if "csrc" in parts else identifier
+
+
+def parse_resource_usage(text: str) -> tuple[list[Frame], dict[str, set[str]]]:
+    """(every function's frame, the sources each SASS architecture holds) from the output of
+    ``cuobjdump --dump-resource-usage`` on a library; PTX sections carry no SASS and are skipped."""
+    frames: list[Frame] = []
+    sources: dict[str, set[str]] = {}
+    kind = arch = source = mangled = None
+    for line in text.splitlines():
+        if m := _SECTION.match(line):
+            kind, arch, source, mangled = m.group(1), None, None, None
+        elif kind != "elf":
+            continue
+        elif m := _ARCH.match(line):
+            arch = m.group(1)
+        elif m := _IDENT.match(line):
+            source = _source_name(m.group(1).strip())
+            sources.setdefault(arch, set()).add(source)
+        elif m := _RU_FUNC.match(line):
+            mangled = m.group(1)
+        elif (m := _RU_LINE.search(line)) and mangled is not None:
+            regs, stack, local = map(int, m.groups())
+            frames.append(Frame(arch, source, mangled, regs, stack, local))
+            mangled = None
+    return frames, sources
+
+
+def built_frames(library: Path, cuobjdump: str) -> tuple[list[Frame], dict[str, set[str]]]:
+    """:func:`parse_resource_usage` of a built library (hfkern._C): what ptxas gave the build itself."""
+    out = subprocess.run([cuobjdump, "--dump-resource-usage", str(library)], capture_output=True, text=True,
+                         check=True).stdout
+    return parse_resource_usage(out)
+
+
 def _first_line(cmd: list[str], pattern: str) -> str:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True).stdout
