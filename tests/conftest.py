@@ -58,6 +58,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_collection_modifyitems(config, items):
+    # Modules with a long test first (stable otherwise): pytest-xdist hands out work in
+    # collection order, and a long module handed out last would leave the other workers idle.
+    # Every worker collects the same order, as xdist requires.
+    long_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("long")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in long_modules)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     if any("emulator" in item.keywords for item in items):
         missing = _emulator_missing()

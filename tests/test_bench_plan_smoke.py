@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import hfkern.plan as hp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,6 +20,7 @@ def _profile(record: dict) -> hp.Profile:
     return hp.Profile(strategy=hp.Strategy(**fields), **rest)
 
 
+@pytest.mark.long
 def test_smoke_run_and_its_profiles_refit_to_its_predictions(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(

@@ -39,6 +39,7 @@ def _job(name: str, max_gpus: int) -> Job:
                max_gpus=max_gpus)
 
 
+@pytest.mark.long
 def test_autoscaler_rescales_the_long_job_when_the_short_one_ends(executor):
     scaler = Autoscaler(3, interval=1e6, restart_cost=0.5, policy="hfkern")
     ctl = Controller(scaler, executor)
@@ -66,6 +67,7 @@ def test_autoscaler_rescales_the_long_job_when_the_short_one_ends(executor):
     assert log[k]["loss"] < 0.8 * log[0]["loss"]
 
 
+@pytest.mark.long
 def test_profile_measures_step_times_for_the_fit(executor):
     samples = profile(executor, _spec("p", steps=1), [(1, 32), (2, 64)], steps=4, timeout=120)
     assert [(g, b, B, nodes) for g, b, B, nodes, _ in samples] == [(1, 32, 1, 1), (2, 64, 1, 1)]

@@ -89,6 +89,7 @@ def _reference_log(tmp_path, spec: JobSpec, batch_size: int) -> list[dict]:
     return [json.loads(line) for line in (job_dir / "log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.long
 def test_rescale_same_batch_matches_uninterrupted_run(executor, tmp_path):
     """(a) 2 workers, rescaled to 3 at the same global batch: the loss curve is an uninterrupted run's."""
     spec = _spec("a", total_steps=40)
@@ -116,6 +117,7 @@ def test_rescale_same_batch_matches_uninterrupted_run(executor, tmp_path):
     assert want[-1] < 0.7 * want[0]   # it trained: the comparison is not between two flat curves
 
 
+@pytest.mark.long
 def test_rescale_to_new_batch_size_continues(executor):
     """(b) 2 workers at batch 32, rescaled to 1 worker at batch 64: the stream, the lr rule, the loss go on."""
     total = 36 * 32
@@ -146,6 +148,7 @@ def test_rescale_to_new_batch_size_continues(executor):
     assert sum(r["loss"] for r in log[-3:]) / 3 < before
 
 
+@pytest.mark.long
 def test_three_jobs_one_rescaled_all_finish(executor):
     """(c) three jobs as separate elastic groups at once (an array of B=2 among them); one rescaled."""
     specs = [
@@ -186,6 +189,7 @@ def test_three_jobs_one_rescaled_all_finish(executor):
     assert executor.log("reg")[-1]["loss"] < executor.log("reg")[0]["loss"]
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process groups from /proc (Linux)")
 def test_shutdown_kills_every_process_and_stop_resumes(tmp_path):
     """Stop checkpoints a job and a later launch resumes it; shutdown leaves no worker behind."""

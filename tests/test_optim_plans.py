@@ -163,6 +163,7 @@ def _train(model_name, opt_name, backend, *, keep_grads, planner=None):
     return [p.detach() for p in body + head], [p.detach() for p in shadow], builds
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_tables_are_built_once_per_structure(kernels, model_name, opt_name):
@@ -223,6 +224,7 @@ def _run_layouts(backend, opt_name, layout, planner=None):
     return [p.detach() for p in params], builds
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("opt_name", list(LAYOUT_OPTIMIZERS))
 def test_gradients_in_another_layout_are_read_where_they_lie(kernels, opt_name):
     """Contiguous gradients of channels-last conv weights are read in place through the

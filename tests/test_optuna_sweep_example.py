@@ -74,6 +74,7 @@ def test_quick_sweep_against_one_by_one(tmp_path):
     assert sorted(record["plots"]) == sorted(PLOTS)
 
 
+@pytest.mark.long
 def test_quick_sweep_in_a_database_resumes_the_study(tmp_path):
     # Two runs against one SQLite study: the second finds the first's 8 trials and adds 4,
     # as runners on several machines share one PostgreSQL study.

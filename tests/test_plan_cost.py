@@ -141,6 +141,7 @@ def test_measured_profile_sees_every_block_and_the_saved_activations():
     assert p.peak > p.persistent + p.gradients
 
 
+@pytest.mark.long
 def test_memory_prediction_at_unfitted_B_within_ten_percent():
     """Fitted at B = 2, 4, 8; the peak at B = 12 and 16 predicted within 10% of its measurement."""
     x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))

@@ -3,11 +3,13 @@
 import pathlib
 import re
 
+import pytest
 import torch
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.long
 def test_readme_examples_run():
     # the python blocks run in order in one scope, as a reader would paste them
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)

@@ -324,6 +324,7 @@ def test_a_strategy_with_recomputation_leaves_every_trial_as_alone():
         check_alone(t)
 
 
+@pytest.mark.long
 def test_a_memory_budget_picks_the_fastest_plan_that_fits():
     study = new_study()
     runner = cases.runner(study, B=None, memory_budget=64 * 2**20)
@@ -337,6 +338,7 @@ def test_a_memory_budget_picks_the_fastest_plan_that_fits():
         cases.runner(study, B=2, memory_budget=2**20)
 
 
+@pytest.mark.long
 def test_a_device_budget_plans_within_what_the_device_offers():
     """memory_budget="device": hfkern.plan's own budget (90% of the device's free memory)."""
     study = new_study()
@@ -440,6 +442,7 @@ def test_a_checkpoint_of_two_arrays_in_flight_resumes_both(tmp_path):
         check_alone(t)
 
 
+@pytest.mark.long
 def test_a_resumed_runner_keeps_the_strategy_its_memory_budget_planned(tmp_path):
     ckpt = tmp_path / "runner.pt"
     study = new_study()

@@ -25,6 +25,7 @@ def _run(script, *args, timeout=900):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.long
 def test_smoke_every_workload_in_every_mode(tmp_path):
     proc = _run("train_throughput.py", "--smoke", "--precisions", "fp32", "--out", str(tmp_path), "--name", "t")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -137,6 +138,7 @@ def test_a_time_limit_keeps_the_rounds_already_timed(tmp_path):
     assert record["skipped"] == ["interrupted: the cells after the last one reported"]
 
 
+@pytest.mark.long
 def test_merged_runs_compare_with_the_baselines_of_another_run(tmp_path):
     """gpu_run.sh times the other backends in a run of their own: the merged report gives their
     speedups over the first run's serial and hfta rows of the same cell."""

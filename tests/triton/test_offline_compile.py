@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 SCRIPT = Path(__file__).with_name("offline_compile.py")
 
 
+@pytest.mark.long
 def test_every_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cold cache: everything is compiled here
