@@ -98,9 +98,11 @@ sweep: install
 
 # pytest's exit status is make's: 5 (no tests collected) fails the target too.
 # --dist loadfile keeps a module's tests, and its module-scoped fixtures (the wheel
-# build), in one worker; the modules with long tests are handed out first (tests/conftest.py).
+# build), in one worker; --no-loadscope-reorder hands the modules out in collection
+# order, where tests/conftest.py puts those with long tests first (xdist would order
+# them by test count, leaving a module of one long test to the end).
 test: install $(TEST_TOOLS)
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache sweep_out

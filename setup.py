@@ -311,7 +311,7 @@ def main() -> None:
             "sweep": ["optuna>=4.0", "sqlalchemy>=2.0", "psycopg2-binary>=2.9", "tqdm", "rich", "matplotlib"],
             # hfkern.elastic: ThroughputModel.fit (scipy's least squares), the simulator's plots
             "elastic": ["scipy", "matplotlib"],
-            "test": ["pytest", "pytest-xdist", "scikit-learn", "scipy", "tqdm", "rich", "matplotlib", "triton>=3.6,<3.10",
+            "test": ["pytest", "pytest-xdist>=3.8", "scikit-learn", "scipy", "tqdm", "rich", "matplotlib", "triton>=3.6,<3.10",
                      "optuna>=4.0", "sqlalchemy>=2.0", "psycopg2-binary>=2.9"],
         },
         zip_safe=False,

@@ -187,7 +187,7 @@ class Drifting:
     """A loss on a device whose speed changes mid-profile: its first ``slow`` calls take
     ``SLOW`` seconds more, the later ones ``FAST`` more."""
 
-    SLOW, FAST = 0.05, 0.002
+    SLOW, FAST = 0.2, 0.002
 
     def __init__(self, slow: int):
         self.calls, self.slow = 0, slow
@@ -201,27 +201,30 @@ class Drifting:
 
 
 def test_strategies_timed_together_see_the_same_device():
-    """Two identical strategies, the device 25x slower for the first half of the timed steps: timed
-    in rounds, both medians sit in the same place; timed one after the other, the first would see
-    only the slow device and the second only the fast one."""
+    """Two identical strategies, the device 100x slower for its first 6 steps: timed in rounds,
+    each sees 2 slow steps of 7 and both medians are the fast device's (timed strategy after
+    strategy, the first would see 4 slow steps of 7, a slow median); timed one after the other
+    under the same drift, the first sees mostly the slow device and the second only the fast one.
+
+    The bounds leave room for a loaded machine (parallel tests): the sleep bounds a step from
+    below, a small MLP's step stays far under the slow sleep, and a median of seven with two slow
+    steps survives one more stall."""
     x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
     kw = dict(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), device=torch.device("cpu"), warmup=1,
               measure_blocks=False)
-    drift = Drifting(slow=2 + 4)  # the warm-ups, then 2 of the 4 rounds (both strategies' steps)
-    a, b = profile_together(mlp, (x, y), [Strategy(B=2), Strategy(B=2)], steps=4, loss_fn=drift, **kw)
-    assert 0.5 < a.step_time / b.step_time < 2.0, (a.step_time, b.step_time)
-    drift = Drifting(slow=1 + 4)  # the same drift, the strategies one after the other
-    a = profile_step(mlp, (x, y), Strategy(B=2), steps=4, loss_fn=drift, **kw)
-    b = profile_step(mlp, (x, y), Strategy(B=2), steps=4, loss_fn=drift, **kw)
-    # The sleep bounds a step from below, so the first saw only the slow device; the second's step,
-    # the fast sleep and a small MLP's work, stays well under the slow sleep on a loaded machine too.
+    drift = Drifting(slow=2 + 4)  # both warm-ups, then the first 2 of the 7 rounds (a step of each)
+    a, b = profile_together(mlp, (x, y), [Strategy(B=2), Strategy(B=2)], steps=7, loss_fn=drift, **kw)
+    assert max(a.step_time, b.step_time) < Drifting.SLOW / 2, (a.step_time, b.step_time)
+    drift = Drifting(slow=2 + 4)  # the same drift: a's warm-up and 5 of its 7 steps
+    a = profile_step(mlp, (x, y), Strategy(B=2), steps=7, loss_fn=drift, **kw)
+    b = profile_step(mlp, (x, y), Strategy(B=2), steps=7, loss_fn=drift, **kw)
     assert a.step_time >= Drifting.SLOW > 2 * b.step_time, (a.step_time, b.step_time)
 
 
 def test_the_drift_between_array_sizes_is_taken_out_of_the_fit():
-    """The device is 25x slower while B = 1's strategies are profiled than for the rest: the plain
-    steps of every B, timed together afterwards, scale each B's times, so B = 1 and B = 2 (whose
-    steps cost about the same: the loss's sleep) are fitted alike; unscaled, B = 1 would be many times B = 2."""
+    """The device is 100x slower while B = 1's strategies are profiled than for the rest: the plain
+    steps of every B, timed together afterwards, scale each B's times, so B = 1 is fitted at the
+    fast device's time as B = 2 is; unscaled, B = 1's step would take the slow sleep or more."""
     x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
     # B = 1's group: 1 warm-up, 4 timed steps, 4 hooked steps and the peak's step.
     drift = Drifting(slow=1 + 4 + 4 + 1)
@@ -229,8 +232,7 @@ def test_the_drift_between_array_sizes_is_taken_out_of_the_fit():
                            device="cpu", B_values=(1, 2), steps=4, warmup=1, recompute=False)
     assert drift.calls == 2 * 10 + 2 * (1 + 4)  # the two groups, then the plain steps timed together
     one, two = (p.step_time for p in model.profiles)
-    assert 0.5 < one / two < 2.0, (one, two)
-    assert two < 0.015  # both the fast device's
+    assert max(one, two) < Drifting.SLOW / 2, (one, two)  # both the fast device's
 
 
 def test_without_interleaving_one_strategy_is_profiled_at_a_time():
