@@ -876,7 +876,9 @@ def _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, 
                 progress(s.rounds)
                 continue
             cell_keys = [k for k in keys if k[0] not in dropped
-                         and not (k[1] in COMPILE_MODES and args.compile_B and B not in args.compile_B)]
+                         and not (k[1] in COMPILE_MODES and args.compile_B and B not in args.compile_B)
+                         and not (k[1] in COMPILE_MODES and args.compile_workloads
+                                  and workload not in args.compile_workloads)]
             if not cell_keys:
                 progress(s.rounds)
                 continue
@@ -948,6 +950,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--compile-B", type=int, nargs="+",
                    help="the B values array+compile and array+compile-ro run at (default: all)")
+    p.add_argument("--compile-workloads", nargs="+", choices=list(WORKLOADS),
+                   help="the workloads array+compile and array+compile-ro run on (default: all)")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of array+compile and array+compile-ro")
     p.add_argument("--smoke", action="store_true",
@@ -1020,7 +1024,8 @@ def main(argv=None) -> int:
               "settings": {"size": size, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
                            "threads": args.threads, "modes": list(args.modes), "backends": backends,
                            "precisions": list(args.precisions), "profile_B": args.profile_B,
-                           "compile_backend": args.compile_backend},
+                           "compile_backend": args.compile_backend,
+                           "compile_workloads": args.compile_workloads or list(args.workloads)},
               "seconds": time.perf_counter() - t0, **result}
     os.makedirs(args.out, exist_ok=True)
     dev = "cpu" if device.type != "cuda" else env["device"].replace("NVIDIA ", "").split()[0].lower()
