@@ -19,6 +19,21 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The interpreter re-scans triton.language at every helper call of a kernel; skipped
+# where the launch has patched it already (tests/_triton_interpreter.py).
+_interpreter_unpatched = ""
+if triton_interpreting():
+    import _triton_interpreter
+
+    _interpreter_unpatched = _triton_interpreter.install()
+
+
+def pytest_report_header(config):
+    if _interpreter_unpatched:
+        return f"Triton's interpreter runs unpatched (slower): {_interpreter_unpatched}"
+    return None
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
