@@ -9,6 +9,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The repository root: tests import the benchmark workloads (bench.models).
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Under pytest-xdist the workers share the cores: torch's intra-op threads (and those of
+# the processes a test starts) get a share each, unless OMP_NUM_THREADS says otherwise.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It
 # must be chosen before triton is first imported (hfkern imports it lazily).
 if not torch.cuda.is_available():

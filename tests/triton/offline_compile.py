@@ -2,6 +2,7 @@
 
     python tests/triton/offline_compile.py --arch 90 --arch 80
     python tests/triton/offline_compile.py --arch 90 --first-config --resources
+    python tests/triton/offline_compile.py --arch 90 --first-config --float16 first   # the test's run
 
 The interpreter tests check what the kernels compute; this checks that they
 compile, for every launch configuration the autotuner may pick, as Triton's
@@ -289,6 +290,27 @@ def compile_all(launches: list[Launch], archs: list[int], *, first_config: bool,
     return report
 
 
+def first_float16(launches: list[Launch]) -> list[Launch]:
+    """``launches`` without the float16 launches that a bfloat16 launch mirrors (same kernel,
+    same label but for the dtype), except each kernel's first. The kernels load and store
+    16-bit data and compute in float32 alike for float16 and bfloat16 (their dots take either
+    as 16-bit operands), so the bfloat16 launch compiles the same code path, and the first
+    float16 launch compiles the type itself."""
+    def twin(launch: Launch) -> tuple[int, str]:
+        return id(launch.kernel), launch.where.replace("bfloat16", "*").replace("float16", "*")
+
+    mirrored = {twin(x) for x in launches if x.dtype == "bfloat16"}
+    seen: set[int] = set()
+    kept = []
+    for launch in launches:
+        if launch.dtype == "float16" and twin(launch) in mirrored:
+            if id(launch.kernel) in seen:
+                continue
+            seen.add(id(launch.kernel))
+        kept.append(launch)
+    return kept
+
+
 def record(tuners: dict[int, Any], families: dict[str, Any], log: Callable[[str], None]) -> list[Launch]:
     """Make the compile calls of ``families`` on CPU tensors and return their recorded launches."""
     import torch
@@ -322,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resources", action="store_true",
                         help="print the registers, stack (spills) and shared memory of each kernel "
                              "config, the most over its launches")
+    parser.add_argument("--float16", choices=("all", "first"), default="all",
+                        help="compile every float16 launch, or only each kernel's first and those no "
+                             "bfloat16 launch mirrors (it takes the same code path; faster)")
     parser.add_argument("--keep-cache", action="store_true",
                         help="use TRITON_CACHE_DIR as set (default: a fresh temporary cache, so "
                              "everything is compiled)")
@@ -343,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         launches = record(tuners, {op: families[op] for op in ops}, print)
+        if args.float16 == "first":
+            kept = first_float16(launches)
+            print(f"--float16 first: {len(launches) - len(kept)} float16 launches left out")
+            launches = kept
         # A kernel that no compile call reaches would go unchecked.
         launched = {id(x.kernel) for x in launches}
         missed = sorted(f"{t.kernel.fn.__module__}.{t.kernel.fn.__name__}" for k, t in tuners.items()
