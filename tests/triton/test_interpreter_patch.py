@@ -3,16 +3,12 @@ kernels compute what they computed before, with the language restored after a la
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from conftest import triton_interpreting
+import _triton_interpreter
 
-if not triton_interpreting():
-    pytest.skip("the patch is of Triton's interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-import _triton_interpreter  # noqa: E402
+pytestmark = pytest.mark.interpreter  # the patch is of Triton's interpreter (TRITON_INTERPRET=1)
 
 
 @triton.jit
