@@ -875,10 +875,9 @@ def _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, 
                 skipped.append(f"{workload} {precision} B={B}")
                 progress(s.rounds)
                 continue
-            cell_keys = [k for k in keys if k[0] not in dropped
-                         and not (k[1] in COMPILE_MODES and args.compile_B and B not in args.compile_B)
-                         and not (k[1] in COMPILE_MODES and args.compile_workloads
-                                  and workload not in args.compile_workloads)]
+            compiled = ((not args.compile_B or B in args.compile_B)
+                        and (not args.compile_workloads or workload in args.compile_workloads))
+            cell_keys = [k for k in keys if k[0] not in dropped and (compiled or k[1] not in COMPILE_MODES)]
             if not cell_keys:
                 progress(s.rounds)
                 continue
