@@ -106,6 +106,7 @@ from .nn._base import ArrayModule, _zero_slot_, seeded
 from .nn.normalization import LayerNorm as _ArrayLayerNorm
 from .nn.normalization import _BatchNorm as _ArrayBatchNorm
 from .nn.conv import _ArrayConvNd
+from .ops.conv import GroupedConvCall
 from ._array import fresh_array
 
 __all__ = ["FuseError", "FusedModel", "fuse", "unfuse"]
@@ -989,11 +990,14 @@ class _ConvNorm(_capture.GraphTarget):
         self._named(f"conv_norm_{activation}" if activation else "conv_norm")
         # The metadata (_signature) of the last call that took the grouped path: a call of
         # the same metadata takes it again without the checks, which cost a few tens of
-        # microseconds of host time per call, as much as the two torch calls themselves.
+        # microseconds of host time per call, as much as the two torch calls themselves;
+        # with the convolution that call decided on (GroupedConvCall), where it is one.
         self._served: tuple | None = None
+        self._conv_call: GroupedConvCall | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_served": None}  # a copy or a loaded model checks its first call
+        # a copy or a loaded model checks its first call
+        return {**self.__dict__, "_served": None, "_conv_call": None}
 
     def __call__(self, conv: nn.Module, norm: nn.Module, x: torch.Tensor, act_module: nn.Module | None = None) -> Any:
         if _hooked(conv) or _hooked(norm) or _hooked(act_module) or norm.activation != "none":
@@ -1001,7 +1005,11 @@ class _ConvNorm(_capture.GraphTarget):
         else:
             signature = _signature(conv, norm, x)
             checked = signature is not None and signature == self._served
-            grouped = conv._grouped_output(x, checked=checked)
+            call = self._conv_call if checked else None
+            if call is not None:
+                grouped = call(x, conv.weight, conv.bias), call.fmt
+            else:
+                grouped = conv._grouped_output(x, checked=checked)
             if grouped is None:
                 y = conv(x)
             else:
@@ -1009,7 +1017,9 @@ class _ConvNorm(_capture.GraphTarget):
                 fused = "relu" if self.activation == "relu" else "none"
                 z = norm._normalize_grouped(yg, conv.B, fmt, fused, checked=checked)
                 if z is not None:
-                    self._served = signature
+                    if not checked:
+                        self._served = signature
+                        self._conv_call = conv._grouped_call(x) if signature is not None else None
                     if self.activation is None or fused == self.activation:
                         return z
                     return act_module(z) if act_module is not None else _ACTIVATION_FUNCTIONS[self.activation](z)

@@ -1089,6 +1089,59 @@ def test_the_checks_are_skipped_only_for_metadata_seen_before(monkeypatch):
     assert checks.n == 4 * first
 
 
+def test_a_served_call_of_the_same_metadata_runs_the_prepared_convolution(monkeypatch):
+    """After the first call that took the grouped path, a call of the same metadata runs the
+    convolution the first call decided on (GroupedConvCall) without the module's path: the
+    same values as a model that decides again, over steps of training."""
+    import hfkern.nn.conv as hconv
+    from hfkern.fusion import _ConvNorm
+    B = 2
+    torch.manual_seed(6)
+    models = [ConvNormNet() for _ in range(B)]
+    fused, twin = hfkern.fuse(models), hfkern.fuse(models)
+    calls = [n.target for n in fused.graph.nodes if isinstance(n.target, _ConvNorm)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (fused, twin)]
+    decided = CallCounter(monkeypatch, hconv._ArrayConvNd, "_grouped_output")
+    for step in range(3):
+        x = torch.randn(B, 4, 3, 6, 6)
+        for model, opt in zip((fused, twin), opts):
+            if model is twin:
+                _forget(twin)
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+        if step == 0:
+            assert all(c._conv_call is not None for c in calls)
+            first = decided.n
+    assert decided.n == first + 2 * len(calls)  # the twin only, which forgets
+    for (name, a), b in zip(fused.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("case", ["channels-last input", "1x1"])
+def test_a_served_call_that_does_more_than_the_convolution_keeps_the_module_path(case):
+    """A call that converts its input's memory format (an input that is not in the format the
+    convolution keeps) or runs the CPU's 1x1 convolution as a matmul has no prepared
+    convolution: its calls keep deciding through the module, and give its values."""
+    from hfkern.fusion import _ConvNorm
+    B = 2
+    torch.manual_seed(7)
+    if case == "1x1":
+        models = [PointwiseNet() for _ in range(B)]
+    else:
+        models = [ConvNormNet() for _ in range(B)]
+    fused, twin = hfkern.fuse(models), hfkern.fuse(models)
+    x = torch.randn(B, 4, 3, 6, 6)
+    if case == "channels-last input":
+        for m in (fused, twin):
+            m.features[0]._set_memory_format(torch.channels_last)
+    for _ in range(2):
+        _forget(twin)
+        assert torch.equal(fused(x), twin(x))
+    first = next(n.target for n in fused.graph.nodes if isinstance(n.target, _ConvNorm))
+    assert first._served is not None and first._conv_call is None
+
+
 @pytest.mark.parametrize("mutation", ["conv weight parametrized", "conv weight a plain tensor"])
 def test_tensors_the_signature_cannot_read_are_checked_at_every_call(mutation):
     from hfkern import fusion

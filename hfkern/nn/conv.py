@@ -32,7 +32,7 @@ from .._array import (
     array_memory_format, check_channels, check_input, conv_output_size, from_grouped,
     is_shared, to_array_memory_format, to_grouped,
 )
-from ..ops.conv import conv, grouped_conv
+from ..ops.conv import GroupedConvCall, conv, grouped_conv
 from ._base import ArrayModule, reset_kaiming_uniform
 
 __all__ = ["Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d"]
@@ -167,6 +167,17 @@ class _ArrayConvNd(ArrayModule):
         return grouped_conv(x, self.weight, self.bias, list(self.stride), list(padding), list(self.dilation),
                             self._transposed, list(self.output_padding) if self._transposed else [0] * self._n,
                             self.groups, checked=checked)
+
+    def _grouped_call(self, input: torch.Tensor) -> GroupedConvCall | None:
+        """What ``_grouped_output(x, checked=True)`` runs for inputs of ``input``'s metadata,
+        its decisions made once (:class:`hfkern.ops.conv.GroupedConvCall`), for an input
+        that ``_grouped_output`` served; None where a call does more than the grouped
+        convolution (converts the input's memory format, or takes the 1x1 matmul path)."""
+        if self._in_memory_format(input) is not input:
+            return None
+        return GroupedConvCall.make(
+            input, self.weight, self.bias, self.stride, self._direct_padding(), self.dilation, self._transposed,
+            self.output_padding if self._transposed else (0,) * self._n, self.groups)
 
 
 class _ArrayConv(_ArrayConvNd):

@@ -317,6 +317,38 @@ def grouped_conv(
     return _grouped_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups), fmt
 
 
+class GroupedConvCall:
+    """:func:`grouped_conv` with ``checked=True`` for calls of the metadata of the call it
+    was made for (:meth:`make`), its decisions made once: the path, the memory format and
+    the convolution's arguments. A call applies autocast's rule and runs the grouped
+    convolution, nothing else. What ``hfkern.fuse`` runs for a convolution whose calls
+    keep the metadata of one it served (a training loop's steady state)."""
+
+    __slots__ = ("fmt", "_args")
+
+    def __init__(self, fmt: torch.memory_format, args: tuple):
+        self.fmt = fmt
+        self._args = args
+
+    @classmethod
+    def make(
+        cls, x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int], padding: Sequence[int],
+        dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+    ) -> "GroupedConvCall | None":
+        """For calls like ``grouped_conv(x, weight, bias, ...)``, which passed its checks and
+        took its grouped path; None where the CPU's 1x1 matmul path serves the call."""
+        x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
+        if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
+            return None
+        args = (list(stride), list(padding), list(dilation), transposed, list(output_padding), groups)
+        return cls(array_memory_format(x), args)
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """The grouped result ``[N, B*C_out, *s']`` (what ``grouped_conv`` returns with :attr:`fmt`)."""
+        x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
+        return _grouped_conv(x, weight, bias, *self._args)
+
+
 class _EagerConv(torch.autograd.Function):
     """``hfkern::array_conv`` with its formula, the torch implementations called directly
     (as the op calls them, below autocast). A backward that builds a graph
