@@ -384,15 +384,19 @@ def _advance(steps: list[Tensor], skip: Tensor | None, counted: Tensor | None = 
     bool ``counted``, is marked True in it)."""
     if not steps:
         return
-    # A tensor increment: a Python number would be wrapped into a new tensor for
-    # every count (on the CPU, three dispatched ops each). A 0-d host tensor adds
-    # to counts on any device.
-    if counted is not None:
-        live = counted if skip is None else counted & ~skip
-        inc = live.to(steps[0].dtype)
-    else:
-        inc = _ONE if skip is None else (~skip).to(steps[0].dtype)
-    torch._foreach_add_(steps, [inc] * len(steps))
+    if counted is None and skip is None:
+        if steps[0].device.type == "cpu":
+            # A tensor increment: on the CPU a Python number would be wrapped into a new
+            # tensor for every count (three dispatched ops each).
+            torch._foreach_add_(steps, [_ONE] * len(steps))
+        else:
+            # A number: one multi-tensor kernel, where a host tensor's increment is a
+            # kernel per count (a foreach list with a tensor on another device).
+            torch._foreach_add_(steps, 1.0)
+        return
+    live = ~skip if counted is None else (counted if skip is None else counted & ~skip)
+    # [B] increments on the counts' device: a list of tensors shaped like the counts
+    torch._foreach_add_(steps, [live.to(steps[0].dtype)] * len(steps))
 
 
 def _direction(
