@@ -306,7 +306,7 @@ def from_grouped(
     """``[N, B*C, *s]`` -> a ``[B, N, C, *s]`` view of array memory: ``[N, B, C, *s]``,
     or ``[N, H, W, B, C]`` for ``memory_format=torch.channels_last`` (a copy only
     where ``y`` is not already in that format)."""
-    y = _grouped_in(y, memory_format)
+    y = grouped_in_format(y, memory_format)
     return y.view(y.shape[0], B, y.shape[1] // B, *y.shape[2:]).transpose(0, 1)
 
 
@@ -318,11 +318,18 @@ def fresh_array(y: torch.Tensor, B: int, memory_format: torch.memory_format = to
     autograd would rebase the view's history, whose backward copies the whole base
     per op (``CopySlices``). Its version counter is not ``y``'s, which is why ``y``
     must not be saved for backward: apply what saves it (an activation) to the result."""
-    y = _grouped_in(y, memory_format)
+    y = grouped_in_format(y, memory_format)
     return torch.ops.aten._unsafe_view(y, (y.shape[0], B, y.shape[1] // B, *y.shape[2:])).transpose_(0, 1)
 
 
-def _grouped_in(y: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+def array_of_grouped(yg: torch.Tensor, B: int) -> torch.Tensor:
+    """``[N, B*C, *s]`` -> the ``[B, N, C, *s]`` array whose grouped form (:func:`to_grouped`)
+    is ``yg``: a view of ``yg`` in any layout (``[N, B, C, *s]`` memory for a contiguous
+    ``yg``, ``[N, H, W, B, C]`` for a channels-last one)."""
+    return yg.unflatten(1, (B, yg.shape[1] // B)).transpose(0, 1)
+
+
+def grouped_in_format(y: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
     """The grouped ``y`` in ``memory_format`` (a copy only where it is not)."""
     if memory_format == torch.channels_last:
         # Memory that is both formats at once must have exactly the channels-last

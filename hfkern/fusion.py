@@ -33,6 +33,16 @@ rewritten op by op.
   the two calls, without the array view between them and its autograd nodes.
   Elsewhere (eval, another backend, ``torch.compile``, hooks added since) the
   call makes the two calls.
+* **Grouped regions**: between such calls, values stay in that grouped form. A
+  call's output goes as ``[N, B*C, *S]`` to the next convolution + batch norm
+  call and to the element-wise calls between them (activations, residual adds:
+  ``grouped_*`` in ``fused.code``), which run on grouped values of one shape
+  as they are; an array view (``array_of_grouped``) is made only for whatever
+  else reads a value, and a norm or convolution output that an element-wise
+  call combines with grouped values enters as its grouped view
+  (``to_grouped``). A hook added since on a module inside a region sees arrays,
+  and element-wise calls on grouped values of different shapes run on their
+  array views (the arrays broadcast per model, the grouped forms would not).
 * **Everything else** in the captured code (reshapes such as
   ``x.view(x.size(0), -1)``, ``torch.flatten(x, 1)``, concatenations, chunks,
   residual adds, functional calls, reductions over dims, parameters used
@@ -107,7 +117,7 @@ from .nn.normalization import LayerNorm as _ArrayLayerNorm
 from .nn.normalization import _BatchNorm as _ArrayBatchNorm
 from .nn.conv import _ArrayConvNd
 from .ops.conv import GroupedConvCall
-from ._array import fresh_array
+from ._array import array_of_grouped, fresh_array, to_grouped
 
 __all__ = ["FuseError", "FusedModel", "fuse", "unfuse"]
 
@@ -982,10 +992,19 @@ def _conv_norms(graph: fx.Graph, leaves: dict[str, nn.Module], array_classes: di
 class _ConvNorm(_capture.GraphTarget):
     """A convolution leaf, the batch norm on its output and (``activation``, when the norm's
     output only goes into one) the activation on that, as one call: on the grouped view where
-    the torch path serves both in eager mode, else the calls the model makes."""
+    the torch path serves both in eager mode, else the calls the model makes.
+
+    ``grouped_in`` / ``grouped_out`` (set by :func:`_group_regions`): the input comes, and the
+    output goes, in the array's grouped form ``[N, B*C, *S]`` (a value of a grouped region);
+    the calls that run on arrays take the input's array view and give their output's grouped
+    view."""
+
+    grouped_in = False
+    grouped_out = False
 
     def __init__(self, activation: str | None):
         self.activation = activation
+        self._fused = "relu" if activation == "relu" else "none"  # what the norm's own op applies
         self._norm_activation = _NormActivation(activation) if activation else None
         self._named(f"conv_norm_{activation}" if activation else "conv_norm")
         # The metadata (_signature) of the last call that took the grouped path: a call of
@@ -1000,33 +1019,192 @@ class _ConvNorm(_capture.GraphTarget):
         return {**self.__dict__, "_served": None, "_conv_call": None}
 
     def __call__(self, conv: nn.Module, norm: nn.Module, x: torch.Tensor, act_module: nn.Module | None = None) -> Any:
-        if _hooked(conv) or _hooked(norm) or _hooked(act_module) or norm.activation != "none":
-            y = conv(x)  # something observes the calls (hooks added since): the calls themselves
+        # something observes the calls (hooks added since): the calls themselves
+        observed = _hooked(conv) or _hooked(norm) or _hooked(act_module) or norm.activation != "none"
+        signature = None if observed else _signature(conv, norm, x)
+        checked = signature is not None and signature == self._served
+        call = self._conv_call if checked else None
+        if call is not None:  # the same metadata as a call served before: a training loop's steady state
+            yg = call(x, conv.weight, conv.bias, grouped=self.grouped_in)
+            z = norm._normalize_grouped(yg, conv.B, call.fmt, self._fused, checked=True, grouped=self.grouped_out)
+            return self._activated(z, act_module)
+        if self.grouped_in:
+            x = array_of_grouped(x, conv.B)
+        y, grouped = self._calls(conv, norm, x, act_module, observed, signature, checked)
+        return to_grouped(y) if self.grouped_out and not grouped else y
+
+    def _calls(self, conv: nn.Module, norm: nn.Module, x: torch.Tensor, act_module: nn.Module | None,
+               observed: bool, signature: tuple | None, checked: bool) -> tuple[Any, bool]:
+        """The call on the array ``x``: on the grouped view where it is served (the output
+        grouped with ``grouped_out``, as the steady state gives it: a recomputation saves
+        what the forward saved), else the calls. Returns (output, whether it is grouped)."""
+        if observed:
+            y = conv(x)
         else:
-            signature = _signature(conv, norm, x)
-            checked = signature is not None and signature == self._served
-            call = self._conv_call if checked else None
-            if call is not None:
-                grouped = call(x, conv.weight, conv.bias), call.fmt
-            else:
-                grouped = conv._grouped_output(x, checked=checked)
+            grouped = conv._grouped_output(x, checked=checked)
             if grouped is None:
                 y = conv(x)
             else:
                 yg, fmt = grouped
-                fused = "relu" if self.activation == "relu" else "none"
-                z = norm._normalize_grouped(yg, conv.B, fmt, fused, checked=checked)
+                z = norm._normalize_grouped(yg, conv.B, fmt, self._fused, checked=checked, grouped=self.grouped_out)
                 if z is not None:
-                    if not checked:
-                        self._served = signature
-                        self._conv_call = conv._grouped_call(x) if signature is not None else None
-                    if self.activation is None or fused == self.activation:
-                        return z
-                    return act_module(z) if act_module is not None else _ACTIVATION_FUNCTIONS[self.activation](z)
+                    self._served = signature
+                    self._conv_call = conv._grouped_call(x) if signature is not None else None
+                    return self._activated(z, act_module), self.grouped_out
                 y = fresh_array(yg, conv.B, fmt)  # what conv(x) gives on this path
         if self._norm_activation is None:
-            return norm(y)
-        return self._norm_activation(norm, y, act_module)
+            return norm(y), False
+        return self._norm_activation(norm, y, act_module), False
+
+    def _activated(self, z: torch.Tensor, act_module: nn.Module | None) -> Any:
+        """The norm's output ``z`` (its op applied ``self._fused``) after the activation."""
+        if self.activation is None or self._fused == self.activation:
+            return z
+        return act_module(z) if act_module is not None else _ACTIVATION_FUNCTIONS[self.activation](z)
+
+
+# ---- grouped regions ------------------------------------------------------------------
+# Between the convolution + batch norm calls of a network like ResNet, values pass through
+# activations and residual adds only. There they stay in the grouped form [N, B*C, *S] that
+# the convolutions and norms compute in, rather than becoming array views [B, N, C, *S] after
+# every call and grouped views again before the next one: two view ops each way per call and
+# their autograd nodes. A value becomes its array view where anything else reads it.
+
+# Elementwise calls that run on grouped values as they are, when all their tensor arguments are
+# grouped values of one shape (then each element is the same model's, channel's and position's
+# in all of them). Not: random draws (dropout: another order of the numbers than the arrays'),
+# and methods whose result's memory layout a later call may rely on (contiguous, to).
+_GROUPED_FUNCTIONS = _ELEMENTWISE_FUNCTIONS - {F.dropout, F.alpha_dropout}
+_GROUPED_METHODS = _ELEMENTWISE_METHODS - {"contiguous", "to"}
+
+
+class _GroupedCall(_capture.GraphTarget):
+    """An elementwise call inside a grouped region: ``inner`` (an :class:`_ArrayCall`, or with
+    ``module`` the module given as the first argument) on grouped values, where all of them
+    have one shape (and the module runs no hooks); else on their array views, the result
+    given as its grouped form."""
+
+    def __init__(self, inner: Any, B: int, label: str, module: bool = False):
+        self.inner, self.B, self.module = inner, B, module
+        self._named(f"grouped_{label}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module:
+            module, args = args[0], args[1:]
+            if not _hooked(module) and _one_shape(args, kwargs):
+                return module.forward(*args, **kwargs)
+            fn = module
+        else:
+            if _one_shape(args, kwargs):
+                return self.inner._call(args, kwargs)
+            fn = self.inner
+        B = self.B
+        arrays = tree_map(lambda v: array_of_grouped(v, B) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        return to_grouped(fn(*arrays[0], **arrays[1]))
+
+
+def _one_shape(args: tuple, kwargs: dict) -> bool:
+    """Whether the tensors among ``args`` and ``kwargs`` (grouped values) all have one shape."""
+    shape = None
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            if shape is None:
+                shape = v.shape
+            elif v.shape != shape:
+                return False
+        elif isinstance(v, (list, tuple, dict)):
+            return False  # (not produced for grouped values: their tensors are direct arguments)
+    return True
+
+
+def _elementwise_node(node: fx.Node, model: nn.Module) -> bool:
+    """Whether ``node`` of the rewritten graph is an elementwise call :class:`_GroupedCall` can
+    run on grouped values: an elementwise module's call, or an elementwise function or method
+    call, with tensors only as direct arguments."""
+    direct = all(not isinstance(a, (list, tuple, dict)) for a in (*node.args, *node.kwargs.values()))
+    if node.op == "call_module":
+        module = model.get_submodule(node.target)
+        return direct and type(module) in _ELEMENTWISE_MODULES
+    if node.op != "call_function" or not isinstance(node.target, _ArrayCall):
+        return False
+    call = node.target
+    known = call.method in _GROUPED_METHODS if call.method is not None else call.fn in _GROUPED_FUNCTIONS
+    return direct and known
+
+
+def _group_regions(graph: fx.Graph, model: nn.Module, B: int, array_classes: dict) -> None:
+    """Rewrite ``graph`` (the fusion's, in place) so that values pass between convolution +
+    batch norm calls (:class:`_ConvNorm`) and the elementwise calls between them in grouped
+    form: each such call's output is grouped where a call that takes grouped values reads
+    it, an elementwise call whose inputs are grouped runs on them (:class:`_GroupedCall`),
+    and every other reader gets the array view. An elementwise call may also read the output
+    of a norm or convolution leaf (a residual path's), which then gets a grouped view."""
+    nodes = list(graph.nodes)
+
+    def leaf_class(n: fx.Node) -> type:
+        if n.op != "call_module":
+            return type(None)
+        return array_classes.get(type(model.get_submodule(n.target)), type(None))
+
+    producers = {n for n in nodes if n.op == "call_function" and isinstance(n.target, _ConvNorm)
+                 and n.target.activation in (None, "relu")}
+    convertible = {n for n in nodes if (n.op == "call_function" and isinstance(n.target, _NormActivation))
+                   or issubclass(leaf_class(n), (_ArrayConvNd, _ArrayBatchNorm))}
+    elementwise = {n for n in nodes if _elementwise_node(n, model)}
+
+    def reads_grouped(user: fx.Node, value: fx.Node) -> bool:
+        return (user in grouped and user in elementwise) or (
+            isinstance(user.target, _ConvNorm) and user.args[2] is value)
+
+    # Every producer grouped at first; one whose value no grouped call reads is not; repeat.
+    grouped = set(producers)
+    while True:
+        for n in nodes:
+            if n in elementwise:
+                inputs = n.all_input_nodes
+                member = any(i in grouped for i in inputs) and all(i in grouped or i in convertible for i in inputs)
+                (grouped.add if member else grouped.discard)(n)
+        idle = {n for n in grouped & producers if not any(reads_grouped(u, n) for u in n.users)}
+        if not idle:
+            break
+        grouped -= idle
+    # The leaves' outputs that grouped elementwise calls read: their grouped views, for every
+    # call that takes grouped values.
+    for n in nodes:
+        if n in convertible and any(u in grouped and u in elementwise for u in n.users):
+            readers = [u for u in n.users if reads_grouped(u, n)]
+            with graph.inserting_after(n):
+                view = graph.call_function(to_grouped, (n,))
+            view.meta.update(n.meta)
+            for u in readers:
+                u.replace_input_with(n, view)
+            grouped.add(view)
+    for n in nodes:
+        if isinstance(n.target, _ConvNorm):
+            n.target.grouped_in = n.args[2] in grouped
+            n.target.grouped_out = n in grouped
+    for n in list(graph.nodes):
+        if n not in grouped:
+            continue
+        readers = [u for u in n.users if not reads_grouped(u, n)]
+        if readers:  # the array view, for everything else that reads the value
+            with graph.inserting_after(n):
+                view = graph.call_function(array_of_grouped, (n, B))
+            view.meta.update(n.meta)
+            for u in readers:
+                u.replace_input_with(n, view)
+        if n in elementwise:
+            if n.op == "call_module":
+                with graph.inserting_before(n):
+                    owner = graph.get_attr(n.target)
+                    call = graph.call_function(_GroupedCall(None, B, n.target.replace(".", "_"), module=True),
+                                               (owner, *n.args), dict(n.kwargs))
+                call.meta.update(n.meta)
+                owner.meta.update(n.meta)
+                n.replace_all_uses_with(call)
+                graph.erase_node(n)
+            else:
+                n.target = _GroupedCall(n.target, B, n.target.__name__)
 
 
 _CONV_CONFIG = ("B", "in_channels", "out_channels", "stride", "padding", "dilation", "groups", "padding_mode",
@@ -1830,6 +2008,7 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
                 array[node] = True
         if node.op != "output":
             env[node].meta.update(node.meta)
+    _group_regions(out, model, B, array_classes)
     out.lint()
     return out
 

@@ -339,19 +339,21 @@ class _BatchNorm(_FusedActivation, ArrayModule):
         )[0]
 
     def _normalize_grouped(self, xg: Tensor, B: int, fmt: torch.memory_format, activation: str, *,
-                           checked: bool = False) -> Tensor | None:
+                           checked: bool = False, grouped: bool = False) -> Tensor | None:
         """``_normalize`` of the array whose grouped form is ``xg`` (``[N, B*C, *S]``, ``fmt`` its
         array memory format) without making the array first, where
         :func:`hfkern.ops.batch_norm.grouped_serves` (what ``hfkern.fuse`` runs for a
         convolution whose output only this norm reads); None, nothing changed, where
         ``_normalize`` must run on the array. ``checked``: a call of the same metadata
         (input, parameters and buffers, configuration, backend selection, autocast state)
-        took this path before, so the checks are not repeated."""
+        took this path before, so the checks are not repeated. ``grouped``: the output's
+        grouped form (see :func:`hfkern.ops.batch_norm.grouped_batch_norm`)."""
         if checked:
             if self.training and self.track_running_stats:
                 self.num_batches_tracked.add_(1)
             return grouped_batch_norm(xg, B, fmt, self.weight, self.bias, self.running_mean, self.running_var,
-                                      self.num_batches_tracked, self.momentum, self.eps, activation, checked=True)
+                                      self.num_batches_tracked, self.momentum, self.eps, activation, checked=True,
+                                      grouped=grouped)
         param = self.weight if self.weight is not None else self.running_mean
         use_batch_stats = self.training or self.running_mean is None
         if not (use_batch_stats and B == self.B and xg.dim() in self._model_ndims
@@ -364,7 +366,7 @@ class _BatchNorm(_FusedActivation, ArrayModule):
         if self.training and self.track_running_stats:
             self.num_batches_tracked.add_(1)  # as _normalize: counted before the op runs
         return grouped_batch_norm(xg, B, fmt, self.weight, self.bias, self.running_mean, self.running_var,
-                                  self.num_batches_tracked, self.momentum, self.eps, activation)
+                                  self.num_batches_tracked, self.momentum, self.eps, activation, grouped=grouped)
 
 
 class BatchNorm1d(_BatchNorm):

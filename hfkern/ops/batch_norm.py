@@ -98,7 +98,8 @@ from torch import Tensor
 
 from .. import _backend
 from .._array import (
-    array_memory_format, fresh_array, from_grouped, is_shared, op_result, per_model_memory_first, to_grouped,
+    array_memory_format, fresh_array, from_grouped, grouped_in_format, is_shared, op_result, per_model_memory_first,
+    to_grouped,
 )
 from .._dtypes import acc_dtype
 from ._norm import (
@@ -304,20 +305,21 @@ def grouped_serves(xg: Tensor, B: int, *per_channel: Tensor | None, activation: 
 def grouped_batch_norm(
     xg: Tensor, B: int, fmt: torch.memory_format, weight: Tensor | None, bias: Tensor | None,
     running_mean: Tensor | None, running_var: Tensor | None, num_batches_tracked: Tensor | None,
-    momentum: float | None, eps: float, activation: str = "none", *, checked: bool = False,
+    momentum: float | None, eps: float, activation: str = "none", *, checked: bool = False, grouped: bool = False,
 ) -> Tensor:
     """Training batch norm of the array whose grouped form is ``xg`` (``[N, B*C, *S]``, e.g.
     :func:`hfkern.ops.conv.grouped_conv`'s result, ``fmt`` its array memory format) where
     :func:`grouped_serves`: the output array of :func:`array_batch_norm`'s eager path (a
     tensor of its own, :func:`hfkern._array.fresh_array`), the running statistics
     updated, the arguments checked as the op checks them (unless ``checked``: a call of
-    the same metadata passed them before)."""
+    the same metadata passed them before). ``grouped``: the output's grouped form
+    ``[N, B*C, *S]`` in ``fmt``'s grouped memory instead, of which that array is a view."""
     if not checked:
         _check_forward(_ArrayMeta(xg, B), weight, bias, running_mean, running_var, num_batches_tracked, True,
                        momentum, activation)
     y, _, _ = _grouped_train(xg, B, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
                              stats=False)
-    return activate_(fresh_array(y, B, fmt), activation)
+    return activate_(grouped_in_format(y, fmt) if grouped else fresh_array(y, B, fmt), activation)
 
 
 class _ArrayMeta:

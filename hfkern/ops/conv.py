@@ -184,8 +184,17 @@ def _grouped_conv(
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
 ) -> Tensor:
     """The convolution of a per-model input as one grouped convolution: ``[N, B*C_out, *s']``."""
+    return _conv_of_grouped(to_grouped(x), weight, bias, stride, padding, dilation, transposed, output_padding,
+                            groups)
+
+
+def _conv_of_grouped(
+    xg: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+) -> Tensor:
+    """:func:`_grouped_conv` of the input's grouped form ``xg`` (``[N, B*C_in, *s]``)."""
     return torch.convolution(
-        to_grouped(x), _flat_weight(weight), None if bias is None else bias.reshape(-1),
+        xg, _flat_weight(weight), None if bias is None else bias.reshape(-1),
         stride, padding, dilation, transposed, output_padding, weight.shape[0] * groups,
     )
 
@@ -343,10 +352,12 @@ class GroupedConvCall:
         args = (list(stride), list(padding), list(dilation), transposed, list(output_padding), groups)
         return cls(array_memory_format(x), args)
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """The grouped result ``[N, B*C_out, *s']`` (what ``grouped_conv`` returns with :attr:`fmt`)."""
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, grouped: bool = False) -> Tensor:
+        """The grouped result ``[N, B*C_out, *s']`` (what ``grouped_conv`` returns with :attr:`fmt`).
+        ``grouped``: ``x`` is the input's grouped form ``[N, B*C_in, *s]`` (its view
+        ``to_grouped`` gives), not the array."""
         x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
-        return _grouped_conv(x, weight, bias, *self._args)
+        return _conv_of_grouped(x if grouped else to_grouped(x), weight, bias, *self._args)
 
 
 class _EagerConv(torch.autograd.Function):

@@ -1,0 +1,254 @@
+"""Grouped regions of hfkern.fuse: values between convolution + batch norm calls and the
+elementwise calls between them (activations, residual adds) stay in the grouped form
+[N, B*C, *S], and become array views only where something else reads them."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hfkern
+from hfkern import _backend, fusion
+from hfkern.plan._strategy import Strategy, apply
+
+
+class Block(nn.Module):
+    """ResNet's basic block: a residual add written in place, a ReLU module applied twice."""
+
+    def __init__(self, c_in: int, c: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.down = None
+        if stride != 1 or c_in != c:
+            self.down = nn.Sequential(nn.Conv2d(c_in, c, 1, stride=stride, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class Net(nn.Module):
+    """A small ResNet: a stem whose batch norm is a top-level block of its own (its output
+    enters the region through a grouped view), two stages, pooling and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = nn.Sequential(Block(4, 4), Block(4, 4))
+        self.layer2 = nn.Sequential(Block(4, 6, stride=2), Block(6, 6))
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(x))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def _ungrouped_fuse(models, monkeypatch):
+    """hfkern.fuse without grouped regions: every call's output an array."""
+    with monkeypatch.context() as m:
+        m.setattr(fusion, "_group_regions", lambda *args: None)
+        return hfkern.fuse(models)
+
+
+def _targets(fused, cls):
+    return [n.target for n in fused.graph.nodes if isinstance(n.target, cls)]
+
+
+def test_the_values_between_the_calls_stay_grouped():
+    fused = hfkern.fuse([Net() for _ in range(2)])
+    calls = _targets(fused, fusion._ConvNorm)
+    assert len(calls) == 9  # (the stem's pair spans two top-level blocks: a norm + ReLU call)
+    assert all(c.grouped_in and c.grouped_out for c in calls)
+    # the residual adds and the second ReLU of every block run on grouped values
+    grouped = _targets(fused, fusion._GroupedCall)
+    assert len(grouped) == 8 and sum(g.module for g in grouped) == 4
+    views = [n for n in fused.graph.nodes if n.target is fusion.array_of_grouped]
+    entries = [n for n in fused.graph.nodes if n.target is fusion.to_grouped]
+    assert len(views) == 1 and len(entries) == 1  # out before the pooling, in after the stem
+
+
+def test_a_chain_without_elementwise_calls_is_grouped_too():
+    """Convolution + batch norm calls reading each other's outputs directly; the last output
+    read by something else as an array."""
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                                      nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))
+            self.head = nn.Linear(4 * 25, 2)
+
+        def forward(self, x):
+            return self.head(self.body(x).flatten(1))
+
+    models = [Chain() for _ in range(3)]
+    fused = hfkern.fuse(models)
+    first, second = _targets(fused, fusion._ConvNorm)
+    assert (first.grouped_in, first.grouped_out, second.grouped_in, second.grouped_out) == (False, True, True, False)
+    x = torch.randn(3, 2, 3, 5, 5)
+    torch.testing.assert_close(fused(x), torch.stack([m(x[b]) for b, m in enumerate(models)]), rtol=1e-4, atol=1e-5)
+
+
+def _train(model, x, y, steps, region=contextlib.nullcontext):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    outs = []
+    for step in range(steps):
+        opt.zero_grad()
+        with region():
+            out = model(x + step)
+            loss = F.cross_entropy(out.float().flatten(0, 1), y.flatten(), reduction="sum")
+        loss.backward()
+        outs.append(out.detach())
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+    return outs, grads
+
+
+@pytest.mark.parametrize("case", ["contiguous", "channels_last", "B1", "bf16_autocast", "dispatched"])
+def test_grouped_regions_train_as_the_arrays_do(case, monkeypatch):
+    """Bit for bit what the same fused model without grouped regions computes: outputs,
+    gradients, parameters and buffers over steps (the same kernels on the same memory)."""
+    B = 1 if case == "B1" else 3
+    torch.manual_seed(0)
+    models = [Net() for _ in range(B)]
+    fused, plain = hfkern.fuse(models), _ungrouped_fuse(models, monkeypatch)
+    if case == "channels_last":
+        fused, plain = (m.to(memory_format=torch.channels_last) for m in (fused, plain))
+    x, y = torch.randn(B, 4, 3, 6, 6), torch.randint(0, 5, (B, 4))
+    region = contextlib.nullcontext
+    if case == "bf16_autocast":
+        region = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    elif case == "dispatched":
+        region = _backend.dispatched_ops  # every call's op: the calls on arrays, then grouped views
+    ours, our_grads = _train(fused, x, y, 3, region)
+    theirs, their_grads = _train(plain, x, y, 3, region)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    for k in our_grads:
+        assert torch.equal(our_grads[k], their_grads[k]), k
+    for (k, a), b in zip(fused.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_grouped_regions_train_as_the_torch_models_do():
+    B = 3
+    torch.manual_seed(1)
+    models = [Net() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(B, 4, 3, 6, 6)
+    for step in range(2):
+        fused.zero_grad()
+        y = fused(x + step)
+        ys = [m(x[b] + step) for b, m in enumerate(models)]
+        torch.testing.assert_close(y, torch.stack(ys), rtol=1e-4, atol=1e-5)
+        y.square().sum().backward()
+        for m, yb in zip(models, ys):
+            m.zero_grad()
+            yb.square().sum().backward()
+        for name, p in fused.named_parameters():
+            ref = torch.stack([dict(m.named_parameters())[name].grad for m in models])
+            torch.testing.assert_close(p.grad, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item() + 1e-5)
+    state = fused.state_dict()
+    for b, m in enumerate(models):
+        for k, v in m.state_dict().items():
+            torch.testing.assert_close(state[k][b], v, rtol=1e-4, atol=1e-5)
+
+
+def test_hooks_inside_a_region_see_arrays(monkeypatch):
+    """A hook added after fusing, on an activation module or a convolution inside a region,
+    sees the arrays [B, N, C, H, W] the models' modules would; the values are unchanged."""
+    B = 2
+    torch.manual_seed(2)
+    models = [Net() for _ in range(B)]
+    fused, plain = hfkern.fuse(models), _ungrouped_fuse(models, monkeypatch)
+    x = torch.randn(B, 4, 3, 6, 6)
+    seen = {}
+    for path in ("layer1.0.relu", "layer2.1.conv1"):
+        fused.get_submodule(path).register_forward_hook(
+            lambda m, args, out, path=path: seen.__setitem__(path, (args[0].shape, out.detach().clone())))
+    assert torch.equal(fused(x), plain(x))
+    assert seen["layer1.0.relu"][0] == (B, 4, 4, 6, 6)
+    assert seen["layer2.1.conv1"][0] == (B, 4, 6, 3, 3)
+    with torch.no_grad():
+        for b, m in enumerate(models):
+            h = m.relu(m.bn1(m.conv1(x[b])))
+            block = m.layer1[0]
+            out = block.bn2(block.conv2(block.relu(block.bn1(block.conv1(h))))) + h
+            # the hooked ReLU's last call: the block's output
+            torch.testing.assert_close(seen["layer1.0.relu"][1][b], out.relu(), rtol=1e-4, atol=1e-5)
+
+
+class Gated(nn.Module):
+    """Grouped values of different shapes in one elementwise call: a one-channel gate times a
+    four-channel map (the arrays broadcast over the channels; the grouped forms do not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4))
+        self.g = nn.Sequential(nn.Conv2d(3, 1, 3, padding=1), nn.BatchNorm2d(1))
+        self.b = nn.Sequential(nn.Conv2d(4, 2, 3, padding=1), nn.BatchNorm2d(2))
+
+    def forward(self, x):
+        return self.b(self.a(x) * torch.sigmoid(self.g(x))).mean((2, 3))
+
+
+def test_an_elementwise_call_of_grouped_values_of_different_shapes_runs_on_arrays():
+    B = 3
+    torch.manual_seed(3)
+    models = [Gated() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    assert len(_targets(fused, fusion._GroupedCall)) == 2  # the sigmoid and the product
+    x = torch.randn(B, 2, 3, 5, 5)
+    y = fused(x)
+    ys = torch.stack([m(x[b]) for b, m in enumerate(models)])
+    torch.testing.assert_close(y, ys, rtol=1e-4, atol=1e-5)
+    y.square().sum().backward()
+    ys.square().sum().backward()
+    for name, p in fused.named_parameters():
+        ref = torch.stack([dict(m.named_parameters())[name].grad for m in models])
+        torch.testing.assert_close(p.grad, ref, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_recomputed_blocks_of_a_grouped_region(monkeypatch):
+    """hfkern.plan's recomputation of blocks whose values cross the blocks' bounds grouped."""
+    B = 2
+    torch.manual_seed(4)
+    models = [Net() for _ in range(B)]
+    fused, plain = hfkern.fuse(models), _ungrouped_fuse(models, monkeypatch)
+    apply(fused, Strategy(B, recompute=("layer1", "layer2")))
+    x, y = torch.randn(B, 4, 3, 6, 6), torch.randint(0, 5, (B, 4))
+    ours, our_grads = _train(fused, x, y, 2)
+    theirs, their_grads = _train(plain, x, y, 2)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for k in our_grads:
+        torch.testing.assert_close(our_grads[k], their_grads[k], rtol=1e-5, atol=1e-6, msg=k)
+    for (k, a), b in zip(fused.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_pickled_fused_model_keeps_its_regions():
+    import io
+    B = 2
+    fused = hfkern.fuse([Net() for _ in range(B)])
+    x = torch.randn(B, 4, 3, 6, 6)
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert [(c.grouped_in, c.grouped_out) for c in _targets(loaded, fusion._ConvNorm)] == \
+        [(c.grouped_in, c.grouped_out) for c in _targets(fused, fusion._ConvNorm)]
+    assert torch.equal(loaded(x), fused(x))
