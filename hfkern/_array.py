@@ -322,6 +322,18 @@ def fresh_array(y: torch.Tensor, B: int, memory_format: torch.memory_format = to
     return torch.ops.aten._unsafe_view(y, (y.shape[0], B, y.shape[1] // B, *y.shape[2:])).transpose_(0, 1)
 
 
+def fresh_grouped(y: torch.Tensor) -> torch.Tensor:
+    """:func:`to_grouped` of an array computed under autograd that no backward node saved (a
+    norm's output): where that is a view, the same memory and strides as a tensor of its
+    own (:func:`fresh_array`'s inverse), so that in-place ops on it (an activation module's)
+    are plain in-place ops rather than a view's, whose backward copies the whole base."""
+    B, N, C = y.shape[:3]
+    t = y.transpose(0, 1)
+    if y.stride(0) == C * y.stride(2):  # B and C merge: the grouped form is a view
+        return torch.ops.aten._unsafe_view(t, (N, B * C, *y.shape[3:]))
+    return t.reshape(N, B * C, *y.shape[3:])  # a copy
+
+
 def array_of_grouped(yg: torch.Tensor, B: int) -> torch.Tensor:
     """``[N, B*C, *s]`` -> the ``[B, N, C, *s]`` array whose grouped form (:func:`to_grouped`)
     is ``yg``: a view of ``yg`` in any layout (``[N, B, C, *s]`` memory for a contiguous

@@ -117,7 +117,7 @@ from .nn.normalization import LayerNorm as _ArrayLayerNorm
 from .nn.normalization import _BatchNorm as _ArrayBatchNorm
 from .nn.conv import _ArrayConvNd
 from .ops.conv import GroupedConvCall
-from ._array import array_of_grouped, fresh_array, to_grouped
+from ._array import array_of_grouped, fresh_array, fresh_grouped, to_grouped
 
 __all__ = ["FuseError", "FusedModel", "fuse", "unfuse"]
 
@@ -1031,7 +1031,11 @@ class _ConvNorm(_capture.GraphTarget):
         if self.grouped_in:
             x = array_of_grouped(x, conv.B)
         y, grouped = self._calls(conv, norm, x, act_module, observed, signature, checked)
-        return to_grouped(y) if self.grouped_out and not grouped else y
+        if not self.grouped_out or grouped:
+            return y
+        # The calls' array as grouped: a tensor of its own where it is the norm's output with
+        # no activation and no hooks (no backward node saves it), for in-place calls after it.
+        return to_grouped(y) if observed or self.activation else fresh_grouped(y)
 
     def _calls(self, conv: nn.Module, norm: nn.Module, x: torch.Tensor, act_module: nn.Module | None,
                observed: bool, signature: tuple | None, checked: bool) -> tuple[Any, bool]:

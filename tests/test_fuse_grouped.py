@@ -252,3 +252,80 @@ def test_a_pickled_fused_model_keeps_its_regions():
     assert [(c.grouped_in, c.grouped_out) for c in _targets(loaded, fusion._ConvNorm)] == \
         [(c.grouped_in, c.grouped_out) for c in _targets(fused, fusion._ConvNorm)]
     assert torch.equal(loaded(x), fused(x))
+
+
+class Inverted(nn.Module):
+    """MobileNetV2's pattern: batch norms without an activation of their own, each followed by
+    an in-place ReLU6 module; the first convolution reads the input every model shares."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU6(inplace=True),
+            nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False), nn.BatchNorm2d(4), nn.ReLU6(inplace=True),
+            nn.Conv2d(4, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def _backward_nodes(t: torch.Tensor) -> set[str]:
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        f = stack.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            stack.extend(n for n, _ in f.next_functions)
+    return {type(f).__name__ for f in seen}
+
+
+@pytest.mark.parametrize("case", ["shared input", "dispatched"])
+def test_in_place_calls_after_a_call_on_arrays_stay_plain_in_place_ops(case, monkeypatch):
+    """Where a convolution + batch norm call runs on arrays (a shared input, another backend)
+    and gives its output to the region, an in-place activation after it is a plain in-place
+    op (no view's rebase in the backward, CopySlices), with the values of the arrays' path."""
+    B = 3
+    torch.manual_seed(5)
+    models = [Inverted() for _ in range(B)]
+    fused, plain = hfkern.fuse(models), _ungrouped_fuse(models, monkeypatch)
+    assert [(c.grouped_in, c.grouped_out) for c in _targets(fused, fusion._ConvNorm)] == \
+        [(False, True), (True, True), (True, False)]
+    x = torch.randn(B, 4, 3, 6, 6)
+    if case == "shared input":
+        x = hfkern.broadcast(x[0], B)
+    region = _backend.dispatched_ops if case == "dispatched" else contextlib.nullcontext
+    with region():
+        ours, theirs = fused(x), plain(x)
+        assert "CopySlices" not in _backward_nodes(ours)
+        assert torch.equal(ours, theirs)
+        ours.square().sum().backward()
+        theirs.square().sum().backward()
+    for (k, a), b in zip(fused.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), k
+
+
+def test_a_hook_that_replaces_a_norm_output_is_seen_by_autograd(monkeypatch):
+    """A forward hook on a batch norm inside a region that returns a tensor autograd saves (a
+    sigmoid's output), which the in-place ReLU6 after it then changes: autograd refuses the
+    backward, as it does for the arrays (never a gradient from the changed values). With a
+    hook whose output nothing saves, the gradients are the arrays'."""
+    B = 2
+    torch.manual_seed(6)
+    models = [Inverted() for _ in range(B)]
+    x = torch.randn(B, 4, 3, 6, 6)
+    for hook, raises in ((lambda mod, args, out: torch.sigmoid(out), True), (lambda mod, args, out: out * 2, False)):
+        fused, plain = hfkern.fuse(models), _ungrouped_fuse(models, monkeypatch)
+        for m in (fused, plain):
+            m.body[1].register_forward_hook(hook)
+        ours, theirs = fused(x), plain(x)
+        assert torch.equal(ours, theirs)
+        for out in (ours, theirs):
+            if raises:
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    out.square().sum().backward()
+            else:
+                out.square().sum().backward()
+        if not raises:
+            for (k, a), b in zip(fused.named_parameters(), plain.parameters()):
+                assert torch.equal(a.grad, b.grad), k
