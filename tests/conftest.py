@@ -101,6 +101,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_interp)
 
 
+@pytest.fixture
+def deterministic():
+    """Deterministic cuDNN and torch kernels, for the GPU tests that compare two runs bit for
+    bit: by default cuDNN may pick convolution backward algorithms that add with atomics, so
+    two eager runs differ in the last bits (seen on an H200) and the comparison would say
+    nothing about what differs between the runs."""
+    saved = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[:2]
+        torch.use_deterministic_algorithms(saved[2], warn_only=saved[3])
+
+
 @pytest.fixture(scope="module")
 def bench():
     """bench_kernels, report and the families as modules (bench/ is a script folder, not a

@@ -117,24 +117,25 @@ def _train(model, x, y, steps, region=contextlib.nullcontext):
     return outs, grads
 
 
-@pytest.mark.parametrize("case", ["contiguous", "channels_last", "B1", "bf16_autocast", "dispatched"])
-def test_grouped_regions_train_as_the_arrays_do(case, monkeypatch):
+def _train_as_the_arrays_do(case: str, device: str, monkeypatch) -> None:
     """Bit for bit what the same fused model without grouped regions computes: outputs,
-    gradients, parameters and buffers over steps (the same kernels on the same memory)."""
+    gradients, parameters and buffers over 3 steps (the same kernels on the same memory; from
+    the second step on, the convolution + batch norm calls' steady state)."""
     B = 1 if case == "B1" else 3
     torch.manual_seed(0)
     models = [Net() for _ in range(B)]
-    fused, plain = hfkern.fuse(models), _ungrouped_fuse(models, monkeypatch)
+    fused, plain = (m.to(device) for m in (hfkern.fuse(models), _ungrouped_fuse(models, monkeypatch)))
     if case == "channels_last":
         fused, plain = (m.to(memory_format=torch.channels_last) for m in (fused, plain))
-    x, y = torch.randn(B, 4, 3, 6, 6), torch.randint(0, 5, (B, 4))
+    x, y = torch.randn(B, 4, 3, 6, 6, device=device), torch.randint(0, 5, (B, 4), device=device)
     region = contextlib.nullcontext
     if case == "bf16_autocast":
-        region = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+        region = lambda: torch.autocast(device, dtype=torch.bfloat16)  # noqa: E731
     elif case == "dispatched":
         region = _backend.dispatched_ops  # every call's op: the calls on arrays, then grouped views
-    ours, our_grads = _train(fused, x, y, 3, region)
-    theirs, their_grads = _train(plain, x, y, 3, region)
+    with hfkern.use_backend("torch"):
+        ours, our_grads = _train(fused, x, y, 3, region)
+        theirs, their_grads = _train(plain, x, y, 3, region)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
     for k in our_grads:
@@ -143,13 +144,26 @@ def test_grouped_regions_train_as_the_arrays_do(case, monkeypatch):
         assert torch.equal(a, b), k
 
 
-def test_grouped_regions_train_as_the_torch_models_do():
+@pytest.mark.parametrize("case", ["contiguous", "channels_last", "B1", "bf16_autocast", "dispatched"])
+def test_grouped_regions_train_as_the_arrays_do(case, monkeypatch):
+    _train_as_the_arrays_do(case, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["contiguous", "channels_last", "B1", "bf16_autocast"])
+def test_gpu_grouped_regions_train_as_the_arrays_do(case, deterministic, monkeypatch):
+    """On CUDA: cuDNN's grouped convolutions and batch norms, deterministic algorithms (two
+    runs of either model agree bit for bit only with them)."""
+    _train_as_the_arrays_do(case, "cuda", monkeypatch)
+
+
+def _train_as_the_torch_models_do(device: str) -> None:
     B = 3
     torch.manual_seed(1)
-    models = [Net() for _ in range(B)]
+    models = [Net().to(device) for _ in range(B)]
     fused = hfkern.fuse(models)
-    x = torch.randn(B, 4, 3, 6, 6)
-    for step in range(2):
+    x = torch.randn(B, 4, 3, 6, 6, device=device)
+    for step in range(3):  # the second and third: the steady state
         fused.zero_grad()
         y = fused(x + step)
         ys = [m(x[b] + step) for b, m in enumerate(models)]
@@ -165,6 +179,20 @@ def test_grouped_regions_train_as_the_torch_models_do():
     for b, m in enumerate(models):
         for k, v in m.state_dict().items():
             torch.testing.assert_close(state[k][b], v, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_regions_train_as_the_torch_models_do():
+    _train_as_the_torch_models_do("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_regions_train_as_the_torch_models_do(monkeypatch):
+    """On CUDA, in float32 without TF32 (cuDNN's convolutions round to TF32 by default; the
+    B torch models and the array would then agree to TF32's 1e-3 only)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    with hfkern.use_backend("torch"):
+        _train_as_the_torch_models_do("cuda")
 
 
 def test_hooks_inside_a_region_see_arrays(monkeypatch):
@@ -280,19 +308,23 @@ def _backward_nodes(t: torch.Tensor) -> set[str]:
     return {type(f).__name__ for f in seen}
 
 
-@pytest.mark.parametrize("case", ["shared input", "dispatched"])
-def test_in_place_calls_after_a_call_on_arrays_stay_plain_in_place_ops(case, monkeypatch):
+@pytest.mark.parametrize("case", ["shared input", "dispatched",
+                                  pytest.param("cuda shared input", marks=pytest.mark.gpu)])
+def test_in_place_calls_after_a_call_on_arrays_stay_plain_in_place_ops(case, monkeypatch, request):
     """Where a convolution + batch norm call runs on arrays (a shared input, another backend)
     and gives its output to the region, an in-place activation after it is a plain in-place
     op (no view's rebase in the backward, CopySlices), with the values of the arrays' path."""
+    device = "cuda" if case.startswith("cuda") else "cpu"
+    if device == "cuda":
+        request.getfixturevalue("deterministic")
     B = 3
     torch.manual_seed(5)
     models = [Inverted() for _ in range(B)]
-    fused, plain = hfkern.fuse(models), _ungrouped_fuse(models, monkeypatch)
+    fused, plain = (m.to(device) for m in (hfkern.fuse(models), _ungrouped_fuse(models, monkeypatch)))
     assert [(c.grouped_in, c.grouped_out) for c in _targets(fused, fusion._ConvNorm)] == \
         [(False, True), (True, True), (True, False)]
-    x = torch.randn(B, 4, 3, 6, 6)
-    if case == "shared input":
+    x = torch.randn(B, 4, 3, 6, 6, device=device)
+    if case.endswith("shared input"):
         x = hfkern.broadcast(x[0], B)
     region = _backend.dispatched_ops if case == "dispatched" else contextlib.nullcontext
     with region():

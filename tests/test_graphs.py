@@ -187,22 +187,6 @@ def test_arguments_are_checked():
         hfkern.capture_step(lambda x: x)
 
 
-@pytest.fixture
-def deterministic():
-    """Deterministic cuDNN and torch kernels: by default cuDNN may pick convolution backward
-    algorithms that add with atomics, so two eager runs differ in the last bits (seen on an
-    H200) and a bit-for-bit comparison would say nothing about the capture."""
-    saved = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[:2]
-        torch.use_deterministic_algorithms(saved[2], warn_only=saved[3])
-
-
 @pytest.mark.gpu
 def test_gpu_replays_equal_eager_steps_bit_for_bit(deterministic):
     if not torch.cuda.is_available():
@@ -249,6 +233,50 @@ def test_gpu_captures_a_fused_language_model_step(deterministic):
     for (k, v), (_, w) in zip(captured[1].state_dict().items(), eager[1].state_dict().items()):
         assert torch.equal(v, w), k
     assert captured[2].graphs == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("workload", ["resnet18", "pointnet"])
+def test_gpu_captures_the_benchmarks_fused_step(workload, deterministic):
+    """The step bench/train_throughput.py's array+capture mode replays (its workloads at the
+    smoke size: convolution + batch norm calls in their steady state, grouped regions, the
+    optimizer's torch path, a scheduler), equal to eager steps bit for bit over 8 steps."""
+    from bench.models import WORKLOADS
+
+    w = WORKLOADS[workload]
+    opt_cls = {"sgd": hfkern.optim.SGD, "adam": hfkern.optim.Adam, "adamw": hfkern.optim.AdamW}
+
+    def train(captured):
+        torch.manual_seed(0)
+        nets = {n: hfkern.fuse([w.build(n, "smoke") for _ in range(B)]).cuda() for n in w.nets}
+        name, kwargs = w.optimizer
+        opts = {n: opt_cls[name](a.parameters(), lr=w.learning_rates(B), **kwargs) for n, a in nets.items()}
+        scheds = {n: hfkern.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for n, o in opts.items()}
+
+        def apply(net, *inputs, per_model=False):
+            if not per_model:
+                inputs = tuple(hfkern.broadcast(x, B) for x in inputs)
+            return nets[net](*inputs).float()
+
+        def update(net, losses):
+            opts[net].zero_grad()
+            losses.sum().backward()
+            opts[net].step()
+            scheds[net].step()
+
+        batches = [tuple(t.cuda() for t in w.batch("smoke", seed=i)) for i in range(8)]
+        step = lambda *batch: w.step(apply, update, batch)  # noqa: E731
+        run = hfkern.capture_step(step, *batches[0]) if captured else step
+        with hfkern.use_backend("torch"):
+            losses = torch.stack([run(*batch) for batch in batches])
+        return losses, nets, run
+
+    eager, captured = train(False), train(True)
+    assert torch.equal(captured[0], eager[0])
+    for n in w.nets:
+        for (k, v), (_, u) in zip(captured[1][n].state_dict().items(), eager[1][n].state_dict().items()):
+            assert torch.equal(v, u), f"{n}.{k}"
+    assert captured[2].graphs == 1 and captured[2].eager_calls == 3
 
 
 def test_values_that_change_the_work_force_a_new_capture(simulated):
