@@ -68,8 +68,15 @@ load, and the factory given to :func:`fuse` travels where pickle can save it
 (else :meth:`FusedModel.reset_model` of the loaded model asks for ``factory=``).
 ``train()``/``eval()`` work as usual: BatchNorm keeps running
 statistics per model, dropout draws per model; code that reads
-``self.training`` in a ``forward`` is captured in both modes. The fused model
-can be compiled with ``torch.compile``.
+``self.training`` in a ``forward`` is captured in both modes, and every module
+starts in the mode it has in the models. A module registered under two names
+is one module under both. The fused model can be compiled with ``torch.compile``.
+
+Module hooks registered before fusing: forward hooks of modules whose code is
+captured run in the captured call (model 0's, for every model); hooks the fused
+model could not call (backward hooks, forward hooks on the model itself or on a
+module that becomes an array module) raise :class:`FuseError`. Recurrent torch
+modules, which ``torch.vmap`` cannot batch, run once per model.
 
 What ``forward`` does besides computing its output is kept per model, and
 fusing never changes the given models (:mod:`hfkern._capture` says how):
@@ -760,6 +767,17 @@ def _rebind(module: nn.Module, rebound: dict[str, torch.Tensor]) -> None:
         owner._buffers[attr] = value
 
 
+# Leaf modules that run in a loop over the models unless named in vmap_modules: torch.vmap has
+# no batching rule for the recurrent modules' fused kernels (aten::lstm, aten::gru, ...).
+_LOOPED_BY_DEFAULT = (nn.RNNBase, nn.RNNCellBase)
+
+
+def _own_class(module: nn.Module) -> type:
+    """The class a user names for ``module`` (a parametrized module's: its own class's)."""
+    cls = type(module)
+    return cls.__bases__[0] if torch.nn.utils.parametrize.is_parametrized(module) else cls
+
+
 class _ModuleCall(_capture.GraphTarget):
     """A leaf module without an array version, run per model over its stacked parameters.
 
@@ -796,7 +814,17 @@ class _ModuleCall(_capture.GraphTarget):
 
         state_dims = {k: 0 for k in state}
         arg_dims, kwarg_dims = dims
-        out, rebound = _vmap_call(per_model, ((state_dims, *arg_dims), kwarg_dims), (state, *args), kwargs)
+        try:
+            out, rebound = _vmap_call(per_model, ((state_dims, *arg_dims), kwarg_dims), (state, *args), kwargs)
+        except RuntimeError as e:
+            if "atching rule" not in str(e) and "vmap" not in str(e):
+                raise
+            cls = _own_class(self.template)
+            raise RuntimeError(
+                f"fused forward: the {_module_class(self.template).__name__} module runs under torch.vmap "
+                f"(for the B models at once), which cannot run its code: {str(e).strip().splitlines()[0]} "
+                f"Name its class in hfkern.fuse(..., loop_modules=({cls.__name__},)) to run it once per "
+                "model") from e
         _rebind(module, rebound)
         return out
 
@@ -1561,11 +1589,11 @@ def _architecture_problem(ref: nn.Module, model: nn.Module, ref_name: str, name:
     defaults to ``ref``'s own.
     """
     array_classes = _array_classes()
-    ref_modules = {p: type(m) for p, m in ref.named_modules()}
-    modules = {p: type(m) for p, m in model.named_modules()}
+    ref_modules = {p: _module_class(m) for p, m in ref.named_modules()}
+    modules = {p: _module_class(m) for p, m in model.named_modules()}
     if modules != ref_modules:
         path = sorted(set(modules) ^ set(ref_modules)) or sorted(
-            p for p in modules if modules[p] is not ref_modules[p])
+            p for p in modules if modules[p] != ref_modules[p])
         p = path[0]
         got = modules[p].__name__ if p in modules else "nothing"
         want = ref_modules[p].__name__ if p in ref_modules else "nothing"
@@ -1599,11 +1627,28 @@ def _architecture_problem(ref: nn.Module, model: nn.Module, ref_name: str, name:
 _MISSING = object()
 
 
+class _ParametrizedClass(tuple):
+    """The class of a module with ``torch.nn.utils.parametrize`` parametrizations, as
+    :func:`_module_class` gives it: torch makes a new class for every such module (a subclass
+    of the module's own), so two models' are never the same class."""
+
+    @property
+    def __name__(self) -> str:
+        return f"parametrized {self[0].__name__}"
+
+
+def _module_class(module: nn.Module) -> type | _ParametrizedClass:
+    """A module's class for comparing architectures (a parametrized module's: its own class's)."""
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        return _ParametrizedClass(type(module).__bases__)
+    return type(module)
+
+
 def _check_models(models: list[nn.Module]) -> None:
     first = models[0]
-    cls = type(first)
+    cls = _module_class(first)
     for i, m in enumerate(models[1:], start=1):
-        if type(m) is not cls:
+        if _module_class(m) != cls:
             raise TypeError(f"fuse: expected models of one class, got {cls.__name__} at index 0 and "
                             f"{type(m).__name__} at index {i}")
         problem = _architecture_problem(first, m, "model 0", f"model {i}")
@@ -1620,6 +1665,90 @@ def _check_models(models: list[nn.Module]) -> None:
             if sub.training != first.get_submodule(path).training:
                 raise FuseError(f"fuse: module {path or '(the model)'!r} is in training mode in one "
                                 f"model and in eval mode in another (models 0 and {i})")
+
+
+_HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
+               "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks"}
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+# The forward pre-hooks of torch's deprecated reparametrizations (kept: the error names them)
+# (torch.nn.utils.weight_norm is the function; its module holds the hook's class)
+_LEGACY_HOOKS = (("weight_norm", importlib.import_module("torch.nn.utils.weight_norm").WeightNorm),
+                 ("spectral_norm", importlib.import_module("torch.nn.utils.spectral_norm").SpectralNorm))
+
+
+def _hook_code(fn: Any) -> Any:
+    """What a hook runs: its function's code (a method's, a partial's function's), else its class."""
+    while isinstance(fn, partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__code__", type(fn))
+
+
+def _forward_hooks(module: nn.Module) -> list[tuple[str, Any]]:
+    return [(k, _hook_code(h)) for k in _FORWARD_HOOKS for h in getattr(module, k, {}).values()]
+
+
+def _array_owner(model: nn.Module, path: str, array_classes: dict, opaque: tuple) -> str | None:
+    """The module at ``path`` or above it that becomes an array module for the B models (a
+    module of an array class not inside a vmap or loop module), or None."""
+    parts = path.split(".") if path else []
+    module = model
+    for k, name in enumerate(parts):
+        module = module.get_submodule(name)
+        if isinstance(module, opaque):
+            return None
+        if type(module) in array_classes:
+            return ".".join(parts[:k + 1])
+    return None
+
+
+def _check_hooks(models: list[nn.Module], array_classes: dict, opaque: tuple) -> None:
+    """Refuse module hooks the fused model would not run as the models do.
+
+    Kept: forward hooks of the modules whose code is captured, or that run per model (vmap
+    and loop modules): model 0's run for every model, like its forward code, so every model
+    must have the same ones. Refused: backward hooks (the captured forward has no module call
+    for them to wrap), and forward hooks on the model itself and on the modules that become
+    one array module for the B models, or inside one (the fused forward calls neither the
+    model's own ``__call__`` nor any model's module there)."""
+    first = models[0]
+    for i, model in enumerate(models):
+        for path, module in model.named_modules():
+            where = repr(path) if path else "the model itself"
+            backward = [_HOOK_KINDS[k] for k in _HOOK_KINDS if k not in _FORWARD_HOOKS and getattr(module, k, None)]
+            if backward:
+                raise FuseError(
+                    f"fuse: model {i} has {' and '.join(backward)} on {where}, which a fused model cannot run "
+                    "per model (its captured forward has no call of the module to wrap). Remove them before "
+                    "fusing and register them on the fused model's modules, whose gradients are the B "
+                    "models' [B, ...] arrays")
+            hooks = _forward_hooks(module)
+            kinds = " and ".join(_HOOK_KINDS[k] for k in _FORWARD_HOOKS if getattr(module, k, None))
+            if hooks and not path:
+                raise FuseError(
+                    f"fuse: model {i} has {kinds} on the model itself, which the fused model would not "
+                    "call (its forward runs the model's forward code, not its __call__). Remove them "
+                    "before fusing and register them on the fused model, where they see the [B, ...] arrays")
+            owner = _array_owner(model, path, array_classes, opaque) if hooks else None
+            if owner is not None:
+                cls = type(model.get_submodule(owner))
+                inside = "" if owner == path else f" inside {owner!r}"
+                legacy = [f"torch.nn.utils.{name}'s" for name, hook in _LEGACY_HOOKS
+                          if any(isinstance(h, hook) for h in module._forward_pre_hooks.values())]
+                hint = (f" ({' and '.join(legacy)}: torch.nn.utils.parametrizations' versions, which fuse "
+                        "supports, do the same)") if legacy else ""
+                raise FuseError(
+                    f"fuse: model {i} has {kinds} on {where}{inside}{hint}, which the fused model would not "
+                    f"call: the B models' {cls.__name__} modules at {owner!r} run as one array module "
+                    f"(hfkern.nn's {array_classes[cls].__name__}). Remove them before fusing and register "
+                    f"them on fused.get_submodule({owner!r}), where they see the [B, ...] arrays")
+            if i and path and hooks != _forward_hooks(first.get_submodule(path)):
+                raise FuseError(
+                    f"fuse: the forward hooks on {where} differ between model 0 and model {i}; the fused "
+                    "forward runs model 0's hooks (captured with its code) for every model, so the "
+                    "models must have the same ones")
 
 
 def fuse(models: Sequence[nn.Module] | Callable[[], nn.Module], B: int | None = None, *,
@@ -1677,7 +1806,20 @@ def fuse(models: Sequence[nn.Module] | Callable[[], nn.Module], B: int | None = 
         raise FuseError(f"fuse: the model's own class {root_cls.__name__} cannot be in "
                         f"{opaque[root_cls]}_modules; name its submodules' classes instead")
     _check_models(models)
-    return _build(models, B, factory, opaque)
+    _check_hooks(models, _array_classes(), tuple(opaque))
+    try:
+        return _build(models, B, factory, opaque)
+    except FuseError as e:
+        array_class = _array_classes().get(root_cls)
+        if array_class is None:
+            raise
+        # (a Linear's forward captures; a batch norm's or an attention's branches on values)
+        raise FuseError(
+            f"fuse: the models are {root_cls.__name__} modules themselves, whose forward cannot be "
+            f"captured (the cause is chained below); their array version is hfkern.nn's "
+            f"{array_class.__name__}: build it with "
+            f"hfkern.nn.{array_class.__name__}.from_modules(models), or fuse models that hold a "
+            f"{root_cls.__name__}") from e
 
 
 def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) -> FusedModel:
@@ -1707,12 +1849,19 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
         for g in graphs.values() for node in g.nodes if node.op == "call_module"
     }
     array_leaves = [p for p, m in leaves.items() if type(m) in array_classes]
+    # A module registered under several names (``self.seq = nn.Sequential(self.l, ...)``) is
+    # one array module under all of them, as it is one module in the models.
+    aliases: dict[int, list[str]] = {}
+    for path, module in first.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(path)
     for path in array_leaves:
-        owner, name = _parent(root, path)
-        setattr(owner, name, array_classes[type(leaves[path])].from_modules(
-            [m.get_submodule(path) for m in models]))
+        array = array_classes[type(leaves[path])].from_modules([m.get_submodule(path) for m in models])
+        for alias in aliases[id(leaves[path])]:
+            owner, name = _parent(root, alias)
+            setattr(owner, name, array)
     stacked: list[tuple[str, str]] = []
-    in_array_leaf = lambda p: any(p == a or p.startswith(a + ".") for a in array_leaves)  # noqa: E731
+    array_paths = [alias for path in array_leaves for alias in aliases[id(leaves[path])]]
+    in_array_leaf = lambda p: any(p == a or p.startswith(a + ".") for a in array_paths)  # noqa: E731
     with torch.no_grad():
         for path, module in first.named_modules():
             if in_array_leaf(path):
@@ -1743,8 +1892,9 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
                 if owner.get_parameter(attr).shape != head.shape:
                     raise FuseError(f"fuse: tied parameters {names} have different array shapes")
                 setattr(owner, attr, head)
-    for name, child in root.named_children():
-        fused.add_module(name, child)
+    for name, child in root._modules.items():  # (named_children would skip a second name of a child)
+        if child is not None:
+            fused.add_module(name, child)
     for name, p in root._parameters.items():
         fused.register_parameter(name, p)
     for name, buf in root._buffers.items():
@@ -1781,7 +1931,12 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
     object.__setattr__(fused, "_mode_paths", tuple(
         p for p, _ in first.named_modules()
         if not any(p == leaf or p.startswith(leaf + ".") for leaf in leaves)))
-    return fused.train(first.training)
+    # Each module in the mode it has in the models (a batch norm kept in eval mode in a model
+    # that trains), the array modules' own submodules in their owner's.
+    # (named_modules lists a module before its submodules: each ends in its own mode)
+    for path, module in first.named_modules():
+        fused.get_submodule(path).train(module.training)
+    return fused
 
 
 def _same_capture(a: _capture.Captured, b: _capture.Captured) -> bool:
@@ -1968,7 +2123,8 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
                 env[node] = out.call_module(node.target, args, kwargs)
             else:
                 strategy = opaque.get(cls) or next(
-                    (s for c, s in opaque.items() if isinstance(module, c)), "vmap")
+                    (s for c, s in opaque.items() if isinstance(module, c)),
+                    "loop" if isinstance(module, _LOOPED_BY_DEFAULT) else "vmap")
                 template = copy.deepcopy(module).to("meta")
                 call = _ModuleCall(template, marks, strategy, f"per_model_{cls.__name__}", B)
                 owner = out.get_attr(node.target)
