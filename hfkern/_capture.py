@@ -35,6 +35,11 @@ compute something else than its models. :func:`capture` closes those gaps:
   ``*_like`` forms) are recorded and drawn anew at every call, once per model.
   Drawing into a tensor in place (``torch.empty(3).normal_()``) on a tensor
   that is not a traced value is refused: write it as one of those calls.
+* **Sizes from the input** in tensor factories (``torch.zeros(x.size(0), 8)``,
+  ``torch.ones((n, d))``, ``torch.full``, ``torch.empty``, ``torch.eye``,
+  ``torch.linspace`` and the random factories above) and ``len(x)`` are
+  recorded as calls on the traced sizes (torch.fx alone takes a size only as a
+  tensor factory's single argument, and no ``len`` at all).
 * **Tensor constants** (tensors made in ``forward`` from Python values, and
   tensor attributes that are neither parameters nor buffers) are returned
   with the graph; modifying one in place is refused (it is state: make it a
@@ -43,6 +48,7 @@ compute something else than its models. :func:`capture` closes those gaps:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import copy
 import operator
@@ -207,6 +213,9 @@ _RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal", "bernoull
                      "poisson", "rand_like", "randn_like", "randint_like")
 # The factories themselves, taken before any capture patches them.
 RANDOM_FUNCTIONS = frozenset(getattr(torch, name) for name in _RANDOM_FACTORIES)
+# Factories whose sizes or values may be traced values (``x.size(0)``): called with one, they
+# are recorded (torch's argument parser takes a traced value in no size list).
+_SIZED_FACTORIES = ("zeros", "ones", "empty", "full", "eye", "linspace", "logspace", "arange", "empty_strided")
 _RANDOM_INPLACE = ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "cauchy_",
                    "log_normal_", "geometric_")
 _REGION_CLASSES = (torch.autograd.grad_mode.no_grad, torch.autograd.grad_mode.enable_grad,
@@ -444,8 +453,26 @@ class _Tracer(fx.Tracer):
     # -- random draws
     def _draw(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         if any(isinstance(v, fx.Proxy) for v in tree_flatten((args, kwargs))[0]):
-            return fn(*args, **kwargs)  # recorded by fx, drawn per model by the rewrite's vmap
+            # recorded as the call itself (what fx records for a tensor argument; a traced size
+            # it could not take), drawn per model by the rewrite
+            return self.create_proxy("call_function", fn, args, kwargs)
         return self.create_proxy("call_function", RandomDraw(fn), args, kwargs)
+
+    def _factory(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if any(isinstance(v, fx.Proxy) for v in tree_flatten((args, kwargs))[0]):
+            return self.create_proxy("call_function", fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    def _len(self, value: Any, original: Callable) -> Any:
+        if isinstance(value, fx.Proxy):
+            caller = sys._getframe(1)
+            while caller is not None and caller.f_code.co_filename == __file__:
+                caller = caller.f_back  # past the patch's own frames
+            if caller is None or not _library_file(caller.f_code.co_filename):
+                # the model's code (torch's own keeps fx's refusal); builtins.len is the patch
+                # while it lasts: torch's own here
+                return self.create_proxy("call_function", original, (value,), {})
+        return original(value)
 
     def _draw_inplace(self, tensor: torch.Tensor, name: str, original: Callable, args: tuple, kwargs: dict):
         caller = sys._getframe(1)
@@ -502,6 +529,10 @@ class _Tracer(fx.Tracer):
         for name in _RANDOM_FACTORIES:
             fn = getattr(torch, name)
             patch(torch, name, lambda *a, _fn=fn, **k: tracer._draw(_fn, a, k))
+        for name in _SIZED_FACTORIES:
+            fn = getattr(torch, name)
+            patch(torch, name, lambda *a, _fn=fn, **k: tracer._factory(_fn, a, k))
+        patch(builtins, "len", lambda v, _o=builtins.len: tracer._len(v, _o))
         for name in _RANDOM_INPLACE:
             patch(torch.Tensor, name, lambda t, *a, _n=name, _o=getattr(torch.Tensor, name), **k:
                   tracer._draw_inplace(t, _n, _o, a, k))

@@ -311,10 +311,12 @@ class _Noise(nn.Module):
         h = self.fc(x)
         if self.how == "constant_shape":
             return h + torch.randn(4)
+        if self.how == "traced_sizes":
+            return h + torch.randn(x.size(0), h.size(1))  # sizes torch.fx alone cannot take
         return h + torch.rand(h.size(-1))  # a shape every model shares
 
 
-@pytest.mark.parametrize("how", ["constant_shape", "traced_shape"])
+@pytest.mark.parametrize("how", ["constant_shape", "traced_shape", "traced_sizes"])
 def test_random_draws_are_per_model_and_per_call(how):
     torch.manual_seed(0)
     models = [_Noise(how) for _ in range(B)]
@@ -326,6 +328,31 @@ def test_random_draws_are_per_model_and_per_call(how):
     noise = first - torch.stack([m.fc(x[b]) for b, m in enumerate(models)])
     assert not torch.allclose(noise[0], noise[1]), "every model drew the same numbers"
     assert not torch.allclose(first, second), "the draw was frozen at capture"
+
+
+class _Sized(nn.Module):
+    """Tensor factories sized by the input, as torch code writes them (an RNN's zero state, a
+    mask of ones), and len() of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        n = x.size(0)
+        state = torch.zeros(n, 3, dtype=x.dtype, device=x.device) + torch.ones((x.shape[0], 1))
+        scale = torch.full((n, 1), 0.5) + torch.eye(x.size(1))[:1, :1] + torch.linspace(0, 1, x.size(1))[-1]
+        steps = torch.arange(1, n + 1).unsqueeze(1) / torch.empty(n, 1).fill_(len(x))
+        return (self.fc(x) + state) * scale * steps
+
+
+@pytest.mark.parametrize("N", [5, 2])
+def test_tensor_factories_sized_by_the_input(N):
+    fused, _ = _run(_Sized, x_shape=(N, 4))
+    # recorded as the factories themselves on one model's sizes, not vmapped per model
+    targets = {n.target for n in fused.graph.nodes if n.op == "call_function"}
+    assert {torch.zeros, torch.ones, torch.full, torch.eye, torch.linspace, torch.empty} <= targets
+    assert fused(torch.randn(B, N + 1, 4)).shape == (B, N + 1, 3)  # the sizes of each call
 
 
 def test_in_place_draw_into_a_constant_is_refused():
