@@ -235,6 +235,34 @@ def test_gpu_captures_a_fused_language_model_step(deterministic):
     assert captured[2].graphs == 1
 
 
+def _workload_step(workload: str, device: str, step_size: int):
+    """A bench workload's fused training step at the smoke size (B = 3): ``(nets, step)``,
+    ``step(*batch)`` running forward, per-model losses, backward, the hfkern optimizer and a
+    StepLR scheduler of each net, as bench/train_throughput.py's array modes do."""
+    from bench.models import WORKLOADS
+
+    w = WORKLOADS[workload]
+    torch.manual_seed(0)
+    nets = {n: hfkern.fuse([w.build(n, "smoke") for _ in range(B)]).to(device) for n in w.nets}
+    name, kwargs = w.optimizer
+    cls = {"sgd": hfkern.optim.SGD, "adam": hfkern.optim.Adam, "adamw": hfkern.optim.AdamW}[name]
+    opts = {n: cls(a.parameters(), lr=w.learning_rates(B), **kwargs) for n, a in nets.items()}
+    scheds = {n: hfkern.optim.lr_scheduler.StepLR(o, step_size=step_size, gamma=0.5) for n, o in opts.items()}
+
+    def apply(net, *inputs, per_model=False):
+        if not per_model:
+            inputs = tuple(hfkern.broadcast(x, B) for x in inputs)
+        return nets[net](*inputs).float()
+
+    def update(net, losses):
+        opts[net].zero_grad()
+        losses.sum().backward()
+        opts[net].step()
+        scheds[net].step()
+
+    return nets, lambda *batch: w.step(apply, update, batch)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("workload", ["resnet18", "pointnet"])
 def test_gpu_captures_the_benchmarks_fused_step(workload, deterministic):
@@ -244,28 +272,10 @@ def test_gpu_captures_the_benchmarks_fused_step(workload, deterministic):
     from bench.models import WORKLOADS
 
     w = WORKLOADS[workload]
-    opt_cls = {"sgd": hfkern.optim.SGD, "adam": hfkern.optim.Adam, "adamw": hfkern.optim.AdamW}
 
     def train(captured):
-        torch.manual_seed(0)
-        nets = {n: hfkern.fuse([w.build(n, "smoke") for _ in range(B)]).cuda() for n in w.nets}
-        name, kwargs = w.optimizer
-        opts = {n: opt_cls[name](a.parameters(), lr=w.learning_rates(B), **kwargs) for n, a in nets.items()}
-        scheds = {n: hfkern.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for n, o in opts.items()}
-
-        def apply(net, *inputs, per_model=False):
-            if not per_model:
-                inputs = tuple(hfkern.broadcast(x, B) for x in inputs)
-            return nets[net](*inputs).float()
-
-        def update(net, losses):
-            opts[net].zero_grad()
-            losses.sum().backward()
-            opts[net].step()
-            scheds[net].step()
-
+        nets, step = _workload_step(workload, "cuda", step_size=3)
         batches = [tuple(t.cuda() for t in w.batch("smoke", seed=i)) for i in range(8)]
-        step = lambda *batch: w.step(apply, update, batch)  # noqa: E731
         run = hfkern.capture_step(step, *batches[0]) if captured else step
         with hfkern.use_backend("torch"):
             losses = torch.stack([run(*batch) for batch in batches])
@@ -331,32 +341,15 @@ def test_the_captured_part_of_a_fused_training_step_reads_nothing_on_the_host(wo
     monkeypatch.setattr(embedding, "_ASSERTED_ON", embedding._ASSERTED_ON | {"cpu"})
 
     w = WORKLOADS[workload]
-    torch.manual_seed(0)
-    nets = {n: hfkern.fuse([w.build(n, "smoke") for _ in range(B)]) for n in w.nets}
-    name, kwargs = w.optimizer
-    cls = {"sgd": hfkern.optim.SGD, "adam": hfkern.optim.Adam, "adamw": hfkern.optim.AdamW}[name]
-    opts = {n: cls(a.parameters(), lr=w.learning_rates(B), **kwargs) for n, a in nets.items()}
-    scheds = {n: hfkern.optim.lr_scheduler.StepLR(o, step_size=2) for n, o in opts.items()}
+    _, step = _workload_step(workload, "cpu", step_size=2)
     batch = w.batch("smoke", seed=0)
-
-    def apply(net, *inputs, per_model=False):
-        if not per_model:
-            inputs = tuple(hfkern.broadcast(x, B) for x in inputs)
-        return nets[net](*inputs).float()
-
-    def update(net, losses):
-        opts[net].zero_grad()
-        losses.sum().backward()
-        opts[net].step()
-        scheds[net].step()
-
     for _ in range(2):  # warm-up: state is allocated at the first step
-        w.step(apply, update, batch)
+        step(*batch)
     reads = _HostReads()
     graphs._recording.capturing, graphs._recording.host_steps = True, []
     try:
         with reads:
-            w.step(apply, update, batch)
+            step(*batch)
         deferred = graphs._recording.host_steps
     finally:
         graphs._recording.capturing, graphs._recording.host_steps = False, []
