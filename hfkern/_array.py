@@ -40,6 +40,16 @@ def is_shared(x: torch.Tensor) -> bool:
     return x.dim() > 0 and x.stride(0) == 0 and x.size(0) > 1
 
 
+def shares_work(x: torch.Tensor) -> bool:
+    """Whether a module may compute once for the B models of a shared input (:func:`broadcast`),
+    from ``x[0]``: an :func:`is_shared` view that autograd does not differentiate. Where it does
+    (``x`` requires grad, as a gradient penalty's input does), each model's gradient with
+    respect to the view must be its own row, which a computation from ``x[0]`` would sum into
+    the first row; the module then computes as for B inputs (their sum, ``x``'s gradient, is
+    the same either way)."""
+    return is_shared(x) and not (x.requires_grad and torch.is_grad_enabled())
+
+
 def check_B(B: object, name: str = "B") -> int:
     """Validate an array size: a Python int (not bool) >= 1."""
     if isinstance(B, bool) or not isinstance(B, int):
@@ -265,7 +275,7 @@ def to_array_memory_format(x: torch.Tensor, memory_format: torch.memory_format) 
     ``x`` itself when it is already, else a copy (differentiable)."""
     if array_memory_format(x) == memory_format:
         return x
-    if is_shared(x):
+    if shares_work(x):
         image = x[0]
         return torch.empty_like(image, memory_format=memory_format).copy_(image).expand(x.shape)
     return new_batch_major(x, x.shape, memory_format).copy_(x)

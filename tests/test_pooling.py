@@ -71,7 +71,12 @@ def _check_pool(cls, kw, shape, B, mode, training):
         # [N, B, ...] memory in, [N, B, ...] memory out: the next conv reads it as is.
         assert y.transpose(0, 1).is_contiguous()
     if shared and B > 1:
-        assert is_shared(y)
+        # pooled once for every model where nothing differentiates the input; with its
+        # gradient, each model's own (tests/test_shared_input_grads.py)
+        assert not is_shared(y)
+        with torch.no_grad():
+            once = array(x)
+        assert is_shared(once[0] if with_indices else once)
     for m in array.to_modules():
         assert type(m) is cls._torch_cls
         assert repr(m) == repr(modules[0])

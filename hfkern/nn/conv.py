@@ -30,7 +30,7 @@ from torch import nn
 from .. import _evidence
 from .._array import (
     array_memory_format, check_channels, check_input, conv_output_size, from_grouped,
-    is_shared, to_array_memory_format, to_grouped,
+    is_shared, shares_work, to_array_memory_format, to_grouped,
 )
 from ..ops.conv import GroupedConvCall, conv, grouped_conv
 from ._base import ArrayModule, reset_kaiming_uniform
@@ -126,7 +126,7 @@ class _ArrayConvNd(ArrayModule):
     def _conv(self, x: torch.Tensor, padding, output_padding) -> torch.Tensor:
         """x: [B, N, C, *s] (possibly shared) already padded for non-zero modes."""
         x = self._in_memory_format(x)
-        if is_shared(x):
+        if shares_work(x):
             x = x[0]
         return conv(
             x, self.weight, self.bias, list(self.stride), list(padding),
@@ -206,7 +206,7 @@ class _ArrayConv(_ArrayConvNd):
                 conv_padding = left
             else:
                 conv_padding = [0] * self._n
-            if is_shared(x):
+            if shares_work(x):
                 x = F.pad(x[0], pad, mode=mode).expand(x.shape[0], -1, -1, *([-1] * self._n))
             else:
                 x = from_grouped(F.pad(to_grouped(x), pad, mode=mode), x.shape[0], array_memory_format(x))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._array import MAX_NDIM, check_input, is_shared
+from .._array import MAX_NDIM, check_input, shares_work
 from ._base import ArrayModule, reset_kaiming_uniform
 
 __all__ = ["Linear", "array_linear"]
@@ -22,7 +22,7 @@ def array_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     concatenated; its result is a view of ``[*, B, out]`` memory.
     """
     B, out, inp = weight.shape
-    if is_shared(x):
+    if shares_work(x):
         dense_bias = None if bias is None else bias.reshape(B * out)
         y = F.linear(x[0], weight.reshape(B * out, inp), dense_bias)
         return y.unflatten(-1, (B, out)).movedim(-2, 0)

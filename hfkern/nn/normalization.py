@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from torch.nn import init
 
 from .._array import (
-    array_memory_format, check_channels, check_input, from_grouped, is_shared, per_model_memory_first, to_grouped,
+    array_memory_format, check_channels, check_input, from_grouped, per_model_memory_first, shares_work,
+    to_grouped,
 )
 from .._dtypes import acc_dtype
 from ..ops.batch_norm import array_batch_norm, grouped_batch_norm, grouped_serves
@@ -123,7 +124,7 @@ class LayerNorm(_FusedActivation, ArrayModule):
         """act(layer_norm(input)) for the given ``activation`` (hfkern.fuse calls it)."""
         x = _check_trailing("LayerNorm", input, self.B, self.normalized_shape, self.weight)
         n = len(self.normalized_shape)
-        if is_shared(x) and self.weight is None and self.bias is None:
+        if shares_work(x) and self.weight is None and self.bias is None:
             # Without parameters the B models compute the same thing: once.
             return layer_norm(x[:1], None, None, n, self.eps, activation)[0].expand(x.shape)
         return layer_norm(x, self.weight, self.bias, n, self.eps, activation)[0]
@@ -167,7 +168,7 @@ class RMSNorm(ArrayModule):
         # torch's default is the epsilon of the dtype it computes in (float32 for
         # bfloat16 and float16 input), not of the input's dtype.
         eps = torch.finfo(acc_dtype(x.dtype)).eps if self.eps is None else self.eps
-        if is_shared(x) and self.weight is None:
+        if shares_work(x) and self.weight is None:
             return rms_norm(x[:1], None, n, eps)[0].expand(x.shape)
         return rms_norm(x, self.weight, n, eps)[0]
 
@@ -221,7 +222,7 @@ class GroupNorm(ArrayModule):
             )
         w, b = self.weight, self.bias
         cudnn = torch.backends.cudnn.enabled
-        if is_shared(x):
+        if shares_work(x):
             # One normalization serves every model; only the affine differs.
             xhat = torch.group_norm(x[0], G, None, None, self.eps, cudnn)
             if w is None and b is None:
@@ -328,7 +329,7 @@ class _BatchNorm(_FusedActivation, ArrayModule):
             # counted before the op runs: momentum=None averages over each model's
             # own count (the B counts may differ after from_modules)
             self.num_batches_tracked.add_(1)
-        if is_shared(x) and self.weight is None and self.bias is None and self.running_mean is None:
+        if shares_work(x) and self.weight is None and self.bias is None and self.running_mean is None:
             # One shared batch, its own statistics, no per-model state: the B
             # models compute the same thing, once.
             y = array_batch_norm(x[:1], None, None, None, None, None, True, None, self.eps, activation)[0]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._array import check_input, fold_planes, is_shared
+from .._array import check_input, fold_planes, shares_work
 from ._base import ArrayModule
 
 __all__ = [
@@ -49,7 +49,7 @@ class _ArrayPool(ArrayModule):
     def forward(self, input: torch.Tensor):
         n = self._n
         x = check_input(type(self).__name__, input, self.B, (n + 1, n + 2))
-        if is_shared(x):
+        if shares_work(x):
             out = self._pool(x[0])
             B = x.size(0)
             if isinstance(out, tuple):
