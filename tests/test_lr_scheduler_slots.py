@@ -71,6 +71,11 @@ CASES = {
                                    step_size_down=PM([3, 5, 2, 4, 1]), mode="triangular2",
                                    base_momentum=PM([0.8, 0.7, 0.85, 0.75, 0.8]))),
                  dict(base_lr=0.01, max_lr=[0.3, 0.2], step_size_up=2, step_size_down=5, max_momentum=0.95)),
+    # a model's step_size_down None: its step_size_up, as torch's None is
+    "CyclicLR_some_down_None": (("CyclicLR", dict(base_lr=0.01, max_lr=PM([0.1, 0.05, 0.2, 0.15, 0.08]),
+                                                  step_size_up=PM([4, 5, 3, 2, 6]),
+                                                  step_size_down=PM([3, None, 2, None, 1]), cycle_momentum=False)),
+                                dict(step_size_up=3, step_size_down=None)),
     "OneCycleLR": (("OneCycleLR", dict(max_lr=PM([0.5, 1.0, 0.3, 0.8, 0.4]), total_steps=PM([40, 45, 50, 42, 48]),
                                        pct_start=PM([0.3, 0.25, 0.5, 0.2, 0.4]), three_phase=True)),
                    dict(max_lr=0.6, total_steps=30, pct_start=0.4, div_factor=10.0, base_momentum=0.8)),
@@ -699,7 +704,7 @@ def test_bad_step_epoch_rejected_before_any_change(name):
     for epoch, exc, match in bad:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with pytest.raises(exc, match=f"{name}{match}"):
+            with pytest.raises(exc, match=f"{CASES[name][0][0]}{match}"):  # the class's name
                 run.sched.step(*metrics, epoch)
         assert _deprecations(caught) == 0, epoch
         _assert_models_equal(run.sched.state_dict(), before, list(range(B)), B, f"epoch {epoch!r}")

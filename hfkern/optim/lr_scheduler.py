@@ -1924,7 +1924,8 @@ class CyclicLR(LRScheduler):
             per-model values; it replaces the optimizer's learning rate.
         max_lr: upper boundary, per model or per param group.
         step_size_up: iterations of the increasing half of a cycle, > 0, per model. Default 2000.
-        step_size_down: iterations of the decreasing half, >= 0, per model; None: ``step_size_up``.
+        step_size_down: iterations of the decreasing half, >= 0, per model; None (for all models, or
+            one model's entry): ``step_size_up``.
         mode: ``'triangular'``, ``'triangular2'`` or ``'exp_range'`` (all models); ignored
             with ``scale_fn``.
         gamma: ``exp_range``'s base, per model. Default 1.
@@ -1975,6 +1976,9 @@ class CyclicLR(LRScheduler):
         self.max_lrs = _per_group(max_lr, len(groups), B, "max_lr")
         up = _floats(step_size_up, B, "step_size_up")
         _check_range(up, "step_size_up", 0.0, math.inf, lo_open=True)
+        if isinstance(step_size_down, (list, tuple)) and len(step_size_down) == B and None in step_size_down:
+            # a model's None is its step_size_up, as torch's is
+            step_size_down = [float(up[b]) if v is None else v for b, v in enumerate(step_size_down)]
         down = up.clone() if step_size_down is None else _floats(step_size_down, B, "step_size_down")
         self.total_size = up + down
         self.step_ratio = up / self.total_size
