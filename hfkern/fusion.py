@@ -104,6 +104,7 @@ import builtins
 import contextlib
 import copy
 import importlib
+import itertools
 import operator
 import pickle
 import sys
@@ -1285,6 +1286,34 @@ def _parent(root: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(head) if head else root), name
 
 
+def _post_order(root: nn.Module) -> list[nn.Module]:
+    """``root.modules()`` with every module after its submodules."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for child in module.children():
+            visit(child)
+        out.append(module)
+
+    visit(root)
+    return out
+
+
+def _put_everywhere(root: nn.Module, path: str, new: nn.Module) -> list[str]:
+    """Put ``new`` where ``root`` has the module at ``path``, under every name that module has
+    there (``self.seq = nn.Sequential(self.fc)`` registers one module twice); the names."""
+    old = root.get_submodule(path)
+    names = [p for p, m in root.named_modules(remove_duplicate=False) if m is old]
+    for name in names:
+        owner, attr = _parent(root, name)
+        setattr(owner, attr, new)
+    return names
+
+
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out = list(model.named_parameters(remove_duplicate=False))
     out += list(model.named_buffers(remove_duplicate=False))
@@ -1441,8 +1470,7 @@ class FusedModel(ArrayModule):
                 object.__setattr__(model.get_submodule(path), name,
                                    getattr(self.get_submodule(path), name)[b].clone())
         for path in self._array_leaves:
-            owner, name = _parent(model, path)
-            setattr(owner, name, self.get_submodule(path).extract_model(b))
+            _put_everywhere(model, path, self.get_submodule(path).extract_model(b))
         self._retie(model)
         for path, module in model.named_modules():
             if path not in self._array_leaves_set and not any(path.startswith(p + ".") for p in self._array_leaves):
@@ -1520,11 +1548,17 @@ class FusedModel(ArrayModule):
         when ``seed`` is given (the global RNG is then untouched), else drawing
         from the global RNG as a new model would. Without a factory, a copy of
         the architecture is re-initialized with each submodule's
-        ``reset_parameters()``, which is what the constructors of torch's layers
-        draw (a model whose ``__init__`` initializes differently, or clones layers
-        as ``nn.TransformerEncoder`` does, needs its factory for an exact fresh
-        model); parameters that no submodule initializes (a model's own
-        ``nn.Parameter``) need a factory, and ValueError says which. A model
+        ``reset_parameters()``, a module's after its submodules' (as its constructor
+        runs after theirs: ``MultiheadAttention`` zeroes its output projection's
+        bias), which is what the constructors of torch's layers draw (a model whose
+        ``__init__`` initializes differently, or clones layers as
+        ``nn.TransformerEncoder`` does, needs its factory for an exact fresh
+        model). A parameter registered under several names keeps the
+        initialization of the module it is first registered in (``self.head.weight
+        = self.embed.weight`` keeps the embedding's; a model tied the other way
+        needs its factory). Parameters that no submodule initializes (a model's
+        own ``nn.Parameter``, a parametrization's originals) need a factory, and
+        ValueError says which. A model
         loaded from a pickle that could not hold the factory given to
         :func:`fuse` (a lambda) raises ValueError asking for ``factory=``.
         """
@@ -1561,14 +1595,31 @@ class FusedModel(ArrayModule):
         device = self._factory_kwargs().get("device", torch.device("cpu"))
         model = copy.deepcopy(self._template).to_empty(device=device)
         self._retie(model)
-        covered: set[int] = set()
+        # A tensor registered under several names (an output head tied to the embedding) is
+        # its first name's module's: torch's tying keeps that module's initialization.
+        owner: dict[int, nn.Module] = {}
         for module in model.modules():
+            for t in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
+                owner.setdefault(id(t), module)
+        tied = {id(model.get_parameter(names[0])) for names in self._ties}
+        covered: set[int] = set()
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Submodules before their module, as a constructor builds them before its own
+        # initialization (MultiheadAttention zeroes out_proj's bias after out_proj's own).
+        for module in _post_order(model):
             # reset_parameters, or the private one of torch's MultiheadAttention
             reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
             if callable(reset):
                 reset()
-                covered.update(id(t) for t in module.parameters())
-                covered.update(id(t) for t in module.buffers())
+                # (a parametrized tensor's originals: reset_parameters writes the computed tensor)
+                covered.update(id(t) for n, t in module.named_parameters() if "parametrizations." not in n)
+                covered.update(id(t) for n, t in module.named_buffers() if "parametrizations." not in n)
+                with torch.no_grad():
+                    kept += [(t, t.clone()) for t in module.parameters(recurse=False)
+                             if id(t) in tied and owner[id(t)] is module]
+        with torch.no_grad():
+            for t, value in kept:
+                t.copy_(value)
         left = [n for n, t in _named_tensors(model) if id(t) not in covered]
         if left:
             raise ValueError(
@@ -1849,18 +1900,11 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
         for g in graphs.values() for node in g.nodes if node.op == "call_module"
     }
     array_leaves = [p for p, m in leaves.items() if type(m) in array_classes]
-    # A module registered under several names (``self.seq = nn.Sequential(self.l, ...)``) is
-    # one array module under all of them, as it is one module in the models.
-    aliases: dict[int, list[str]] = {}
-    for path, module in first.named_modules(remove_duplicate=False):
-        aliases.setdefault(id(module), []).append(path)
+    array_paths = []  # every name of an array leaf (a module may be registered under several)
     for path in array_leaves:
-        array = array_classes[type(leaves[path])].from_modules([m.get_submodule(path) for m in models])
-        for alias in aliases[id(leaves[path])]:
-            owner, name = _parent(root, alias)
-            setattr(owner, name, array)
+        array_paths += _put_everywhere(root, path, array_classes[type(leaves[path])].from_modules(
+            [m.get_submodule(path) for m in models]))
     stacked: list[tuple[str, str]] = []
-    array_paths = [alias for path in array_leaves for alias in aliases[id(leaves[path])]]
     in_array_leaf = lambda p: any(p == a or p.startswith(a + ".") for a in array_paths)  # noqa: E731
     with torch.no_grad():
         for path, module in first.named_modules():

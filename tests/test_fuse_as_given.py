@@ -279,3 +279,76 @@ def test_a_model_that_is_a_module_with_an_array_version():
     B = 2
     torch.manual_seed(6)
     _check_training([nn.Linear(4, 3) for _ in range(B)], torch.randn(B, 5, 4))
+
+
+class _AliasedNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.seq = nn.Sequential(self.bn)
+
+    def forward(self, x):
+        return self.seq(self.fc(x))
+
+
+def test_unfused_models_keep_a_module_under_two_names():
+    B = 2
+    torch.manual_seed(7)
+    models = [_AliasedNorm() for _ in range(B)]
+    x = torch.randn(8, 4)
+    for m in models:
+        m(x)  # running statistics of their own
+    for b, m in enumerate(hfkern.unfuse(hfkern.fuse(models))):
+        assert m.seq[0] is m.bn
+        for k, v in models[b].state_dict().items():
+            assert torch.equal(m.state_dict()[k], v), k
+        torch.testing.assert_close(m.eval()(x), models[b].eval()(x))
+
+
+# ---- reset_model without a factory ---------------------------------------------------------------
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.att(x, x, x, need_weights=False)[0])
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 11)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.embed(idx)))
+
+
+@pytest.mark.parametrize("make", [_Attention, _TiedLM])
+def test_reset_model_without_a_factory_draws_what_the_constructors_draw(make):
+    """Submodules' initializations before their module's (MultiheadAttention zeroes its output
+    projection's bias after that Linear's own draw), a tied parameter the module's it is first
+    registered in: the fresh slot is what torch.manual_seed(seed); make() gives, exactly."""
+    torch.manual_seed(8)
+    fused = hfkern.fuse([make() for _ in range(3)])  # from a list: no factory
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    fused.reset_model(1, seed=3)
+    torch.manual_seed(3)
+    fresh = make()
+    state = fused.state_dict()
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(state[k][1], v), k
+        assert torch.equal(state[k][0], before[k][0]) and torch.equal(state[k][2], before[k][2]), k
+
+
+def test_reset_model_without_a_factory_refuses_parametrized_weights():
+    fused = hfkern.fuse([_parametrized("weight_norm") for _ in range(2)])
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    with pytest.raises(ValueError, match=r"parametrizations.weight.original0.*pass factory="):
+        fused.reset_model(1, seed=3)
+    assert all(torch.equal(v, before[k]) for k, v in fused.state_dict().items())
+    fused.reset_model(1, seed=3, factory=lambda: _parametrized("weight_norm"))

@@ -170,6 +170,29 @@ def test_recompute_keeps_losses_gradients_and_buffers(kind, names, monkeypatch):
                          for path, n in calls.items()), calls
 
 
+@pytest.mark.parametrize("kind,names", [("cnn", ("features",)), ("hand_cnn", ("0", "1"))])
+def test_recomputed_blocks_under_torch_compile(kind, names):
+    """torch.compile of a model with recomputed blocks trains as the plain model: each
+    recomputed call runs eagerly (a graph break: dynamo takes no checkpoint context_fn but
+    selective checkpointing's), batch norm's running statistics updated once per step."""
+    plain, model = twins(kind)
+    apply(model, Strategy(B, recompute=names))
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(2):
+        x, y = batch(kind, 6)
+        losses = []
+        for m in (compiled, plain):
+            m.zero_grad()
+            loss = AF.cross_entropy(m(hfkern.broadcast(x, B)), y)
+            loss.sum().backward()
+            losses.append(loss)
+        assert_close(losses[0], losses[1], **FP32)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert_close(p.grad, q.grad, **FP32, msg=name)
+    for (name, a), b in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert_close(a, b, **FP32, msg=name)
+
+
 class Counted(nn.Module):
     """Reads the buffer its forward updates: its recomputation must see the count the forward saw."""
 

@@ -246,6 +246,10 @@ class _DuringRecomputation:
         _install(self.after, copy=False)
 
 
+# Under torch.compile the call runs eagerly (a graph break): dynamo takes no context_fn but
+# selective checkpointing's, and without the contexts a recomputation would update the
+# block's buffers (batch norm's running statistics) a second time.
+@torch.compiler.disable
 def _checkpointed(fn: Callable, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, its activations recomputed in backward, ``block``'s state kept."""
     if not torch.is_grad_enabled():  # nothing will be backpropagated: no need to snapshot or stash RNG
