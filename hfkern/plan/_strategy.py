@@ -246,16 +246,32 @@ class _DuringRecomputation:
         _install(self.after, copy=False)
 
 
-# Under torch.compile the call runs eagerly (a graph break): dynamo takes no context_fn but
-# selective checkpointing's, and without the contexts a recomputation would update the
-# block's buffers (batch norm's running statistics) a second time.
-@torch.compiler.disable
-def _checkpointed(fn: Callable, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _checkpoint_block(fn: Callable, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, its activations recomputed in backward, ``block``'s state kept."""
     if not torch.is_grad_enabled():  # nothing will be backpropagated: no need to snapshot or stash RNG
         return fn(*args, **kwargs)
     state = _BlockState(block)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=state.contexts, **kwargs)
+
+
+# Under torch.compile the call runs eagerly (a graph break): dynamo takes no context_fn but
+# selective checkpointing's, and without the contexts a recomputation would update the
+# block's buffers (batch norm's running statistics) a second time. torch.compiler.disable
+# imports torch._dynamo (and Triton with it), so the wrapper is made where a recomputation is
+# set up (apply, unpickling), not when hfkern is imported.
+_EAGER_CHECKPOINT: Callable | None = None
+
+
+def _prepare_checkpoint() -> None:
+    global _EAGER_CHECKPOINT
+    if _EAGER_CHECKPOINT is None:
+        _EAGER_CHECKPOINT = torch.compiler.disable(_checkpoint_block)
+
+
+def _checkpointed(fn: Callable, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if _EAGER_CHECKPOINT is None:
+        _prepare_checkpoint()
+    return _EAGER_CHECKPOINT(fn, block, *args, **kwargs)
 
 
 # ---- recomputation of a hand-written array's blocks: a class swap -------------------------
@@ -291,6 +307,7 @@ _RECOMPUTE_CLASSES: dict[type, type] = {}
 
 
 def _recompute_class(base: type[nn.Module]) -> type[nn.Module]:
+    _prepare_checkpoint()
     cls = _RECOMPUTE_CLASSES.get(base)
     if cls is None:
         # The original's name, so that error messages (which name type(self)) read as before.
@@ -322,6 +339,7 @@ class _RecomputeSegment(_capture.GraphTarget):
 
     def __init__(self, graph: fx.Graph, block: str):
         graph.lint()
+        _prepare_checkpoint()
         self.graph, self.block = graph, block
         self.fn = compiled_forward(graph, f"<hfkern.plan recompute {block}>")
         self._named(f"recompute_{block}")
@@ -337,6 +355,7 @@ class _RecomputeSegment(_capture.GraphTarget):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, graph=graph_from_state(state["graph"]))
+        _prepare_checkpoint()
         self.fn = compiled_forward(self.graph, f"<hfkern.plan recompute {self.block}>")
 
 
