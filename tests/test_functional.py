@@ -218,12 +218,31 @@ def test_cross_entropy_integer_target_dtypes():
         torch.testing.assert_close(HF.cross_entropy(x, t.to(dtype)), want)
 
 
-def test_out_of_range_class_index_raises():
+@pytest.mark.parametrize("fn", [HF.cross_entropy, HF.nll_loss])
+@pytest.mark.parametrize("weight_mode", [None, "shared", "per_model"])
+def test_out_of_range_class_index_raises_index_error(fn, weight_mode):
+    # torch raises IndexError on the CPU (per-model weights gathered past the
+    # classes and raised an obscure RuntimeError naming an internal dimension)
     x = torch.randn(2, 3, 4)
-    t = torch.tensor([[0, 1, 4], [0, 1, 2]])
-    for weight in (None, torch.rand(4), torch.rand(2, 4)):
-        with pytest.raises((IndexError, RuntimeError)):
-            HF.cross_entropy(x, t, weight)
+    weight = {None: None, "shared": torch.rand(4), "per_model": torch.rand(2, 4)}[weight_mode]
+    for t, bad in ((torch.tensor([[0, 1, 4], [0, 1, 2]]), 4), (torch.tensor([[0, 1, 2], [0, -2, 1]]), -2),
+                   (torch.tensor([0, 9, 1]), 9)):
+        with pytest.raises(IndexError, match=str(bad)) as info:
+            fn(x, t, weight)
+        if weight_mode == "per_model":
+            where = "the shared input" if t.dim() == 1 else "model 0" if bad == 4 else "model 1"
+            assert where in str(info.value)
+    # ignore_index is not a class: it is skipped, not refused
+    fn(x, torch.tensor([[0, -100, 1], [2, 3, -100]]), weight)
+
+
+def test_out_of_range_class_index_under_compile_raises_index_error():
+    weight = torch.rand(2, 4)
+    loss = torch.compile(lambda x, t: HF.cross_entropy(x, t, weight), fullgraph=True, backend="eager")
+    x = torch.randn(2, 3, 4)
+    torch.testing.assert_close(loss(x, torch.tensor([0, 3, 1])), HF.cross_entropy(x, torch.tensor([0, 3, 1]), weight))
+    with pytest.raises(IndexError, match="target 7"):
+        loss(x, torch.tensor([0, 7, 1]))
 
 
 # ---- mse_loss / l1_loss ------------------------------------------------------------

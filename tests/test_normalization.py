@@ -311,6 +311,16 @@ randn64 = lambda *s: torch.randn(*s, dtype=torch.float64)  # noqa: E731
     (lambda: hnn.BatchNorm1d(4, B=2), torch.randn(2, 3, 5), r"4 channels at dim 2.*got 5", ValueError),
     (lambda: hnn.BatchNorm1d(4, affine=False, B=2), randn64(2, 3, 4), F64, TypeError),
     (lambda: hnn.BatchNorm2d(4, B=2), torch.randn(1, 3, 4, 2, 2), r"B=2, got shape \[1, 3, 4, 2, 2\]", ValueError),
+    # without a weight nothing else checks the dtype: these computed and rounded the
+    # normalized values into the input's dtype (torch raises NotImplementedError)
+    (lambda: hnn.LayerNorm(4, elementwise_affine=False, B=2), torch.randint(0, 9, (2, 3, 4)),
+     r"floating-point dtype, got torch.int64", TypeError),
+    (lambda: hnn.LayerNorm(4, elementwise_affine=False, B=2), torch.rand(2, 3, 4) > 0.5,
+     r"floating-point dtype, got torch.bool", TypeError),
+    (lambda: hnn.RMSNorm(4, elementwise_affine=False, B=2), torch.randint(0, 9, (2, 3, 4)),
+     r"floating-point dtype, got torch.int64", TypeError),
+    (lambda: hnn.RMSNorm(4, elementwise_affine=False, B=2), torch.randn(2, 3, 4, dtype=torch.complex64),
+     r"floating-point dtype, got torch.complex64", TypeError),
 ])
 def test_bad_input_raises(module, bad, match, exc):
     m = module()

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .._array import is_shared, per_model_memory_first
+from ..ops.embedding import embedding_checked_indices, raise_if_out_of_range
 
 __all__ = [
     "binary_cross_entropy_with_logits",
@@ -221,6 +222,14 @@ def _class_index_loss(fn: str, x: torch.Tensor, target: torch.Tensor, weight: to
         w_t = None if weight is None else weight[t_safe].masked_fill(~valid, 0)
     else:
         # torch takes one [C] weight, so per-model weights use the same math spelled out.
+        # gather would index past the classes with a target torch refuses: the same
+        # IndexError as torch's (the model named; on CUDA a device-side assertion).
+        # (under torch.compile in an op the compiler does not trace, as Embedding's check)
+        check = (f"hfkern.nn.functional.{fn}", "target", "classes")
+        if torch.compiler.is_compiling():
+            t_safe = embedding_checked_indices(t_safe, C, t.size(0) == 1, *check)
+        else:
+            raise_if_out_of_range(check[0], t_safe, C, t.size(0) == 1, item=check[1], limit=check[2])
         logp = torch.log_softmax(x, dim=2) if from_logits else x
         tx = t_safe.expand(B, *t.shape[1:])
         picked = logp.gather(2, tx.unsqueeze(2)).squeeze(2)

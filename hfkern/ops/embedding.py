@@ -174,7 +174,8 @@ def array_embedding_renorm_torch(weight: Tensor, indices: Tensor, max_norm: floa
 _ASSERTED_ON = frozenset({"cuda"})
 
 
-def raise_if_out_of_range(module: str, values: Tensor, num_embeddings: int, shared: bool) -> None:
+def raise_if_out_of_range(module: str, values: Tensor, num_embeddings: int, shared: bool, *,
+                          item: str = "index", limit: str = "num_embeddings") -> None:
     """IndexError naming the first bad value and its model, if ``values`` leaves ``[0, num_embeddings)``.
 
     ``values`` is the ``[B, *]`` index tensor, or the ``[*]`` tensor a shared
@@ -191,7 +192,8 @@ def raise_if_out_of_range(module: str, values: Tensor, num_embeddings: int, shar
     lo, hi = torch.aminmax(values)
     if values.device.type in _ASSERTED_ON:
         torch._assert_async((lo >= 0) & (hi < num_embeddings),
-                            f"{module}: an index is out of range [0, {num_embeddings})")
+                            f"{module}: {'an' if item[0] in 'aeiou' else 'a'} {item} is out of range "
+                            f"[0, {num_embeddings})")
         return
     lo, hi = int(lo), int(hi)
     if lo >= 0 and hi < num_embeddings:
@@ -203,8 +205,8 @@ def raise_if_out_of_range(module: str, values: Tensor, num_embeddings: int, shar
         model = int((values == bad).reshape(values.size(0), -1).any(dim=1).nonzero()[0, 0])
         where = f"model {model}'s input"
     raise IndexError(
-        f"{module}: index {bad} in {where} is out of range: expected indices in "
-        f"[0, {num_embeddings}) (num_embeddings={num_embeddings})"
+        f"{module}: {item} {bad} in {where} is out of range: expected {'indices' if item == 'index' else item + 's'} in "
+        f"[0, {num_embeddings}) ({limit}={num_embeddings})"
     )
 
 
@@ -217,15 +219,16 @@ def raise_if_out_of_range(module: str, values: Tensor, num_embeddings: int, shar
 # lookup. On CUDA it does not synchronize, so CUDA graphs may capture it.
 @torch.library.custom_op("hfkern::embedding_checked_indices", mutates_args=())
 def embedding_checked_indices(
-    values: Tensor, num_embeddings: int, shared: bool, module: str
+    values: Tensor, num_embeddings: int, shared: bool, module: str, item: str = "index",
+    limit: str = "num_embeddings",
 ) -> Tensor:
     """``values`` (a copy) if every index is in ``[0, num_embeddings)``; IndexError otherwise."""
-    raise_if_out_of_range(module, values, num_embeddings, shared)
+    raise_if_out_of_range(module, values, num_embeddings, shared, item=item, limit=limit)
     return values.clone()
 
 
 @embedding_checked_indices.register_fake
-def _(values, num_embeddings, shared, module):
+def _(values, num_embeddings, shared, module, item="index", limit="num_embeddings"):
     return torch.empty_like(values)
 
 

@@ -363,6 +363,11 @@ def _check(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_
             f"hfkern::{op}: expected x of shape [B, *, *normalized_shape] with norm_ndim >= 1 "
             f"trailing dims normalized, got norm_ndim={norm_ndim} and x of shape {list(x.shape)}"
         )
+    # (torch's norms raise NotImplementedError for these; the math here would run and
+    # round the normalized values back into the integer, bool or complex dtype)
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"hfkern::{op}: expected {name} of a floating-point dtype, got {t.dtype}")
     expected = _param_shape(x, norm_ndim)
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and list(p.shape) != expected:
