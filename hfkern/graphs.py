@@ -181,7 +181,9 @@ class CapturedStep:
         self._pool = None
         self.graphs = 0
         self.eager_calls = 0
-        functools.update_wrapper(self, step_fn)
+        # name and docstring only: step_fn's __dict__ (a callable object's attributes, or
+        # another CapturedStep's) would overwrite this object's own
+        functools.update_wrapper(self, step_fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not _on_cuda(args, kwargs):

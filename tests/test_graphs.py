@@ -187,6 +187,34 @@ def test_arguments_are_checked():
         hfkern.capture_step(lambda x: x)
 
 
+def test_the_wrapped_callables_attributes_do_not_replace_the_captured_steps(simulated):
+    # update_wrapper copied step_fn's __dict__ over the wrapper's own fields: a step
+    # object's `warmup` replaced the one asked for, and a wrapped CapturedStep's
+    # step_fn and graph cache became the wrapper's
+    class Step:
+        """A step object with attributes of its own."""
+
+        def __init__(self):
+            self.warmup, self.step_fn, self.graphs = 100, None, "mine"
+
+        def __call__(self, x):
+            return x * 2
+
+    x = torch.randn(2)
+    run = hfkern.capture_step(Step(), x, warmup=3)
+    assert (run.warmup, run.graphs, run.__doc__) == (3, 0, Step.__doc__)
+    assert torch.equal(run(x), x * 2)
+
+    def step(x):
+        return x + 1
+
+    inner = hfkern.capture_step(step, x, warmup=2)
+    outer = hfkern.capture_step(inner, x, warmup=5)
+    assert (outer.warmup, outer.step_fn, outer.__name__) == (5, inner, "step")
+    assert outer._graphs is not inner._graphs
+    assert torch.equal(outer(x), x + 1)
+
+
 @pytest.mark.gpu
 def test_gpu_replays_equal_eager_steps_bit_for_bit(deterministic):
     if not torch.cuda.is_available():
