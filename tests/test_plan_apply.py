@@ -231,6 +231,84 @@ def test_recomputation_sees_the_state_the_forward_saw():
         assert_close(p.grad, q.grad, msg=name, **FP32)
 
 
+class WithTeacher(nn.Module):
+    """A momentum (EMA) teacher the forward moves toward the student, in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = nn.Linear(4, 4)
+        self.teacher = nn.Linear(4, 4)
+        self.teacher.requires_grad_(False)
+        with torch.no_grad():
+            self.teacher.weight.mul_(3)  # away from the student, so that each update shows
+
+    def forward(self, x):
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.student.parameters()):
+                t.mul_(0.5).add_(s, alpha=0.5)
+        return torch.tanh(self.student(x)) * self.teacher(x).sigmoid()
+
+
+class TeacherNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk = WithTeacher()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.blk(x))
+
+
+def hand_teacher() -> nn.Sequential:
+    return nn.Sequential(hfkern.fuse(WithTeacher, B), hfkern.nn.Linear(4, 3, B=B))
+
+
+@pytest.mark.parametrize("kind", ["fused", "hand"])
+def test_recomputation_does_not_write_a_teachers_parameters_again(kind):
+    # The recomputation ran the EMA update a second time, from the updated weights:
+    # the teacher moved twice per step and the student's gradient was computed with
+    # the wrong teacher (the loss, from the forward, looked right).
+    plain = hfkern.fuse(TeacherNet, B) if kind == "fused" else hand_teacher()
+    model = copy.deepcopy(plain)
+    name = "blk" if kind == "fused" else "0"
+    apply(model, Strategy(B, recompute=(name,)))
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    for m in (plain, model):
+        for _ in range(3):
+            m.zero_grad()
+            losses = AF.cross_entropy(m(hfkern.broadcast(x, B)), y).sum()
+            losses.backward(retain_graph=True)
+            losses.backward()  # a second recomputation from the same snapshot
+            with torch.no_grad():
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.1 * p.grad)
+    for (key, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
+        assert_close(a, b, msg=key, **FP32)
+    teacher = model.get_submodule(name).teacher
+    assert isinstance(teacher.weight, nn.Parameter) and not teacher.weight.requires_grad
+
+
+class WritesTrained(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.3, 0.3)  # a trained weight written in place
+        return self.lin(x)
+
+
+def test_recomputing_a_block_that_writes_a_trained_parameter_raises():
+    model = nn.Sequential(hfkern.fuse(WritesTrained, B), hfkern.nn.Linear(4, 3, B=B))
+    apply(model, Strategy(B, recompute=("0",)))
+    with pytest.raises(RuntimeError, match=r"wrote its parameters \['lin.weight'\] in place.*Strategy.recompute"):
+        model(hfkern.broadcast(torch.randn(5, 4), B))
+    with torch.no_grad():  # nothing is recomputed without a gradient
+        model(hfkern.broadcast(torch.randn(5, 4), B))
+
+
 def test_dropout_draws_inside_the_recomputed_block():
     # The equality above for "mlp" is meaningful only when dropout draws: seeds change the output.
     model = hfkern.fuse(MLP, B)
@@ -427,6 +505,19 @@ def test_micro_batches_equal_one_full_batch_step(kind, shared, m, names):
     ours = run_steps(micro, Strategy(B, micro_batches=m, recompute=names), batches, shared=shared,
                      optimizer=adam)
     assert_same_training(ours, theirs, micro, full)
+
+
+def test_micro_batches_keep_float64_gradients():
+    # the chunks' losses were cast to float32 before backward: float64 gradients at float32 precision
+    model = nn.Sequential(hfkern.nn.Linear(4, 3, B=B)).double()
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    AF.cross_entropy(model(hfkern.broadcast(x, B)), y).sum().backward()
+    want = model[0].weight.grad.clone()
+    strategy = Strategy(B, micro_batches=2)
+    apply(model, strategy)
+    losses = make_step(model, hfkern.optim.SGD(model.parameters(), lr=0.0), strategy, AF.cross_entropy)(x, y)
+    assert losses.dtype == torch.float64
+    assert_close(model[0].weight.grad, want, atol=1e-14, rtol=1e-12)
 
 
 def test_micro_batches_on_batch_norm_need_the_flag():

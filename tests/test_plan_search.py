@@ -7,6 +7,9 @@ import random
 import time
 
 import pytest
+import torch
+
+import hfkern.plan
 
 from hfkern.plan._search import BlockCost, Plan, StepCost, pareto_front, search, search_brute_force
 
@@ -102,4 +105,33 @@ def test_search_checks_its_arguments():
         search(model, trials=0, steps=1, B_values=[1])
     with pytest.raises(ValueError, match="B_values must be a non-empty sequence"):
         search(model, trials=1, steps=1, B_values=[])
+    # values too: B = 0 divided by zero, B = -3 gave a front of one plan with a negative time
+    for kwargs, match in [(dict(B_values=[0, 2]), r"B_values must hold positive ints, got 0"),
+                          (dict(B_values=[-3, 2]), r"B_values must hold positive ints, got -3"),
+                          (dict(B_values=[2.5]), r"B_values must hold positive ints, got 2.5"),
+                          (dict(B_values=[True]), r"B_values must hold positive ints, got True"),
+                          (dict(B_values=[2], arrays=[0]), r"arrays must hold positive ints, got 0"),
+                          (dict(B_values=[2], micro_batches=[0]), r"micro_batches must hold positive ints, got 0"),
+                          (dict(B_values=[2], precisions=["fp8"]), r"precisions must hold choices of .*'fp8'"),
+                          (dict(B_values=[2], memory_formats=["nhwc"]), r"memory_formats must hold choices .*'nhwc'")]:
+        for fn in (search, search_brute_force):
+            with pytest.raises(ValueError, match=fn.__name__ + ": " + match):
+                fn(model, trials=1, steps=1, **kwargs)
     assert pareto_front([]) == []
+
+
+def test_plan_checks_its_spaces_before_profiling(monkeypatch):
+    import hfkern.plan._plan as plan_module
+
+    def profiled(*args, **kwargs):
+        raise AssertionError("profiled before checking the arguments")
+
+    monkeypatch.setattr(plan_module, "fit_cost_model", profiled)
+    batch = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    for kwargs, match in [(dict(B_values=(0, 2)), "B_values must hold positive ints, got 0"),
+                          (dict(arrays=(0,)), "arrays must hold positive ints, got 0"),
+                          (dict(precisions=("fp8",)), "precisions must hold choices"),
+                          (dict(profile_B=(1, -2)), "profile_B must hold positive ints, got -2"),
+                          (dict(steps=0), "steps must be a positive int")]:
+        with pytest.raises(ValueError, match="plan: " + match):
+            hfkern.plan.plan(lambda: torch.nn.Linear(3, 2), batch, **{"trials": 4, "steps": 5, **kwargs})

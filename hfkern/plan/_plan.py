@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ._cost import FittedCostModel, fit_cost_model
-from ._search import Plan, search
+from ._search import Plan, check_spaces, search
 
 __all__ = ["PlanSet", "plan"]
 
@@ -142,14 +142,17 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
     """
     from ..sweep._memory import _free_bytes
 
-    for name, value in (("trials", trials), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"plan: {name} must be a positive int, got {value!r}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
-    precisions = tuple(precisions or (("fp32", "bf16") if cuda else ("fp32",)))
-    arrays = tuple(arrays or ((1, 2) if cuda else (1,)))
-    B_values = tuple(B_values or range(1, 65))
+    precisions = (("fp32", "bf16") if cuda else ("fp32",)) if precisions is None else precisions
+    arrays = ((1, 2) if cuda else (1,)) if arrays is None else arrays
+    B_values = range(1, 65) if B_values is None else B_values
+    # before the profiling, which takes minutes
+    check_spaces("plan", trials, steps, B_values=B_values, precisions=precisions, micro_batches=micro_batches,
+                 arrays=arrays, memory_formats=memory_formats)
+    if profile_B is not None:
+        check_spaces("plan", trials, steps, profile_B=profile_B)
+    precisions, arrays, B_values = tuple(precisions), tuple(arrays), tuple(B_values)
     if memory_budget is None:
         memory_budget = 0.9 * _free_bytes(device)
     start = time.perf_counter()

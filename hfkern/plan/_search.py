@@ -178,13 +178,30 @@ def pareto_front(plans: Iterable[Plan], memory_budget: float | None = None) -> l
     return front
 
 
-def _check(trials: int, steps: int, *spaces: tuple[str, Sequence]) -> None:
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_spaces(who: str, trials: int, steps: int, **spaces: Sequence) -> None:
+    """ValueError naming the field unless ``trials`` and ``steps`` are positive ints and every
+    space is a non-empty sequence of valid choices: ``precisions`` and ``memory_formats`` from
+    :class:`hfkern.plan.Strategy`'s, the others (``B_values``, ``micro_batches``, ``arrays``)
+    positive ints."""
+    from ._strategy import MEMORY_FORMATS, PRECISIONS
+
     for name, value in (("trials", trials), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"search: {name} must be a positive int, got {value!r}")
-    for name, values in spaces:
+        if not _positive_int(value):
+            raise ValueError(f"{who}: {name} must be a positive int, got {value!r}")
+    choices = {"precisions": PRECISIONS, "memory_formats": tuple(MEMORY_FORMATS)}
+    for name, values in spaces.items():
         if isinstance(values, str) or not isinstance(values, Sequence) or not values:
-            raise ValueError(f"search: {name} must be a non-empty sequence of choices, got {values!r}")
+            raise ValueError(f"{who}: {name} must be a non-empty sequence of choices, got {values!r}")
+        allowed = choices.get(name)
+        for value in values:
+            if allowed is not None and value not in allowed:
+                raise ValueError(f"{who}: {name} must hold choices of {allowed}, got {value!r}")
+            if allowed is None and not _positive_int(value):
+                raise ValueError(f"{who}: {name} must hold positive ints, got {value!r}")
 
 
 def search(model: CostModel, *, trials: int, steps: int, B_values: Sequence[int],
@@ -197,8 +214,8 @@ def search(model: CostModel, *, trials: int, steps: int, B_values: Sequence[int]
     recomputation subsets found by dynamic programming over the blocks.
     Returns the plans of the (time, peak memory) front, by increasing memory.
     """
-    _check(trials, steps, ("B_values", B_values), ("precisions", precisions), ("micro_batches", micro_batches),
-           ("arrays", arrays), ("memory_formats", memory_formats))
+    check_spaces("search", trials, steps, B_values=B_values, precisions=precisions, micro_batches=micro_batches,
+                 arrays=arrays, memory_formats=memory_formats)
     settings = _settings(B_values, precisions, micro_batches, arrays, memory_formats)
     return pareto_front(_plans(model, trials, steps, settings, _recompute_front), memory_budget)
 
@@ -209,8 +226,8 @@ def search_brute_force(model: CostModel, *, trials: int, steps: int, B_values: S
                        memory_budget: float | None = None) -> list[Plan]:
     """:func:`search` by enumerating every recomputation subset (2^blocks per setting): the check of
     the dynamic program on small spaces."""
-    _check(trials, steps, ("B_values", B_values), ("precisions", precisions), ("micro_batches", micro_batches),
-           ("arrays", arrays), ("memory_formats", memory_formats))
+    check_spaces("search_brute_force", trials, steps, B_values=B_values, precisions=precisions,
+                 micro_batches=micro_batches, arrays=arrays, memory_formats=memory_formats)
 
     def every_subset(cost: StepCost):
         out = []

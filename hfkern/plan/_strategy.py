@@ -23,12 +23,16 @@ as an ``nn.Sequential`` of :mod:`hfkern.nn` modules, its entries.
 
 Recomputation and state. A block's recomputation runs its forward a second
 time, in backward. Forward also updates state (batch norm's running
-statistics and counters, any buffer or tensor attribute the block changes);
-the recomputation must neither update it a second time nor see it already
-updated. So the block's buffers are copied before its forward, the
-recomputation runs on those copies (it sees exactly what the forward saw, and
-computes the same), and afterwards the block gets its buffers back as the
-forward left them. Random draws (dropout) repeat the forward's masks:
+statistics and counters, any buffer or tensor attribute the block changes,
+the parameters without a gradient a momentum encoder writes); the
+recomputation must neither update it a second time nor see it already
+updated. So the block's buffers and its parameters that do not require grad
+are copied before its forward, the recomputation runs on those copies (it
+sees exactly what the forward saw, and computes the same), and afterwards the
+block gets them back as the forward left them. A parameter that requires grad
+cannot be swapped for a copy (its gradient would go to the copy), so a block
+whose forward writes one in place raises RuntimeError: leave it out of
+:attr:`Strategy.recompute`. Random draws (dropout) repeat the forward's masks:
 ``torch.utils.checkpoint`` restores the RNG state before the recomputation.
 """
 
@@ -179,8 +183,8 @@ def _array_size(model: nn.Module, who: str) -> int:
 
 # ---- keeping a block's state through its recomputation ------------------------------------
 def _state_of(block: nn.Module, copy: bool) -> list[tuple[dict, str, torch.Tensor, bool]]:
-    """The block's buffers and tensor attributes as ``(table, key, tensor, is_buffer)``, buffers
-    copied if asked.
+    """The block's state a forward may write as ``(table, key, tensor, is_copied)``: its buffers
+    and parameters that do not require grad (copied if asked), and its tensor attributes.
 
     Attributes are held by reference: a forward assigns them (``self.last = h``), it
     does not write into them (:func:`hfkern.fuse` refuses that for non-buffers).
@@ -191,6 +195,9 @@ def _state_of(block: nn.Module, copy: bool) -> list[tuple[dict, str, torch.Tenso
             for key, buf in m._buffers.items():
                 if buf is not None:
                     entries.append((m._buffers, key, buf.clone() if copy else buf, True))
+            for key, p in m._parameters.items():
+                if p is not None and not p.requires_grad:  # a teacher's weights, written in place
+                    entries.append((m._parameters, key, nn.Parameter(p.clone(), False) if copy else p, True))
             for key, value in vars(m).items():
                 if isinstance(value, torch.Tensor):
                     entries.append((vars(m), key, value, False))
@@ -199,8 +206,15 @@ def _state_of(block: nn.Module, copy: bool) -> list[tuple[dict, str, torch.Tenso
 
 def _install(entries: list[tuple[dict, str, torch.Tensor, bool]], copy: bool) -> None:
     with torch.no_grad():
-        for table, key, value, is_buffer in entries:
-            table[key] = value.clone() if copy and is_buffer else value
+        for table, key, value, copied in entries:
+            if copy and copied:
+                value = nn.Parameter(value.clone(), False) if isinstance(value, nn.Parameter) else value.clone()
+            table[key] = value
+
+
+def _trained_parameters(block: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
+    """``(name, parameter, version)`` of the block's parameters that require grad."""
+    return [(name, p, p._version) for name, p in block.named_parameters() if p.requires_grad]
 
 
 class _BlockState:
@@ -215,6 +229,7 @@ class _BlockState:
     def __init__(self, block: nn.Module):
         self.block = block
         self.before: list | None = None
+        self.trained: list = []
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         return _BeforeForward(self), _DuringRecomputation(self)
@@ -226,9 +241,20 @@ class _BeforeForward:
 
     def __enter__(self) -> None:
         self.state.before = _state_of(self.state.block, copy=True)
+        self.state.trained = _trained_parameters(self.state.block)
 
-    def __exit__(self, *exc: object) -> None:
-        pass
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            return
+        # (in-place ops count in the version; a write through .data does not, and goes unseen)
+        written = [name for name, p, version in self.state.trained if p._version != version]
+        self.state.trained = []
+        if written:
+            block = type(self.state.block).__name__
+            raise RuntimeError(
+                f"hfkern.plan: a recomputed block ({block}) wrote its parameters {written} in place in "
+                f"its forward; they require grad, so its recomputation in backward cannot run on copies "
+                f"and would write them again: leave the block out of Strategy.recompute")
 
 
 class _DuringRecomputation:
@@ -576,8 +602,8 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
     ``strategy.precision`` is ``"bf16"``, and backward of the chunk's losses
     weighted by its share of the batch, so that the gradients are those of the
     full batch's mean loss; then ``optimizer.step()``. It returns the full
-    batch's per-model losses (the weighted mean of the chunks', float32,
-    detached), ``[B]``.
+    batch's per-model losses (the weighted mean of the chunks', in float32 or
+    the losses' dtype if wider, detached), ``[B]``.
 
     Args:
         model: an array model that :func:`apply` gave this strategy (same B,
@@ -668,7 +694,8 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
             if not (isinstance(losses, torch.Tensor) and losses.shape == (B,)):
                 raise ValueError(f"step: expected loss_fn to return the [B] = [{B}] per-model losses, got "
                                  f"{type(losses).__name__} {list(getattr(losses, 'shape', []))}")
-            losses = losses.float()
+            # float32 at least (bf16 losses under autocast); float64 models' stay float64
+            losses = losses.to(torch.promote_types(losses.dtype, torch.float32))
             # Chunk k's mean loss weighted by n_k / N: the gradients sum to the full batch mean's.
             (losses * share).sum().backward()
             part = losses.detach() * share
