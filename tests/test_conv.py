@@ -156,6 +156,37 @@ def test_opcheck_array_conv_grads():
     torch.library.opcheck(array_conv_weight_grad, (gy, x.detach(), w.detach(), *conv))
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("nd", [1, 2])
+def test_op_grads_of_a_transposed_conv_with_output_padding_at_stride_1(nd, shared):
+    # output_padding < dilation is legal at stride 1: the input gradient's adjoint conv read
+    # the padding rows too and returned a gradient one row longer than the input
+    from hfkern.ops.conv import array_conv
+    B, N, C_in, C_out, L = 2, 3, 2, 3, 5
+    conv_t = torch.nn.functional.conv_transpose1d if nd == 1 else torch.nn.functional.conv_transpose2d
+    x = torch.randn(N, C_in, *[L] * nd, dtype=torch.float64)
+    xa = (hfkern.broadcast(x, B) if shared else torch.stack([x + b for b in range(B)])).requires_grad_()
+    w = torch.randn(B, C_in, C_out, *[2] * nd, dtype=torch.float64, requires_grad=True)
+    geom = ([1] * nd, [0] * nd, [2] * nd, True, [1] * nd, 1)
+    y = array_conv(xa, w, None, *geom)
+    gy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (xa, w), gy)
+    assert gx.shape == xa.shape
+    for b in range(B):
+        xb = (x if shared else x + b).requires_grad_()
+        wb = w[b].detach().requires_grad_()
+        yb = conv_t(xb, wb, None, 1, 0, 1, 1, 2)
+        torch.testing.assert_close(y[b], yb)
+        gxb, gwb = torch.autograd.grad(yb, (xb, wb), gy[b])
+        if not shared:
+            torch.testing.assert_close(gx[b], gxb)
+        torch.testing.assert_close(gw[b], gwb)
+    if shared:  # the shared input's gradient: the models' sum
+        want = sum(torch.autograd.grad(conv_t(x.requires_grad_(), w[b].detach(), None, 1, 0, 1, 1, 2), x, gy[b])[0]
+                   for b in range(B))
+        torch.testing.assert_close(gx.sum(0) if gx.stride(0) else gx[0], want)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, dict(atol=1e-10, rtol=1e-10)),
                                        (torch.bfloat16, dict(atol=2e-2, rtol=2e-2))])
 def test_conv_dtypes(dtype, tol):

@@ -233,6 +233,11 @@ def array_conv_input_grad_torch(
                                    True, [0] * nd)
         adjoint_padding = [i - r for i, r in zip(input_size[-nd:], reached)]
     gx = aten.convolution(gy, w, None, stride, padding, dilation, not transposed, adjoint_padding, g)
+    if transposed and list(gx.shape[2:]) != list(input_size[-nd:]):
+        # The adjoint of a transposed conv reads the output_padding rows too: at stride 1
+        # (output_padding < dilation) they give rows past the input's, which no input
+        # element reached. (At stride > 1 the plain conv's floor drops them.)
+        gx = gx[(slice(None), slice(None), *(slice(0, n) for n in input_size[-nd:]))]
     return gx.contiguous(memory_format=fmt) if shared else op_result(from_grouped(gx, B, fmt))
 
 
