@@ -209,7 +209,9 @@ class _Addresses:
     ``lists``: the lists a kernel addresses (positions in the call's argument order),
     each with the address column it fills, its element sizes (``[n]``), the position of
     its base tensor for each tensor (``[n]``), whether its alignment counts, and its
-    name for error messages.
+    name for error messages. ``valid`` (``[L, n]``, one row per list): the tensors that
+    hold elements, whose addresses count; an empty tensor's offset is 0 (its data
+    pointer may be anything and nothing reads it).
     """
 
     def __init__(self, n: int, n_cols: int, aligned_col: int, static_aligned: Tensor, valid: Tensor,
@@ -454,7 +456,6 @@ class Planner:
         # vector list's tensor and base are 16-byte aligned.
         static_aligned = (sizes % LEN_ALIGN == 0) & (sizes > 0)
         static_aligned &= torch.tensor([lay is None for lay in layouts])
-        valid = sizes > 0
         zeros = torch.zeros(n, dtype=torch.int64)
         es_p = torch.tensor([p.element_size() for p in params], dtype=torch.int64)
         lists = [(0, ADDR_P, es_p, firsts, True, "params"), (1, ADDR_G, es_p, firsts, True, "grads")]
@@ -462,8 +463,12 @@ class Planner:
             if s:
                 es = torch.tensor([t.element_size() for t in s], dtype=torch.int64)
                 lists.append((2 + j, ADDR_STATES[j], es, firsts, True, name))
+        # the tensors holding elements: the parameters' lists have an empty tensor where a
+        # parameter is empty; an empty parameter's step counts ([B]) are counted all the same
+        valid = (sizes > 0).expand(len(lists), n).clone()
         if steps:
             lists.append((2 + len(states), ADDR_STEP, torch.full((n,), 4, dtype=torch.int64), zeros, False, "steps"))
+            valid = torch.cat([valid, torch.ones(1, n, dtype=torch.bool)])
         addresses = _Addresses(n, ADDR_COLS, ADDR_ALIGNED, static_aligned, valid, lists, self.backend)
         return Plan(groups, step_offs, len(steps) * B, addresses, copied)
 
@@ -523,7 +528,7 @@ class Planner:
         valid = sizes > 0
         static_aligned = (sizes % LEN_ALIGN == 0) & valid
         es = torch.tensor([g.element_size() for g in grads], dtype=torch.int64)
-        addresses = _Addresses(n, NF_ADDR_COLS, NF_ADDR_ALIGNED, static_aligned, valid,
+        addresses = _Addresses(n, NF_ADDR_COLS, NF_ADDR_ALIGNED, static_aligned, valid[None],
                                [(0, NF_ADDR_G, es, firsts, True, "grads")], self.backend)
         partials = torch.zeros(max(1, B * tm), dtype=torch.int32, device=device)
         return CheckPlan(groups, partials, tm, addresses, copied)
