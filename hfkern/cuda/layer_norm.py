@@ -140,7 +140,9 @@ class _Launcher(Launcher):
         lim = self.limits
         vec = _pack(dtype)
         n_packs = cdiv(D, vec)
-        packs = lim.packs if lim.packs is not None else values // vec
+        # (the emulator's cap, within what the kernel allows: one 16-bit pack of 8 values
+        # fills the backward's LN_BWD_VALUES)
+        packs = values // vec if lim.packs is None else min(lim.packs, values // vec)
         if n_packs <= lim.lanes * packs:  # a warp's registers hold the row: a warp (or part of one) per row
             tpr = min(lim.lanes, next_power_of_2(n_packs))
             return tpr, tpr, lim.threads // tpr, True
