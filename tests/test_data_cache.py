@@ -186,8 +186,30 @@ def test_modifying_a_returned_sample_does_not_change_the_cache(tmp_path, tier):
         x.mul_(0).add_(1)
         a[:] = -1
     assert_same(ds[0], want)
-    if tier == "disk":                            # the file itself is unchanged (private mapping)
+    if tier == "disk":                            # the file itself is unchanged
         assert_same(CachedDataset(ListDataset(base), **kw)[0], want)
+
+
+def test_samples_read_from_disk_hold_no_file_descriptor(tmp_path):
+    """A process keeps more disk hits than it may open files (its soft RLIMIT_NOFILE, lowered here
+    for the test): a sample holds no file descriptor (a memory map of the entry would)."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    limit = len(os.listdir(fd_dir)) + 32      # what is open now, and a few for the cache's own files
+    n = 3 * limit
+    data = Fixed(n=n)
+    ds = CachedDataset(data, disk_dir=tmp_path, disk_bytes=1 << 24, key="fd")
+    for i in range(n):
+        ds[i]                                     # written
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit, soft), hard))
+    try:
+        kept = [ds[i] for i in range(n)]          # read back, every one kept
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert ds.stats()["disk"]["hits"] == n and data.calls == list(range(n))
+    for i, sample in enumerate(kept):
+        assert_same(sample, torch.full((16,), float(i)))
 
 
 @pytest.mark.parametrize(

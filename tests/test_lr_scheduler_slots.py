@@ -400,6 +400,74 @@ def test_state_dict_round_trip_across_reset(name):
         _assert_others_untouched(b, a, list(range(B)), f"after load, {where}")
 
 
+def _pick(v, models):
+    """A spec (or argument) for the array of ``models`` of the original: per-model values selected."""
+    if isinstance(v, PM):
+        return PM([v.values[m] for m in models], tensor=v.tensor)
+    if isinstance(v, dict):
+        return {k: _pick(x, models) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_pick(x, models) for x in v)
+    return v
+
+
+def _optimizer_state_of(opt, models):
+    """The optimizer's state dict for ``models`` (its param groups' [B] entries selected; no parameter
+    state: the runs here step without gradients)."""
+    rows = torch.tensor(models)
+
+    def pick(v):
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == opt.B:
+            return v[rows].clone()
+        return tuple(pick(x) for x in v) if isinstance(v, tuple) else v
+
+    state = opt.state_dict()
+    assert not state["state"]
+    return {"state": {}, "param_groups": [{k: pick(v) for k, v in g.items()} for g in state["param_groups"]]}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_state_dict_of_some_models_continues_them(name):
+    """state_dict_of(models) loaded into a scheduler built for those models (after the optimizer it
+    drives, on an optimizer given their param-group entries) continues them bit-identically: as a
+    sweep rebuilds an array around its remaining models, here with models at different epochs."""
+    run = Run(name, 5, torch_refs=False)
+    for _ in range(4):
+        run.step()
+    run.reset(3, NEW_LRS[0])  # model 3 restarts: the models are at different epochs
+    for _ in range(3):
+        run.step()
+    models = [3, 1, 4]
+    params = [torch.nn.Parameter(torch.randn(len(models), 3)) for _ in GROUP_LRS]
+    opt = SGD([{"params": [p], "lr": 1.0} for p in params], momentum=MOMENTUM)
+    sched = _build(H, opt, _pick(run.spec, models), B=len(models))
+    opt.load_state_dict(_optimizer_state_of(run.opt, models))
+    sched.load_state_dict(run.sched.state_dict_of(models))
+    for i in range(10):
+        where = f"step {i + 1} after the selection"
+        metrics = [METRICS[run.i, models]] if name == "ReduceLROnPlateau" else []
+        run.step()
+        opt.step()
+        sched.step(*metrics)
+        for g, (group, sub) in enumerate(zip(run.opt.param_groups, opt.param_groups)):
+            for key in ("lr", "momentum"):
+                assert torch.equal(sub[key], group[key][models]), f"{where}: group {g} {key}"
+            assert torch.equal(sched.get_last_lr()[g], run.sched.get_last_lr()[g][models]), where
+        _assert_models_equal(sched.state_dict(), run.sched.state_dict_of(models), list(range(len(models))),
+                             len(models), f"{where}: state")
+
+
+def test_state_dict_of_bad_models():
+    run = Run("StepLR", 3, torch_refs=False)
+    for bad, exc, match in [([], TypeError, "non-empty list of model indices"), (3, TypeError, "non-empty list"),
+                            ([0, 3], ValueError, r"model index b in \[0, 3\), got 3"),
+                            ([0.5], TypeError, "expected a model index"),
+                            (torch.zeros(2, 1, dtype=torch.int64), ValueError, "1-D sequence")]:
+        with pytest.raises(exc, match=match):
+            run.sched.state_dict_of(bad)
+    assert run.sched.state_dict_of(torch.tensor([2, 0]))["B"] == 2
+
+
 def test_state_without_per_model_epochs_loads():
     """A state saved with torch's scalar last_epoch (and, for OneCycleLR, without the arguments reset_model
     keeps) still loads."""

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch.optim import lr_scheduler as T
 
 import hfkern
 from _util import import_sweep_extra
@@ -16,6 +17,7 @@ from _util import import_sweep_extra
 optuna = import_sweep_extra()  # before everything that imports it
 import hfkern.sweep as hs  # noqa: E402
 import _sweep_cases as cases  # noqa: E402
+from hfkern.optim import lr_scheduler as H  # noqa: E402
 from hfkern.sweep._storage import COUNTED_ATTR, OUTCOME_ATTR, SEED_ATTR  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
@@ -110,6 +112,139 @@ def test_per_trial_schedule_restarts_in_a_refilled_slot():
     for t in study.trials:
         gamma = t.params["gamma"]
         check_alone(t, scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma))
+
+
+class Warmup(H.SequentialLR):
+    """A SequentialLR in the form a sweep takes: a class built from the optimizer (and a trial's
+    arguments, none here)."""
+
+    _model_args = ()
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer, [H.LinearLR(optimizer, start_factor=0.5, total_iters=1),
+                                     H.ExponentialLR(optimizer, gamma=0.7)], milestones=[1])
+
+
+class Chain(H.ChainedScheduler):
+    """A ChainedScheduler in the same form."""
+
+    _model_args = ()
+
+    def __init__(self, optimizer):
+        super().__init__([H.ConstantLR(optimizer, factor=0.5, total_iters=2), H.ExponentialLR(optimizer, gamma=0.7)],
+                         optimizer)
+
+
+def _ratio(p):
+    """A per-trial factor in [0.3, 0.75]."""
+    return 0.3 + p["momentum"] / 2
+
+
+# Every scheduler of hfkern.optim.lr_scheduler a sweep takes (not ReduceLROnPlateau): the runner's
+# class, scheduler_kwargs, and the torch scheduler of a trial trained alone (None: torch's namesake
+# with the same arguments). The arguments differ between trials where the scheduler has any, and
+# the learning rate of a schedule's third epoch (where the test below compacts) is not its first's.
+SCHEDULERS = {
+    "StepLR": (H.StepLR, lambda p: {"step_size": 1, "gamma": _ratio(p)}, None),
+    "MultiStepLR": (H.MultiStepLR, lambda p: {"milestones": [1, 2] if p["momentum"] < 0.45 else [2],
+                                              "gamma": _ratio(p)}, None),
+    "ConstantLR": (H.ConstantLR, lambda p: {"factor": _ratio(p), "total_iters": 2}, None),
+    "LinearLR": (H.LinearLR, lambda p: {"start_factor": _ratio(p), "total_iters": 2}, None),
+    "ExponentialLR": (H.ExponentialLR, lambda p: {"gamma": _ratio(p)}, None),
+    "PolynomialLR": (H.PolynomialLR, lambda p: {"total_iters": 3, "power": 1 + p["momentum"]}, None),
+    "CosineAnnealingLR": (H.CosineAnnealingLR, lambda p: {"T_max": 3, "eta_min": p["lr"] / 10}, None),
+    "CosineAnnealingWarmRestarts": (H.CosineAnnealingWarmRestarts,
+                                    lambda p: {"T_0": 1, "T_mult": 2, "eta_min": p["lr"] / 10}, None),
+    "CyclicLR": (H.CyclicLR, lambda p: {"base_lr": p["lr"] / 4, "max_lr": p["lr"], "step_size_up": 1,
+                                        "step_size_down": 2}, None),
+    "OneCycleLR": (H.OneCycleLR, lambda p: {"max_lr": 2 * p["lr"], "total_steps": 4}, None),
+    "LambdaLR": (H.LambdaLR, lambda p: {"lr_lambda": lambda e, r=_ratio(p): r ** e}, None),
+    "MultiplicativeLR": (H.MultiplicativeLR, lambda p: {"lr_lambda": lambda e, r=_ratio(p): r}, None),
+    "SequentialLR": (Warmup, lambda p: {}, lambda p, opt: T.SequentialLR(
+        opt, [T.LinearLR(opt, start_factor=0.5, total_iters=1), T.ExponentialLR(opt, gamma=0.7)], milestones=[1])),
+    "ChainedScheduler": (Chain, lambda p: {}, lambda p, opt: T.ChainedScheduler(
+        [T.ConstantLR(opt, factor=0.5, total_iters=2), T.ExponentialLR(opt, gamma=0.7)], opt)),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_compaction_carries_every_scheduler(name):
+    """Trial 2 refills pruned trial 1's slot (1), and trains its last epoch alone in the array
+    compacted around it: its learning rate, schedule and optimizer state carried over (the new
+    scheduler's initial step must not overwrite them), and its curve is that of the trial alone."""
+    cls, kwargs, alone = SCHEDULERS[name]
+    alone = alone or (lambda p, opt: getattr(T, name)(opt, **kwargs(p)))
+    study = new_study(pruner=cases.PruneNumbers({1}))
+    summary = cases.runner(study, B=2, scheduler=cls, scheduler_kwargs=kwargs).run(n_trials=3)
+    assert (summary.completed, summary.pruned, summary.compactions) == (2, 1, 1)
+    for t in study.trials:
+        check_alone(t, scheduler=lambda opt: alone(t.params, opt))
+
+
+def test_arguments_a_trial_does_not_give_take_their_defaults():
+    """A conditional search space: trial 0 has weight decay and its own StepLR gamma, the others
+    neither. In one array each trial gets what its own optimizer and scheduler would (the defaults,
+    weight_decay=0 and gamma=0.1, where it gives none), and trial 2, refilling trial 0's slot, none
+    of trial 0's settings."""
+    def space(trial):
+        p = cases.space(trial)
+        if p["lr"] < 0.02:
+            p["weight_decay"] = trial.suggest_float("weight_decay", 0.05, 0.1)
+        return p
+
+    def sched_kwargs(p):
+        return {"step_size": 1, **({"gamma": 0.5} if "weight_decay" in p else {})}
+
+    def sgd(p, parameters):
+        return torch.optim.SGD(parameters, lr=p["lr"], momentum=p["momentum"], weight_decay=p.get("weight_decay", 0))
+
+    study = new_study(pruner=cases.PruneNumbers({0}))
+    study.enqueue_trial({"lr": 0.01, "momentum": 0.5, "weight_decay": 0.1})
+    study.enqueue_trial({"lr": 0.05, "momentum": 0.5})
+    study.enqueue_trial({"lr": 0.04, "momentum": 0.3})
+    cases.runner(study, space=space, fusible=["lr", "momentum", "weight_decay"], B=2, scheduler=H.StepLR,
+                 scheduler_kwargs=sched_kwargs).run(n_trials=3)
+    assert [sorted(t.params) for t in study.trials] == [["lr", "momentum", "weight_decay"]] + [["lr", "momentum"]] * 2
+    for t in study.trials:
+        gamma = sched_kwargs(t.params).get("gamma", 0.1)
+        check_alone(t, optimizer=sgd, scheduler=lambda opt: T.StepLR(opt, 1, gamma))
+
+
+@pytest.mark.parametrize("B", [1, 2])  # a refill, a new array
+def test_an_argument_a_trial_does_not_give_without_default_is_an_error(B):
+    study = new_study(pruner=cases.PruneNumbers({0}))
+    study.enqueue_trial({"lr": 0.01})
+    with pytest.raises(ValueError, match="'step_size' .*has no default to take: give it for every trial"):
+        cases.runner(study, B=B, scheduler=H.StepLR,
+                     scheduler_kwargs=lambda p: {"step_size": 1} if p["lr"] == 0.01 else {}).run(n_trials=2)
+
+
+def test_a_refill_must_agree_on_one_per_array_arguments_it_does_not_give():
+    """Trial 0 (pruned) has Nesterov momentum; trial 1, refilling its slot, gives no nesterov: its own
+    optimizer would have none (the default), which its array cannot give it."""
+    study = new_study(pruner=cases.PruneNumbers({0}))
+    study.enqueue_trial({"lr": 0.005})
+    study.enqueue_trial({"lr": 0.05})
+    with pytest.raises(ValueError, match=r"'nesterov' is one value per array; trial 1 gives none \(default False\), "
+                                         r"its array True"):
+        cases.runner(study, optimizer_kwargs=lambda p: {"lr": p["lr"], "momentum": 0.9,
+                                                        **({"nesterov": True} if p["lr"] < 0.01 else {})},
+                     B=1).run(n_trials=2)
+
+
+def test_a_lone_beta_takes_the_optimizers_default_for_the_other():
+    def space(trial):
+        return {"lr": trial.suggest_float("lr", 1e-3, 3e-2, log=True), "beta1": trial.suggest_float("beta1", 0.5, 0.95)}
+
+    def adam(p, parameters):
+        return torch.optim.Adam(parameters, lr=p["lr"], betas=(p["beta1"], 0.999))
+
+    study = new_study()
+    runner = cases.runner(study, space=space, fusible=["lr", "beta1"], optimizer=hfkern.optim.Adam, B=2)
+    assert runner._default_optimizer_kwargs({"lr": 0.01, "beta2": 0.95}) == {"lr": 0.01, "betas": (0.9, 0.95)}
+    runner.run(n_trials=2)
+    for t in study.trials:
+        check_alone(t, rel=3e-3, optimizer=adam)  # as test_adam_with_per_trial_betas_equals_torch_adam
 
 
 @pytest.mark.parametrize("on_nonfinite", ["fail", "prune"])
@@ -250,6 +385,8 @@ def test_constructor_checks():
         cases.runner(study, grouped=["lr"])
     with pytest.raises(ValueError, match="n_trials must be a positive int"):
         cases.runner(study).run(n_trials=0)
+    with pytest.raises(TypeError, match="ReduceLROnPlateau steps on a metric"):
+        cases.runner(study, scheduler=H.ReduceLROnPlateau)
     assert not study.trials  # nothing was asked
 
 
@@ -264,6 +401,15 @@ def test_report_every_steps_and_progress_output(capsys):
     assert "best 3 of 3 complete trials" in out and "momentum" in out
     table = hs.best_trials_table(study, top=2)
     assert table.row_count == 2
+
+
+def test_each_run_call_summarizes_itself():
+    study = new_study()
+    runner = cases.runner(study, B=2)
+    first, second = runner.run(n_trials=2), runner.run(n_trials=4)
+    assert (first.completed, first.arrays) == (2, 1)
+    assert (second.completed, second.arrays) == (2, 1)  # the trials of this call only
+    assert len(study.trials) == 4
 
 
 def test_without_B_the_runner_sizes_its_arrays_with_max_array_size():

@@ -9,10 +9,12 @@ trial trained alone.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -132,3 +134,36 @@ def test_a_runner_that_never_returns_has_its_trials_retried_elsewhere(tmp_path):
         new = retried[number]
         assert new.params == old.params and new.user_attrs[SEED_ATTR] == old.user_attrs[SEED_ATTR]
         assert new.user_attrs[RUNNER_ATTR] == "other" and OUTCOME_ATTR not in new.user_attrs
+
+
+def test_a_running_trial_without_a_heartbeat_is_not_waited_for(tmp_path, caplog):
+    """A trial another client asked without a heartbeat (a plain study.ask(), on a storage without
+    one) never becomes stale: a runner with nothing left to ask does not wait for it past the grace
+    period, and names it in a warning. The runner runs in a thread, so that a wait that never ends
+    fails the test instead of hanging it."""
+    url = f"sqlite:///{tmp_path / 'sweep.db'}"
+    optuna.create_study(study_name="sweep", storage=url).ask()
+    study = optuna.load_study(study_name="sweep", storage=hs.storage(url, heartbeat_interval=1, grace_period=1),
+                              sampler=optuna.samplers.RandomSampler(0))
+    runner = cases.runner(study, B=2)
+    outcome = {}
+
+    def run():
+        try:
+            outcome["summary"] = runner.run(n_trials=3)  # the trial without a heartbeat counts: two more
+        except BaseException as e:  # noqa: BLE001  (re-raised by the test)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="hfkern.sweep"):
+        thread.start()
+        thread.join(timeout=60)
+        if thread.is_alive():
+            runner._stop_asking = True  # ends the wait at its next look
+            thread.join(timeout=30)
+            pytest.fail("the runner still waits for a running trial that records no heartbeat")
+    if "error" in outcome:
+        raise outcome["error"]
+    assert outcome["summary"].completed == 2
+    assert "trial 0 has been RUNNING since" in caplog.text and "without a heartbeat" in caplog.text
+    assert [t.state for t in study.trials] == [TrialState.RUNNING, TrialState.COMPLETE, TrialState.COMPLETE]

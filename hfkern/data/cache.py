@@ -4,8 +4,8 @@
 
 1. the **memory tier**: this process's LRU of encoded entries, bounded by
    ``memory_bytes`` (the bytes of the entries, exactly), then in
-2. the **disk tier**: one file per sample in ``disk_dir``, read through a
-   private memory map, shared by every process on the machine that opens the
+2. the **disk tier**: one file per sample in ``disk_dir``, read into memory
+   of its own, shared by every process on the machine that opens the
    same directory (the DataLoader workers of one run, the trials of a sweep),
    bounded by ``disk_bytes`` with least-recently-used eviction,
 
@@ -44,7 +44,6 @@ import collections
 import contextlib
 import errno
 import hashlib
-import mmap
 import operator
 import os
 import re
@@ -233,18 +232,28 @@ class _DiskTier:
                         if e.name.startswith(_TMP_PREFIX):
                             _remove_if_dead(e.path)
 
-    def get(self, index: int) -> tuple[mmap.mmap | bytearray, int] | None:
-        """A private (copy-on-write) map of entry ``index`` and the file's inode, or None when
-        there is no entry."""
+    def get(self, index: int) -> tuple[bytearray, int] | None:
+        """Entry ``index`` read into a buffer of its own, and the file's inode; None when there is
+        no entry.
+
+        Read, not memory-mapped: the samples decoded from the buffer view it, and a map would
+        keep a file descriptor open for as long as any of them lives (Python's ``mmap`` holds a
+        duplicate of the one it maps), so keeping a few thousand samples would exhaust the
+        process's descriptors."""
         try:
             fd = os.open(self.path(index), os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
             st = os.fstat(fd)
-            if st.st_size == 0:
-                return bytearray(), st.st_ino  # decodes as corrupt (an empty file cannot be mapped)
-            buf = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
+            buf = bytearray(st.st_size)
+            with memoryview(buf) as view:
+                got = 0
+                # An entry is never written in place (a new one is renamed over it), so its size
+                # stays; a read that ends early leaves a short buffer, which decodes as corrupt.
+                while got < st.st_size and (n := os.readv(fd, [view[got:]])) > 0:
+                    got += n
+            del buf[got:]
             t = self._now_ns()
             os.utime(fd, ns=(t, t))  # through the descriptor: valid even if evicted meanwhile
             return buf, st.st_ino
@@ -355,8 +364,8 @@ class CachedDataset(torch.utils.data.Dataset):
             this size (a worker started by ``fork`` begins with a copy of the
             parent's, one started by ``spawn`` empty).
         disk_dir: directory of the disk tier (created if missing), or None. Use
-            a local file system: the tier relies on ``flock``, ``os.replace``
-            and memory maps behaving as they do on one machine.
+            a local file system: the tier relies on ``flock`` and ``os.replace``
+            behaving as they do on one machine.
         disk_bytes: bound of everything the cache stores in ``disk_dir`` (all
             datasets sharing it), in bytes; required with ``disk_dir``. Each
             writer enforces its own value, so give every user of a directory the same.
@@ -376,9 +385,10 @@ class CachedDataset(torch.utils.data.Dataset):
     ``None``, and tuples, lists and dicts of these (dict keys: plain scalars).
     Anything else raises a TypeError naming the offending part. Cached
     samples come back equal in type, dtype, shape and bits, contiguous; each
-    call returns arrays of its own (a memory hit copies, a disk hit maps the
-    entry copy-on-write), so modifying a sample never changes the cache. A
-    miss returns the wrapped dataset's own object.
+    call returns arrays of its own (a memory hit copies, a disk hit reads the
+    entry into a buffer its arrays view; no sample holds a file descriptor),
+    so modifying a sample never changes the cache. A miss returns the wrapped
+    dataset's own object.
 
     The wrapper pickles (DataLoader workers by ``fork`` or ``spawn``, sweep
     trials in other processes): the memory tier stays behind, the disk tier
@@ -414,7 +424,7 @@ class CachedDataset(torch.utils.data.Dataset):
                 raise ValueError("disk_dir needs key, a string naming the dataset and its transform (got None); "
                                  "the cache does not guess a dataset's identity")
             if os.name != "posix":
-                raise OSError(f"the disk tier needs a POSIX system (flock, memory maps), got os.name={os.name!r}")
+                raise OSError(f"the disk tier needs a POSIX system (flock), got os.name={os.name!r}")
         if key is not None and not isinstance(key, str):
             raise TypeError(f"key must be a non-empty str, got {type(key).__name__} {key!r}")
         if key == "":

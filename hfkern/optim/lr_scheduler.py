@@ -67,6 +67,13 @@ learning rates, epochs and state stay bit-identical: every update computes
 all models and writes only those it updates. Models at different epochs, or a
 ``SequentialLR`` whose models are in different schedulers, step together.
 
+``state_dict_of(models)`` is the state of some of the models only (a list of
+model indices, in their new order): a scheduler of the same class built for
+those models, with their arguments, loads it with ``load_state_dict`` and
+continues them as they would have continued here (a sweep rebuilding an array
+around its remaining models; the optimizer's state of those models is loaded
+into the new optimizer alike).
+
 A step, a construction, a ``reset_model`` or a ``load_state_dict`` that raises
 changes nothing: values are computed and checked before anything is written (a
 negative or NaN ``lr_lambda`` factor raises a ValueError naming the models, as
@@ -184,6 +191,31 @@ def _model_index(b: object, B: int, who: str) -> int:
     if not 0 <= b < B:
         raise ValueError(f"{who}: expected a model index b in [0, {B}), got {b}")
     return int(b)
+
+
+def _model_indices(models: object, B: int, who: str) -> list[int]:
+    """``models`` checked as a non-empty sequence of model indices (ints in [0, B)): a list or tuple
+    of ints, or a 1-D integer tensor or numpy array."""
+    np = _numpy()
+    if isinstance(models, torch.Tensor) or (np is not None and isinstance(models, np.ndarray)):
+        if models.ndim != 1:
+            raise ValueError(f"{who}: expected a 1-D sequence of model indices, got shape {list(models.shape)}")
+        models = models.tolist()
+    if not isinstance(models, (list, tuple)) or not models:
+        raise TypeError(f"{who}: expected a non-empty list of model indices (ints in [0, {B})), got {models!r}")
+    return [_model_index(b, B, who) for b in models]
+
+
+def _models_of(value: Any, rows: torch.Tensor) -> Any:
+    """A state entry for the models ``rows`` only: every tensor in it (each a per-model ``[B]`` value,
+    as every tensor a scheduler keeps is) indexed by ``rows``, through lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        return value[rows].clone()
+    if isinstance(value, dict):
+        return type(value)({k: _models_of(v, rows) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return type(value)(_models_of(v, rows) for v in value)
+    return value
 
 
 def _one_hot(b: int, B: int) -> torch.Tensor:
@@ -983,6 +1015,30 @@ class _PerModel(_Loadable):
         one = self._full_spec()[name](value, types.SimpleNamespace(B=1), name)
         setattr(self, name, _with(getattr(self, name), b, one[0]))
 
+    def state_dict_of(self, models: Sequence[int] | torch.Tensor) -> dict[str, Any]:
+        """The state of the models ``models`` only (model indices; their order is the new one): the
+        :meth:`state_dict` of a scheduler of ``len(models)`` models in which model i is model
+        ``models[i]`` of this one.
+
+        A scheduler of this class built for those models (on an optimizer holding their
+        param-group entries, with their per-model arguments; callables are not part of a
+        state) loads it with :meth:`load_state_dict` and goes on as they would here: a sweep
+        rebuilds an array around its remaining models so. Raises TypeError or ValueError for
+        ``models`` that are not a non-empty sequence of indices in [0, B).
+        """
+        rows = _model_indices(models, self.B, f"{type(self).__name__}.state_dict_of")
+        return self._state_of_models(self.state_dict(), rows)
+
+    def _state_of_models(self, state: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+        """``state`` (this scheduler's :meth:`state_dict`) for the models ``rows``."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        return {k: len(rows) if k == "B" else self._entry_of_models(k, v, rows, index) for k, v in state.items()}
+
+    def _entry_of_models(self, name: str, value: Any, rows: list[int], index: torch.Tensor) -> Any:
+        """State entry ``name`` for the models ``rows`` (also as the tensor ``index``): its per-model
+        tensors indexed. Classes keeping per-model entries in Python lists select those too."""
+        return _models_of(value, index)
+
 
 # ---- schedulers -----------------------------------------------------------
 class LRScheduler(_PerModel, _torch.LRScheduler):
@@ -1212,6 +1268,11 @@ class MultiStepLR(LRScheduler):
         milestones = list(self.milestones)
         milestones[b] = _milestones(value, 1)[0]
         self.milestones = milestones
+
+    def _entry_of_models(self, name: str, value: Any, rows: list[int], index: torch.Tensor) -> Any:
+        if name == "milestones":  # one Counter per model
+            return [value[b] for b in rows]
+        return _models_of(value, index)
 
     def _lr_at(self, at: _At) -> list[torch.Tensor]:
         counts = torch.tensor([m[e] for m, e in zip(self.milestones, at.epoch.tolist())], dtype=_F64)
@@ -1576,6 +1637,16 @@ class LambdaLR(LRScheduler):
         self._store(new)
         _restore_callables(self.lr_lambdas, saved)
 
+    def _entry_of_models(self, name: str, value: Any, rows: list[int], index: torch.Tensor) -> Any:
+        if name == "lr_lambdas":  # per group: what is saved of one callable per model, or of a shared one
+            return [_callables_of(fns, saved, rows) for fns, saved in zip(self.lr_lambdas, value, strict=True)]
+        return _models_of(value, index)
+
+
+def _callables_of(fns: Any, saved: Any, rows: list[int]) -> Any:
+    """The saved state of callables ``fns`` (one per model: a list; else shared) for the models ``rows``."""
+    return [saved[b] for b in rows] if isinstance(fns, list) else saved
+
 
 def _lambdas(lr_lambda: object, n_groups: int, B: int, name: str = "lr_lambda") -> list[Callable | list[Callable]]:
     def per_model(value: object, where: str) -> Callable | list[Callable]:
@@ -1640,6 +1711,7 @@ class MultiplicativeLR(LRScheduler):
     _set_model_arg = LambdaLR._set_model_arg
     state_dict = LambdaLR.state_dict
     _apply_state = LambdaLR._apply_state
+    _entry_of_models = LambdaLR._entry_of_models
 
 
 def _check_cycled_momentum(optimizer: Optimizer, who: str, use_beta1: bool, max_ms: list[torch.Tensor],
@@ -2128,6 +2200,11 @@ class CyclicLR(LRScheduler):
         _restore_callables(self._scale_fn_custom, saved)
         self._init_scale_fn()
 
+    def _entry_of_models(self, name: str, value: Any, rows: list[int], index: torch.Tensor) -> Any:
+        if name == "_scale_fn_custom":
+            return _callables_of(self._scale_fn_custom, value, rows)
+        return _models_of(value, index)
+
 
 def _check_children(who: str, optimizer: Optimizer, schedulers: object) -> list[LRScheduler]:
     if not isinstance(schedulers, Iterable):
@@ -2332,6 +2409,11 @@ class SequentialLR(LRScheduler):
         for load in loads:
             load()
 
+    def _entry_of_models(self, name: str, value: Any, rows: list[int], index: torch.Tensor) -> Any:
+        if name == "_schedulers":  # each scheduler's state, selected by the scheduler
+            return [s._state_of_models(state, rows) for s, state in zip(self._schedulers, value, strict=True)]
+        return _models_of(value, index)
+
 
 class ChainedScheduler(LRScheduler):
     """Step several hfkern schedulers of one optimizer together: each ``step()`` steps them all, in order.
@@ -2395,6 +2477,7 @@ class ChainedScheduler(LRScheduler):
 
     state_dict = SequentialLR.state_dict
     _apply_state = SequentialLR._apply_state
+    _entry_of_models = SequentialLR._entry_of_models
 
 
 class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):

@@ -27,19 +27,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
+import functools
+import inspect
 import logging
 import math
 import numbers
 import os
 import socket
 import time
+import types
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Sequence
 
 import optuna
 import torch
-from optuna.trial import Trial, TrialState
+from optuna.trial import FrozenTrial, Trial, TrialState
 from torch import nn
 
 from .. import fusion
@@ -48,7 +52,7 @@ from ..nn._base import seeded
 from ..graphs import capture_step
 from ..nn.functional import cross_entropy
 from ..optim import ArrayOptimizer
-from . import _report
+from . import _report, _storage
 from ._data import BatchOrder
 from ._storage import COUNTED_ATTR, OUTCOME_ATTR, RUNNER_ATTR, SEED_ATTR, counts
 
@@ -86,6 +90,15 @@ class _Settings:
 
 
 @dataclasses.dataclass
+class _Args:
+    """The constructor arguments of an array's optimizer (or scheduler) beyond each slot's values."""
+
+    shared: dict[str, Any]  # the one-per-array arguments given
+    given: set[str]         # the per-model arguments some slot's trial gave: every other is at its default
+    defaults: Mapping[str, Any]  # what an argument a trial does not give takes
+
+
+@dataclasses.dataclass
 class _Array:
     """An array in flight: one fused model, its optimizer and scheduler, B slots."""
 
@@ -95,8 +108,8 @@ class _Array:
     optimizer: ArrayOptimizer
     scheduler: Any
     slots: list[_Entry | None]
-    shared_optimizer: dict[str, Any]  # the optimizer's one-per-array arguments
-    shared_scheduler: dict[str, Any]
+    optimizer_args: _Args
+    scheduler_args: _Args
     hp: dict[str, torch.Tensor]        # fusible parameter -> [B] values (the loss may read them)
     bad: torch.Tensor                  # [B] bool: a non-finite loss this round
     idle: torch.Tensor                 # [B] bool: slots without a trial (the optimizer skips them)
@@ -157,25 +170,43 @@ def _optimizer_class(optimizer: Any) -> type[ArrayOptimizer]:
                     f"hfkern.optim namesake, got {optimizer!r}")
 
 
-def _select_models(state: Any, rows: torch.Tensor, B: int, lists: tuple[str, ...] = ()) -> Any:
-    """An optimizer's or scheduler's state dict for the models ``rows`` of its B: every tensor with
-    B leading entries indexed, every list under a key in ``lists`` (per-model lists) selected, ``"B"``
-    replaced. Other values (flags, per-group lists, parameter ids) are kept."""
+def _select_models(state: Any, rows: torch.Tensor, B: int) -> Any:
+    """An array optimizer's state dict for the models ``rows`` of its B: every tensor with B leading
+    entries (parameter state, per-model hyper-parameters and the schedulers' entries in the param
+    groups) indexed. Other values (flags, parameter ids) are kept. (A scheduler selects its own
+    state: ``state_dict_of``.)"""
     if isinstance(state, torch.Tensor):
         return state[rows.to(state.device)].clone() if state.dim() > 0 and state.shape[0] == B else state
     if isinstance(state, dict):
-        out = {}
-        for k, v in state.items():
-            if k == "B" and v == B:
-                out[k] = len(rows)
-            elif k in lists and isinstance(v, list) and len(v) == B:
-                out[k] = [v[i] for i in rows.tolist()]
-            else:
-                out[k] = _select_models(v, rows, B, lists)
-        return out
+        return {k: _select_models(v, rows, B) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_select_models(v, rows, B, lists) for v in state)
+        return type(state)(_select_models(v, rows, B) for v in state)
     return state
+
+
+_NO_DEFAULT = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(cls: type) -> Mapping[str, Any]:
+    """The default of every constructor argument of ``cls`` that has one (read-only: cached)."""
+    return types.MappingProxyType({name: p.default for name, p in inspect.signature(cls).parameters.items()
+                                   if p.default is not inspect.Parameter.empty})
+
+
+def _optimizer_defaults(cls: type[ArrayOptimizer]) -> dict[str, Any]:
+    """The defaults of an array optimizer's arguments in a sweep: its own, but the runner's
+    ``skip_nonfinite=True`` (a trial's non-finite step must not change its weights)."""
+    return {**_defaults(cls), "skip_nonfinite": True}
+
+
+def _given_or_default(kw: Mapping[str, Any], k: str, defaults: Mapping[str, Any], per_model: bool) -> Any:
+    """``kw[k]``, else the default of argument ``k`` (_NO_DEFAULT without one; a per-model argument
+    whose default is None, such as OneCycleLR's ``total_steps``, has none: None is no model's value)."""
+    if k in kw:
+        return kw[k]
+    default = defaults.get(k, _NO_DEFAULT)
+    return _NO_DEFAULT if per_model and default is None else default
 
 
 class Runner:
@@ -208,12 +239,21 @@ class Runner:
             arguments for one trial (``{"lr": p["lr"], "betas": (p["b1"], 0.999)}``);
             default: the parameters named as the optimizer's per-model
             hyper-parameters (``lr``, ``momentum``, ``weight_decay``, ``eps``, a
-            ``betas`` pair from ``beta1`` and ``beta2``...). Per-model
+            ``betas`` pair from ``beta1`` and ``beta2``, either of which alone
+            takes the optimizer's default for the other...). Per-model
             hyper-parameters may differ in an array; other arguments (``nesterov``,
-            ``amsgrad``) are one per array and must agree (ValueError).
-        scheduler: an :mod:`hfkern.optim.lr_scheduler` class or None.
+            ``amsgrad``) are one per array and must agree (ValueError). An
+            argument a trial does not give takes the optimizer's default for it
+            (``skip_nonfinite``: True), as its own optimizer would: trials of a
+            conditional search space (``weight_decay`` for some) share arrays,
+            and a slot refilled with such a trial keeps none of the previous
+            trial's settings. ValueError where such an argument has no default.
+        scheduler: an :mod:`hfkern.optim.lr_scheduler` class or None; not
+            ``ReduceLROnPlateau`` (TypeError: it steps on a metric, not by epochs
+            or steps).
         scheduler_kwargs: ``scheduler_kwargs(params) -> dict`` of its arguments
-            for one trial; the scheduler's per-model arguments may differ.
+            for one trial; the scheduler's per-model arguments may differ, and
+            one a trial does not give takes its default (as ``optimizer_kwargs``).
         scheduler_interval: ``"epoch"`` (step it after every epoch) or ``"step"``.
         loss: ``loss(output, target, hp) -> [B]`` per-model losses of a step;
             ``output`` is the array's ``[B, N, ...]`` output, ``target`` ``[N, ...]``
@@ -333,6 +373,10 @@ class Runner:
         self._optimizer_kwargs = optimizer_kwargs or self._default_optimizer_kwargs
         if scheduler is not None and not (isinstance(scheduler, type) and hasattr(scheduler, "reset_model")):
             raise TypeError(f"{who}: scheduler must be an hfkern.optim.lr_scheduler class or None, got {scheduler!r}")
+        if isinstance(scheduler, type) and issubclass(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(f"{who}: scheduler {scheduler.__name__} steps on a metric (step(metrics)), and the "
+                            f"runner steps its scheduler every epoch or step without one; pass a scheduler "
+                            f"of epochs or steps (StepLR, CosineAnnealingLR, OneCycleLR, ...)")
         self._scheduler_cls = scheduler
         self._scheduler_kwargs = scheduler_kwargs or (lambda params: {})
         if scheduler_interval not in ("epoch", "step"):
@@ -403,6 +447,7 @@ class Runner:
         self._n_trials = 0
         self._rounds = 0
         self._tally = {"completed": 0, "pruned": 0, "failed": 0, "arrays": 0, "compactions": 0}
+        self._not_awaited: set[int] = set()  # running trials without a heartbeat, warned of (_awaited)
 
     # ---- argument checks -------------------------------------------------------------
     @staticmethod
@@ -459,15 +504,23 @@ class Runner:
         return settings
 
     def _default_optimizer_kwargs(self, params: Params) -> dict[str, Any]:
+        """The parameters named as the optimizer's per-model arguments; a pair (``betas``) from its
+        two halves (``beta1``, ``beta2``), a half not given taking the optimizer's default."""
         cls = self._settings_for(params).optimizer_cls
         out = {}
         for key in cls._hypers + cls._init_hypers:
             rows = cls._spec.pair(key)
-            if rows is not None:
-                if all(r in params for r in rows):
-                    out[key] = tuple(params[r] for r in rows)
-            elif key in params:
-                out[key] = params[key]
+            if rows is None:
+                if key in params:
+                    out[key] = params[key]
+            elif any(r in params for r in rows):
+                default = _defaults(cls).get(key)
+                missing = [r for r in rows if r not in params]
+                if missing and default is None:
+                    raise ValueError(f"Runner: parameters {[r for r in rows if r in params]} give part of "
+                                     f"{cls.__name__}'s {key!r}, which has no default for {missing}: give "
+                                     f"{list(rows)}")
+                out[key] = tuple(params[r] if r in params else default[j] for j, r in enumerate(rows))
         return out
 
     # ---- trials ----------------------------------------------------------------------
@@ -553,35 +606,73 @@ class Runner:
                 if a.params.get(k) != b.params.get(k) and k != self.seed_param]
         return ", ".join(diff) or "only their seeds"
 
-    def _split_kwargs(self, per_slot: list[dict[str, Any]], per_model: Sequence[str], what: str,
-                      entries: list[_Entry]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Per-slot keyword dicts -> (per-model lists, one-per-array values); ValueError where these differ."""
-        keys = set(per_slot[0])
-        for kw, e in zip(per_slot, entries):
-            if set(kw) != keys:
-                raise ValueError(f"Runner: {what}(params) returned arguments {sorted(kw)} for trial "
-                                 f"{e.trial.number} and {sorted(keys)} for trial {entries[0].trial.number}")
+    @staticmethod
+    def _split_kwargs(per_slot: list[dict[str, Any]], per_model: Sequence[str], defaults: Mapping[str, Any],
+                      what: str, entries: list[_Entry]) -> tuple[dict[str, list], _Args]:
+        """Per-slot keyword dicts -> (per-model lists, the array's _Args).
+
+        An argument some trials give and others do not takes its default (``defaults``) for the
+        others, as each trial's own constructor call would: a conditional search space may leave
+        ``weight_decay`` out of some trials. ValueError where such an argument has no default, and
+        where a one-per-array argument differs between the trials.
+        """
         stacked, shared = {}, {}
-        for k in keys:
-            values = [kw[k] for kw in per_slot]
+        for k in sorted(set().union(*per_slot)):
+            values = [_given_or_default(kw, k, defaults, k in per_model) for kw in per_slot]
+            missing = [e for v, e in zip(values, entries) if v is _NO_DEFAULT]
+            if missing:
+                giver = next(e for kw, e in zip(per_slot, entries) if k in kw)
+                raise ValueError(f"Runner: {what}(params) gives {k!r} for trial {giver.trial.number} but not for "
+                                 f"trial {missing[0].trial.number}, and {k!r} has no default to take: give it "
+                                 f"for every trial")
             if k in per_model:
                 stacked[k] = values
-            else:
-                for v, e in zip(values, entries):
-                    if _hashable(v) != _hashable(values[0]):
-                        raise ValueError(
-                            f"Runner: {what} argument {k!r} is one value per array, but trial {e.trial.number} "
-                            f"gives {v!r} and trial {entries[0].trial.number} {values[0]!r}: derive it from "
-                            f"grouped parameters only")
-                shared[k] = values[0]
-        return stacked, shared
+                continue
+            for v, e in zip(values, entries):
+                if _hashable(v) != _hashable(values[0]):
+                    raise ValueError(
+                        f"Runner: {what} argument {k!r} is one value per array, but trial {e.trial.number} "
+                        f"has {v!r} and trial {entries[0].trial.number} {values[0]!r}: derive it from "
+                        f"grouped parameters only")
+            shared[k] = values[0]
+        return stacked, _Args(shared, set(stacked), defaults)
+
+    @staticmethod
+    def _slot_kwargs(kw: Mapping[str, Any], per_model: Sequence[str], args: _Args, what: str,
+                     entry: _Entry) -> dict[str, Any]:
+        """The per-model arguments of a slot that trial ``entry`` (its arguments ``kw``) refills in an
+        array whose optimizer (or scheduler) was built with ``args``: what ``kw`` gives, and the
+        default of every per-model argument the array's trials gave and ``kw`` does not, so that
+        no setting of the slot's previous trial stays; checked as a new array checks them."""
+        def shown(given: Mapping[str, Any], k: str) -> str:
+            if k in given:
+                return repr(given[k])
+            default = args.defaults.get(k, _NO_DEFAULT)
+            return "none" if default is _NO_DEFAULT else f"none (default {default!r})"
+
+        for k in sorted((set(kw) | set(args.shared)) - set(per_model)):
+            mine = _given_or_default(kw, k, args.defaults, False)
+            theirs = _given_or_default(args.shared, k, args.defaults, False)
+            if mine is _NO_DEFAULT or theirs is _NO_DEFAULT or _hashable(mine) != _hashable(theirs):
+                raise ValueError(f"Runner: {what} argument {k!r} is one value per array; trial "
+                                 f"{entry.trial.number} gives {shown(kw, k)}, its array {shown(args.shared, k)}: "
+                                 f"derive it from grouped parameters only")
+        out = {}
+        for k in sorted((set(kw) & set(per_model)) | args.given):
+            out[k] = _given_or_default(kw, k, args.defaults, True)
+            if out[k] is _NO_DEFAULT:
+                raise ValueError(f"Runner: {what}(params) gives no {k!r} for trial {entry.trial.number}, the "
+                                 f"trials of its array do, and {k!r} has no default to take: give it for every "
+                                 f"trial")
+        return out
 
     def _optimizer_for(self, model: nn.Module, entries: list[_Entry],
-                       settings: _Settings) -> tuple[ArrayOptimizer, dict[str, Any]]:
+                       settings: _Settings) -> tuple[ArrayOptimizer, _Args]:
         cls = settings.optimizer_cls
         per_slot = [dict(self._optimizer_kwargs(e.params)) for e in entries]
-        stacked, shared = self._split_kwargs(per_slot, cls._hypers + cls._init_hypers, "optimizer_kwargs", entries)
-        kwargs = dict(shared)
+        stacked, args = self._split_kwargs(per_slot, cls._hypers + cls._init_hypers, _optimizer_defaults(cls),
+                                           "optimizer_kwargs", entries)
+        kwargs = dict(args.shared)
         for k, values in stacked.items():
             rows = cls._spec.pair(k)
             if rows is not None:  # a pair of per-model values: (values of beta1, values of beta2)
@@ -591,16 +682,16 @@ class Runner:
                 kwargs[k] = ([v[0] for v in values], [v[1] for v in values])
             else:
                 kwargs[k] = values
-        kwargs.setdefault("skip_nonfinite", True)
-        return cls(model.parameters(), **kwargs), shared
+        kwargs.setdefault("skip_nonfinite", args.defaults["skip_nonfinite"])
+        return cls(model.parameters(), **kwargs), args
 
-    def _scheduler_for(self, optimizer: ArrayOptimizer, entries: list[_Entry]) -> tuple[Any, dict[str, Any]]:
+    def _scheduler_for(self, optimizer: ArrayOptimizer, entries: list[_Entry]) -> tuple[Any, _Args]:
         if self._scheduler_cls is None:
-            return None, {}
+            return None, _Args({}, set(), {})
         cls = self._scheduler_cls
         per_slot = [dict(self._scheduler_kwargs(e.params)) for e in entries]
-        stacked, shared = self._split_kwargs(per_slot, cls._model_args, "scheduler_kwargs", entries)
-        return cls(optimizer, **shared, **stacked), shared
+        stacked, args = self._split_kwargs(per_slot, cls._model_args, _defaults(cls), "scheduler_kwargs", entries)
+        return cls(optimizer, **args.shared, **stacked), args
 
     def _new_array(self, entries: list[_Entry], B: int) -> _Array:
         """An array of B slots; ``entries`` fill the first ones, the rest are idle (copies of the first)."""
@@ -620,24 +711,29 @@ class Runner:
         return self._assemble(model, list(entries) + [None] * (B - len(entries)))
 
     def _assemble(self, model: fusion.FusedModel, slots: list[_Entry | None],
-                  saved: dict[str, Any] | None = None) -> _Array:
+                  saved: dict[str, Any] | None = None, hp_keys: Iterable[str] | None = None) -> _Array:
         """The array of ``model`` (built, on the device, strategy applied) with trials in ``slots`` (None:
         idle; idle slots take the first trial's hyper-parameters): its optimizer and scheduler, with
-        their ``saved`` checkpoint state loaded when given."""
+        the ``saved`` state of both loaded when given (a checkpoint's, or a compacted array's), and
+        the ``hp`` the loss reads (``hp_keys``: default, the first trial's fusible parameters)."""
         kept = [e for e in slots if e is not None]
         padded = [e if e is not None else kept[0] for e in slots]
         settings = self._settings_of(kept)
-        optimizer, shared_opt = self._optimizer_for(model, padded, settings)
-        scheduler, shared_sched = self._scheduler_for(optimizer, padded)
+        optimizer, optimizer_args = self._optimizer_for(model, padded, settings)
+        # Built before the saved state is loaded: a scheduler's constructor takes its initial step,
+        # which writes the learning rates (LinearLR scales them) and would overwrite the loaded ones.
+        scheduler, scheduler_args = self._scheduler_for(optimizer, padded)
         if saved is not None:
             optimizer.load_state_dict(saved["optimizer"])
             if scheduler is not None:
                 scheduler.load_state_dict(saved["scheduler"])
+        if hp_keys is None:
+            hp_keys = [k for k in sorted(self.fusible) if k in kept[0].params]
         hp = {k: torch.tensor([float(e.params.get(k, math.nan)) for e in padded], device=self.device)
-              for k in sorted(self.fusible) if k in kept[0].params}
-        return self._finish_array(_Array(kept[0].key, settings, model, optimizer, scheduler, slots, shared_opt,
-                                         shared_sched, hp, torch.zeros(len(slots), dtype=torch.bool,
-                                                                       device=self.device),
+              for k in hp_keys}
+        return self._finish_array(_Array(kept[0].key, settings, model, optimizer, scheduler, slots, optimizer_args,
+                                         scheduler_args, hp, torch.zeros(len(slots), dtype=torch.bool,
+                                                                         device=self.device),
                                          torch.tensor([e is None for e in slots], device=self.device)))
 
     def _finish_array(self, a: _Array) -> _Array:
@@ -666,23 +762,26 @@ class Runner:
             raise ValueError(f"Runner: trial {entry.trial.number} has its array's grouped parameters but another "
                              f"batch size or optimizer: derive batch_size and optimizer from grouped parameters "
                              f"only" + ("" if ref is None else f" ({self._fusible_differences(entry, ref)})"))
+        # The trial's arguments, checked before the slot changes.
+        cls = a.settings.optimizer_cls
+        opt_kw = self._slot_kwargs(self._optimizer_kwargs(entry.params), cls._hypers + cls._init_hypers,
+                                   a.optimizer_args, "optimizer_kwargs", entry)
+        sched_kw = {}
+        if a.scheduler is not None:
+            sched_kw = self._slot_kwargs(self._scheduler_kwargs(entry.params), type(a.scheduler)._model_args,
+                                         a.scheduler_args, "scheduler_kwargs", entry)
         try:
             a.model.reset_model(b, entry.seed, factory=lambda: self._model_factory(entry.params))
         except fusion.FuseError as err:
             raise ValueError(f"Runner: trial {entry.trial.number}'s model does not fit its array (fusible "
                              f"parameters differ: {self._fusible_differences(entry, ref or entry)}); a parameter declared "
                              f"fusible changes the model, declare it grouped: {err}") from err
-        opt_kw = dict(self._optimizer_kwargs(entry.params))
-        cls = a.settings.optimizer_cls
-        per_model = cls._hypers + cls._init_hypers
-        self._check_shared(opt_kw, per_model, a.shared_optimizer, "optimizer_kwargs", entry)
-        a.optimizer.set_hyperparameters(b, **{k: v for k, v in opt_kw.items() if k in per_model})
+        a.optimizer.set_hyperparameters(b, **opt_kw)
         a.optimizer.reset_state(b)
+        a.optimizer_args.given |= set(opt_kw)
         if a.scheduler is not None:
-            sched_kw = dict(self._scheduler_kwargs(entry.params))
-            model_args = type(a.scheduler)._model_args
-            self._check_shared(sched_kw, model_args, a.shared_scheduler, "scheduler_kwargs", entry)
-            a.scheduler.reset_model(b, **{k: v for k, v in sched_kw.items() if k in model_args})
+            a.scheduler.reset_model(b, **sched_kw)
+            a.scheduler_args.given |= set(sched_kw)
         with torch.no_grad():
             for k, t in a.hp.items():
                 t[b] = float(entry.params.get(k, math.nan))
@@ -690,15 +789,6 @@ class Runner:
         a.idle[b] = False
         entry.step, entry.reported = 0, 0
         a.slots[b] = entry
-
-    @staticmethod
-    def _check_shared(kw: dict[str, Any], per_model: Sequence[str], shared: dict[str, Any], what: str,
-                      entry: _Entry) -> None:
-        for k, v in kw.items():
-            if k not in per_model and (k not in shared or _hashable(shared[k]) != _hashable(v)):
-                raise ValueError(f"Runner: {what} argument {k!r} is one value per array; trial "
-                                 f"{entry.trial.number} gives {v!r}, its array {shared.get(k, '(none)')!r}: "
-                                 f"derive it from grouped parameters only")
 
     # ---- filling ---------------------------------------------------------------------
     def _take_queued(self, key: tuple) -> _Entry | None:
@@ -770,21 +860,14 @@ class Runner:
         active = a.active()
         if not active or len(active) > a.B // 2:
             return a
-        entries = [a.slots[b] for b in active]
-        rows = torch.tensor(active)
         model = fusion.fuse([a.model.extract_model(b) for b in active])
         model.to(self.device)
         self._apply_strategy(model, len(active))
-        optimizer, shared_opt = self._optimizer_for(model, entries, a.settings)
-        optimizer.load_state_dict(_select_models(a.optimizer.state_dict(), rows, a.B))
-        scheduler, shared_sched = self._scheduler_for(optimizer, entries)
-        if scheduler is not None:
-            scheduler.load_state_dict(_select_models(a.scheduler.state_dict(), rows, a.B, lists=("milestones",)))
-        on_device = rows.to(self.device)
-        hp = {k: t[on_device].clone() for k, t in a.hp.items()}
-        smaller = self._finish_array(_Array(
-            a.key, a.settings, model, optimizer, scheduler, entries, shared_opt, shared_sched, hp,
-            a.bad[on_device].clone(), torch.zeros(len(active), dtype=torch.bool, device=self.device)))
+        # The remaining trials' optimizer and scheduler state, loaded as a checkpoint's is. (Their
+        # non-finite flags need no carrying: the round's report has just cleared them.)
+        saved = {"optimizer": _select_models(a.optimizer.state_dict(), torch.tensor(active), a.B),
+                 "scheduler": None if a.scheduler is None else a.scheduler.state_dict_of(active)}
+        smaller = self._assemble(model, [a.slots[b] for b in active], saved, hp_keys=list(a.hp))
         self._tally["arrays"] -= 1  # the same trials' array, smaller
         self._tally["compactions"] += 1
         return smaller
@@ -991,18 +1074,22 @@ class Runner:
         On a storage with heartbeats (:func:`hfkern.sweep.storage`), a runner
         with nothing left to ask waits while other runners' trials run: if one
         of those runners dies, its trials are failed after the grace period,
-        retried, and run here, so the study still ends with ``n_trials``.
+        retried, and run here, so the study still ends with ``n_trials``. A
+        running trial without a heartbeat (asked by a client that records
+        none) would never be failed so: it is not waited for once it is older
+        than the grace period, and a warning names it.
         Samplers given one seed in several processes propose the same
         parameters: seed them differently per process (or not at all).
         ``timeout`` (seconds): no new trial is asked after it; held trials
         finish. On an exception, the held trials are told failed and it is
-        raised again.
+        raised again. The summary counts this call's work only.
         """
         self._n_trials = self._positive(n_trials, "n_trials")
         if timeout is not None and not (_is_number(timeout) and timeout > 0):
             raise ValueError(f"Runner.run: timeout must be a positive number of seconds or None, got {timeout!r}")
         start = time.monotonic()
         self._stop_asking = False
+        self._tally = dict.fromkeys(self._tally, 0)  # the summary is this call's
         bar = _report.Progress(self.study, self._n_trials, enabled=self.progress)
         try:
             self._recover()
@@ -1090,15 +1177,39 @@ class Runner:
     def _wait_for_others(self) -> bool:
         """With nothing left to ask: while other runners' trials run, wait a heartbeat and look
         again, so that the trials of a runner that dies now are failed, retried and run here.
-        False when no other trial is running (or the storage has no heartbeat)."""
+        False when no running trial is worth waiting for (:meth:`_awaited`), or the storage has
+        no heartbeat."""
         storage = self.study._storage
         if not optuna.storages._heartbeat.is_heartbeat_enabled(storage):
             return False
-        if not self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if not self._awaited(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
             return False
         time.sleep(min(storage.get_heartbeat_interval(), 5))
         self._fail_stale()
         return True
+
+    def _awaited(self, running: list[FrozenTrial]) -> list[FrozenTrial]:
+        """The running trials worth waiting for: those with a heartbeat (if their runner dies, they
+        are failed as stale after the grace period, and retried), and those started less than a
+        grace period ago (their first heartbeat may be on its way). A trial running longer without
+        one never becomes stale (its client records no heartbeat: a plain ``study.ask()``), so
+        waiting for it would never end; it is named in a warning, once, and not waited for."""
+        storage = self.study._storage
+        beating = _storage.with_heartbeat(storage, [t._trial_id for t in running])
+        grace = datetime.timedelta(seconds=_storage.grace_period(storage))
+        now = datetime.datetime.now()  # Optuna's start times are the local time of the asking client
+        awaited = []
+        for t in running:
+            # Where the storage cannot tell: the trials of hfkern runners, which beat from their ask on.
+            beats = RUNNER_ATTR in t.user_attrs if beating is None else t._trial_id in beating
+            if beats or t.datetime_start is None or now - t.datetime_start < grace:
+                awaited.append(t)
+            elif t.number not in self._not_awaited:
+                self._not_awaited.add(t.number)
+                _log.warning("trial %d has been RUNNING since %s without a heartbeat: its client records none, "
+                             "so it is never failed as stale; not waiting for it (tell it failed if its client "
+                             "is gone)", t.number, t.datetime_start)
+        return awaited
 
     def _fail_stale(self) -> None:
         with warnings.catch_warnings():  # experimental since Optuna 2.9, and what heartbeats are for

@@ -83,6 +83,38 @@ def storage(url: str, *, heartbeat_interval: int = 30, grace_period: int | None 
             grace_period=None if grace_period is None else int(grace_period), **callback)
 
 
+def grace_period(storage: Any) -> float:
+    """Seconds after its last heartbeat at which a RUNNING trial of ``storage`` is taken as lost
+    (a heartbeat-enabled storage)."""
+    backend = getattr(storage, "_backend", storage)  # the study's cache wraps the RDB storage
+    grace = getattr(backend, "grace_period", None)
+    return float(grace if grace is not None else 2 * storage.get_heartbeat_interval())
+
+
+def with_heartbeat(storage: Any, trial_ids: list[int]) -> set[int] | None:
+    """Which of ``trial_ids`` have a heartbeat in ``storage``; None where it cannot tell (a storage
+    other than Optuna's RDB storage, or one whose tables this code does not know).
+
+    A trial that never recorded a heartbeat (asked by a client that records none, such as a plain
+    ``study.ask()``) is never failed as stale, however long its client is gone. Optuna has no call
+    that tells such a trial: this reads its RDB storage's heartbeat table.
+    """
+    backend = getattr(storage, "_backend", storage)
+    if not isinstance(backend, optuna.storages.RDBStorage):
+        return None
+    if not trial_ids:
+        return set()
+    try:
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        table = models.TrialHeartbeatModel
+        with _create_scoped_session(backend.scoped_session) as session:
+            return {row[0] for row in session.query(table.trial_id).filter(table.trial_id.in_(trial_ids)).all()}
+    except (ImportError, AttributeError):  # another Optuna's internals
+        return None
+
+
 def counts(trial: FrozenTrial) -> bool:
     """Whether ``trial`` counts toward a sweep's ``n_trials`` (module docstring)."""
     if trial.state in _LIVE:
