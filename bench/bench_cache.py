@@ -9,7 +9,7 @@ sample's bytes are read) runs ``--epochs`` epochs over it in each of:
 * ``uncached``:    the dataset itself;
 * ``memory``:      ``CachedDataset(memory_bytes=...)``, large enough for every sample;
 * ``disk``:        ``CachedDataset(disk_dir=..., disk_bytes=...)`` on a fresh directory
-  (epoch 1 decodes and writes, later epochs read the entries from the files);
+  (epoch 1 decodes and writes, later epochs read the memory-mapped entries);
 * ``disk_reopen``: a fresh process on the directory the ``disk`` run of the same
   round left (every epoch reads from disk; the page cache is warm, since the
   entries were just written: this is a second trial of a sweep on one machine);

@@ -190,10 +190,19 @@ def test_modifying_a_returned_sample_does_not_change_the_cache(tmp_path, tier):
         assert_same(CachedDataset(ListDataset(base), **kw)[0], want)
 
 
-def test_samples_read_from_disk_hold_no_file_descriptor(tmp_path):
+@pytest.mark.parametrize("path", ["mapped", "read"])
+def test_samples_read_from_disk_hold_no_file_descriptor(tmp_path, monkeypatch, path):
     """A process keeps more disk hits than it may open files (its soft RLIMIT_NOFILE, lowered here
-    for the test): a sample holds no file descriptor (a memory map of the entry would)."""
+    for the test): a sample holds no file descriptor (Python's mmap of the entry did). Both ways
+    of reading an entry: the private map, and the read where the system has no /proc/self/fd.
+    Writing into a sample changes neither the cache nor the file."""
     resource = pytest.importorskip("resource")
+    from hfkern.data import cache
+
+    if path == "read":
+        monkeypatch.setattr(cache, "_FD_DIR", str(tmp_path / "no-such-dir"))
+    elif not os.path.isdir(cache._FD_DIR):
+        pytest.skip("no /proc/self/fd: entries are read")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
     limit = len(os.listdir(fd_dir)) + 32      # what is open now, and a few for the cache's own files
@@ -210,6 +219,9 @@ def test_samples_read_from_disk_hold_no_file_descriptor(tmp_path):
     assert ds.stats()["disk"]["hits"] == n and data.calls == list(range(n))
     for i, sample in enumerate(kept):
         assert_same(sample, torch.full((16,), float(i)))
+    kept[3].fill_(-1.0)
+    assert_same(ds[3], torch.full((16,), 3.0))
+    assert ds.stats()["disk"]["hits"] == n + 1
 
 
 @pytest.mark.parametrize(

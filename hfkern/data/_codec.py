@@ -14,8 +14,8 @@ live in the JSON itself (Python's JSON writes floats with ``repr``, so they
 round-trip exactly, ``nan``, ``inf`` and ``-0.0`` included).
 
 Decoding builds the leaves with ``torch.frombuffer`` / ``numpy.frombuffer``
-over the buffer: over a disk entry read into a buffer of its own they view
-that buffer (no copy); over a memory-tier entry they are copied,
+over the buffer: over a private (copy-on-write) memory map of a disk entry they
+share the mapped pages until written; over a memory-tier entry they are copied,
 so a caller that modifies a sample in place cannot change the cache. Leaves
 come back contiguous; strides are not kept.
 
@@ -167,7 +167,7 @@ def entry_size(buf) -> int:
 
 
 def decode(buf, ident: dict, *, copy: bool) -> Any:
-    """The sample stored in ``buf`` (a bytearray).
+    """The sample stored in ``buf`` (a bytearray, or a writable uint8 numpy array over a private map).
 
     ``copy=True`` gives leaves that own their memory; ``copy=False`` leaves that
     view ``buf`` (keeping it alive). Raises CorruptEntry when ``buf`` is not a

@@ -4,8 +4,9 @@
 
 1. the **memory tier**: this process's LRU of encoded entries, bounded by
    ``memory_bytes`` (the bytes of the entries, exactly), then in
-2. the **disk tier**: one file per sample in ``disk_dir``, read into memory
-   of its own, shared by every process on the machine that opens the
+2. the **disk tier**: one file per sample in ``disk_dir``, read through a
+   private memory map (one that holds no file descriptor), shared by every
+   process on the machine that opens the
    same directory (the DataLoader workers of one run, the trials of a sweep),
    bounded by ``disk_bytes`` with least-recently-used eviction,
 
@@ -135,6 +136,32 @@ class _MemoryTier:
         self.bytes = 0
 
 
+_FD_DIR = "/proc/self/fd"  # a path to an open descriptor's file (Linux)
+
+
+def _map_private(fd: int, size: int) -> Any:
+    """A private (copy-on-write) map of the open file ``fd``, as a writable uint8 numpy array that
+    holds no descriptor (torch's file mapping closes the one it opens once mapped, and it opens the
+    file through ``fd``: the same inode, even if a new entry has been renamed over the path); None
+    where that path to ``fd`` does not exist, or for an empty file (which cannot be mapped)."""
+    if size == 0 or not os.path.isdir(_FD_DIR):
+        return None
+    return torch.from_file(f"{_FD_DIR}/{fd}", shared=False, size=size, dtype=torch.uint8).numpy()
+
+
+def _read_all(fd: int, size: int) -> bytearray:
+    """The open file ``fd`` read into a new buffer. An entry is never written in place (a new one is
+    renamed over it), so its size stays; a read that ends early leaves a short buffer, which
+    decodes as corrupt."""
+    buf = bytearray(size)
+    with memoryview(buf) as view:
+        got = 0
+        while got < size and (n := os.readv(fd, [view[got:]])) > 0:
+            got += n
+    del buf[got:]
+    return buf
+
+
 class _DiskTier:
     """The shared directory: entries, the byte count, eviction and cleanup (see the module docstring)."""
 
@@ -232,28 +259,22 @@ class _DiskTier:
                         if e.name.startswith(_TMP_PREFIX):
                             _remove_if_dead(e.path)
 
-    def get(self, index: int) -> tuple[bytearray, int] | None:
-        """Entry ``index`` read into a buffer of its own, and the file's inode; None when there is
-        no entry.
+    def get(self, index: int) -> tuple[Any, int] | None:
+        """Entry ``index`` as a buffer of its own (a private, copy-on-write map of the file, or the
+        file read into memory), and the file's inode; None when there is no entry.
 
-        Read, not memory-mapped: the samples decoded from the buffer view it, and a map would
-        keep a file descriptor open for as long as any of them lives (Python's ``mmap`` holds a
-        duplicate of the one it maps), so keeping a few thousand samples would exhaust the
-        process's descriptors."""
+        No buffer holds a file descriptor: the samples decoded from it view it, and keeping a few
+        thousand samples must not exhaust the process's descriptors (Python's ``mmap`` holds a
+        duplicate of the descriptor it maps for as long as the map lives)."""
         try:
             fd = os.open(self.path(index), os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
             st = os.fstat(fd)
-            buf = bytearray(st.st_size)
-            with memoryview(buf) as view:
-                got = 0
-                # An entry is never written in place (a new one is renamed over it), so its size
-                # stays; a read that ends early leaves a short buffer, which decodes as corrupt.
-                while got < st.st_size and (n := os.readv(fd, [view[got:]])) > 0:
-                    got += n
-            del buf[got:]
+            buf = _map_private(fd, st.st_size)
+            if buf is None:
+                buf = _read_all(fd, st.st_size)
             t = self._now_ns()
             os.utime(fd, ns=(t, t))  # through the descriptor: valid even if evicted meanwhile
             return buf, st.st_ino
@@ -385,8 +406,8 @@ class CachedDataset(torch.utils.data.Dataset):
     ``None``, and tuples, lists and dicts of these (dict keys: plain scalars).
     Anything else raises a TypeError naming the offending part. Cached
     samples come back equal in type, dtype, shape and bits, contiguous; each
-    call returns arrays of its own (a memory hit copies, a disk hit reads the
-    entry into a buffer its arrays view; no sample holds a file descriptor),
+    call returns arrays of its own (a memory hit copies, a disk hit maps the
+    entry copy-on-write; no sample holds a file descriptor),
     so modifying a sample never changes the cache. A miss returns the wrapped
     dataset's own object.
 
