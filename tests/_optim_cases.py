@@ -213,3 +213,18 @@ def check_masked_steps(want: Case, impl, ref, *, rtol=1e-5, atol=1e-6) -> None:
                 assert torch.equal(t[bad], b[bad]), (step, bad)
         assert all(torch.equal(t, u) for t, u in zip(got.steps, want.steps))
     assert all(not torch.equal(p, p0) for p, p0 in zip(got.params, start))
+
+
+def check_empty_parameters(name: str, impl, ref) -> None:
+    """Two steps of ``impl`` against ``ref`` with empty parameters between others: their step
+    counts advance, as torch's do, and every other count once a step (an empty tensor's address
+    offset was taken as 0, so the first parameter's count advanced twice and changed its bias
+    corrections)."""
+    want = Case(name, FULL_OPTS[name], 2, shapes=[(5, 3), (0,), (4,), (2, 0)])
+    got = want.clone()
+    for _ in range(2):
+        grads = [torch.randn_like(p) for p in want.params]
+        want.run(ref, grads)
+        got.run(impl, grads)
+        assert_same_state(got, want, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(t, u) for t, u in zip(got.steps, want.steps))

@@ -21,7 +21,9 @@ import hfkern.optim as hoptim
 from hfkern import _backend
 from hfkern.cuda import _ext
 from hfkern.cuda import optim as ck
-from _optim_cases import CASES, FULL_OPTS, Case, assert_same_state, case_id, check_masked_steps
+from _optim_cases import (
+    CASES, FULL_OPTS, Case, assert_same_state, case_id, check_empty_parameters, check_masked_steps,
+)
 
 _KERNEL_OPS = ("sgd_step_", "adam_step_", "lars_step_", "lamb_step_")
 
@@ -57,17 +59,7 @@ def test_emulated_steps_match_torch(case, B):
 @pytest.mark.emulator
 @pytest.mark.parametrize("name", ["sgd", "adam", "lars", "lamb"])
 def test_emulated_empty_parameters_are_counted_and_leave_the_others_counts(name):
-    """An empty parameter between others: its step counts advance, as torch's do, and the first
-    parameter's only once (its address offset was taken for the empty one's step counts: the
-    first parameter's count advanced twice and changed its bias corrections)."""
-    want = Case(name, FULL_OPTS[name], 2, shapes=[(5, 3), (0,), (4,), (2, 0)])
-    got = want.clone()
-    for _ in range(2):
-        grads = [torch.randn_like(p) for p in want.params]
-        want.run(ref, grads)
-        got.run(emu, grads)
-        assert_same_state(got, want, rtol=1e-5, atol=1e-6)
-        assert all(torch.equal(t, u) for t, u in zip(got.steps, want.steps))
+    check_empty_parameters(name, emu, ref)
 
 
 @pytest.mark.emulator

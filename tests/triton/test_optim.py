@@ -26,6 +26,7 @@ from hfkern._optim_specs import OPTIMIZER_SPECS
 from hfkern.ops import optim as ops
 from _optim_cases import (  # noqa: F401
     CASES, FULL_OPTS, NAMES, SHAPES, Case, assert_same_state, case_id, check_masked_steps,
+    check_empty_parameters,
 )
 
 triton = pytest.importorskip("triton")
@@ -61,17 +62,7 @@ def test_steps_match_torch(case, B):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("name", NAMES)
 def test_empty_parameters_are_counted_and_leave_the_others_counts(name):
-    """An empty parameter between others: its step counts advance, as torch's do, and the first
-    parameter's only once (its address offset was taken for the empty one's step counts: the
-    first parameter's count advanced twice and changed its bias corrections)."""
-    want = Case(name, FULL_OPTS[name], 2, shapes=[(5, 3), (0,), (4,), (2, 0)])
-    got = want.clone()
-    for _ in range(2):
-        grads = [torch.randn_like(p) for p in want.params]
-        want.run(ref, grads)
-        got.run(tk, grads)
-        assert_same_state(got, want, rtol=1e-5, atol=1e-6)
-        assert all(torch.equal(t, u) for t, u in zip(got.steps, want.steps))
+    check_empty_parameters(name, tk, ref)
 
 
 @pytest.mark.interpreter
