@@ -323,6 +323,12 @@ def check_errors(ctx):
             assert text in str(e), (kw, str(e))
         else:
             raise AssertionError(f"TopKState({kw}) did not raise {exc.__name__}")
+    try:
+        TopKState(model, density_schedule=5)
+    except TypeError as e:
+        assert "density_schedule must be a callable of the step or (step, density) pairs, got int" in str(e), str(e)
+    else:
+        raise AssertionError("density_schedule=5 did not raise TypeError")
     st = _state(shapes, density_schedule=lambda t: 2.0)
     try:
         _hook_call(st, shapes, _grads(shapes, 0, 0, 1))
@@ -330,6 +336,25 @@ def check_errors(ctx):
         assert "density_schedule(0)" in str(e) and "2.0" in str(e), str(e)
     else:
         raise AssertionError("a schedule returning 2.0 did not raise")
+    assert st.step == 0, f"the step advanced to {st.step} on a call that raised"
+    # load_state_dict checks everything before it changes anything
+    st = _state(shapes, density=0.25, fallback=False)
+    _hook_call(st, shapes, _grads(shapes, 0, 0, 3))
+    saved = st.state_dict()
+    for bad, exc, text in [({**saved, "residuals": {0: torch.ones(7)}}, ValueError, "1-D tensor of its 12"),
+                           ({**saved, "residuals": {0: torch.ones(3, 4)}}, ValueError, "a 2-D tensor"),
+                           ({**saved, "residuals": {0: [0.0] * 12}}, ValueError, "got list"),
+                           ({**saved, "step": "3"}, TypeError, "step must be an int"),
+                           ({**saved, "residuals": [torch.ones(12)]}, TypeError, "must be a dict")]:
+        try:
+            st.load_state_dict(bad)
+        except exc as e:
+            assert text in str(e), (text, str(e))
+        else:
+            raise AssertionError(f"load_state_dict did not raise {exc.__name__} ({text})")
+        now = st.state_dict()
+        assert now["step"] == saved["step"] and now["residuals"].keys() == saved["residuals"].keys()
+        assert all(torch.equal(now["residuals"][k], saved["residuals"][k]) for k in saved["residuals"])
     st = _state(shapes)
     try:
         buf = torch.zeros(12, dtype=torch.int64)
@@ -353,6 +378,101 @@ def check_errors(ctx):
         assert "hierarchical=False" in str(e), str(e)
     else:
         raise AssertionError("loading a flat state into a hierarchical one did not raise")
+
+
+def _bucket_of(params, grads, order):
+    """A DDP-like bucket buffer of ``grads``: each parameter's segment in its memory order (DDP
+    lays a dense parameter's gradient out with the parameter's strides)."""
+    segs = []
+    for i in order:
+        laid = torch.empty_strided(params[i].shape, params[i].stride()).copy_(grads[i])
+        segs.append(laid.as_strided((laid.numel(),), (1,)))
+    return torch.cat(segs).clone()
+
+
+def check_per_model_layouts(ctx):
+    """Arrays of models whose parameters are transposed (model rows not consecutive in the
+    bucket): each model still sends its own k, and the result is the contiguous layout's (the
+    index map read the bucket as model-major and gave model 0 every entry)."""
+    from hfkern.distributed import TopKState, topk_hook
+
+    rank, R = ctx["rank"], 2
+    shapes = [(R, 8), (R, 3, 5)]
+    g = _grads(shapes, rank, 0, 29, scale=torch.tensor([1e4, 1.0]))
+    outs = []
+    for layout in ("contiguous", "strided"):
+        model = Params(shapes)
+        if layout == "strided":  # [R, 8] with strides (1, R); [R, 3, 5] with the model dim innermost
+            model.ps[0] = nn.Parameter(torch.zeros(8, R).t())
+            model.ps[1] = nn.Parameter(torch.zeros(3, 5, R).permute(2, 0, 1))
+        params = list(model.parameters())
+        st = TopKState(model, density=0.25, per_model=R, fallback=False)
+        order = [1, 0]
+        buf = _bucket_of(params, g, order)
+        out = topk_hook(st, FakeBucket(buf, 0, True, [params[i] for i in order])).wait()
+        # back to per-parameter tensors in their logical shapes
+        got, off = [None, None], 0
+        for i in order:
+            n = params[i].numel()
+            got[i] = out[off:off + n].as_strided(params[i].shape, params[i].stride()).clone()
+            off += n
+        outs.append(got)
+        k = st.bucket_stats[0].k
+        rows = _to_rows(got, R)
+        for b in range(R):
+            assert int((rows[b] != 0).sum()) >= k, (layout, b, int((rows[b] != 0).sum()), k)
+    for a, b in zip(*outs):
+        _equal(b, a, "transposed parameters against contiguous ones")
+
+
+def check_one_message(ctx):
+    """An exchange of one message (one node: the inter-node all-gather has one rank; a group of one
+    rank) with an odd number of float64 / 16-bit entries: the message's value and index parts were
+    viewed at offsets and strides that are not multiples of their item sizes and raised. Density 1
+    without fallback sends everything: the result is the mean (integer gradients: exact sums)."""
+    from hfkern.distributed import TopKState, node_groups
+
+    rank, W = ctx["rank"], dist.get_world_size()
+    alone = [dist.new_group([r]) for r in range(W)][rank]  # every rank creates every group
+    one_node = node_groups(W)
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):
+        for n in (3, 15, 33):
+            shapes = [(n,)]
+            grads = [[t.to(dtype) for t in _grads(shapes, r, 0, 31, integer=True)] for r in range(W)]
+            for kw, ranks in ((dict(nodes=one_node), range(W)), (dict(process_group=alone), [rank])):
+                model = Params(shapes).to(dtype)
+                st = TopKState(model, density=1.0, fallback=False, **kw)
+                st._model_params = list(model.parameters())
+                (out,) = _hook_call(st, shapes, grads[rank])
+                acc = torch.float64 if dtype == torch.float64 else torch.float32  # the exchange's sums
+                want = (sum(grads[r][0].to(acc) for r in ranks) / len(ranks)).to(dtype)
+                _equal(out, want, f"{dtype} n={n} {sorted(kw)}")
+
+
+class _FailedWork:
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_exception(RuntimeError("the all-gather failed"))
+        return fut
+
+
+def check_failed_exchange(ctx):
+    """A failed all-gather of the flat exchange raises its own error from the bucket's future
+    (the result was summed from a buffer that held no messages)."""
+    from hfkern.distributed import topk as topk_module
+
+    shapes = [(6, 5)]
+    st = _state(shapes, density=0.2, fallback=False)
+    real = topk_module._all_gather
+    topk_module._all_gather = lambda *args: _FailedWork()
+    try:
+        _hook_call(st, shapes, _grads(shapes, ctx["rank"], 0, 37))
+    except RuntimeError as e:
+        assert "the all-gather failed" in str(e), str(e)
+    else:
+        raise AssertionError("a failed all-gather did not raise")
+    finally:
+        topk_module._all_gather = real
 
 
 # ---- DDP training ---------------------------------------------------------------------------
@@ -653,6 +773,9 @@ CHECKS = [
     check_hierarchical_reference,
     check_modes_agree,
     check_per_model,
+    check_per_model_layouts,
+    check_one_message,
+    check_failed_exchange,
     check_schedule_warmup_fallback,
     check_ddp_dense_exact,
     check_ddp_restart,
@@ -666,7 +789,15 @@ BUCKET_CHECKS = [
     check_ddp_buckets_hierarchical,
 ]
 
-SUITES = {"main": CHECKS, "buckets": BUCKET_CHECKS}
+# In a world of three ranks (not a power of two: a division by 3 rounds otherwise than
+# DDP's multiplication by 1/3), with no node groups (two does not divide three).
+ODD_WORLD = 3
+ODD_CHECKS = [
+    check_ddp_dense_exact,
+    check_one_message,
+]
+
+SUITES = {"main": CHECKS, "buckets": BUCKET_CHECKS, "odd": ODD_CHECKS}
 
 
 def worker(rank: int, world: int, out_dir: str, init_file: str, suite: str = "main",
@@ -677,7 +808,7 @@ def worker(rank: int, world: int, out_dir: str, init_file: str, suite: str = "ma
     from hfkern.distributed import node_groups
 
     record = {}
-    ctx = {"rank": rank, "nodes": node_groups(NODE_SIZE), "record": record}
+    ctx = {"rank": rank, "nodes": node_groups(NODE_SIZE) if world % NODE_SIZE == 0 else None, "record": record}
     path = os.path.join(out_dir, f"rank{rank}.json")
     for check in SUITES[suite]:
         t0 = time.perf_counter()

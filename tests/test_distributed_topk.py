@@ -28,22 +28,22 @@ _BUCKETS_DEADLINE_S = 90
 _BUCKETS_GLOO_TIMEOUT_S = 30
 
 
-def _spawn(out, suite, deadline_s, gloo_timeout_s):
-    """Run the checks of ``cases.SUITES[suite]`` in WORLD processes; rank -> record.
+def _spawn(out, suite, deadline_s, gloo_timeout_s, world=cases.WORLD):
+    """Run the checks of ``cases.SUITES[suite]`` in ``world`` processes; rank -> record.
 
     A hang past the deadline or a dead process fails the checks that did not
     record a result (each rank writes its record after every check)."""
     fd, init_file = tempfile.mkstemp(dir=out)
     os.close(fd)
     os.unlink(init_file)  # the file store creates it
-    ctx = mp.spawn(cases.worker, args=(cases.WORLD, str(out), init_file, suite, gloo_timeout_s),
-                   nprocs=cases.WORLD, join=False)
+    ctx = mp.spawn(cases.worker, args=(world, str(out), init_file, suite, gloo_timeout_s),
+                   nprocs=world, join=False)
     deadline = time.monotonic() + deadline_s
     failure = None
     try:
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
-                failure = f"the {cases.WORLD} processes did not finish within {deadline_s} s"
+                failure = f"the {world} processes did not finish within {deadline_s} s"
                 break
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # an abort inside Gloo, say
         failure = f"a process failed: {e}"
@@ -52,7 +52,7 @@ def _spawn(out, suite, deadline_s, gloo_timeout_s):
             if p.is_alive():
                 p.kill()
     recs = {}
-    for r in range(cases.WORLD):
+    for r in range(world):
         path = out / f"rank{r}.json"
         recs[r] = json.loads(path.read_text()) if path.exists() else {}
         recs[r]["_failure"] = failure
@@ -68,6 +68,11 @@ def records(tmp_path_factory):
 def bucket_records(tmp_path_factory):
     return _spawn(tmp_path_factory.mktemp("dist_topk_buckets"), "buckets", _BUCKETS_DEADLINE_S,
                   _BUCKETS_GLOO_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def odd_records(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("dist_topk_odd"), "odd", _DEADLINE_S, 60, world=cases.ODD_WORLD)
 
 
 def _assert_ok(records, check):
@@ -86,6 +91,12 @@ def test_distributed_buckets(bucket_records, check):
     """Several DDP buckets a step (hierarchical: the issue order of collectives on
     the node groups must not depend on when a bucket's exchange completes)."""
     _assert_ok(bucket_records, check)
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in cases.ODD_CHECKS])
+def test_distributed_odd_world(odd_records, check):
+    """Three ranks: the dense path is DDP's all-reduce bit for bit there too."""
+    _assert_ok(odd_records, check)
 
 
 def test_convergence_figures(records):

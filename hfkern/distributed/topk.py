@@ -31,8 +31,8 @@ written densely: x at the selected positions, 0 elsewhere):
   Flat and hierarchical modes agree (up to the order of the float additions)
   whenever nothing is left behind: when each rank's nonzeros fit in ``k`` and
   each node's nonzeros per shard fit in ``k_s``, both equal the dense mean.
-* **dense**: ``g_r + e_r`` divided by W and all-reduced, as torch's
-  ``allreduce_hook`` does, and the residual is cleared (everything was sent).
+* **dense**: ``g_r + e_r`` multiplied by ``1 / W`` and all-reduced, as DDP's
+  own reduction does, and the residual is cleared (everything was sent).
   A bucket goes dense during the warm-up (``step < warmup_steps``) and, when
   ``fallback`` is on, whenever the sparse message would be larger than the
   dense one: ``W * R * cap * (itemsize + 4) > n * itemsize`` for the flat
@@ -51,10 +51,12 @@ last bucket issues its own). Collectives go out only from hook calls, in
 bucket order, never from a future's callback, because every rank must issue
 the collectives of a group in the same order, with any number of buckets.
 
-Arrays of models (``per_model=B``): every parameter is ``[B, ...]``, model-major,
-so model b's part of a bucket is the concatenation of ``param[b]`` over the
-bucket's parameters. The bucket is gathered into a ``[B, m]`` view (an index map
-built once per bucket) and each model's row is selected on its own (the ``[R, n]``
+Arrays of models (``per_model=B``): every parameter is ``[B, ...]``, and model
+b's part of a bucket is ``param[b]`` of each of the bucket's parameters, wherever
+the parameter's strides put its elements there (DDP lays a gradient out with its
+parameter's strides: a transposed or channels-last parameter's models are not
+consecutive blocks). The bucket is gathered into a ``[B, m]`` view (an index map
+built once per bucket from the strides) and each model's row is selected on its own (the ``[R, n]``
 form of the selection), so a model with large gradients does not take the
 others' share of the message: every model sends its own k.
 
@@ -62,7 +64,10 @@ Error feedback state is per bucket, one flat residual in the bucket's layout.
 DDP rebuilds its buckets after the first iteration, and a restarted job starts
 from the initial layout again, so residuals are also addressed per parameter
 (its position in ``model.parameters()``): a bucket whose parameters changed
-takes over their residual segments. :meth:`TopKState.state_dict` holds the
+takes over their residual segments. Under ``find_unused_parameters=True`` a
+parameter that no rank used in a step gets no gradient from DDP (it leaves
+such a parameter's ``grad`` untouched), so what the exchange sent of its
+residual in that step is lost. :meth:`TopKState.state_dict` holds the
 residuals per parameter, the step and the seed; every rank saves and loads its
 own (residuals differ between ranks).
 
@@ -73,7 +78,7 @@ The step counter advances after the last bucket of a backward pass
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -219,6 +224,9 @@ class TopKState:
             self.density = None
             self._schedule_fn = density_schedule
         else:
+            if isinstance(density_schedule, (str, bytes)) or not isinstance(density_schedule, Iterable):
+                raise TypeError(f"TopKState: density_schedule must be a callable of the step or (step, "
+                                f"density) pairs, got {type(density_schedule).__name__} {density_schedule!r}")
             pairs = list(density_schedule)
             if not pairs:
                 raise ValueError("TopKState: density_schedule is empty; expected (step, density) pairs")
@@ -255,6 +263,7 @@ class TopKState:
 
         params = list(model.parameters())
         self._keys = {id(p): i for i, p in enumerate(params)}
+        self._numels = [p.numel() for p in params]
         if per_model is not None:
             per_model = _check_int(per_model, "per_model", 1)
             for i, p in enumerate(params):
@@ -330,7 +339,7 @@ class TopKState:
                 raise ValueError(f"topk_hook: per_model={rows} needs every parameter shaped "
                                  f"[{rows}, ...]; parameter {keys[i]} has shape {tuple(p.shape)}")
             mp = numel // rows
-            perm[:, col:col + mp] = torch.arange(numel, dtype=torch.int64).view(rows, mp) + offsets[i]
+            perm[:, col:col + mp] = _bucket_positions(p).view(rows, mp) + offsets[i]
             col += mp
         perm = perm.view(-1)
         perm = None if torch.equal(perm, torch.arange(n)) else perm.to(buffer.device)
@@ -429,20 +438,58 @@ class TopKState:
             if state.get(name) != mine:
                 raise ValueError(f"TopKState.load_state_dict: the state was saved with {name}="
                                  f"{state.get(name)!r}, this state has {mine!r}")
+        # Everything is checked before anything is assigned.
+        step = _check_int(state.get("step"), "load_state_dict: step", 0)
+        seed = _check_int(state.get("seed"), "load_state_dict: seed", 0)
+        residuals = state.get("residuals")
+        if not isinstance(residuals, dict):
+            raise TypeError(f"TopKState.load_state_dict: residuals must be a dict of parameter position -> "
+                            f"tensor, got {type(residuals).__name__}")
         n_params = len(self._keys)
-        for key in state["residuals"]:
-            if not (isinstance(key, int) and 0 <= key < n_params):
+        for key, t in residuals.items():
+            if not (isinstance(key, int) and not isinstance(key, bool) and 0 <= key < n_params):
                 raise ValueError(f"TopKState.load_state_dict: residual key {key!r} is not a parameter "
                                  f"position in [0, {n_params})")
-        self.step = int(state["step"])
-        self.seed = int(state["seed"])
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != self._numels[key]:
+                what = f"a {t.dim()}-D tensor of {t.numel()} elements" if isinstance(t, torch.Tensor) \
+                    else type(t).__name__
+                raise ValueError(f"TopKState.load_state_dict: the residual of parameter {key} must be a 1-D "
+                                 f"tensor of its {self._numels[key]} elements, got {what}")
+        self.step, self.seed = step, seed
         self._residuals.clear()
-        self._loose = {key: t.detach().clone() for key, t in state["residuals"].items()}
+        self._loose = {key: t.detach().clone() for key, t in residuals.items()}
 
 
 def _pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """One uint8 message of values then int32 indices (one collective instead of two)."""
     return torch.cat([values.reshape(-1).view(torch.uint8), indices.reshape(-1).view(torch.uint8)])
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in new contiguous memory (offset 0)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _bucket_positions(p: torch.Tensor) -> torch.Tensor:
+    """Where each element of ``p`` (in row-major order, ``[p.numel()]``) sits in its segment of a
+    DDP bucket: DDP lays a dense, non-overlapping parameter's gradient out with the parameter's
+    strides (a transposed or channels-last parameter's model rows are not consecutive there),
+    any other one contiguously."""
+    if p.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    dims = sorted((d for d in range(p.dim()) if p.size(d) > 1), key=lambda d: p.stride(d))
+    expected, dense = 1, True
+    for d in dims:
+        dense &= p.stride(d) == expected
+        expected *= p.size(d)
+    if not dense:
+        return torch.arange(p.numel(), dtype=torch.int64)
+    pos = torch.zeros(p.shape, dtype=torch.int64)
+    for d in dims:
+        shape = [1] * p.dim()
+        shape[d] = p.size(d)
+        pos += (torch.arange(p.size(d), dtype=torch.int64) * p.stride(d)).view(shape)
+    return pos.reshape(-1)
 
 
 def _scatter_add(gathered: torch.Tensor, ranks: int, entries: int, dtype, length: int) -> torch.Tensor:
@@ -455,8 +502,11 @@ def _scatter_add(gathered: torch.Tensor, ranks: int, entries: int, dtype, length
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     msg = gathered.view(ranks, -1)
-    vals = msg[:, :entries * itemsize].contiguous().view(dtype)
-    idx = msg[:, entries * itemsize:].contiguous().view(torch.int32).long()
+    # Copies into buffers of their own, aligned for the dtypes: with one message, the slices are
+    # "contiguous" already (a size-1 dim), and .contiguous() would keep their offset and row
+    # stride, which need not be multiples of the item sizes.
+    vals = _fresh(msg[:, :entries * itemsize]).view(dtype)
+    idx = _fresh(msg[:, entries * itemsize:]).view(torch.int32).long()
     acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     total = torch.zeros(length, dtype=acc_dtype, device=gathered.device)
     for r in range(ranks):
@@ -492,9 +542,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     index = bucket.index()
     plan = state._plan(index, list(bucket.parameters()), buf)
     step = state.step
+    mode, density, k, cap = state._decide(step, plan, buf.element_size())  # raises before the step counts
     if bucket.is_last():
         state.step += 1
-    mode, density, k, cap = state._decide(step, plan, buf.element_size())
     if state._last_mode.get(index) != mode:
         logger.debug("topk_hook: bucket %d (%d elements) goes %s at step %d (density %g)",
                      index, plan.n, mode, step, density)
@@ -513,7 +563,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
             res.zero_()
         state.bucket_stats[index] = BucketStats(mode, density, k, cap, plan.rows, buf.numel() * buf.element_size())
         state.payload_bytes += buf.numel() * buf.element_size()
-        buf.div_(state.world_size)
+        # DDP's own pre-division, bit for bit: a multiplication by the float reciprocal (a
+        # division rounds differently where the world size is not a power of two)
+        buf.mul_(1.0 / state.world_size)
         work = dist.all_reduce(buf, group=state.process_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -554,6 +606,7 @@ def _flat(state, index, plan, buf, res, k, cap, seed, density):
     work = _all_gather(gathered, packed, state.process_group)
 
     def finish(fut):  # local work only: no collective from a callback (see topk_hook)
+        fut.value()  # raises if the all-gather failed (its buffer holds no messages)
         total = _scatter_add(gathered, W, R * cap, buf.dtype, R * m)
         total.div_(W)
         return _unrows(plan, total, buf)
