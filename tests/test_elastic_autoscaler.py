@@ -37,6 +37,40 @@ def test_scale_lr_rules():
         scale_lr(0.1, 0, 128)
     with pytest.raises(TypeError, match="new_batch"):
         scale_lr(0.1, 64, 128.0)
+    with pytest.raises(TypeError, match="lr: expected a finite number >= 0, got str"):
+        scale_lr("1", 64, 128)
+    with pytest.raises(ValueError, match="lr: expected a finite number >= 0, got nan"):
+        scale_lr(math.nan, 64, 128)
+
+
+def test_a_call_that_raises_changes_nothing():
+    # the clock moved (and remaining times were stored) before the checks that then raised
+    s = Autoscaler(4, interval=1e6)
+    s.submit(sublinear_job("a"), 0.0)
+    s.submit(sublinear_job("c"), 0.0)
+    for call, exc in [(lambda: s.submit(sublinear_job("a"), 100.0), ValueError),
+                      (lambda: s.finish("zz", 200.0), ValueError),
+                      (lambda: s.tick(300.0, remaining={"a": 100.0, "zz": 5.0, "c": -1.0}), ValueError),
+                      (lambda: s.tick(math.nan), ValueError),
+                      (lambda: s.tick("soon"), TypeError)]:
+        with pytest.raises(exc):
+            call()
+    assert s._now == 0.0 and s._remaining == {}
+    s.submit(sublinear_job("b"), 50.0)  # a legitimate later event still fits
+    assert set(s.jobs) == {"a", "b", "c"}
+
+
+def test_job_requests_its_minimum_by_default():
+    job = sublinear_job("a", batch_sizes=(8, 16), min_gpus=2)
+    assert job.requested_gpus == 2
+    with pytest.raises(ValueError, match="requested_gpus: expected between min_gpus=2"):
+        sublinear_job("a", batch_sizes=(8, 16), min_gpus=2, requested_gpus=1)
+
+
+def test_fit_names_a_bad_gamma_grid():
+    samples = [(g, 32, 1, 1, 0.1 / g + 0.01) for g in (1, 2, 4, 8)]
+    with pytest.raises(TypeError, match="gamma_grid: expected a sequence of gammas >= 1, got int 2"):
+        ThroughputModel.fit(samples, gamma_grid=2)
 
 
 def test_constructor_errors():
@@ -72,7 +106,8 @@ def test_arrival_completion_and_interval():
         s.finish("b", 130.0)
     with pytest.raises(ValueError, match="got 'a' twice"):
         s.submit(sublinear_job("a"), 130.0)
-    with pytest.raises(ValueError, match="now: expected a time >= the last event's 130.0, got 5.0"):
+    # (the two calls that raised did not move the clock: the last event is the finish at 120)
+    with pytest.raises(ValueError, match="now: expected a time >= the last event's 120.0, got 5.0"):
         s.tick(5.0)
 
 

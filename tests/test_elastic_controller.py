@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hfkern.elastic._autoscaler import Autoscaler
 from hfkern.elastic._controller import Controller, profile
-from hfkern.elastic._executor import JobSpec
+from hfkern.elastic._executor import Executor, JobSpec
 from hfkern.elastic._model import Efficiency, Job, ThroughputModel
 
 pytestmark = pytest.mark.skipif(
@@ -75,3 +75,28 @@ def test_profile_measures_step_times_for_the_fit(executor):
     # Two sizes do not pin down the four parameters of a model: fit refuses them.
     with pytest.raises(ValueError):
         ThroughputModel.fit(samples)
+    # A second call runs again, in directories of its own (it reused the first's names: "has
+    # finished; it cannot be launched again", or in a new process read the old run's log back).
+    again = profile(executor, _spec("p", steps=1), [(1, 32)], steps=2, timeout=120)
+    assert [s[:4] for s in again] == [(1, 32, 1, 1)] and 0 < again[0][4] < 5
+
+
+class _Unused(Executor):
+    """An executor that must not be called: the submissions below are refused first."""
+
+    def _called(self, *args, **kwargs):
+        raise AssertionError("the executor was called for a submission that must be refused")
+
+    launch = rescale = stop = poll = shutdown = register = log = spec = _called
+
+
+def test_submit_refuses_a_spec_whose_learning_rate_the_autoscaler_would_scale_wrongly():
+    # The first launch's lr is spec.lr scaled from the Job's default batch by the autoscaler's
+    # rule: a spec at another batch, or with another rule, got a silently wrong learning rate.
+    ctl = Controller(Autoscaler(2, policy="hfkern", lr_rule="sqrt"), _Unused())
+    job = Job("a", ThroughputModel(0.0, 0.01), Efficiency(64, 1e12), (64,), max_gpus=2)
+    with pytest.raises(ValueError, match="spec.batch_size=32.*default_batch_size=64"):
+        ctl.submit(job, _spec("a", steps=10, batch_size=32))
+    with pytest.raises(ValueError, match="lr_rule='linear'.*'sqrt'"):
+        ctl.submit(job, _spec("a", steps=10, batch_size=64, lr_rule="linear"))
+    assert ctl.autoscaler.jobs == {}

@@ -87,6 +87,8 @@ def test_trace_load():
     (dict(num_jobs=2.5, seed=0, rate=1.0), TypeError, "num_jobs an int"),
     (dict(num_jobs=-1, seed=0, rate=1.0), ValueError, "num_jobs >= 0"),
     (dict(num_jobs=3, seed=0, rate=-1.0), ValueError, "rate > 0"),
+    (dict(num_jobs=3, seed=0, rate=math.inf), ValueError, "finite rate > 0"),
+    (dict(num_jobs=3, seed=0, rate=1.0, min_duration="1"), TypeError, "min_duration a number, got str"),
     (dict(num_jobs=3, seed=-2, rate=1.0), ValueError, "seed a non-negative int"),
     (dict(num_jobs=3, seed=0, rate=1.0, gpus_per_node=0), ValueError, "gpus_per_node an int >= 1"),
     (dict(num_jobs=3, seed=0, rate=1.0, default_batch="huge"), ValueError, "'typical' or 'memory'"),
@@ -96,6 +98,19 @@ def test_trace_validation(kwargs, err, words):
     n = kwargs.pop("num_jobs")
     with pytest.raises(err, match=words):
         generate_trace(n, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(cluster_gpus=24, gpus_per_node=8), dict(cluster_gpus=12, gpus_per_node=4),
+                                    dict(cluster_gpus=64, max_request=3), dict(gpu_request_dist={3: 1.0})])
+def test_trace_on_clusters_of_any_size(kwargs):
+    # A single training job's batch is its devices' batch: at 24 or 3 devices no allowed
+    # (power-of-two) batch size, which raised; it takes the allowed size at or below it.
+    trace = generate_trace(200, seed=0, load=1.0, **kwargs)
+    for tj in trace:
+        job = tj.job
+        assert job.default_batch_size in job.batch_sizes
+        if job.array_sizes == (1,) and job.max_local_batch is None:
+            assert job.default_batch_size <= max(job.batch_sizes[0], 16 * 1024)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -66,7 +66,9 @@ def scale_lr(lr: float, old_batch: int, new_batch: int, rule: str = "sqrt") -> f
     whose per-coordinate normalization already absorbs part of the gradient's scale): it keeps
     the variance of the update constant. ``"none"``: ``lr`` unchanged.
     """
-    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not math.isfinite(lr) or lr < 0:
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise TypeError(f"lr: expected a finite number >= 0, got {type(lr).__name__} {lr!r}")
+    if not math.isfinite(lr) or lr < 0:
         raise ValueError(f"lr: expected a finite number >= 0, got {lr!r}")
     for name, b in (("old_batch", old_batch), ("new_batch", new_batch)):
         if isinstance(b, bool) or not isinstance(b, numbers.Integral):
@@ -83,8 +85,10 @@ def scale_lr(lr: float, old_batch: int, new_batch: int, rule: str = "sqrt") -> f
 
 
 def _check_time(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a finite number of seconds, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number of seconds, got {value!r}")
     return float(value)
 
 
@@ -140,17 +144,19 @@ class Autoscaler:
         """A new job arrives; re-solve. ValueError if a job of that name is active."""
         if not isinstance(job, Job):
             raise TypeError(f"job: expected a Job, got {type(job).__name__}")
-        self._advance(now)
+        now = self._checked_now(now)
         if job.name in self.jobs:
             raise ValueError(f"job: expected a name not already active, got {job.name!r} twice")
+        self._now = now
         self.jobs[job.name] = job
         return self._solve(now, "arrival")
 
     def finish(self, name: str, now: float) -> list[Decision]:
         """Job ``name`` completed (its devices are free); re-solve. ValueError if it is not active."""
-        self._advance(now)
+        now = self._checked_now(now)
         if name not in self.jobs:
             raise ValueError(f"name: expected an active job (one of {sorted(self.jobs)}), got {name!r}")
+        self._now = now
         del self.jobs[name]
         self.allocations.pop(name, None)
         self._remaining.pop(name, None)
@@ -161,7 +167,8 @@ class Autoscaler:
         """Time passes. ``remaining`` (name -> estimated seconds left; names of jobs that are
         not active are ignored) updates the restart horizons. Re-solves if ``interval`` seconds have passed since the
         last solve; otherwise returns ``[]``."""
-        self._advance(now)
+        now = self._checked_now(now)
+        left = {}
         if remaining is not None:
             if not isinstance(remaining, dict):
                 raise TypeError(f"remaining: expected a dict of name -> seconds, got {type(remaining).__name__}")
@@ -171,17 +178,20 @@ class Autoscaler:
                 v = _check_time(f"remaining[{k!r}]", v)
                 if v < 0:
                     raise ValueError(f"remaining[{k!r}]: expected seconds >= 0, got {v}")
-                self._remaining[k] = (v, now)
+                left[k] = (v, now)
+        self._now = now  # (everything checked: a call that raises changes nothing)
+        self._remaining.update(left)
         if self.last_solve is not None and now - self.last_solve < self.interval:
             return []
         return self._solve(now, "interval")
 
     # -- internals --------------------------------------------------------------------------------
-    def _advance(self, now) -> None:
+    def _checked_now(self, now) -> float:
+        """``now`` as seconds, checked to be finite and not before the last event's time."""
         now = _check_time("now", now)
         if self._now is not None and now < self._now:
             raise ValueError(f"now: expected a time >= the last event's {self._now}, got {now}")
-        self._now = now
+        return now
 
     def restart_factor(self, name: str) -> float:
         """``max(0, 1 - restart_cost / h)`` for a running job, with ``h = min(horizon,

@@ -15,6 +15,7 @@ that :meth:`~hfkern.elastic._model.ThroughputModel.fit` takes.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import statistics
 import time
 from typing import Callable, Iterable, Sequence
@@ -66,6 +67,15 @@ class Controller:
         if tuple(job.array_sizes) != (spec.B,):
             raise ValueError(f"Controller.submit: job {job.name!r} runs {spec.B} trials at a time (spec.B), so its "
                              f"Job.array_sizes must be ({spec.B},), got {tuple(job.array_sizes)}")
+        # The learning rate of a launch is spec.lr scaled by the autoscaler from the Job's default
+        # batch by its rule: the spec's lr must be that batch's, and its rule the autoscaler's.
+        if spec.batch_size != job.default_batch_size:
+            raise ValueError(f"Controller.submit: job {job.name!r}'s spec.lr is the learning rate at spec.batch_size="
+                             f"{spec.batch_size}, and the autoscaler scales it from the Job's default_batch_size="
+                             f"{job.default_batch_size}: make them one")
+        if spec.lr_rule != self.autoscaler.lr_rule:
+            raise ValueError(f"Controller.submit: job {job.name!r} has lr_rule={spec.lr_rule!r}, the autoscaler "
+                             f"scales learning rates by {self.autoscaler.lr_rule!r}: make them one")
         self.executor.register(spec)
         self._specs[job.name] = spec
         return self._carry_out(self.autoscaler.submit(job, self.clock()))
@@ -125,8 +135,9 @@ def profile(executor: Executor, spec: JobSpec, sizes: Iterable[tuple[int, int]],
             warmup: int = 2, timeout: float = 120.0) -> list[tuple[int, int, int, int, float]]:
     """Measure ``spec``'s step time at each ``(gpus, batch_size)`` of ``sizes``.
 
-    Each size runs a copy of the job named ``{spec.name}-profile-{i}`` for
-    ``warmup + steps`` steps from scratch (its own directory and checkpoint); the
+    Each size runs a copy of the job named ``{spec.name}-profile-{token}-{i}`` (a new
+    token per call) for ``warmup + steps`` steps from scratch (its own directory and
+    checkpoint: a second call measures again, never reads back the first's); the
     median time between its logged steps after the warm-up is its step time.
     Returns ``(gpus, batch_size, B, nodes, seconds)`` samples for
     :meth:`hfkern.elastic._model.ThroughputModel.fit` (one node: the executor's host).
@@ -136,12 +147,13 @@ def profile(executor: Executor, spec: JobSpec, sizes: Iterable[tuple[int, int]],
         raise ValueError("profile: expected at least one (gpus, batch_size) size, got none")
     if steps < 2 or warmup < 1:
         raise ValueError(f"profile: expected steps >= 2 and warmup >= 1, got steps={steps}, warmup={warmup}")
-    samples = []
-    for i, size in enumerate(sizes):
+    for size in sizes:  # all checked before any runs
         if len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in size):
             raise ValueError(f"profile: expected sizes as (gpus, batch_size) positive ints, got {size!r}")
-        gpus, batch = size
-        copy = dataclasses.replace(spec, name=f"{spec.name}-profile-{i}", total_steps=warmup + steps,
+    samples = []
+    token = secrets.token_hex(4)
+    for i, (gpus, batch) in enumerate(sizes):
+        copy = dataclasses.replace(spec, name=f"{spec.name}-profile-{token}-{i}", total_steps=warmup + steps,
                                    total_samples=None, checkpoint_dir=None, min_step_seconds=0.0)
         executor.launch(copy, Allocation(gpus=gpus, batch_size=batch, B=spec.B, goodput=0.0))
         status = executor.wait(copy.name, timeout=timeout)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -172,6 +172,9 @@ class ThroughputModel:
                 raise ValueError(f"samples[{i}]: expected nodes <= gpus, got nodes={n}, gpus={g}")
             t = _check_float(f"samples[{i}] seconds", s[4], 0.0, strict=True)
             rows.append((g, m, b, n, t))
+        if isinstance(gamma_grid, (str, bytes)) or not isinstance(gamma_grid, Iterable):
+            raise TypeError(f"gamma_grid: expected a sequence of gammas >= 1, got {type(gamma_grid).__name__} "
+                            f"{gamma_grid!r}")
         grid = tuple(_check_float("gamma_grid item", x, 1.0) for x in gamma_grid)
         if not grid:
             raise ValueError("gamma_grid: expected at least one gamma >= 1, got an empty sequence")
@@ -302,8 +305,8 @@ class Job:
 
     ``default_batch_size`` (``batch_sizes[0]`` when not given) and ``default_B``
     (``max(array_sizes)`` when not given) are what policies that do not adapt batch size or
-    array size use; ``requested_gpus`` is what a fixed (non-elastic) scheduler gives the job.
-    After construction both defaults are ints.
+    array size use; ``requested_gpus`` (``min_gpus`` when not given) is what a fixed
+    (non-elastic) scheduler gives the job. After construction all three are ints.
     """
 
     name: str
@@ -316,7 +319,7 @@ class Job:
     max_local_batch: int | None = None
     default_batch_size: int | None = None
     default_B: int | None = None
-    requested_gpus: int = 1
+    requested_gpus: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -351,7 +354,8 @@ class Job:
             s(self, "default_B", _check_int("default_B", self.default_B, 1))
             if self.default_B not in self.array_sizes:
                 raise ValueError(f"default_B: expected one of array_sizes {self.array_sizes}, got {self.default_B}")
-        s(self, "requested_gpus", _check_int("requested_gpus", self.requested_gpus, 1))
+        requested = self.min_gpus if self.requested_gpus is None else self.requested_gpus
+        s(self, "requested_gpus", _check_int("requested_gpus", requested, 1))
         hi = self.max_gpus if self.max_gpus is not None else math.inf
         if not self.min_gpus <= self.requested_gpus <= hi:
             raise ValueError(f"requested_gpus: expected between min_gpus={self.min_gpus} and "

@@ -399,11 +399,10 @@ def _make_job(name: str, arch: Archetype, gpus: int, rng: np.random.Generator, d
     if default_batch_mode == "memory" and arch.max_local_batch is not None and len(arch.array_sizes) == 1:
         per_gpu = arch.max_local_batch
     per_trial = arch.per_gpu_batch if len(arch.array_sizes) > 1 else per_gpu * gpus
-    default_batch = min(max(per_trial, batch_sizes[0]), batch_sizes[-1])
-    # A memory-bound archetype's default batch must fit its request at B = 1.
-    if arch.max_local_batch is not None:
-        while default_batch > batch_sizes[0] and default_batch > arch.max_local_batch * gpus:
-            default_batch //= 2
+    # The allowed batch size at or below it (a request of 24 GPUs scales to no power of two),
+    # and a memory-bound archetype's must fit its request at B = 1.
+    limit = per_trial if arch.max_local_batch is None else min(per_trial, arch.max_local_batch * gpus)
+    default_batch = max([b for b in batch_sizes if b <= limit], default=batch_sizes[0])
     fits = [b for b in arch.array_sizes
             if arch.max_local_batch is None or b * default_batch <= arch.max_local_batch * gpus]
     default_B = max(fits) if fits else min(arch.array_sizes)
@@ -452,6 +451,9 @@ def generate_trace(num_jobs: int, *, seed: int = 0, rate: float | None = None, l
     max_request = cluster_gpus if max_request is None else max_request
     if isinstance(max_request, bool) or not isinstance(max_request, int) or max_request < 1:
         raise ValueError(f"generate_trace: expected max_request an int >= 1, got {max_request!r}")
+    for nm, v in (("min_duration", min_duration), ("max_duration", max_duration), ("duration_scale", duration_scale)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(f"generate_trace: expected {nm} a number, got {type(v).__name__} {v!r}")
     if not (0 < min_duration <= max_duration):
         raise ValueError(f"generate_trace: expected 0 < min_duration <= max_duration, "
                          f"got {min_duration!r}, {max_duration!r}")
@@ -474,8 +476,8 @@ def generate_trace(num_jobs: int, *, seed: int = 0, rate: float | None = None, l
     if load_basis not in ("realized", "expected"):
         raise ValueError(f"generate_trace: expected load_basis 'realized' or 'expected', got {load_basis!r}")
     if rate is not None:
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not rate > 0:
-            raise ValueError(f"generate_trace: expected rate > 0 (jobs per second), got {rate!r}")
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate < math.inf:
+            raise ValueError(f"generate_trace: expected a finite rate > 0 (jobs per second), got {rate!r}")
         rate = float(rate)
     else:
         rate = rate_for_load(load, cluster_gpus, max_request=max_request, gpu_request_dist=req_dist,
