@@ -273,8 +273,9 @@ class Efficiency:
     "An Empirical Model of Large-Batch Training", 2018, as Pollux uses it): training with batch
     ``M`` needs ``1 / E(M)`` times as many samples as with ``M0`` to make the same progress.
     ``E(M0) = 1``; larger batches give less than 1 (close to 1 while ``M << phi``: the gradient
-    is noisy and a larger batch averages the noise away almost for free; about ``phi / M`` once
-    ``M >> phi``); a batch smaller than ``M0`` gives more than 1.
+    is noisy and a larger batch averages the noise away almost for free; about
+    ``(phi + M0) / M`` once ``M >> phi``, which is ``phi / M`` where ``M0 << phi``); a batch
+    smaller than ``M0`` gives more than 1.
     """
 
     base_batch_size: int
