@@ -30,6 +30,10 @@ CASES = {
     "linear_layer_norm": (lambda: nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7)), (3, 5)),
     "linear_rms_norm": (lambda: nn.Sequential(nn.Linear(5, 7), nn.RMSNorm(7)), (3, 5)),
     "conv_after_linear": (lambda: _LinearThenConv(), (2, 6)),
+    # torch.prelu casts under autocast; the array's per-model kernel has no rule of its own
+    # (a bf16 conv output met a float32 weight and raised; a float32 input stayed float32)
+    "conv_prelu": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.PReLU(4)), (2, 3, 6, 6)),
+    "linear_prelu": (lambda: nn.Sequential(nn.PReLU(), nn.Linear(5, 3), nn.PReLU()), (4, 5)),
 }
 
 

@@ -6,12 +6,22 @@ Parameter-free activations (ReLU, GELU, ...) need no array version: the plain
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import init
 
 from .._array import MAX_NDIM, check_channels, check_input
+from ..ops import _autocast
 from ._base import ArrayModule, stack_init
+
+
+@functools.lru_cache(maxsize=None)
+def _prelu_autocasts(device_type: str) -> bool:
+    """Whether torch's autocast casts ``aten::prelu`` on ``device_type`` (this build's rule)."""
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::prelu", key)
 
 __all__ = ["PReLU"]
 
@@ -59,4 +69,9 @@ class PReLU(ArrayModule):
         # torch.prelu reshapes its weight to broadcast over the input and calls
         # this kernel; a [B, ...] weight broadcasts the same way per model, and
         # autograd sums the weight gradient back to [B, P].
+        # (the kernel has no autocast rule of its own: cast as torch.prelu's rule casts, to the
+        # region's dtype where it has one, so that a bf16 conv's output meets a bf16 weight)
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and _prelu_autocasts(device):
+            x, w = _autocast._cast((x, w), device, torch.get_autocast_dtype(device))
         return torch._prelu_kernel(x, w)
