@@ -981,6 +981,10 @@ class _NormActivation(_capture.GraphTarget):
         save by the fusion: the torch path's fused backward recomputes z from x in several
         passes, where torch's own ReLU backward reads the saved output once (measured on the
         CPU: a fused ResNet-18 step spent 9 ms in that recomputation's ``where``)."""
+        if torch.compiler.is_compiling():
+            # The compiler fuses the pair itself, and the selection (a ContextVar) cannot be
+            # traced: the fused op, which the compiled graph dispatches on the selected backend.
+            return True
         op = "array_batch_norm" if isinstance(norm, _ArrayBatchNorm) else "array_layer_norm"
         return _backend.current(op, x.device, x.dtype) != "torch"
 

@@ -73,3 +73,35 @@ def test_compile_transformer(backend):
         lambda out: HF.cross_entropy(out.flatten(1, 2), tokens.flatten()),
         backend,
     )
+
+
+class _NormActs(nn.Module):
+    """A batch norm and a layer norm each followed by an activation: hfkern.fuse calls them
+    as one norm + activation, which read the backend selection (a ContextVar dynamo cannot
+    trace) and broke every such graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3)
+        self.bn = nn.BatchNorm2d(3)
+        self.fc = nn.Linear(3 * 4 * 4, 6)
+        self.ln = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.head(nn.functional.gelu(self.ln(self.fc(h.flatten(1)))))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_compile_fused_norms_with_activations(train):
+    torch._dynamo.reset()
+    B = 2
+    model = hfkern.fuse(_NormActs, B).train(train)
+    target = torch.randint(0, 4, (5,))
+    _check_compiled(
+        model,
+        lambda: (hfkern.broadcast(torch.randn(5, 1, 6, 6), B),),
+        lambda out: HF.cross_entropy(out, target),
+        "aot_eager",
+    )
