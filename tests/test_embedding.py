@@ -349,12 +349,15 @@ def test_opcheck(case):
     torch.library.opcheck(op, args)
 
 
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "shared", "batch_major"])
 @pytest.mark.parametrize("padding_idx,scale", [(-1, False), (2, True)])
-def test_opcheck_backward_ops_with_inputs_that_require_grad(shared, padding_idx, scale):
-    # Their autograd formulas (double backward) are registered, traced and checked.
+def test_opcheck_backward_ops_with_inputs_that_require_grad(layout, padding_idx, scale):
+    # Their autograd formulas (double backward) are registered, traced and checked; indices
+    # in [N, B] memory order failed the dynamic-shape trace of the frequency scaling.
     B = 3
-    idx = hfkern.broadcast(torch.randint(0, V, (4, 3)), B) if shared else torch.randint(0, V, (B, 4, 3))
+    idx = {"contiguous": lambda: torch.randint(0, V, (B, 4, 3)),
+           "shared": lambda: hfkern.broadcast(torch.randint(0, V, (4, 3)), B),
+           "batch_major": lambda: torch.randint(0, V, (4, B, 3)).transpose(0, 1)}[layout]()
     g = torch.randn(B, 4, 3, D, requires_grad=True)
     torch.library.opcheck(array_embedding_backward, (g, idx, V, padding_idx, scale))
     # AOTAutograd does not trace sparse outputs that require grad (aten's own

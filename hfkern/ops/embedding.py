@@ -91,10 +91,11 @@ def _offset_indices(indices: Tensor, num_weights: int) -> Tensor:
     dtype = torch.int64 if B * num_weights > _INT32_MAX else indices.dtype
     offsets = torch.arange(0, B * num_weights, num_weights, device=indices.device, dtype=dtype)
     offsets = offsets.view(B, *([1] * (indices.dim() - 1)))
-    # Written into a contiguous buffer so that indices with any strides (an
-    # [N, B] memory order, a broadcast) flatten without a second copy.
-    out = torch.empty(indices.shape, dtype=dtype, device=indices.device)
-    return torch.add(indices, offsets, out=out).view(-1)
+    # Indices with any strides (an [N, B] memory order, a broadcast) flatten through a
+    # contiguous copy of the sum. (An out= buffer saved that copy in eager mode, but traced
+    # with dynamic shapes the sum written into it kept the indices' strides, and the flat
+    # view of it failed.)
+    return (indices.to(dtype) + offsets).contiguous().view(-1)
 
 
 @_backend.implements(_FWD, "torch")
