@@ -105,3 +105,27 @@ def test_compile_fused_norms_with_activations(train):
         lambda out: HF.cross_entropy(out, target),
         "aot_eager",
     )
+
+
+def test_compiled_group_norm_does_not_recompile_per_batch_size():
+    # Its [B, N, C, ...] path ran torch's group norm with B * N * G groups, a plain int a
+    # trace specializes: a graph per batch size until dynamo's recompile limit, then eager.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    B = 3
+    gn = hnn.GroupNorm(2, 4, B=B)
+    with torch.no_grad():
+        gn.weight.uniform_(0.5, 1.5)
+        gn.bias.uniform_(-0.5, 0.5)
+    compiled = torch.compile(gn, backend="eager")
+    for n in range(2, 9):
+        x = torch.randn(B, n, 4, 3, 3, requires_grad=True)
+        out = compiled(x)
+        torch.testing.assert_close(out, gn(x))
+        gx, gw = torch.autograd.grad(out.sum(), (x, gn.weight))
+        wx, ww = torch.autograd.grad(gn(x).sum(), (x, gn.weight))
+        torch.testing.assert_close(gx, wx)
+        torch.testing.assert_close(gw, ww)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])

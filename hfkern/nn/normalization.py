@@ -246,6 +246,14 @@ class GroupNorm(ArrayModule):
         def per_sample(p: Tensor | None) -> Tensor | None:
             return None if p is None else p.unsqueeze(1).expand(B, N, C).reshape(-1)
 
+        if torch.compiler.is_compiling():
+            # group_norm's group count is a plain int, which a trace specializes: B * N * G
+            # would compile a graph per batch size. Normalized as B * N samples of G groups,
+            # the per-model affine applied after (the compiler fuses it).
+            xhat = torch.group_norm(x.reshape(B * N, C, *rest), G, None, None, self.eps, cudnn).view(x.shape)
+            shape = (B, 1, C) + (1,) * len(rest)
+            y = xhat * w.view(shape) if w is not None else xhat
+            return y + b.view(shape) if b is not None else y
         y = torch.group_norm(
             x.reshape(1, B * N * C, *rest), B * N * G, per_sample(w), per_sample(b), self.eps, cudnn
         )
