@@ -52,7 +52,8 @@ class _Checked:
     """What validating a group established, and the values it was established for."""
 
     values: tuple[Any, ...]  # the group's hyperparameter and flag objects, compared by identity
-    hypers: torch.Tensor  # [H, B]: the op's rows of the group's hyperparameter tensor
+    table: torch.Tensor  # [H + I, B]: the group's hyperparameters, the op's rows then the init ones
+    hypers: torch.Tensor  # [H, B]: the op's rows of table
     nonzero: dict[str, bool]  # per row name (spec rows, init hypers): whether any model's value is non-zero
 
 
@@ -87,10 +88,7 @@ def _place_state(optimizer: "ArrayOptimizer") -> None:
 # so these only say which values describe it; the optimizers take the ones their
 # torch namesakes take.
 _FOREACH_FUSED = ("foreach", "fused")
-_NOT_IMPLEMENTED = {
-    "capturable": "a step that CUDA graphs can capture with torch's capturable contract",
-    "differentiable": "autograd through the optimizer step",
-}
+_NOT_IMPLEMENTED = {"differentiable": "autograd through the optimizer step"}
 _COMPAT_DEFAULTS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
 
 
@@ -114,6 +112,14 @@ class ArrayOptimizer(Optimizer):
     Parameters of bfloat16/float16 keep float32 state; their update is computed in
     float32 and rounded into the parameter once.
 
+    Under ``torch.compile`` (``torch.compile(opt.step, fullgraph=True)`` or a
+    compiled training step) the step traces to its op calls; see
+    :meth:`_init_group` for what makes it trace again. Two differences from an
+    eager step: a value the step rejects raises while dynamo traces, as
+    dynamo's own error type with the message kept; and ``last_skipped`` is
+    written in place, one tensor per trace (dynamo drops attribute assignments
+    of an optimizer in a compiled step).
+
     torch's implementation keywords are accepted where the torch namesake takes
     them, so that training scripts port unchanged; they select nothing, because
     hfkern has one implementation: every step of a param group is one
@@ -131,8 +137,13 @@ class ArrayOptimizer(Optimizer):
       torch's fused implementation does (on CUDA the Triton backend runs the
       whole update in fused kernels; the torch backend composes it of
       multi-tensor ops). False raises a ValueError.
-    * ``capturable``, ``differentiable``: False (default); True raises a
-      NotImplementedError.
+    * ``capturable``: False (default) or True. The step is always what torch
+      calls capturable: its step counts live on the parameters' device and it
+      reads no device value on the host, so CUDA graphs capture it
+      (:func:`hfkern.capture_step`) with either value. ``torch.compile`` sets
+      it to True on the CUDA param groups of an optimizer whose step it
+      compiles first, as it does for torch's optimizers.
+    * ``differentiable``: False (default); True raises a NotImplementedError.
 
     They are stored in ``defaults`` and every param group, as torch stores them.
 
@@ -225,20 +236,21 @@ class ArrayOptimizer(Optimizer):
 
     def _update(
         self,
-        group: dict[str, Any],
-        checked: _Checked,
+        kept: tuple[str, ...],
+        flags: tuple[bool, ...],
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
-        states: list[dict[str, torch.Tensor]],
-        kept: tuple[str, ...],
+        hypers: torch.Tensor,
+        states: list[torch.Tensor],
         skip: torch.Tensor | None,
     ) -> None:
-        """Call the op on the parameters of ``group`` that have gradients (``kept``: their state keys)."""
+        """Call the op on one group's parameters that have gradients: ``states`` holds their
+        state tensors key by key in the order of ``kept`` (as :meth:`_init_group` gathers them)."""
         spec = self._spec
-        lists = [[s[key] for s in states] if key in kept else [] for _, key, _ in spec.states]
-        steps = [s["step"] for s in states] if "step" in kept else []
-        flags = [checked.nonzero[row] if (row := spec.value_flag(f)) else group[f] for f in spec.flags]
-        args = (params, grads, *lists, steps, checked.hypers, *flags, skip)
+        n = len(params)
+        by_key = {key: states[i * n:(i + 1) * n] for i, key in enumerate(kept)}
+        lists = [by_key.get(key, []) for _, key, _ in spec.states]
+        args = (params, grads, *lists, by_key.get("step", []), hypers, *flags, skip)
         # The torch implementation's in-place ops bump the version counters themselves, which
         # the op does for a kernel backend's writes (autograd's check for saved tensors).
         if _backend.eager_torch(spec.op, params[0].device):
@@ -323,7 +335,7 @@ class ArrayOptimizer(Optimizer):
                 raise TypeError(f"{name}: {k} must be None or a bool, got {type(value).__name__} {value!r}")
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: {k} must be a bool, got {type(value).__name__} {value!r}")
-            if value:
+            if value and k in _NOT_IMPLEMENTED:
                 raise NotImplementedError(
                     f"{name}: {k}=True ({_NOT_IMPLEMENTED[k]}) is not implemented for array optimizers; "
                     f"pass {k}=False"
@@ -375,15 +387,26 @@ class ArrayOptimizer(Optimizer):
         )
         # The op's rows first, in its order; the values that only initialize state after them.
         rows = self._spec.rows + self._init_hypers
-        pack = torch.stack([per_model[r] for r in rows]).to(device=self._device, dtype=dtype)
-        stored = dict(zip(rows, pack.unbind(0)))
+        table = torch.stack([per_model[r] for r in rows]).to(device=self._device, dtype=dtype)
+        return self._store(group, table, {k: bool((v != 0).any()) for k, v in per_model.items()})
+
+    def _store(self, group: dict[str, Any], table: torch.Tensor, nonzero: dict[str, bool]) -> _Checked:
+        """Make ``group``'s hyperparameters ``[B]`` views of the rows of ``table`` (validated
+        values, on the device) and record them as checked. The views are new objects, and a
+        compiled step guards on their identity (see :meth:`_init_group`): storing anew is
+        what makes it trace again, for new values and for work switched on or off."""
+        stored = dict(zip(self._spec.rows + self._init_hypers, table.unbind(0)))
+        for t in stored.values():
+            torch._dynamo.mark_static_address(t, guard=True)
         for k in self._hypers + self._init_hypers:
             pair = self._spec.pair(k)
             group[k] = tuple(stored[r] for r in pair) if pair else stored[k]
+        keys = self._hypers + self._init_hypers + self._flags + self._compat
         checked = _Checked(
             values=tuple(group[k] for k in keys),
-            hypers=pack[: len(self._spec.rows)],
-            nonzero={k: bool((v != 0).any()) for k, v in per_model.items()},
+            table=table,
+            hypers=table[: len(self._spec.rows)],
+            nonzero=nonzero,
         )
         self._checked[id(group)] = (group, checked)
         return checked
@@ -429,38 +452,85 @@ class ArrayOptimizer(Optimizer):
         """
         if skip is not None:
             self._check_skip(skip)
-        graphs.note_optimizer(self)  # a captured step re-captures when the parameter groups change
+        if not torch.compiler.is_compiling():
+            graphs.note_optimizer(self)  # a captured step re-captures when the parameter groups change
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Every group is validated before any is updated: a bad value leaves all models as they were.
-        work = []
-        for group in self.param_groups:
-            checked = self._check_group(group)
-            params = [p for p in group["params"] if p.grad is not None]
-            for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__}: sparse gradients are not supported for array parameters"
-                    )
-            work.append((group, checked, params))
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        hypers: list[torch.Tensor] = []
+        states: list[torch.Tensor] = []
+        layout = self._init_group(params, grads, hypers, states)
         mask = skip
-        if self.skip_nonfinite:
-            grads = [p.grad for _, _, params in work for p in params]
-            if grads:
-                bad = ops.nonfinite_models(grads)
-                mask = bad if skip is None else skip | bad
-        for group, checked, params in work:
-            if params:
-                keys = self._state_keys(group, checked)
-                states = [self._state_of(p, group, keys) for p in params]
-                self._update(group, checked, params, [p.grad for p in params], states, keys, mask)
-        if mask is None:
+        if self.skip_nonfinite and grads:
+            bad = ops.nonfinite_models(grads)
+            mask = bad if skip is None else skip | bad
+        i = j = 0
+        for table, (n, kept, flags) in zip(hypers, layout):
+            if n:
+                m = n * len(kept)
+                self._update(kept, flags, params[i:i + n], grads[i:i + n], table, states[j:j + m], mask)
+                i, j = i + n, j + m
+        if torch.compiler.is_compiling():
+            # dynamo drops an optimizer's attribute assignments in a compiled step
+            # (pytorch/pytorch#171590): the step writes into the tensor _init_group made.
+            if mask is None:
+                self.last_skipped.zero_()
+            else:
+                self.last_skipped.copy_(mask)
+        elif mask is None:
             self.last_skipped = torch.zeros(self.B, dtype=torch.bool, device=self._device)
         else:
             self.last_skipped = mask.clone() if mask is skip else mask
         return loss
+
+    def _init_group(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        hypers: list[torch.Tensor],
+        states: list[torch.Tensor],
+    ) -> tuple[tuple[int, tuple[str, ...], tuple[bool, ...]], ...]:
+        """Validate every param group, then gather the step's work into the (empty) lists:
+        the parameters with gradients and their gradients, group by group; each group's
+        ``[H, B]`` hyperparameter table; their state tensors (created where missing),
+        group by group and in each group key by key. Returns, per group, its number of
+        parameters with gradients, its state keys and the op's bool options. A bad value
+        in any group raises before any state is created or any model changes.
+
+        Under ``torch.compile`` dynamo runs this method eagerly while tracing, as it runs
+        the ``_init_group`` of torch's optimizers, and guards on what it read (the groups'
+        values, the state, which parameters have gradients): the traced step is the op
+        calls alone, and a value assigned anew to a group (a float, a new tensor: the
+        stored ones are guarded by identity) makes the next call trace again, and so
+        validate it. The step reads ``param_groups`` only here, so that dynamo guards on
+        the groups as validation leaves them. A compiled step writes ``last_skipped``
+        in place, into a tensor made here at each trace.
+        """
+        name = type(self).__name__
+        checked = []
+        for group in self.param_groups:
+            checked.append(self._check_group(group))
+            if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
+                raise RuntimeError(f"{name}: sparse gradients are not supported for array parameters")
+        spec = self._spec
+        layout = []
+        for group, c in zip(self.param_groups, checked):
+            flags = tuple(c.nonzero[row] if (row := spec.value_flag(f)) else group[f] for f in spec.flags)
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            kept = self._state_keys(group, c) if with_grad else ()
+            per_param = [self._state_of(p, group, kept) for p in with_grad]
+            params += with_grad
+            grads += [p.grad for p in with_grad]
+            hypers.append(c.hypers)
+            for key in kept:
+                states += [state[key] for state in per_param]
+            layout.append((len(with_grad), kept, flags))
+        if torch.compiler.is_compiling():  # tracing: the compiled step's last_skipped
+            self.last_skipped = torch.zeros(self.B, dtype=torch.bool, device=self._device)
+        return tuple(layout)
 
     def _state_of(self, p: torch.Tensor, group: dict[str, Any], keys: tuple[str, ...]) -> dict:
         state = self.state[p]
@@ -525,9 +595,11 @@ class ArrayOptimizer(Optimizer):
         written then.
 
         The values are written in place into the ``[B]`` hyperparameter rows
-        (the other models' values and the tensors' identities are kept), and the
-        group is re-validated, so that a value switches on work that every
-        model had off (weight decay, momentum). A momentum switched on for
+        (the other models' values and the memory are kept), and the group is
+        re-validated, so that a value switches on work that every model had
+        off (weight decay, momentum); where it does, or switches work off, the
+        group's ``[B]`` rows become new tensor objects viewing the same memory,
+        so that a compiled step traces again and a captured one re-captures. A momentum switched on for
         model b continues as torch's optimizer would after the same change (see
         the class docstring: SGD's buffer starts from the next gradient unless
         model b had one before); call :meth:`reset_state` too for a new model's
@@ -591,12 +663,12 @@ class ArrayOptimizer(Optimizer):
             with torch.no_grad():
                 for row in new_rows:
                     _stored(g, row, self._spec)[b].fill_(float(per_model[row][b]))
-            # Re-validated: the stored tensors are the same objects, but which work
-            # some model needs (weight decay, momentum) follows the new values.
-            self._checked[id(g)] = (g, _Checked(
-                values=checked.values, hypers=checked.hypers,
-                nonzero={k: bool((v != 0).any()) for k, v in per_model.items()},
-            ))
+            # Re-validated: which work some model needs (weight decay, momentum) follows
+            # the new values. Where that changes, the group gets new views of the same
+            # memory, so that a compiled step traces again (a captured one re-captures).
+            nonzero = {k: bool((v != 0).any()) for k, v in per_model.items()}
+            if nonzero != checked.nonzero:
+                self._store(g, checked.table, nonzero)
             if "lr" in new_rows:
                 # The schedulers use their float64 record only while it rounds to
                 # group["lr"]: model b's entry follows, so the others keep theirs.
