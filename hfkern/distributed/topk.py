@@ -73,7 +73,12 @@ own (residuals differ between ranks).
 
 The step counter advances after the last bucket of a backward pass
 (``bucket.is_last()``); the selection's seed of a bucket is a function of
-``(seed, step, bucket index)``, so a restart reproduces the same selections.
+``(seed, step, bucket index)``, so a restart reproduces the same selections
+over the same buckets: a model whose gradients fit one bucket continues bit for
+bit; with several, the first step after a restart selects over DDP's initial
+layout where the uninterrupted run had the rebuilt one (what it did not send
+stays in the residuals); later steps use the same buckets and seeds again, on
+values that differ by that step.
 """
 
 import logging
