@@ -393,11 +393,9 @@ class ArrayOptimizer(Optimizer):
     def _store(self, group: dict[str, Any], table: torch.Tensor, nonzero: dict[str, bool]) -> _Checked:
         """Make ``group``'s hyperparameters ``[B]`` views of the rows of ``table`` (validated
         values, on the device) and record them as checked. The views are new objects, and a
-        compiled step guards on their identity (see :meth:`_init_group`): storing anew is
-        what makes it trace again, for new values and for work switched on or off."""
+        compiled step guards on their identity (:meth:`_init_group` marks them): storing
+        anew is what makes it trace again, for new values and for work switched on or off."""
         stored = dict(zip(self._spec.rows + self._init_hypers, table.unbind(0)))
-        for t in stored.values():
-            torch._dynamo.mark_static_address(t, guard=True)
         for k in self._hypers + self._init_hypers:
             pair = self._spec.pair(k)
             group[k] = tuple(stored[r] for r in pair) if pair else stored[k]
@@ -528,7 +526,11 @@ class ArrayOptimizer(Optimizer):
             for key in kept:
                 states += [state[key] for state in per_param]
             layout.append((len(with_grad), kept, flags))
-        if torch.compiler.is_compiling():  # tracing: the compiled step's last_skipped
+        if torch.compiler.is_compiling():  # dynamo is tracing the step
+            for group in self.param_groups:
+                for k in self._hypers + self._init_hypers:
+                    for t in group[k] if self._spec.pair(k) else (group[k],):
+                        torch._dynamo.mark_static_address(t, guard=True)  # guarded by identity
             self.last_skipped = torch.zeros(self.B, dtype=torch.bool, device=self._device)
         return tuple(layout)
 
