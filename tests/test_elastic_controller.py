@@ -71,14 +71,15 @@ def test_autoscaler_rescales_the_long_job_when_the_short_one_ends(executor):
 def test_profile_measures_step_times_for_the_fit(executor):
     samples = profile(executor, _spec("p", steps=1), [(1, 32), (2, 64)], steps=4, timeout=120)
     assert [(g, b, B, nodes) for g, b, B, nodes, _ in samples] == [(1, 32, 1, 1), (2, 64, 1, 1)]
-    assert all(0 < t < 5 for *_, t in samples)
+    # A step time, not a timeout's or a launch's (a loose bound: CI machines are loaded).
+    assert all(0 < t < 30 for *_, t in samples)
     # Two sizes do not pin down the four parameters of a model: fit refuses them.
     with pytest.raises(ValueError):
         ThroughputModel.fit(samples)
     # A second call runs again, in directories of its own (it reused the first's names: "has
     # finished; it cannot be launched again", or in a new process read the old run's log back).
     again = profile(executor, _spec("p", steps=1), [(1, 32)], steps=2, timeout=120)
-    assert [s[:4] for s in again] == [(1, 32, 1, 1)] and 0 < again[0][4] < 5
+    assert [s[:4] for s in again] == [(1, 32, 1, 1)] and 0 < again[0][4] < 30
 
 
 class _Unused(Executor):
