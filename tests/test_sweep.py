@@ -230,6 +230,53 @@ def test_a_refill_must_agree_on_one_per_array_arguments_it_does_not_give():
         cases.runner(study, optimizer_kwargs=lambda p: {"lr": p["lr"], "momentum": 0.9,
                                                         **({"nesterov": True} if p["lr"] < 0.01 else {})},
                      B=1).run(n_trials=2)
+    # The refilling trial is failed (counted: the error is its result), not left running.
+    assert [t.state for t in study.trials] == [TrialState.PRUNED, TrialState.FAIL]
+    assert study.trials[1].user_attrs[OUTCOME_ATTR] == "error" and study.trials[1].user_attrs[COUNTED_ATTR]
+
+
+def test_an_error_placing_a_refilled_trial_fails_it_and_the_held_trials():
+    """Trial 2's model raises as it refills pruned trial 0's slot: run() raises it, and trial 2, with
+    trial 1 still training, is failed (counted: the error is their result), none left running."""
+    def model(params):
+        if params["lr"] == 0.02:
+            raise RuntimeError("the user's model factory fails")
+        return cases.model(params)
+
+    study = new_study(pruner=cases.PruneNumbers({0}))
+    for lr in (0.01, 0.03, 0.02):
+        study.enqueue_trial({"lr": lr, "momentum": 0.5})
+    with pytest.raises(RuntimeError, match="the user's model factory fails"):
+        cases.runner(study, model=model, B=2).run(n_trials=4)
+    assert [t.state for t in study.trials] == [TrialState.PRUNED, TrialState.FAIL, TrialState.FAIL]
+    for t in study.trials[1:]:
+        assert t.user_attrs[OUTCOME_ATTR] == "error" and t.user_attrs[COUNTED_ATTR], t.number
+    assert hs.counted_trials(study) == 3
+
+
+@pytest.mark.parametrize("where", ["space", "sizing"])
+def test_an_error_filling_a_new_array_fails_the_trials_it_took(where):
+    """An error while a new array is filled (the user's space for its third trial, or the user's
+    optimizer_kwargs as the runner sizes the array from its first) fails every trial taken for
+    it (counted: the error is their result), none left running."""
+    def space(trial):
+        if where == "space" and trial.number == 2:
+            raise ValueError("the user's space fails")
+        return cases.space(trial)
+
+    def optimizer_kwargs(p):
+        if where == "sizing":
+            raise ValueError("the user's optimizer_kwargs fails")
+        return {"lr": p["lr"], "momentum": p["momentum"]}
+
+    study = new_study()
+    with pytest.raises(ValueError, match="the user's .* fails"):
+        cases.runner(study, space=space, optimizer_kwargs=optimizer_kwargs,
+                     B=3 if where == "space" else None).run(n_trials=6)
+    assert len(study.trials) == (3 if where == "space" else 1)
+    for t in study.trials:
+        assert t.state == TrialState.FAIL and t.user_attrs[OUTCOME_ATTR] == "error", t.number
+        assert t.user_attrs[COUNTED_ATTR]
 
 
 def test_a_lone_beta_takes_the_optimizers_default_for_the_other():

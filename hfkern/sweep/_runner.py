@@ -281,9 +281,11 @@ class Runner:
             trial whose loss or value becomes NaN or infinite; its array goes on.
         checkpoint: a file the runner saves its arrays and held trials to (at
             every ``checkpoint_every``-th report). A runner started again with
-            the same checkpoint resumes the trials it held; without it, a
-            killed runner's trials are failed once their heartbeat expires
-            (:func:`hfkern.sweep.storage`) and retried.
+            the same checkpoint resumes the trials it held, also after their
+            heartbeat expired (those another runner failed as lost meanwhile
+            are retried instead); without it, a killed runner's trials are
+            failed once their heartbeat expires (:func:`hfkern.sweep.storage`)
+            and retried.
         checkpoint_every: reports between two checkpoints.
         name: the runner's name in its trials' user attributes (default: host
             and checkpoint path, or host and process id without a checkpoint).
@@ -532,12 +534,45 @@ class Runner:
         return self._n_trials - sum(counts(t) and t.state != TrialState.WAITING
                                     for t in self.study.get_trials(deepcopy=False))
 
-    def _ask(self) -> _Entry:
-        with warnings.catch_warnings():
-            # "Heartbeat of storage is supposed to be used with Study.optimize": this runner
-            # records the heartbeats itself (_beat).
-            warnings.filterwarnings("ignore", message="Heartbeat of storage")
-            trial = self.study.ask()
+    def _next_trial(self) -> Trial | None:
+        """A new trial from the study while the budget lasts (``study.ask()``: a waiting trial
+        first), else a waiting retry of a lost trial (:meth:`_take_retry`); None when neither."""
+        if self._budget_left() > 0:
+            with warnings.catch_warnings():
+                # "Heartbeat of storage is supposed to be used with Study.optimize": this runner
+                # records the heartbeats itself (_beat).
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                return self.study.ask()
+        return None if self._stop_asking else self._take_retry()
+
+    def _take_retry(self) -> Trial | None:
+        """A retry of a lost trial waiting in the study, taken (RUNNING) by this runner, or None.
+
+        Retries are run whatever the budget: a lost trial does not count, so its retry runs in
+        its place, and the budget has room for it unless the study was taken past ``n_trials``
+        (two runners asking at once): a runner that dies holding k trials then leaves k retries
+        and a budget of fewer, and the others would leave the rest WAITING. A retry is taken as
+        ``study.ask()`` takes a waiting trial (the first to set it RUNNING has it), but only a
+        retry: a trial enqueued past the budget stays waiting.
+        """
+        storage = self.study._storage
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            if "failed_trial" not in t.system_attrs:  # Optuna's mark of a retry
+                continue
+            try:
+                if not storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                    continue  # taken by another runner
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue
+            return Trial(self.study, t._trial_id)
+        return None
+
+    def _ask(self) -> _Entry | None:
+        """The next trial (:meth:`_next_trial`), its parameters drawn and checked; None when there
+        is none to run."""
+        trial = self._next_trial()
+        if trial is None:
+            return None
         try:
             params = self._space(trial)
             if not isinstance(params, Mapping) or not all(isinstance(k, str) for k in params):
@@ -569,21 +604,32 @@ class Runner:
         key = tuple(sorted((k, _hashable(v)) for k, v in params.items() if k not in self.fusible))
         return _Entry(trial, params, seed, key)
 
-    def _fail(self, trial: Trial, outcome: str, counted: bool) -> None:
+    def _fail(self, trial: Trial, outcome: str, counted: bool) -> bool:
+        """Tell ``trial`` failed with ``outcome``; False (logged) where it was finished elsewhere."""
         try:
             trial.set_user_attr(OUTCOME_ATTR, outcome)
             if counted:
                 trial.set_user_attr(COUNTED_ATTR, True)
             self.study.tell(trial, state=TrialState.FAIL)
-        except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError):
-            pass  # already finished (failed as stale by another runner)
+        except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError) as err:
+            self._finished_elsewhere(trial, err)
+            return False
+        return True
 
-    def _tell(self, entry: _Entry, **kwargs: Any) -> None:
+    def _tell(self, entry: _Entry, **kwargs: Any) -> bool:
+        """Tell ``entry``'s trial finished; False (logged) where it was finished elsewhere."""
         try:
             self.study.tell(entry.trial, **kwargs)
         except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError) as err:
-            # Another runner failed it as stale (this runner's heartbeat lapsed).
-            _log.warning("trial %d was finished elsewhere: %s", entry.trial.number, err)
+            self._finished_elsewhere(entry.trial, err)
+            return False
+        return True
+
+    @staticmethod
+    def _finished_elsewhere(trial: Trial, err: BaseException) -> None:
+        _log.warning("trial %d was finished elsewhere, failed as lost by another runner (this runner's heartbeats "
+                     "lapsed past the grace period); dropped, not counted here, its retry runs in its place: %s",
+                     trial.number, err)
 
     @property
     def in_flight(self) -> int:
@@ -797,44 +843,53 @@ class Runner:
                 return self._queue.pop(i)
         return None
 
-    def _ask_for(self, key: tuple) -> _Entry | None:
-        """Ask one trial: returned if it belongs to ``key``'s array, else queued (None); None without budget."""
-        if self._budget_left() <= 0:
-            return None
+    def _ask_for(self, key: tuple) -> tuple[bool, _Entry | None]:
+        """Ask one trial (:meth:`_ask`): ``(True, trial)`` if it belongs to ``key``'s array,
+        ``(True, None)`` if it went to the queue (another group's), ``(False, None)`` when there is
+        none to run."""
         entry = self._ask()
+        if entry is None:
+            return False, None
         if entry.key == key:
-            return entry
+            return True, entry
         self._queue.append(entry)
-        return None
+        return True, None
 
     def _start_array(self) -> _Array | None:
-        """Build the next array from the queue and new trials; None when nothing is left to run."""
+        """Build the next array from the queue and new trials; None when nothing is left to run.
+
+        The trials it takes stay held whatever raises (the user's ``space``, ``model``, their
+        checks): they go back to the front of the queue, and :meth:`run` fails them."""
         if not self._queue:
-            if self._budget_left() <= 0:
+            entry = self._ask()
+            if entry is None:
                 return None
-            self._queue.append(self._ask())
+            self._queue.append(entry)
         key = self._queue[0].key
         entries = []
-        while len(entries) < (self.B or 1) and (e := self._take_queued(key)) is not None:
-            entries.append(e)
-        if self.B is None:
-            self.B = self._choose_B(entries[0])
-        while len(entries) < self.B and len(self._queue) < 2 * self.B:
-            e = self._ask_for(key)
-            if e is not None:
-                entries.append(e)
-            elif self._budget_left() <= 0:
-                break
-        while len(entries) < self.B and (e := self._take_queued(key)) is not None:
-            entries.append(e)
-        B = min(self.B, len(entries) + max(self._budget_left(), 0))
         try:
+            while len(entries) < (self.B or 1) and (e := self._take_queued(key)) is not None:
+                entries.append(e)
+            if self.B is None:
+                self.B = self._choose_B(entries[0])
+            while len(entries) < self.B and len(self._queue) < 2 * self.B:
+                asked, e = self._ask_for(key)
+                if not asked:
+                    break
+                if e is not None:
+                    entries.append(e)
+            while len(entries) < self.B and (e := self._take_queued(key)) is not None:
+                entries.append(e)
+            B = min(self.B, len(entries) + max(self._budget_left(), 0))
             return self._new_array(entries, B)
         except BaseException:
             self._queue[:0] = entries  # still held: run() fails them
             raise
 
     def _refill(self, a: _Array) -> None:
+        """Fill the idle slots of ``a`` with queued trials of its group, else new ones. A trial
+        whose placing raises (its ``model``, its arguments' checks) stays held: it goes back to the
+        front of the queue, and :meth:`run` fails it."""
         for b in range(a.B):
             if a.slots[b] is not None:
                 continue
@@ -842,10 +897,14 @@ class Runner:
             if entry is None:
                 if self._queue:  # other arrays wait: let this one drain instead of growing the queue
                     break
-                entry = self._ask_for(a.key)
-                if entry is None:
+                _, entry = self._ask_for(a.key)
+                if entry is None:  # none to run, or queued for another group
                     break
-            self._place(a, b, entry)
+            try:
+                self._place(a, b, entry)
+            except BaseException:
+                self._queue.insert(0, entry)
+                raise
 
     def _compact_if_draining(self, a: _Array) -> _Array:
         """Rebuild the array around its trials when refilling left half of its slots or more idle.
@@ -1032,25 +1091,31 @@ class Runner:
             entry, v = a.slots[b], values[b]
             r = entry.step // a.settings.report_every
             if bad[b] or not math.isfinite(v):
+                # Counted where told here (not where another runner failed it as lost meanwhile).
                 if self.on_nonfinite == "prune":
-                    self._tell(entry, state=TrialState.PRUNED)
-                    self._tally["pruned"] += 1
-                else:
-                    self._fail(entry.trial, "nonfinite", counted=True)
+                    if self._tell(entry, state=TrialState.PRUNED):
+                        self._tally["pruned"] += 1
+                elif self._fail(entry.trial, "nonfinite", counted=True):
                     self._tally["failed"] += 1
                 self._free(a, b)
                 continue
-            if r > entry.reported:  # a resumed trial repeats reports the study already has
-                entry.trial.report(v, r)
-                entry.reported = r
-            # As Optuna's own loop (report, then ask the pruner) does, also at the last report.
-            if entry.trial.should_prune():
-                self._tell(entry, state=TrialState.PRUNED)
-                self._tally["pruned"] += 1
+            try:
+                if r > entry.reported:  # a resumed trial repeats reports the study already has
+                    entry.trial.report(v, r)
+                    entry.reported = r
+                # As Optuna's own loop (report, then ask the pruner) does, also at the last report.
+                prune = entry.trial.should_prune()
+            except optuna.exceptions.UpdateFinishedTrialError as err:
+                self._finished_elsewhere(entry.trial, err)  # its retry runs in its place
+                self._free(a, b)
+                continue
+            if prune:
+                if self._tell(entry, state=TrialState.PRUNED):
+                    self._tally["pruned"] += 1
                 self._free(a, b)
             elif entry.step >= a.settings.total_steps:
-                self._tell(entry, values=v)
-                self._tally["completed"] += 1
+                if self._tell(entry, values=v):
+                    self._tally["completed"] += 1
                 self._free(a, b)
 
     @staticmethod
@@ -1059,10 +1124,13 @@ class Runner:
         a.idle[b] = True
 
     def _beat(self, trials: list[Trial]) -> None:
+        self._beat_ids([t._trial_id for t in trials])
+
+    def _beat_ids(self, trial_ids: Iterable[int]) -> None:
         storage = self.study._storage
         if optuna.storages._heartbeat.is_heartbeat_enabled(storage):
-            for t in trials:
-                storage.record_heartbeat(t._trial_id)
+            for trial_id in trial_ids:
+                storage.record_heartbeat(trial_id)
 
     # ---- the loop --------------------------------------------------------------------
     def run(self, n_trials: int, timeout: float | None = None) -> SweepSummary:
@@ -1073,16 +1141,23 @@ class Runner:
         ask at the same moment may take the study one or two trials past it.
         On a storage with heartbeats (:func:`hfkern.sweep.storage`), a runner
         with nothing left to ask waits while other runners' trials run: if one
-        of those runners dies, its trials are failed after the grace period,
-        retried, and run here, so the study still ends with ``n_trials``. A
+        of those runners dies, its trials are failed as lost after the grace
+        period, retried, and run here, so the study still ends with
+        ``n_trials``. A waiting retry of a lost trial is always run, whatever
+        the budget (a study taken past ``n_trials`` stays as far past it). A
+        trial of this runner's that another runner failed as lost meanwhile
+        (this runner's heartbeats lapsed) is dropped at its next report and
+        not counted in the summary. A
         running trial without a heartbeat (asked by a client that records
         none) would never be failed so: it is not waited for once it is older
         than the grace period, and a warning names it.
         Samplers given one seed in several processes propose the same
         parameters: seed them differently per process (or not at all).
         ``timeout`` (seconds): no new trial is asked after it; held trials
-        finish. On an exception, the held trials are told failed and it is
-        raised again. The summary counts this call's work only.
+        finish. On an exception (the user's ``space``, ``model`` or their
+        checks included), the held trials, the one being placed among them,
+        are told failed (``"error"``, counted) and it is raised again. The
+        summary counts this call's work only.
         """
         self._n_trials = self._positive(n_trials, "n_trials")
         if timeout is not None and not (_is_number(timeout) and timeout > 0):
@@ -1212,14 +1287,16 @@ class Runner:
         return awaited
 
     def _fail_stale(self) -> None:
-        with warnings.catch_warnings():  # experimental since Optuna 2.9, and what heartbeats are for
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(self.study)
+        """Fail the stale trials of runners that died as lost, and retry them
+        (:func:`hfkern.sweep._storage.fail_stale_trials`)."""
+        _storage.fail_stale_trials(self.study)
 
     def _recover(self) -> None:
-        """Resume what the checkpoint holds; fail this runner's trials it does not hold; fail stale trials."""
-        self._fail_stale()
-        held: set[int] = {e.trial._trial_id for e in self._held()}
+        """Resume what the checkpoint holds; fail this runner's trials it does not hold; fail stale trials.
+
+        The checkpoint's trials still RUNNING get a heartbeat before stale trials are failed: a
+        runner started again after the grace period resumes them (they are its own, not lost)."""
+        state = None
         if self.checkpoint and os.path.exists(self.checkpoint) and not self._arrays and not self._queue:
             # The checkpoint is this runner's own file; it holds optimizer and scheduler
             # state with Python objects (a LambdaLR's functions), so it is loaded whole.
@@ -1227,11 +1304,18 @@ class Runner:
             if state.get("version") not in (1, _CHECKPOINT_VERSION) or state.get("study") != self.study.study_name:
                 raise ValueError(f"Runner: checkpoint {self.checkpoint!r} belongs to study {state.get('study')!r} "
                                  f"(format {state.get('version')}), not to {self.study.study_name!r}")
+            arrays = state["arrays"] if "arrays" in state else [a for a in (state["array"],) if a is not None]
+            saved_ids = [s["trial_id"] for s in state["queue"]]
+            saved_ids += [s["trial_id"] for saved in arrays for s in saved["slots"] if s is not None]
+            storage = self.study._storage
+            self._beat_ids(i for i in saved_ids if storage.get_trial(i).state == TrialState.RUNNING)
+        self._fail_stale()
+        held: set[int] = {e.trial._trial_id for e in self._held()}
+        if state is not None:
             self.B = self.B or state["B"]
             if self.strategy is None:  # the strategy a memory budget planned (a given one stays)
                 self.strategy = state.get("strategy")
             self._queue = [e for e in map(self._entry_from, state["queue"]) if e is not None]
-            arrays = state["arrays"] if "arrays" in state else [a for a in (state["array"],) if a is not None]
             for saved in arrays:
                 slots = [None if s is None else self._entry_from(s) for s in saved["slots"]]
                 if any(s is not None for s in slots):
@@ -1242,16 +1326,11 @@ class Runner:
             held = {e.trial._trial_id for e in self._held()}
         lost = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                 if t.user_attrs.get(RUNNER_ATTR) == self.name and t._trial_id not in held]
-        storage = self.study._storage
-        retry = (getattr(storage, "get_heartbeat_stale_trial_callback", None)
-                 or getattr(storage, "get_failed_trial_callback", lambda: None))()
         for t in lost:
-            trial = Trial(self.study, t._trial_id)
-            self._fail(trial, "lost", counted=False)
-            if retry is not None:  # as Optuna retries a stale trial, less the outcome of this try
-                frozen = copy.deepcopy(storage.get_trial(t._trial_id))
-                frozen.user_attrs.pop(OUTCOME_ATTR, None)
-                retry(self.study, frozen)
+            # Retried as Optuna retries a stale trial, once: only where this runner failed it (another
+            # runner may have failed it as stale meanwhile, and retried it).
+            if self._fail(Trial(self.study, t._trial_id), "lost", counted=False):
+                _storage.retry(self.study, self.study._storage.get_trial(t._trial_id))
 
     def _resume_array(self, slots: list[_Entry | None], saved: dict[str, Any]) -> _Array:
         """Rebuild the checkpointed array with the trials still running; the others' slots become idle."""
