@@ -635,6 +635,24 @@ def test_a_checkpoint_of_two_arrays_in_flight_resumes_both(tmp_path):
         check_alone(t)
 
 
+def test_an_error_resuming_a_checkpointed_array_fails_its_trials(tmp_path):
+    """The user's model raises as a restarted runner rebuilds its checkpointed array: run() raises
+    it, and the array's trials are failed (counted: the error is their result), none left running."""
+    ckpt = tmp_path / "runner.pt"
+    study = new_study()
+    run_until_killed(study, ckpt, 2, evaluations=2, strategy=hfkern.plan.Strategy(B=2))
+    assert [t.state for t in study.trials] == [TrialState.RUNNING] * 2
+
+    def model(params):
+        raise RuntimeError("the user's model factory fails")
+
+    with pytest.raises(RuntimeError, match="the user's model factory fails"):
+        resume(study, ckpt, model=model, strategy=hfkern.plan.Strategy(B=2)).run(n_trials=2)
+    for t in study.trials:
+        assert t.state == TrialState.FAIL and t.user_attrs[OUTCOME_ATTR] == "error", t.number
+        assert t.user_attrs[COUNTED_ATTR]
+
+
 @pytest.mark.long
 def test_a_resumed_runner_keeps_the_strategy_its_memory_budget_planned(tmp_path):
     ckpt = tmp_path / "runner.pt"

@@ -1319,7 +1319,11 @@ class Runner:
             for saved in arrays:
                 slots = [None if s is None else self._entry_from(s) for s in saved["slots"]]
                 if any(s is not None for s in slots):
-                    self._arrays.append(self._resume_array(slots, saved))
+                    try:
+                        self._arrays.append(self._resume_array(slots, saved))
+                    except BaseException:  # the user's model, its checks: still held, run() fails them
+                        self._queue[:0] = [e for e in slots if e is not None]
+                        raise
             torch.set_rng_state(state["rng"].cpu())
             if state["cuda_rng"] is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
