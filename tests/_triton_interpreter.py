@@ -13,7 +13,9 @@ scans took close to half of the time.
 the running launch has patched already. A helper that sees a module the launch
 did not patch is patched as before; outside a launch nothing changes. Where
 this Triton lacks the functions this relies on, :func:`install` changes nothing
-and says so (the interpreter is then only slower).
+and says so (the interpreter is then only slower). It also makes a one-element
+tensor usable as an index under NumPy 2.4 where this Triton's interpreter does not
+(:func:`_index_one_element_tensors`: Triton 3.6).
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ def scans_skipped() -> int:
     return _scans_skipped
 
 
+def _index_one_element_tensors(interpreter) -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with ``int(handle.data)``,
+    which NumPy 2.4 refuses for the 1-element array that a scalar ``tl.load`` gives
+    ("only 0-dimensional arrays can be converted to Python scalars"): a loop bound such
+    as ``range(tl.cdiv(n, BLOCK))`` with a loaded ``n`` failed. Later Triton releases
+    squeeze the array first; this does the same wherever Triton does not."""
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "_hfkern_squeezes_index", False):
+        return
+
+    @functools.wraps(patch_tensor)
+    def patch_lang_tensor(tensor, scope, *args, **kwargs):
+        result = patch_tensor(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+        return result
+
+    patch_lang_tensor._hfkern_squeezes_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 def install() -> str:
     """Patch Triton's interpreter as described above; returns "" or why it did not."""
     try:
@@ -35,6 +57,7 @@ def install() -> str:
         from triton.runtime import interpreter
     except ImportError as e:
         return f"triton's interpreter is not importable: {e}"
+    _index_one_element_tensors(interpreter)
     needed = ("_patch_lang", "_LangPatchScope", "GridExecutor", "InterpretedFunction")
     missing = [name for name in needed if not hasattr(interpreter, name)]
     if missing:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import copy
 import io
 import math
+import types
 import warnings
+from bisect import bisect_right
 from collections import Counter
 
 import numpy as np
@@ -26,6 +28,33 @@ from torch.optim import lr_scheduler as T
 from hfkern.optim import SGD
 from hfkern.optim import lr_scheduler as H
 from _sched import PM, _f0, _f1, _f2, _f3, _f4, _h, _m0, _m1, _m3, _m4, _m5, _t
+
+
+class _SequentialLR(T.SequentialLR):
+    """torch's SequentialLR as torch 2.13 builds it (pytorch#185872): with a milestone at 0 the
+    scheduler in charge at epoch 0 takes the initial step. Torch 2.12 and earlier started the
+    first one whatever the milestones, and hfkern's follows 2.13."""
+
+    def __init__(self, optimizer, schedulers, milestones, last_epoch=-1):
+        super().__init__(optimizer, schedulers, milestones, last_epoch)
+        idx = bisect_right(self._milestones, 0)
+        if idx > 0:
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["initial_lr"]
+            self.recursive_undo(self._schedulers[0])
+            self._schedulers[idx]._initial_step()
+            self._last_lr = self._schedulers[idx].get_last_lr()
+
+
+def _starts_the_scheduler_in_charge() -> bool:
+    """Whether this torch's SequentialLR starts the scheduler in charge at epoch 0 (2.13 on)."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    T.SequentialLR(opt, [T.ConstantLR(opt, factor=0.5), T.ExponentialLR(opt, gamma=0.9)], milestones=[0])
+    return opt.param_groups[0]["lr"] == 1.0
+
+
+if not _starts_the_scheduler_in_charge():
+    T = types.SimpleNamespace(**{**vars(T), "SequentialLR": _SequentialLR})
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torch's step-order and epoch warnings
 
