@@ -165,6 +165,16 @@ def test_skip_nonfinite_compiled():
         _assert_same(model, twin)
         assert torch.equal(opt.last_skipped, twin_opt.last_skipped)
     assert opt.last_skipped.tolist() == [False, False, False]
+    # Eager steps after compiled ones write the same tensor, which stays right either way.
+    held = opt.last_skipped
+    for skip in (torch.tensor([False, True, False]), None):
+        _backward((model, twin), torch.randn(B, 7, 5))
+        opt.step(skip=skip)
+        twin_opt.step(skip=skip)
+        _assert_same(model, twin)
+        assert opt.last_skipped is held and torch.equal(held, twin_opt.last_skipped)
+    step(skip=torch.tensor([True, False, False]))
+    assert held.tolist() == [True, False, False]
 
 
 def test_a_bad_value_raises_at_the_compiled_step_and_changes_nothing():

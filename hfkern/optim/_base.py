@@ -92,6 +92,12 @@ _NOT_IMPLEMENTED = {"differentiable": "autograd through the optimizer step"}
 _COMPAT_DEFAULTS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
 
 
+def _dynamo_tracing() -> bool:
+    """Whether dynamo is tracing a step: also true in the methods it runs eagerly while it
+    traces (``_init_group``), where ``torch.compiler.is_compiling()`` is false before torch 2.13."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
 class ArrayOptimizer(Optimizer):
     """Base of the array optimizers: ``torch.optim.Optimizer`` over ``[B, ...]`` parameters.
 
@@ -116,9 +122,10 @@ class ArrayOptimizer(Optimizer):
     compiled training step) the step traces to its op calls; see
     :meth:`_init_group` for what makes it trace again. Two differences from an
     eager step: a value the step rejects raises while dynamo traces, as
-    dynamo's own error type with the message kept; and ``last_skipped`` is
-    written in place, one tensor per trace (dynamo drops attribute assignments
-    of an optimizer in a compiled step).
+    dynamo's own error type with the message kept; and once a step was
+    compiled, ``last_skipped`` is one tensor that every step (compiled or not)
+    writes in place (dynamo drops attribute assignments of an optimizer in a
+    compiled step).
 
     torch's implementation keywords are accepted where the torch namesake takes
     them, so that training scripts port unchanged; they select nothing, because
@@ -207,6 +214,7 @@ class ArrayOptimizer(Optimizer):
         self.B: int | None = None
         self.skip_nonfinite = skip_nonfinite
         self.last_skipped: torch.Tensor | None = None
+        self._skipped_out: torch.Tensor | None = None  # see _init_group
         self._device: torch.device | None = None
         self._checked: dict[int, tuple[dict, _Checked]] = {}
         super().__init__(params, defaults)
@@ -460,7 +468,8 @@ class ArrayOptimizer(Optimizer):
         grads: list[torch.Tensor] = []
         hypers: list[torch.Tensor] = []
         states: list[torch.Tensor] = []
-        layout = self._init_group(params, grads, hypers, states)
+        skipped: list[torch.Tensor] = []
+        layout = self._init_group(params, grads, hypers, states, skipped)
         mask = skip
         if self.skip_nonfinite and grads:
             bad = ops.nonfinite_models(grads)
@@ -471,13 +480,13 @@ class ArrayOptimizer(Optimizer):
                 m = n * len(kept)
                 self._update(kept, flags, params[i:i + n], grads[i:i + n], table, states[j:j + m], mask)
                 i, j = i + n, j + m
-        if torch.compiler.is_compiling():
-            # dynamo drops an optimizer's attribute assignments in a compiled step
-            # (pytorch/pytorch#171590): the step writes into the tensor _init_group made.
+        if skipped:
+            # Once a step was compiled, every step writes one tensor in place (dynamo drops
+            # an optimizer's attribute assignments in a compiled step: pytorch/pytorch#171590).
             if mask is None:
-                self.last_skipped.zero_()
+                skipped[0].zero_()
             else:
-                self.last_skipped.copy_(mask)
+                skipped[0].copy_(mask)
         elif mask is None:
             self.last_skipped = torch.zeros(self.B, dtype=torch.bool, device=self._device)
         else:
@@ -490,6 +499,7 @@ class ArrayOptimizer(Optimizer):
         grads: list[torch.Tensor],
         hypers: list[torch.Tensor],
         states: list[torch.Tensor],
+        skipped: list[torch.Tensor],
     ) -> tuple[tuple[int, tuple[str, ...], tuple[bool, ...]], ...]:
         """Validate every param group, then gather the step's work into the (empty) lists:
         the parameters with gradients and their gradients, group by group; each group's
@@ -504,8 +514,9 @@ class ArrayOptimizer(Optimizer):
         calls alone, and a value assigned anew to a group (a float, a new tensor: the
         stored ones are guarded by identity) makes the next call trace again, and so
         validate it. The step reads ``param_groups`` only here, so that dynamo guards on
-        the groups as validation leaves them. A compiled step writes ``last_skipped``
-        in place, into a tensor made here at each trace.
+        the groups as validation leaves them. ``skipped`` gets the tensor a step writes
+        ``last_skipped`` into, once a step was compiled (made here at the first trace;
+        ``last_skipped`` is that tensor from then on), and stays empty before.
         """
         name = type(self).__name__
         checked = []
@@ -526,12 +537,16 @@ class ArrayOptimizer(Optimizer):
             for key in kept:
                 states += [state[key] for state in per_param]
             layout.append((len(with_grad), kept, flags))
-        if torch.compiler.is_compiling():  # dynamo is tracing the step
+        if _dynamo_tracing():
             for group in self.param_groups:
                 for k in self._hypers + self._init_hypers:
                     for t in group[k] if self._spec.pair(k) else (group[k],):
                         torch._dynamo.mark_static_address(t, guard=True)  # guarded by identity
-            self.last_skipped = torch.zeros(self.B, dtype=torch.bool, device=self._device)
+            if self._skipped_out is None:
+                self._skipped_out = torch.zeros(self.B, dtype=torch.bool, device=self._device)
+        if self._skipped_out is not None:
+            self.last_skipped = self._skipped_out
+            skipped.append(self._skipped_out)
         return tuple(layout)
 
     def _state_of(self, p: torch.Tensor, group: dict[str, Any], keys: tuple[str, ...]) -> dict:
@@ -841,6 +856,7 @@ class ArrayOptimizer(Optimizer):
         self.__dict__.setdefault("skip_nonfinite", False)
         self.__dict__.setdefault("_device", None)
         self.__dict__.setdefault("last_skipped", None)
+        self.__dict__.setdefault("_skipped_out", None)
         self.__dict__.setdefault("_checked", {})
         for group in self.param_groups:  # pickled before the implementation keywords existed
             for k in self._compat:
