@@ -40,6 +40,10 @@ compute something else than its models. :func:`capture` closes those gaps:
   ``torch.linspace`` and the random factories above) and ``len(x)`` are
   recorded as calls on the traced sizes (torch.fx alone takes a size only as a
   tensor factory's single argument, and no ``len`` at all).
+* **Arguments that are None or a bool** in the call a graph is captured for
+  can be passed to ``forward`` as those Python values (``concrete``), where
+  torch.fx would trace every argument as a tensor (never None): ``if mask is
+  None:`` then takes the branch such a call takes.
 * **Tensor constants** (tensors made in ``forward`` from Python values, and
   tensor attributes that are neither parameters nor buffers) are returned
   with the graph; modifying one in place is refused (it is state: make it a
@@ -51,6 +55,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import inspect
 import operator
 import os
 import sys
@@ -95,13 +100,17 @@ def where(module: tuple[str, str] | None, root: nn.Module) -> str:
 
 def _construct(message: str) -> str:
     """What a tracing error means, in the user's terms."""
+    if "cannot be iterated" in message:
+        # (fx's message for this ends with a pointer to its docs on control flow)
+        return ("iterating over a traced value (a `for` loop over a tensor, or unpacking one with `*`: "
+                "torch.fx traces forward's own `*args` or `**kwargs` as one value, so `f(*args)` cannot be "
+                "captured; name forward's arguments)")
     if "control flow" in message:
-        return ("Python control flow on a tensor (an `if`/`while`/`and`/`assert` on a tensor value "
-                "or shape)")
+        return ("Python control flow on a traced value (an `if`/`while`/`and`/`assert` on a tensor value "
+                "or shape, or on an argument of forward: torch.fx traces every argument that is not None "
+                "or a bool as a tensor, numbers and strings included)")
     if "len" in message:
         return "len() of a tensor"
-    if "iterated" in message:
-        return "iterating over a tensor"
     return "an operation torch.fx cannot capture"
 
 
@@ -279,8 +288,11 @@ class _Tracer(fx.Tracer):
     """fx's tracer with hfkern's leaves, traced buffers, and the records described above."""
 
     def __init__(self, leaf: Callable[[nn.Module], bool], stack_traces: bool = False,
-                 settled: set[tuple[str, str]] | None = None):
+                 settled: set[tuple[str, str]] | None = None, concrete: dict[str, Any] | None = None):
         super().__init__()
+        # Arguments of forward traced as the Python values they have in the call being captured
+        # (None, a bool), not as traced values: their placeholders stay, unused.
+        self._concrete = concrete or {}
         # Python attributes the first call assigned (``(path, name)``) when this traces a second
         # call from the state the first left; None for the first call.
         self._settled = settled
@@ -314,7 +326,22 @@ class _Tracer(fx.Tracer):
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta["hfkern_module"] = self._modules_entered[-1] if self._modules_entered else None
+        if kind == "call_method" and target == "view":
+            # where the statement is, for an error of the fused forward about this view
+            node.meta["hfkern_line"] = _user_line(traceback.extract_stack()[:-1])
         return node
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        if self._concrete and concrete_args is None:
+            code = inspect.unwrap(root_fn).__code__
+            names = code.co_varnames[1 if is_module else 0:code.co_argcount + code.co_kwonlyargcount]
+            first = 1 if is_module else 0  # (args[0] is the module itself)
+            args = list(args)
+            for i, name in enumerate(names):
+                if name in self._concrete:
+                    args[first + i] = self._concrete[name]
+        return fn, args
 
     def create_arg(self, a: Any):
         self._internal += 1
@@ -578,16 +605,20 @@ def _inplace(node: fx.Node) -> bool:
 
 
 def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
-            stack_traces: bool = False) -> Captured:
+            stack_traces: bool = False, concrete: dict[str, Any] | None = None) -> Captured:
     """Capture ``model.forward`` in train (``mode`` True) or eval mode; the model is not touched.
 
     ``leaf(module)``: whether a submodule is called as a whole (not traced into).
+    ``concrete``: arguments of forward (by name) that the captured call gives these Python
+    values (None, bools): forward runs on the values themselves, so that ``if mask is None:``
+    takes the branch such a call takes (torch.fx would trace them as tensors); the graph keeps
+    their placeholders, unused, and is right only for calls that pass those values.
     Raises :class:`FuseError` naming the construct, the source line and the module.
     """
     traced = copy.deepcopy(model).train(mode)
     stateful = {n for n, _ in traced.named_parameters(remove_duplicate=False)}
     stateful |= {n for n, _ in traced.named_buffers(remove_duplicate=False)}
-    tracer, graph = _trace(traced, model, leaf, stack_traces)
+    tracer, graph = _trace(traced, model, leaf, stack_traces, concrete=concrete)
     if tracer.python_assignments:
         # Python attributes set in forward: the captured forward sets the same values at every
         # call, which is right only if a second call, from the state the first left, sets those
@@ -596,7 +627,7 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
         for path, name, value in tracer.python_assignments:
             object.__setattr__(again.get_submodule(path), name, value)
         settled = {(path, name) for path, name, _ in tracer.python_assignments}
-        _, second = _trace(again, model, leaf, stack_traces, settled)
+        _, second = _trace(again, model, leaf, stack_traces, settled, concrete)
         if second.python_code("self").src != graph.python_code("self").src:
             names = sorted({".".join(filter(None, (p, n))) for p, n, _ in tracer.python_assignments})
             raise FuseError(
@@ -627,15 +658,16 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
                        "forward; make it from the input (x.new_tensor(...)) or keep it in a buffer")
         if problem is not None:
             if not stack_traces:  # trace again, recording where each op comes from
-                return capture(model, leaf, mode, stack_traces=True)
+                return capture(model, leaf, mode, stack_traces=True, concrete=concrete)
             raise FuseError(f"fuse: cannot capture the model: {problem[0]}{_source_line(node)} "
                             f"{where(node.meta.get('hfkern_module'), model)}; {problem[1]}")
     return Captured(graph, constants)
 
 
 def _trace(traced: nn.Module, model: nn.Module, leaf: Callable[[nn.Module], bool], stack_traces: bool,
-           settled: set[tuple[str, str]] | None = None) -> tuple[_Tracer, fx.Graph]:
-    tracer = _Tracer(leaf, stack_traces, settled)
+           settled: set[tuple[str, str]] | None = None, concrete: dict[str, Any] | None = None
+           ) -> tuple[_Tracer, fx.Graph]:
+    tracer = _Tracer(leaf, stack_traces, settled, concrete)
     try:
         return tracer, tracer.trace(traced)
     except FuseError as e:

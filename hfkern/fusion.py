@@ -4,8 +4,9 @@
 returns a :class:`FusedModel` that computes, for every b, what model b
 computes, with the array dim B first on every input and output.
 
-How: model 0's ``forward`` is captured as a ``torch.fx`` graph, once, and
-rewritten op by op.
+How: model 0's ``forward`` is captured as a ``torch.fx`` graph and rewritten op
+by op; once per pattern of the arguments that are None or a bool in a call (see
+below), in practice once or twice.
 
 * **Leaf modules with an array version** (``nn.Conv2d``, ``nn.Linear``,
   ``nn.BatchNorm2d``, ``nn.TransformerEncoder``, ... every ``torch.nn`` class
@@ -52,11 +53,33 @@ rewritten op by op.
   ``torch.vmap`` (``randomness="different"``: random ops draw independently per
   model). Shape queries (``x.size(0)``, ``x.shape``, ``x.dim()``) answer for
   one model. Other ``torch.nn`` leaf modules without an array version run under
-  ``torch.vmap`` over their stacked parameters.
+  ``torch.vmap`` over their stacked parameters. ``x.view(shape)`` is a view of
+  ``x`` as in torch wherever the forward writes in place through it, or into
+  ``x`` while the view is in use: where the array's memory layout (chosen by the
+  array ops) does not allow that view, ``x`` is given memory that does (a copy,
+  read by everything after), or, where that could change what another tensor
+  sharing its memory holds (the model's state, an input), the forward raises
+  :class:`FuseError` naming the statement. Elsewhere such a view may be a copy.
 
 Inputs are ``[B, *per-model shape]`` tensors, or one input shared by the B
 models as :func:`hfkern.broadcast` (no copy; the first array layer uses the
-cheaper shared math). Non-tensor arguments are passed as they are.
+cheaper shared math). Non-tensor arguments are passed as they are, every model
+gets the same. Arguments that are None or a bool are Python values in the
+captured code, so ``if mask is None:`` and ``if flag:`` take the branch the call
+takes: the forward is captured for each pattern of such arguments (``fuse``
+captures a call with forward's arguments at their defaults and one giving every
+argument whose default is None; another pattern is captured at its first call,
+and such a call that runs a module neither of those runs raises
+:class:`FuseError`, as that module did not become an array module). Other
+arguments are traced as tensors (a Python branch on a number or a string
+argument cannot be captured); a tensor made from them alone
+(``torch.arange(k)``) is the same for every model, each model having its own copy.
+
+Configuration: the models must agree on every module's plain attributes (numbers,
+strings, tuples of them) except the array modules', which keep them per model
+(a dropout probability each); a module of an array class that the forward does
+not call (a dropout whose ``p`` it reads) is not an array module, so its
+attributes must agree too. :class:`FuseError` names the attribute.
 
 State: the fused model keeps model 0's module hierarchy, so ``state_dict()``
 has exactly the original keys, each entry the B models' tensors stacked on a
@@ -104,6 +127,7 @@ import builtins
 import contextlib
 import copy
 import importlib
+import inspect
 import itertools
 import operator
 import pickle
@@ -315,9 +339,8 @@ _ANY_ARGUMENT = (_matmul, _bmm)
 
 
 def _folded(name: str, batched_rank: int, input, *args, **kwargs):
-    """``F.<name>``, an op on ``[N, C, *s]`` that also takes an unbatched ``[C, *s]`` (pooling,
-    interpolation): a per-model batched input folds B into N; an unbatched one is a batched
-    array input."""
+    """``F.<name>``, an op on ``[N, C, *s]`` that also takes an unbatched ``[C, *s]`` (pooling):
+    a per-model batched input folds B into N; an unbatched one is a batched array input."""
     fn = getattr(F, name)
     nd = input.dim() - 1
     if nd == batched_rank - 1:
@@ -327,6 +350,15 @@ def _folded(name: str, batched_rank: int, input, *args, **kwargs):
     folded, unfold = fold_planes(input)
     out = fn(folded, *args, **kwargs)
     return tuple(unfold(o) for o in out) if isinstance(out, tuple) else unfold(out)
+
+
+def _interpolate(input, *args, **kwargs):
+    """``F.interpolate``: per-model ``[N, C, L]``, ``[N, C, H, W]`` or ``[N, C, D, H, W]`` (it has no
+    unbatched form; the rank says how many spatial dims), B folded into N."""
+    if input.dim() - 1 not in (3, 4, 5):
+        raise _Fallback  # torch's own error, per model under vmap
+    folded, unfold = fold_planes(input)
+    return unfold(F.interpolate(folded, *args, **kwargs))
 
 
 def _getitem(x, index):
@@ -411,7 +443,8 @@ _TRANSLATED_FUNCTIONS: dict[Callable, Callable] = {
     **{getattr(F, name): partial(_folded, name, rank) for name, rank in (
         ("adaptive_avg_pool1d", 3), ("adaptive_avg_pool2d", 4), ("adaptive_max_pool1d", 3),
         ("adaptive_max_pool2d", 4), ("avg_pool1d", 3), ("avg_pool2d", 4), ("max_pool1d", 3),
-        ("max_pool2d", 4), ("interpolate", 4))},
+        ("max_pool2d", 4))},
+    F.interpolate: _interpolate,
 }
 
 # Shape queries: their value is one model's, computed on model 0's slice.
@@ -621,13 +654,17 @@ class _ArrayCall(_CallsFunction):
     """A captured function or method call with array arguments, run per model.
 
     ``marks`` has the shape of the call's ``(args, kwargs)`` with True where an
-    argument is an array value of the fused graph.
+    argument is an array value of the fused graph. Where the arguments so marked hold no
+    tensor in a call (a Python value given to forward: ``torch.arange(k)``), the call is
+    the same for every model and its tensors become array values of the B models' own
+    copies (a random draw: B draws).
     """
 
-    def __init__(self, fn: Callable, marks: Any, label: str, method: str | None = None):
+    def __init__(self, fn: Callable, marks: Any, label: str, method: str | None, B: int):
         self.fn = fn
         self.marks = marks
         self.method = method
+        self.B = B
         self._named(label)
         if method is not None:
             self.elementwise = method in _ELEMENTWISE_METHODS
@@ -656,7 +693,7 @@ class _ArrayCall(_CallsFunction):
         dims = _in_dims(self.marks, (args, kwargs))
         arrays = _tensors(dims, (args, kwargs), True)
         if not arrays:
-            return self._call(args, kwargs)  # its array arguments were shapes or flags
+            return self._same_for_every_model(args, kwargs)  # its array arguments were shapes or flags
         others = _tensors(dims, (args, kwargs), False)
         if self.elementwise:
             rank = max(a.dim() for a in arrays)
@@ -691,7 +728,7 @@ class _ArrayCall(_CallsFunction):
             if not _is_plain(a):  # a tensor among the keywords included
                 return _WALK
         if rank is None:
-            return self._call(args, kwargs)  # its array arguments were shapes or flags
+            return self._same_for_every_model(args, kwargs)  # its array arguments were shapes or flags
         if self.elementwise:
             return self._call(args, kwargs)
         if self.translate is not None and (first_only or self.translate in _ANY_ARGUMENT):
@@ -700,6 +737,15 @@ class _ArrayCall(_CallsFunction):
             except _Fallback:
                 return self._vmap(_in_dims(self.marks, (args, kwargs)), args, kwargs)
         return _WALK
+
+    def _same_for_every_model(self, args: tuple, kwargs: dict) -> Any:
+        """The call made of Python values and tensors that are not array values (its array
+        arguments held no tensor): every model's result, its tensors as array values."""
+        if self.method is None and self.fn in _capture.RANDOM_FUNCTIONS:
+            return torch.stack([self._call(args, kwargs) for _ in range(self.B)])  # each model draws
+        out = self._call(args, kwargs)
+        # own copies, as each model makes its own tensor (it may be written in place)
+        return tree_map(lambda v: _every_model(v, self.B, copy=True) if isinstance(v, torch.Tensor) else v, out)
 
     @staticmethod
     def _first_holds_arrays(dims: Any) -> bool:
@@ -1346,13 +1392,15 @@ class FusedModel(ArrayModule):
 
     Made by :func:`fuse`. ``forward`` takes the original model's arguments with
     every tensor as ``[B, *per-model shape]`` (or shared via
-    :func:`hfkern.broadcast`) and returns the original outputs with B first.
+    :func:`hfkern.broadcast`) and returns the original outputs with B first. A
+    call whose None and bool arguments form a pattern not seen before captures
+    the forward for it first (see :mod:`hfkern.fusion`).
     ``state_dict()`` has the original keys, each entry stacked over the B models.
 
     Per-slot surgery, what pruning and refilling trials needs:
     :meth:`load_model`, :meth:`extract_model`, :meth:`reset_model`.
-    The captured, rewritten forward is ``self.graph`` (a ``torch.fx.Graph``);
-    ``self.code`` is its Python source.
+    The captured, rewritten forward of a call with forward's arguments at their
+    defaults is ``self.graph`` (a ``torch.fx.Graph``); ``self.code`` is its Python source.
     """
 
     _torch_cls = nn.Module  # any: the original class is kept in ``model_class``
@@ -1370,7 +1418,7 @@ class FusedModel(ArrayModule):
                     f"the array dim B={B} first ([B, *per-model shape], or hfkern.broadcast(x, {B}) for "
                     f"an input shared by the models), got shape {list(value.shape)} (tensor input {i})"
                 )
-        forward = self._forward_for_mode()
+        forward = self._forward_for(self._call_key(args, kwargs))
         regions = len(_capture.open_regions())
         try:
             return forward(self, *args, **kwargs)
@@ -1384,9 +1432,36 @@ class FusedModel(ArrayModule):
         """The model itself: the owner of assignments to the original model's own attributes."""
         return self
 
-    def _forward_for_mode(self) -> Callable:
-        if len(self._forwards) == 1:
-            return self._forwards[None]
+    def _call_key(self, args: tuple, kwargs: dict) -> tuple:
+        """Which of forward's named arguments are None, True or False in this call (a graph is
+        captured for each such pattern): per argument None, True, False, or ``...`` for any
+        other value."""
+        names, positional, defaults = self._arguments
+        key = []
+        given = len(args)
+        for i, name in enumerate(names):
+            if i < positional and i < given:
+                v = args[i]
+            elif name in kwargs:
+                v = kwargs[name]
+            else:  # its default's key (a required argument left out: the call raises TypeError, as torch's)
+                key.append(defaults[i])
+                continue
+            key.append(None if v is None else v if v is True or v is False else ...)
+        return tuple(key)
+
+    def _forward_for(self, key: tuple) -> Callable:
+        """The forward for a call of ``key`` (:meth:`_call_key`) in the current mode."""
+        forwards = self._forwards
+        forward = forwards.get((None, key))
+        if forward is not None:
+            return forward
+        if (True, key) not in forwards:
+            self._capture_call(key)
+            forwards = self._forwards
+            forward = forwards.get((None, key))
+            if forward is not None:
+                return forward
         modes = {self.get_submodule(p).training for p in self._mode_paths}
         if len(modes) > 1:
             raise ValueError(
@@ -1394,10 +1469,37 @@ class FusedModel(ArrayModule):
                 "that are now in different modes (some train, some eval); the captured graph exists "
                 "for all-train and all-eval. Call train() or eval() on the whole model."
             )
-        return self._forwards[modes.pop()]
+        return forwards[(modes.pop(), key)]
 
-    def _run_graphs(self, graphs: dict[bool | None, fx.Graph]) -> None:
-        """Run ``graphs`` (one per train/eval mode, as ``_own_graphs``) as the forward:
+    def _capture_call(self, key: tuple) -> None:
+        """Capture and rewrite forward for calls whose None and bool arguments are ``key``'s (the
+        first such call), from model 0 as the fused model holds it now."""
+        names = self._arguments[0]
+        pattern = ", ".join(f"{n}={v!r}" for n, v in zip(names, key) if v is not ...) or "no None or bool argument"
+        try:
+            with torch.inference_mode(False):  # (constants made in a call under inference mode serve training)
+                rewritten, constants, root_assigned = _capture_and_rewrite(
+                    self.extract_model(0), self.B, self._opaque, key, self._arguments, fused=self)
+        except FuseError as e:
+            raise FuseError(
+                f"{self.model_class.__name__} (fused): forward is captured for each pattern of arguments "
+                f"that are None or a bool, here for a call with {pattern}: {e}") from e
+        for name, value in constants.values():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_root_assigned", self._root_assigned | root_assigned)
+        own = {**self._own_graphs, **rewritten}
+        planned = self._graphs is not self._own_graphs
+        object.__setattr__(self, "_own_graphs", own)
+        if planned:  # hfkern.plan's recomputation, for the new graphs too
+            from .plan._strategy import _fused_graphs, applied
+            strategy = applied(self)
+            self._run_graphs(_fused_graphs(self, strategy.recompute) if strategy is not None else own)
+        else:
+            self._run_graphs(own)
+
+    def _run_graphs(self, graphs: dict[tuple, fx.Graph]) -> None:
+        """Run ``graphs`` (as ``_own_graphs``: one per train/eval mode, or None for both, and
+        pattern of None and bool arguments, keyed ``(mode, pattern)``) as the forward:
         ``_own_graphs`` (what :func:`fuse` made) or a transformation of them (hfkern.plan's
         recomputation)."""
         forwards = {mode: compiled_forward(g, f"<hfkern.fuse {self.model_class.__name__}>")
@@ -1407,8 +1509,11 @@ class FusedModel(ArrayModule):
 
     @property
     def graph(self) -> fx.Graph:
-        """The rewritten forward (for the current train/eval mode) as a ``torch.fx.Graph``."""
-        return self._graphs[None if len(self._graphs) == 1 else self.training]
+        """The rewritten forward (for the current train/eval mode, and a call that leaves forward's
+        arguments with their defaults) as a ``torch.fx.Graph``."""
+        key = self._default_key
+        graph = self._graphs.get((None, key))
+        return graph if graph is not None else self._graphs[(self.training, key)]
 
     @property
     def code(self) -> str:
@@ -1517,7 +1622,7 @@ class FusedModel(ArrayModule):
             raise TypeError(
                 f"{who}: expected a {self.model_class.__name__} model, got {type(model).__name__}")
         problem = _architecture_problem(self._template, model, "the fused architecture", "the model",
-                                        self._current_tensors())
+                                        self._current_tensors(), self._array_paths)
         if problem is not None:
             raise FuseError(f"{who}: {problem}")
         got = dict(_named_tensors(model))
@@ -1634,14 +1739,18 @@ class FusedModel(ArrayModule):
 
 # ---- fuse / unfuse ------------------------------------------------------------------------
 def _architecture_problem(ref: nn.Module, model: nn.Module, ref_name: str, name: str,
-                          ref_tensors: dict[str, torch.Tensor] | None = None) -> str | None:
+                          ref_tensors: dict[str, torch.Tensor] | None = None,
+                          array_paths: Iterable[str] | None = None) -> str | None:
     """How ``model`` differs from ``ref`` in what the captured forward depends on, or None.
 
     Module tree (classes), parameter and buffer names, shapes and dtypes, and the
-    plain configuration attributes of every module without an array version
-    (array modules hold per-model values of theirs, which their own checks
-    cover). ``ref_tensors`` (name -> tensor, shapes and dtypes to compare with)
-    defaults to ``ref``'s own.
+    plain configuration attributes of every module except the array leaves
+    (``array_paths``: every name of a module that becomes an array module, which holds
+    per-model values of its configuration and checks them itself, and modules of an array
+    class inside one; None, before capture has found them: every module of an array class).
+    A module of an array class that the forward does not call (a dropout whose ``p`` it
+    reads) stays model 0's module, so its configuration must be every model's.
+    ``ref_tensors`` (name -> tensor, shapes and dtypes to compare with) defaults to ``ref``'s own.
     """
     array_classes = _array_classes()
     ref_modules = {p: _module_class(m) for p, m in ref.named_modules()}
@@ -1665,8 +1774,10 @@ def _architecture_problem(ref: nn.Module, model: nn.Module, ref_name: str, name:
             if getattr(t, attr) != getattr(r, attr):
                 return (f"{attr} of {key!r} differs: {ref_name} has {show(getattr(r, attr))}, {name} has "
                         f"{show(getattr(t, attr))}")
+    leaves = None if array_paths is None else tuple(array_paths)
     for path, sub in model.named_modules():
-        if type(sub) in array_classes:
+        if type(sub) in array_classes and (
+                leaves is None or any(path == p or path.startswith(p + ".") for p in leaves)):
             continue
         ours = _plain_attributes(ref.get_submodule(path))
         theirs = _plain_attributes(sub)
@@ -1877,17 +1988,128 @@ def fuse(models: Sequence[nn.Module] | Callable[[], nn.Module], B: int | None = 
             f"{root_cls.__name__}") from e
 
 
+def _forward_arguments(model: nn.Module) -> tuple[tuple[str, ...], int, tuple]:
+    """The named arguments of the ``forward`` that torch.fx captures (positional ones, then
+    keyword-only ones), how many are positional, and their defaults as a call's key has them
+    (:meth:`FusedModel._call_key`: None, True, False, else ``...``, a required argument's too)."""
+    fn = inspect.unwrap(type(model).forward)
+    code = getattr(fn, "__code__", None)
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        parameters = None
+    if code is None or parameters is None or code.co_argcount < 1:
+        return (), 0, ()
+    names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
+    defaults = tuple(parameters[n].default if n in parameters else ... for n in names)
+    return names, code.co_argcount - 1, tuple(d if d is None or d is True or d is False else ... for d in defaults)
+
+
+def _captured(model: nn.Module, array_classes: dict, opaque: dict[type, str], key: tuple,
+              arguments: tuple) -> dict[bool | None, _capture.Captured]:
+    """``model``'s forward captured in train and eval mode (forward code may read ``self.training``;
+    None: one capture serves both) for calls whose None and bool arguments are ``key``'s."""
+    opaque_types = tuple(opaque)
+    leaf = lambda m: type(m) in array_classes or isinstance(m, opaque_types)  # noqa: E731
+    concrete = {name: v for name, v in zip(arguments[0], key) if v is not ...}
+    captured = {mode: _capture.capture(model, leaf, mode, concrete=concrete) for mode in (True, False)}
+    if _same_capture(captured[True], captured[False]):
+        captured = {None: captured[True]}
+    return captured
+
+
+def _capture_and_rewrite(model: nn.Module, B: int, opaque: dict[type, str], key: tuple, arguments: tuple,
+                         fused: FusedModel) -> tuple[dict, dict, frozenset]:
+    """The rewritten graphs (keyed ``(mode, key)``) of ``fused``'s forward for calls whose None and
+    bool arguments are ``key``'s, captured from ``model`` (model 0 of ``fused``): they must run
+    on the fused model as :func:`fuse` made it, for a call it did not capture. Also returns
+    the new constants (``target -> (name, value)``) and the model's own attributes they assign."""
+    array_classes = _array_classes()
+    captured = _captured(model, array_classes, opaque, key, arguments)
+    graphs = {mode: c.graph for mode, c in captured.items()}
+    leaves = {node.target: model.get_submodule(node.target)
+              for g in graphs.values() for node in g.nodes if node.op == "call_module"}
+    for path, module in leaves.items():
+        if type(module) in array_classes and path not in fused._array_leaves_set:
+            raise FuseError(
+                f"this call runs module {path!r} ({type(module).__name__}), which none of the calls fuse "
+                "captured runs (forward's arguments at their defaults; every argument whose default is None "
+                "given), so it did not become an array module of the fused model, and this call cannot run")
+        if any(path.startswith(p + ".") for p in fused._array_paths):
+            raise FuseError(f"this call runs module {path!r} ({type(module).__name__}), inside an array module "
+                            "of the fused model, on its own")
+    attribute_state = _attribute_state(graphs, [model])
+    new = [".".join(filter(None, pn)) for pn in attribute_state if pn not in fused._attribute_state]
+    if new:
+        raise FuseError(f"this call assigns tensor attributes {new}, which the call captured by fuse does not; "
+                        "the fused model holds no per-model state for them")
+    state = {".".join(filter(None, pn)) for pn in fused._attribute_state}
+    taken = sum(1 for k in vars(fused) if k.startswith("_hfkern_constant_"))
+    constants: dict[tuple, tuple[str, torch.Tensor]] = {}
+    for mode, c in captured.items():
+        for target, value in c.constants.items():
+            if target in state:
+                continue
+            if target in fused._differing_attributes:
+                raise FuseError(
+                    f"tensor attribute {target!r} (neither a parameter nor a buffer) differs between the models; "
+                    "forward reads it as one value for every model. Register it as a buffer "
+                    "(self.register_buffer) so that each model has its own")
+            constants[(mode, target)] = (f"_hfkern_constant_{taken + len(constants)}", value)
+    root_assigned = set()
+    for g in graphs.values():
+        for node in g.nodes:
+            t = node.target
+            if isinstance(t, _capture.AssignState) and not t.path and t.kind == "attribute" \
+                    and t.name not in fused._root_assigned:
+                if hasattr(fused, t.name):
+                    raise FuseError(f"the model's forward assigns attribute {t.name!r}, a name the "
+                                    "fused model uses itself; rename the attribute")
+                root_assigned.add(t.name)
+    for name in root_assigned:
+        if name in vars(model) and not isinstance(vars(model)[name], torch.Tensor):
+            object.__setattr__(fused, name, copy.deepcopy(vars(model)[name]))
+    rewritten = {(mode, key): _rewrite(g, model, B, leaves, array_classes, opaque,
+                                       {target: name for (m, target), (name, _) in constants.items() if m == mode},
+                                       list(fused._attribute_state))
+                 for mode, g in graphs.items()}
+    return rewritten, constants, frozenset(root_assigned)
+
+
+def _differing_attributes(models: list[nn.Module]) -> frozenset[str]:
+    """The tensor attributes (neither parameters nor buffers) that differ between the models."""
+    first, found = models[0], set()
+    for path, module in first.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor):
+                for m in models[1:]:
+                    theirs = vars(m.get_submodule(path)).get(name)
+                    if not isinstance(theirs, torch.Tensor) or not _equal(theirs, value):
+                        found.add(f"{path}.{name}" if path else name)
+                        break
+    return frozenset(found)
+
+
 def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) -> FusedModel:
     first = models[0]
     array_classes = _array_classes()
-    opaque_types = tuple(opaque)
+    opaque = {c: s for c, s in opaque.items() if any(isinstance(m, c) for m in first.modules())}
 
-    # Capture in both modes (forward code may read self.training), each from a copy of model 0.
-    leaf = lambda m: type(m) in array_classes or isinstance(m, opaque_types)  # noqa: E731
-    captured = {mode: _capture.capture(first, leaf, mode) for mode in (True, False)}
-    if _same_capture(captured[True], captured[False]):
-        captured = {None: captured[True]}
-    graphs = {mode: c.graph for mode, c in captured.items()}
+    # Capture, from a copy of model 0, for a call that leaves forward's arguments at their
+    # defaults, and for one that gives every argument whose default is None (so that the modules
+    # such a call runs become array modules too); other calls capture when first made (as does
+    # that one, where it cannot be captured: the error comes with such a call).
+    arguments = _forward_arguments(first)
+    key = arguments[2]
+    captured = {(mode, key): c for mode, c in _captured(first, array_classes, opaque, key, arguments).items()}
+    given = tuple(... if d is None else d for d in key)
+    if given != key:
+        try:
+            captured.update({(mode, given): c for mode, c in
+                             _captured(first, array_classes, opaque, given, arguments).items()})
+        except FuseError:
+            pass
+    graphs = {k: c.graph for k, c in captured.items()}
     attribute_state = _attribute_state(graphs, models)
     constants = _constants(captured, models, attribute_state)
 
@@ -1904,9 +2126,17 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
         for g in graphs.values() for node in g.nodes if node.op == "call_module"
     }
     array_leaves = [p for p, m in leaves.items() if type(m) in array_classes]
-    array_paths = []  # every name of an array leaf (a module may be registered under several)
+    # every name of an array leaf (a module may be registered under several)
+    array_paths = [p for p, m in first.named_modules(remove_duplicate=False)
+                   if any(m is leaves[path] for path in array_leaves)]
+    # The modules of an array class that do not become array modules (never called; read only, as
+    # timm's attention reads its dropout's p) are model 0's in the fused model: they must agree.
+    for i, m in enumerate(models[1:], start=1):
+        problem = _architecture_problem(first, m, "model 0", f"model {i}", array_paths=array_paths)
+        if problem is not None:
+            raise FuseError(f"fuse: {problem}")
     for path in array_leaves:
-        array_paths += _put_everywhere(root, path, array_classes[type(leaves[path])].from_modules(
+        _put_everywhere(root, path, array_classes[type(leaves[path])].from_modules(
             [m.get_submodule(path) for m in models]))
     stacked: list[tuple[str, str]] = []
     in_array_leaf = lambda p: any(p == a or p.startswith(a + ".") for a in array_paths)  # noqa: E731
@@ -1948,10 +2178,14 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
     for name, buf in root._buffers.items():
         fused.register_buffer(name, buf, persistent=name not in root._non_persistent_buffers_set)
 
+    root_assigned = set()
     for g in graphs.values():
         for node in g.nodes:
             t = node.target
             if isinstance(t, _capture.AssignState) and not t.path and t.kind == "attribute":
+                if t.name in root_assigned:
+                    continue
+                root_assigned.add(t.name)
                 if hasattr(fused, t.name):
                     raise FuseError(f"fuse: the model's forward assigns attribute {t.name!r}, a name the "
                                     "fused model uses itself; rename the attribute")
@@ -1965,13 +2199,19 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
         object.__setattr__(fused, name, value)
     object.__setattr__(fused, "_array_leaves", tuple(array_leaves))
     object.__setattr__(fused, "_array_leaves_set", frozenset(array_leaves))
+    object.__setattr__(fused, "_array_paths", tuple(array_paths))
     object.__setattr__(fused, "_stacked", tuple(stacked))
     object.__setattr__(fused, "_attribute_state", tuple(attribute_state))
     object.__setattr__(fused, "_ties", ties)
-    rewritten = {mode: _rewrite(g, first, B, leaves, array_classes, opaque,
-                                {target: name for (m, target), (name, _) in constants.items() if m == mode},
-                                attribute_state)
-                 for mode, g in graphs.items()}
+    object.__setattr__(fused, "_arguments", arguments)
+    object.__setattr__(fused, "_default_key", key)
+    object.__setattr__(fused, "_opaque", opaque)
+    object.__setattr__(fused, "_root_assigned", frozenset(root_assigned))
+    object.__setattr__(fused, "_differing_attributes", _differing_attributes(models))
+    rewritten = {k: _rewrite(g, first, B, leaves, array_classes, opaque,
+                             {target: name for (m, target), (name, _) in constants.items() if m == k},
+                             attribute_state)
+                 for k, g in graphs.items()}
     object.__setattr__(fused, "_own_graphs", rewritten)
     fused._run_graphs(rewritten)
     # The modules whose `self.training` the captured code may have read: not the
@@ -2022,7 +2262,7 @@ def _attribute_state(graphs: dict, models: list[nn.Module]) -> list[tuple[str, s
 
 def _constants(captured: dict, models: list[nn.Module], attribute_state: list[tuple[str, str]]
                ) -> dict[tuple, tuple[str, torch.Tensor]]:
-    """``(mode, target) -> (name on the fused model, value)`` for every constant tensor of the graphs.
+    """``(graph key, target) -> (name on the fused model, value)`` for every constant tensor of the graphs.
 
     A tensor attribute of the model (neither parameter nor buffer) that forward only reads is one
     value for every model, so the models must agree on it; tensors made in forward from Python
@@ -2098,6 +2338,248 @@ class _Draw(_capture.GraphTarget):
         return torch.stack([self.fn(*args, **kwargs) for _ in range(self.B)])
 
 
+# ---- views that in-place writes go through ---------------------------------------------------
+# `x.view(shape)` is a view of x in torch, always (or an error). On the array it is one where the
+# array's memory allows it; where the array ops laid it out otherwise (a linear on a shared input,
+# a convolution's output: [B, N, ...] views of [N, B, ...] memory), _view makes a copy, which is
+# the same value unless something writes in place through the view, or into its source while the
+# view is read. For such a view the source is given memory where the view can alias it (its
+# contiguous copy, which replaces the source for everything after): just before the view, where
+# nothing made earlier that shares the source's memory is read after the view; else just after
+# the source is made, where nothing it shares memory with is read after that. Where neither
+# holds (the source is, or may share memory with, the model's state or an input), the view must
+# alias as it is, else the fused forward raises FuseError naming the statement.
+
+# Calls whose result never shares memory with their arguments.
+_FRESH_FUNCTIONS = (
+    (_ELEMENTWISE_FUNCTIONS - {F.dropout, F.alpha_dropout} - _capture._INPLACE_OPERATORS)
+    | {getattr(torch, name) for name in (
+        "cat", "concat", "concatenate", "stack", "matmul", "bmm", "mm", "baddbmm", "addmm", "einsum", "outer",
+        "sum", "mean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "logsumexp", "norm", "var",
+        "std", "softmax", "log_softmax", "cumsum", "cumprod", "clone", "gather", "index_select", "tril", "triu",
+        "sort", "topk", "argsort", "flip", "roll", "repeat_interleave", "eq", "ne", "lt", "le", "gt", "ge")}
+    | {getattr(F, name) for name in (
+        "softmax", "log_softmax", "linear", "bilinear", "layer_norm", "group_norm", "batch_norm", "instance_norm",
+        "normalize", "embedding", "scaled_dot_product_attention", "conv1d", "conv2d", "conv3d",
+        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "pad", "interpolate", "avg_pool1d",
+        "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_avg_pool1d",
+        "adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d", "one_hot", "cross_entropy",
+        "nll_loss", "mse_loss", "l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits")}
+    | {operator.matmul}
+    | set(_capture.RANDOM_FUNCTIONS)
+    | {getattr(torch, name) for name in _capture._SIZED_FACTORIES}
+)
+_FRESH_METHODS = (
+    {m for m in _ELEMENTWISE_METHODS if not m.endswith("_")}
+    - {"to", "float", "double", "half", "bfloat16", "type_as", "detach", "contiguous"}
+) | {"sum", "mean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "logsumexp", "norm", "var", "std",
+     "softmax", "log_softmax", "cumsum", "cumprod", "matmul", "bmm", "mm", "outer", "__matmul__", "clone",
+     "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "repeat", "gather", "index_select", "tril",
+     "triu", "sort", "topk", "argsort", "flip", "roll", "repeat_interleave", "eq", "ne", "lt", "le", "gt", "ge",
+     "all", "any", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__pow__", "__rpow__",
+     "__floordiv__", "__mod__", "__and__", "__or__", "__invert__"}
+# Calls whose result may share memory with their first argument only.
+_VIEW_FUNCTIONS = {torch.flatten, torch.reshape, torch.transpose, torch.swapaxes, torch.permute,
+                   torch.unsqueeze, torch.squeeze, torch.narrow, torch.select, torch.unbind, torch.chunk,
+                   torch.split, torch.tensor_split, torch.diagonal, torch.movedim, torch.t, torch.detach,
+                   operator.getitem, builtins.getattr}
+
+
+_SIGNATURES: dict[Callable, inspect.Signature | None] = {}
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """Whether a function call asks for ``inplace`` (F.relu(x, inplace=True), F.dropout(x, p, True, True))."""
+    if "inplace" in node.kwargs:
+        flag = node.kwargs["inplace"]
+        return isinstance(flag, fx.Node) or bool(flag)
+    fn = node.target
+    if not callable(fn) or isinstance(fn, _capture.GraphTarget):
+        return False
+    try:
+        signature = _SIGNATURES[fn]
+    except (KeyError, TypeError):
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # no signature (a builtin)
+            signature = None
+        with contextlib.suppress(TypeError):  # (an unhashable callable)
+            _SIGNATURES[fn] = signature
+    if signature is None or "inplace" not in signature.parameters:
+        return False
+    try:
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError:  # not a call this signature takes
+        return False
+    flag = bound.arguments.get("inplace", False)
+    return isinstance(flag, fx.Node) or bool(flag)
+
+
+def _module_of(node: fx.Node, model: nn.Module) -> nn.Module:
+    return model.get_submodule(node.target)
+
+
+def _alias_sources(node: fx.Node, model: nn.Module, array_classes: dict) -> list[fx.Node]:
+    """The nodes whose tensors ``node``'s result may share memory with (conservatively: every
+    input of a call not known to return new tensors or views of its first argument)."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return []
+    first = [node.args[0]] if node.args and isinstance(node.args[0], fx.Node) else []
+    if node.op == "call_module":
+        module = _module_of(node, model)
+        aliasing = isinstance(module, (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)) \
+            or getattr(module, "inplace", False) is True
+        if type(module) in array_classes or type(module).__module__.startswith("torch.nn.modules."):
+            return first if aliasing else []
+        return list(node.all_input_nodes)  # a module of the user's (run under vmap or in a loop)
+    if isinstance(node.target, (_capture.AssignState, _capture.SetData)):
+        # the model's state holds the value's memory from here on (`param.data = value`: the
+        # parameter's, which the value then shares)
+        return [a for a in node.args if isinstance(a, fx.Node)]
+    if isinstance(node.target, _capture.RandomDraw) or _is_metadata(node):
+        return []
+    if node.op == "call_method":
+        name = node.target
+        if name in _FRESH_METHODS:
+            return []
+        if name.endswith("_") and not name.endswith("__") or name in _VIEW_METHOD_NAMES:
+            return first
+    else:
+        fn = node.target
+        if fn in _FRESH_FUNCTIONS and not (fn in _ELEMENTWISE_FUNCTIONS and _inplace_flag(node)):
+            return []
+        if fn in _VIEW_FUNCTIONS or fn in _capture._INPLACE_OPERATORS \
+                or getattr(fn, "__name__", "").endswith("_") or _inplace_flag(node):
+            return first
+    return [n for n in node.all_input_nodes if not _is_metadata(n)]
+
+
+_VIEW_METHOD_NAMES = {
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "swapaxes", "swapdims", "t",
+    "permute", "unsqueeze", "squeeze", "expand", "expand_as", "narrow", "select", "unbind", "chunk", "split",
+    "tensor_split", "split_with_sizes", "__getitem__", "diagonal", "as_strided", "unfold", "movedim",
+    "moveaxis", "detach", "contiguous", "to", "type", "type_as", "float", "double", "half", "bfloat16",
+    "int", "long", "bool", "requires_grad_", "__iadd__", "__isub__", "__imul__", "__itruediv__"}
+
+
+def _written(node: fx.Node, model: nn.Module, array_classes: dict) -> list[fx.Node]:
+    """The nodes whose tensors ``node`` may write in place (conservatively: every input of a
+    module without an array version that is not an element-wise one)."""
+    first = [node.args[0]] if node.args and isinstance(node.args[0], fx.Node) else []
+    if node.op == "call_method":
+        name = node.target
+        if (name.endswith("_") and not name.endswith("__") and name != "requires_grad_") \
+                or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
+            return first
+        return []
+    if node.op == "call_function":
+        fn = node.target
+        if isinstance(fn, _capture.SetData):
+            return first
+        if isinstance(fn, _capture.GraphTarget):
+            return []
+        out = node.kwargs.get("out")
+        outs = [n for n in tree_flatten(out)[0] if isinstance(n, fx.Node)]
+        if fn in _capture._INPLACE_OPERATORS or getattr(fn, "__name__", "").endswith("_") \
+                or (not _is_metadata(node) and _inplace_flag(node)):
+            return first + outs
+        return outs
+    if node.op == "call_module":
+        module = _module_of(node, model)
+        if type(module) in array_classes or type(module).__module__.startswith("torch.nn.modules."):
+            return first if getattr(module, "inplace", False) is True else []
+        return list(node.all_input_nodes)  # a module of the user's (run under vmap or in a loop)
+    return []
+
+
+def _aliasing_views(graph: fx.Graph, model: nn.Module, array_classes: dict) -> dict[fx.Node, str | None]:
+    """``x.view(...)`` nodes that must alias their source: something writes in place, after the
+    view is made, into a tensor that may share its memory (the view, its source, a view of
+    either). The value says where the source may be given new memory for the view (None:
+    nowhere): "view", just before the view (nothing made before it that shares the source's
+    memory is read after it; the source itself excepted, whose later readers read the new
+    memory), or "source", just after the source is made (nothing made before the source that
+    shares its memory is read after that); never where one of them is the model's state or an
+    input."""
+    nodes = list(graph.nodes)
+    views = [n for n in nodes if n.op == "call_method" and n.target == "view" and n.args
+             and isinstance(n.args[0], fx.Node)]
+    if not views:
+        return {}
+    order = {n: i for i, n in enumerate(nodes)}
+    parent: dict[fx.Node, fx.Node] = {}  # union-find of the nodes that may share memory
+
+    def find(n: fx.Node) -> fx.Node:
+        root = n
+        while root in parent:
+            root = parent[root]
+        while n is not root:
+            parent[n], n = root, parent[n]
+        return root
+
+    for node in nodes:
+        for src in _alias_sources(node, model, array_classes):
+            a, b = find(node), find(src)
+            if a is not b:
+                parent[a] = b
+    writes = [(order[w], find(t)) for w in nodes for t in _written(w, model, array_classes)]
+    found = {}
+    for view in views:
+        group = find(view)
+        if not any(at > order[view] and g is group for at, g in writes):
+            continue
+        source = view.args[0]
+        members = [n for n in nodes if find(n) is group]
+
+        def read_after(at: int) -> bool:
+            """Whether a tensor made before ``at`` that shares memory is read after it (or kept
+            by the model's state: an assignment in forward)."""
+            return any((isinstance(n.target, _capture.AssignState) or any(order[u] >= at for u in n.users))
+                       for n in members if order[n] < at and n is not source)
+
+        if any(n.op in ("placeholder", "get_attr") for n in members):
+            found[view] = None
+        elif not read_after(order[view]):
+            found[view] = "view"
+        elif not read_after(order[source] + 1):
+            found[view] = "source"
+        else:
+            found[view] = None
+    return found
+
+
+def _aliasable(x, *shape):
+    """``x``, or its contiguous copy where ``x.view(shape)`` (per model) cannot be a view of it."""
+    try:
+        x.view(x.size(0), *_shape(shape))
+        return x
+    except (RuntimeError, _Fallback):
+        return x.contiguous()
+
+
+def _contiguous(x):
+    """``x`` in array memory where every view of its models' contiguous tensors is a view of it."""
+    return x.contiguous()
+
+
+def _strict_view(where: str, x, *shape):
+    """``x.view(shape)`` per model where the forward writes through the view: a view, or FuseError."""
+    size = (x.size(0), *_shape(shape))
+    try:
+        return x.view(size)
+    except RuntimeError as e:
+        try:
+            x.reshape(size)
+        except RuntimeError:
+            raise e from None  # torch's own error: the sizes do not fit
+        raise FuseError(
+            f"fused forward: `.view({', '.join(map(str, shape))})`{where} cannot be a view of its source in the "
+            "fused model's memory, where the B models' values are laid out for the array ops, and the forward "
+            "writes in place through the view or into its source while the view is in use, so a copy would "
+            "lose those writes. Write the update into the tensor itself rather than through a view, or give "
+            f"the tensor contiguous memory where it is made (`.contiguous()`) ({e})") from None
+
+
 def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Module],
              array_classes: dict, opaque: dict[type, str], constants: dict[str, str],
              attribute_state: list[tuple[str, str]]) -> fx.Graph:
@@ -2113,13 +2595,27 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
     fused_into = {act: norm for norm, (_, act) in norm_activations.items()}
     conv_norms = _conv_norms(graph, leaves, array_classes)
     convs_in_norms = set(conv_norms.values())
+    aliasing = _aliasing_views(graph, model, array_classes)
+    sources = {view.args[0] for view, where in aliasing.items() if where == "source"}
+    made = None  # the node made last
     for node in graph.nodes:
+        if made in sources and env.get(made) is not None and array[made]:
+            # in memory where views can alias it, for everything that reads it
+            env[made] = out.call_function(_contiguous, (env[made],))
+            env[made].meta.update(made.meta)
+        made = node
         if node in fused_into:  # the activation ran in its norm's call: its value is that call's
             env[node], array[node] = env[fused_into[node]], array[fused_into[node]]
             continue
         if node in convs_in_norms:  # runs in its batch norm's call, which alone reads its value
             env[node], array[node] = None, True
             continue
+        if aliasing.get(node) == "view" and array[node.args[0]]:
+            # The source in memory the view can alias, for the view and all that reads it after.
+            source = node.args[0]
+            env[source] = out.call_function(_aliasable, fx.node.map_arg(
+                (source, *node.args[1:]), lambda n: env[n]), fx.node.map_arg(node.kwargs, lambda n: env[n]))
+            env[source].meta.update(node.meta)
         marks = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), lambda n: array[n])
         any_array = any(array[n] for n in node.all_input_nodes)
         args = fx.node.map_arg(node.args, lambda n: env[n])
@@ -2211,8 +2707,11 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
                                               args, kwargs)
                 array[node] = False
             else:
-                env[node] = out.call_function(_ArrayCall(fn, marks, f"per_model_{label}", method),
-                                              args, kwargs)
+                call = _ArrayCall(fn, marks, f"per_model_{label}", method, B)
+                if node in aliasing:  # a view that in-place writes go through: a view, or an error
+                    module = _capture.where(node.meta.get("hfkern_module"), model)
+                    call.translate = partial(_strict_view, f"{node.meta.get('hfkern_line', '')} {module}")
+                env[node] = out.call_function(call, args, kwargs)
                 array[node] = True
         if node.op != "output":
             env[node].meta.update(node.meta)

@@ -371,6 +371,169 @@ def test_view_of_an_array_whose_layout_is_not_viewable():
     assert_close(out, torch.stack([m(x) for m in models]), **TOL)
 
 
+def _check_forward_backward(fused, models, x, shared=False):
+    """fused(x) against the models (each on its slice of ``x``, or all on ``x[0]``): outputs and
+    every parameter's gradient."""
+    out = fused(x)
+    ref = torch.stack([m(x[0] if shared else x[b]) for b, m in enumerate(models)])
+    assert_close(out, ref, **TOL)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for key, p in fused.named_parameters():
+        for b, m in enumerate(models):
+            assert_grad_close(p.grad[b], m.get_parameter(key).grad, f"{key}[{b}]")
+
+
+# ---- views that forward writes through -----------------------------------------------------------
+class _WriteThroughFlatView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        flat = h.view(-1)  # a view of h in torch
+        flat[::2] = 0
+        flat.mul_(2)
+        return h
+
+
+class _ClampThroughConvView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        y.view(y.size(0), -1).clamp_(min=0)  # a ReLU through a flat view of y
+        return y * 1.5
+
+
+class _SliceThenWriteThroughView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        first = h[..., :3]  # shares h's memory: sees the write below in torch
+        h.view(-1).mul_(3)
+        return first + h.sum(-1, keepdim=True)
+
+
+class _WriteSourceWhileViewed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        flat = y.view(y.size(0), -1)
+        y.mul_(-2)  # flat sees it in torch
+        return flat
+
+
+@pytest.mark.parametrize("make, shape, how", [
+    (_WriteThroughFlatView, (3, 4), "shared"), (_WriteThroughFlatView, (3, 4), "per_model"),
+    (_ClampThroughConvView, (3, 1, 4, 4), "per_model"), (_ClampThroughConvView, (3, 1, 4, 4), "shared"),
+    (_ClampThroughConvView, (3, 1, 4, 4), "channels_last"), (_SliceThenWriteThroughView, (3, 4), "shared"),
+    (_WriteSourceWhileViewed, (3, 1, 4, 4), "per_model"), (_WriteSourceWhileViewed, (3, 1, 4, 4), "channels_last"),
+])
+def test_in_place_writes_through_a_view_reach_what_it_views(make, shape, how):
+    """``x.view(...)`` is a view in torch: in-place writes through it change x, and writes into x
+    change it. Where the array's memory cannot be viewed so (a linear on a shared input, a
+    convolution's output, a channels-last model), the fused model must still alias them."""
+    torch.manual_seed(0)
+    models = [make() for _ in range(3)]
+    fused = hfkern.fuse(models)
+    if how == "channels_last":
+        fused = fused.to(memory_format=torch.channels_last)
+    x = hfkern.broadcast(torch.randn(*shape), 3) if how == "shared" else torch.randn(3, *shape)
+    _check_forward_backward(fused, models, x, shared=how == "shared")
+
+
+class _KeepLast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.register_buffer("last", torch.zeros(3, 6))
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.last = h.detach()  # shares h's memory
+        h.view(-1).mul_(2)  # ... so the buffer sees this write in torch
+        return h
+
+
+def test_write_through_a_view_reaches_a_buffer_assigned_its_source():
+    torch.manual_seed(0)
+    models = [_KeepLast() for _ in range(3)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(3, 4)
+    _check_forward_backward(fused, models, hfkern.broadcast(x, 3), shared=True)
+    assert_close(fused.last, torch.stack([m.last for m in models]), **TOL)
+
+
+class _DecayLast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.register_buffer("last", torch.zeros(3, 6))
+
+    def forward(self, x):
+        self.last.view(-1).mul_(0.5)  # the buffer, updated through a view
+        h = self.fc(x)
+        self.last = h.detach().clone()
+        return h
+
+
+def test_view_that_must_alias_state_and_cannot_raises_naming_it():
+    """A buffer updated through a view: the write must reach the buffer. Where the buffer holds a
+    value in the memory layout of an array op (a linear's output on a shared input), it cannot be
+    viewed flat; the forward raises rather than updating a copy."""
+    torch.manual_seed(0)
+    models = [_DecayLast() for _ in range(3)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        fused(torch.stack([x] * 3))  # per-model input: a contiguous output, a contiguous buffer
+        fused(torch.stack([x] * 3))
+        for m in models:
+            m(x)
+            m(x)
+        assert_close(fused.last, torch.stack([m.last for m in models]), **TOL)
+        fused(hfkern.broadcast(x, 3))  # the buffer now holds [B, N, ...] view of [N, B, ...] memory
+        with pytest.raises(hfkern.FuseError, match=r"`\.view\(-1\)` at test_fuse\.py:\d+: "
+                                                   r"`self\.last\.view\(-1\)\.mul_\(0\.5\).*` in the model's own "
+                                                   r"forward \(_DecayLast\) cannot be a view"):
+            fused(hfkern.broadcast(x, 3))
+
+
+# ---- interpolation ------------------------------------------------------------------------------
+class _Upsample(nn.Module):
+    def __init__(self, conv, mode):
+        super().__init__()
+        self.conv = conv(2, 3, 3, padding=1)
+        self.mode = mode
+
+    def forward(self, x):
+        kwargs = {} if self.mode == "nearest" else {"align_corners": False}
+        return F.interpolate(self.conv(x), scale_factor=2, mode=self.mode, **kwargs)
+
+
+@pytest.mark.parametrize("conv, mode, shape", [
+    (nn.Conv1d, "nearest", (3, 2, 5)), (nn.Conv1d, "linear", (3, 2, 5)),
+    (nn.Conv2d, "bilinear", (3, 2, 4, 5)), (nn.Conv3d, "trilinear", (2, 2, 3, 3, 4)),
+])
+def test_interpolate_of_1d_2d_and_3d_inputs(conv, mode, shape):
+    """F.interpolate has no unbatched form: a per-model [N, C, L] input is a 1-D interpolation,
+    [N, C, D, H, W] a 3-D one, whatever the array's rank."""
+    torch.manual_seed(0)
+    models = [_Upsample(conv, mode) for _ in range(3)]
+    fused = hfkern.fuse(models)
+    _check_forward_backward(fused, models, torch.randn(3, *shape))
+
+
 def test_bert_with_padding_mask_and_tied_decoder():
     """BERT-small's code: three shared inputs, ``src_key_padding_mask`` built from one of
     them, GELU layers and a decoder tied to the word embedding; forward, gradients and

@@ -306,6 +306,42 @@ def test_unfused_models_keep_a_module_under_two_names():
         torch.testing.assert_close(m.eval()(x), models[b].eval()(x))
 
 
+# ---- modules of an array class that forward does not call ------------------------------------------
+class _TimmAttention(nn.Module):
+    """timm's vision-transformer attention (fused_attn): reads its dropout module's p, never calls it."""
+
+    def __init__(self, attn_drop=0.0, proj_drop=0.0):
+        super().__init__()
+        self.num_heads, self.head_dim = 2, 4
+        self.qkv = nn.Linear(8, 24)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(8, 8)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.)
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+
+
+def test_configuration_of_an_array_class_module_forward_reads_but_does_not_call():
+    """The dropout probability forward reads from a dropout module it never calls is captured as
+    model 0's: models that differ in it are refused, naming it. A called dropout keeps its
+    probability per model; the unfused models keep both."""
+    with pytest.raises(FuseError, match=r"attribute 'attn_drop\.p' differs: model 0 has 0\.0, model 1 has 0\.5"):
+        hfkern.fuse([_TimmAttention(attn_drop=0.0), _TimmAttention(attn_drop=0.5)])
+    torch.manual_seed(0)
+    models = [_TimmAttention(attn_drop=0.25, proj_drop=p) for p in (0.0, 0.5)]
+    fused = hfkern.fuse(models)
+    for b, m in enumerate(hfkern.unfuse(fused)):
+        assert (m.attn_drop.p, m.proj_drop.p) == (0.25, models[b].proj_drop.p)
+    x = torch.randn(2, 3, 5, 8)
+    fused.eval()
+    torch.testing.assert_close(fused(x), torch.stack([m.eval()(x[b]) for b, m in enumerate(models)]))
+
+
 # ---- reset_model without a factory ---------------------------------------------------------------
 class _Attention(nn.Module):
     def __init__(self):
