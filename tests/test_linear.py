@@ -88,3 +88,20 @@ def test_linear_zero_out_features_and_zero_rows():
         array = hnn.Linear.from_modules(modules)
         x, xs, leaf = array_input(shape, 2)
         assert compare_modules(array, modules, x, xs, leaf).shape == (2, *shape[:-1], out)
+
+
+def test_from_modules_refuses_what_the_array_cannot_hold():
+    # A parametrized weight, or an extra persistent buffer in any module: a ValueError naming the
+    # names (a KeyError, or the buffer silently dropped where module 0 had it).
+    from torch.nn.utils import parametrizations
+
+    with pytest.raises(ValueError, match=r"expected a module with the parameters \['bias', 'weight'\], got one with "
+                                         r"\['bias', 'parametrizations.weight.original0'"):
+        hnn.Linear.from_modules([parametrizations.weight_norm(nn.Linear(3, 4))])
+    extra = nn.Linear(3, 4)
+    extra.register_buffer("ema", torch.ones(4))
+    for modules in ([nn.Linear(3, 4), extra], [extra, nn.Linear(3, 4)]):
+        with pytest.raises(ValueError, match=r"state dict keys differ"):
+            hnn.Linear.from_modules(modules)
+    with pytest.raises(ValueError, match=r"expected a module with the buffers \[\], got one with \['ema'\]"):
+        hnn.Linear.from_modules([extra])

@@ -311,3 +311,29 @@ def test_encoder_layer_per_model_dropout_forms_and_errors():
         TransformerEncoderLayer(E, 2, 8, dropout=[0.1, 0.2, 0.3], B=2)
     with pytest.raises(ValueError, match=r"dropout\[0\] is -0.5"):
         TransformerEncoderLayer(E, 2, 8, dropout=[-0.5, 0.2], B=2)
+
+
+def test_encoder_layer_from_modules_keeps_every_submodules_mode():
+    # A layer in training whose dropouts and attention are in eval: the array keeps each mode
+    # (it set every submodule to the layer's, and ran its dropouts).
+    def layer():
+        m = nn.TransformerEncoderLayer(E, 2, 13, dropout=0.5).train()
+        for sub in m.modules():
+            if isinstance(sub, (nn.Dropout, nn.MultiheadAttention)):
+                sub.eval()
+        return m
+
+    modules = [layer() for _ in range(2)]
+    array = TransformerEncoderLayer.from_modules(modules)
+    want = {path: sub.training for path, sub in modules[0].named_modules()}
+    assert {path: sub.training for path, sub in array.named_modules()} == want
+    x = torch.randn(2, S, N, E)
+    for b, m in enumerate(modules):
+        torch.testing.assert_close(array(x)[b], m(x[b]))
+    encoder = hfkern.nn.TransformerEncoder.from_modules(
+        [nn.TransformerEncoder(m, 2, enable_nested_tensor=False) for m in modules])
+    assert not any(sub.training for sub in encoder.modules() if isinstance(sub, hfkern.nn.Dropout))
+    # Models that disagree on a submodule's mode are refused, naming it.
+    modules[1].dropout1.train()
+    with pytest.raises(ValueError, match=r"field 'dropout1.training' differs: module 0 has False, module 1 has True"):
+        TransformerEncoderLayer.from_modules(modules)

@@ -219,12 +219,14 @@ class ArrayModule(nn.Module):
         """Build an array of ``len(modules)`` models from torch modules.
 
         Parameters and buffers are copied (stacked on a new leading dim), each
-        parameter keeps its ``requires_grad``; the train/eval mode is taken from
-        the modules. Modules whose configurations differ raise ValueError naming
-        the field, except the per-model hyper-parameters (``_per_model_fields``,
-        e.g. a dropout probability), which become one value per model; modules
-        that disagree on a parameter's ``requires_grad`` or on the mode raise
-        ValueError too.
+        parameter keeps its ``requires_grad``; the train/eval mode of the array
+        and of each of its submodules is taken from the modules. Modules whose
+        configurations differ raise ValueError naming the field, except the
+        per-model hyper-parameters (``_per_model_fields``, e.g. a dropout
+        probability), which become one value per model; modules that disagree on
+        a parameter's ``requires_grad``, on a submodule's mode or on their state
+        dict keys raise ValueError too, as do modules holding what the array
+        cannot (a parametrized weight, an extra persistent buffer).
         """
         modules = list(modules)
         name = cls.__name__
@@ -247,10 +249,19 @@ class ArrayModule(nn.Module):
                         f"{name}.from_modules: field {field!r} differs: module 0 has {value!r}, "
                         f"module {i} has {cfg[field]!r}"
                     )
-            if m.training != modules[0].training:
+            for path, sub in modules[0].named_modules():
+                other = _submodule(m, path)
+                if other is not None and other.training != sub.training:
+                    field = f"{path}.training" if path else "training"
+                    raise ValueError(
+                        f"{name}.from_modules: field {field!r} differs: module 0 has "
+                        f"{sub.training}, module {i} has {other.training}"
+                    )
+            keys, ref_keys = set(m.state_dict()), set(ref_sd)
+            if keys != ref_keys:
                 raise ValueError(
-                    f"{name}.from_modules: field 'training' differs: module 0 has "
-                    f"{modules[0].training}, module {i} has {m.training}"
+                    f"{name}.from_modules: the state dict keys differ: module 0 has {sorted(ref_keys)}, "
+                    f"module {i} has {sorted(keys)}"
                 )
             for key, p in m.named_parameters():
                 if key in ref_grad and p.requires_grad != ref_grad[key]:
@@ -279,6 +290,8 @@ class ArrayModule(nn.Module):
         if floats:
             factory["dtype"] = floats[0].dtype
         array = cls(**ref_cfg, B=len(modules), **factory)
+        # The models hold what the array holds (a parametrized weight, an extra buffer: no).
+        array._slot_pairs(modules[0], f"{name}.from_modules", check_dtype=False)
         with torch.no_grad():
             stacked = {
                 key: torch.stack([m.state_dict()[key] for m in modules])
@@ -287,7 +300,12 @@ class ArrayModule(nn.Module):
         array.load_state_dict(stacked)
         for key, p in array.named_parameters():
             p.requires_grad_(ref_grad[key])
-        return array.train(modules[0].training)
+        array.train(modules[0].training)
+        for path, sub in array.named_modules():  # each submodule keeps its mode, as in the models
+            counterpart = _submodule(modules[0], path)
+            if counterpart is not None:
+                sub.training = counterpart.training
+        return array
 
     def to_modules(self) -> list[nn.Module]:
         """The B models as torch modules of the namesake class: ``extract_model(b)`` for every b.
