@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -337,3 +339,43 @@ def test_encoder_layer_from_modules_keeps_every_submodules_mode():
     modules[1].dropout1.train()
     with pytest.raises(ValueError, match=r"field 'dropout1.training' differs: module 0 has False, module 1 has True"):
         TransformerEncoderLayer.from_modules(modules)
+
+
+def test_from_modules_keeps_the_submodules_own_dropout_probabilities():
+    # torch lets a layer's dropouts differ from its `dropout` (attention dropout off, say); the
+    # array took the layer's one value for all of them, fused models too.
+    def layer(p1):
+        m = nn.TransformerEncoderLayer(E, 2, 13, dropout=0.1)
+        m.self_attn.dropout = 0.0
+        m.dropout1.p = p1
+        return m
+
+    modules = [layer(0.5), layer(0.3)]
+    array = TransformerEncoderLayer.from_modules(modules)
+    fused = hfkern.fuse([nn.Sequential(m) for m in modules])
+    for a in (array, fused.get_submodule("0")):
+        assert a.self_attn.dropout == 0.0 and a.dropout1.p == (0.5, 0.3) and a.dropout2.p == 0.1
+    for back in (array.to_modules(), [m[0] for m in hfkern.unfuse(fused)]):
+        assert [(m.self_attn.dropout, m.dropout1.p, m.dropout2.p) for m in back] == [(0.0, 0.5, 0.1), (0.0, 0.3, 0.1)]
+
+
+def test_an_activation_module_is_compared_by_its_settings():
+    # Layers built with activation=nn.GELU() were refused as differing (modules compared by
+    # identity), by from_modules, fuse and load_model of an extracted model; an extracted model
+    # shared the array's activation object.
+    def layer(approximate="none"):
+        return nn.TransformerEncoderLayer(E, 2, 13, dropout=0.0, activation=nn.GELU(approximate))
+
+    modules = [layer(), layer()]
+    array = TransformerEncoderLayer.from_modules(modules)
+    x = torch.randn(2, S, N, E)
+    for b, m in enumerate(modules):
+        torch.testing.assert_close(array(x)[b], m(x[b]))
+    extracted = array.extract_model(0)
+    assert extracted.activation is not array.activation
+    array.load_model(1, copy.deepcopy(extracted))
+    hfkern.fuse([nn.Sequential(m) for m in modules])
+    with pytest.raises(ValueError, match="field 'activation' differs"):
+        TransformerEncoderLayer.from_modules([layer(), layer("tanh")])
+    with pytest.raises(ValueError, match="field 'activation' differs"):
+        array.load_model(0, layer("tanh"))

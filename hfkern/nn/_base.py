@@ -11,6 +11,7 @@ new leading dim, which is what makes :meth:`ArrayModule.from_modules`,
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import numbers
@@ -61,6 +62,24 @@ def _read_field(module: nn.Module, field: str) -> Any:
     if field == "bias" and not isinstance(value, bool):
         return value is not None  # torch says bias=False by registering bias as None
     return tuple(value) if isinstance(value, list) else value
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    """Whether two configuration values agree. Stateless modules (a layer's activation given as
+    ``nn.GELU()``) agree when they are of one class with equal settings; other values by ``==``."""
+    if isinstance(a, nn.Module) or isinstance(b, nn.Module):
+        if a is b:
+            return True
+        if type(a) is not type(b) or any(True for _ in a.parameters()) or any(True for _ in a.buffers()) \
+                or any(True for _ in b.parameters()) or any(True for _ in b.buffers()):
+            return False
+
+        def settings(m: nn.Module) -> dict:
+            return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"}
+
+        return settings(a) == settings(b) and a._modules.keys() == b._modules.keys() and all(
+            _same_setting(x, y) for x, y in zip(a._modules.values(), b._modules.values()))
+    return a == b
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:
@@ -244,7 +263,7 @@ class ArrayModule(nn.Module):
         ref_grad = {k: p.requires_grad for k, p in modules[0].named_parameters()}
         for i, (m, cfg) in enumerate(zip(modules[1:], configs[1:]), start=1):
             for field, value in configs[0].items():
-                if cfg[field] != value and field not in cls._per_model_fields:
+                if not _same_setting(cfg[field], value) and field not in cls._per_model_fields:
                     raise ValueError(
                         f"{name}.from_modules: field {field!r} differs: module 0 has {value!r}, "
                         f"module {i} has {cfg[field]!r}"
@@ -298,6 +317,15 @@ class ArrayModule(nn.Module):
                 for key in array.state_dict()
             }
         array.load_state_dict(stacked)
+        # The submodules' own per-model fields (a layer's dropouts, its attention's dropout: the
+        # constructor gave them all the layer's one value).
+        for path, sub, field in array._held_per_model_fields():
+            values = [_submodule(m, path) for m in modules]
+            if all(v is not None and hasattr(v, field) for v in values):
+                values = [_read_field(v, field) for v in values]
+                value = values[0] if all(v == values[0] for v in values) else tuple(values)
+                if value != getattr(sub, field):
+                    setattr(sub, field, value)
         for key, p in array.named_parameters():
             p.requires_grad_(ref_grad[key])
         array.train(modules[0].training)
@@ -387,7 +415,7 @@ class ArrayModule(nn.Module):
                                 f"got {type(counterpart).__name__}")
             mine, given = sub._config_of(sub), sub._config_of(counterpart)
             for field, value in mine.items():
-                if field not in sub._per_model_fields and given[field] != value:
+                if field not in sub._per_model_fields and not _same_setting(given[field], value):
                     where = f" of {path!r}" if path else ""
                     raise ValueError(f"{who}: field {field!r}{where} differs: the array has "
                                      f"{value!r}, the module has {given[field]!r}")
@@ -464,7 +492,8 @@ class ArrayModule(nn.Module):
     def _model_config(self, b: int) -> dict[str, Any]:
         """The namesake constructor's keyword arguments for model b."""
         return {
-            k: (v[b] if k in self._per_model_fields and isinstance(v, tuple) else v)
+            k: (v[b] if k in self._per_model_fields and isinstance(v, tuple)
+                else copy.deepcopy(v) if isinstance(v, nn.Module) else v)  # a model of its own
             for k, v in self._config_of(self).items()
         }
 
