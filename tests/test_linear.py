@@ -105,3 +105,16 @@ def test_from_modules_refuses_what_the_array_cannot_hold():
             hnn.Linear.from_modules(modules)
     with pytest.raises(ValueError, match=r"expected a module with the buffers \[\], got one with \['ema'\]"):
         hnn.Linear.from_modules([extra])
+
+
+def test_load_state_dict_of_a_view_of_its_own_memory():
+    # A value overlapping the module's own memory (a transposed view of its weight): torch's copy_
+    # refused it after the entries before it had been written; it loads as the values it holds.
+    a = hnn.Linear(3, 3, B=3)
+    want_weight = a.weight.detach().transpose(0, 1).clone()
+    bias = torch.randn(3, 3)
+    a.load_state_dict({"bias": bias, "weight": a.weight.detach().transpose(0, 1)})
+    assert torch.equal(a.weight, want_weight) and torch.equal(a.bias, bias)
+    before = [t.clone() for t in (a.weight, a.bias)]
+    a.load_state_dict(a.state_dict())  # its own entries: the very tensors, nothing copied first
+    assert all(torch.equal(t, u) for t, u in zip((a.weight, a.bias), before))

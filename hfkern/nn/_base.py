@@ -15,6 +15,7 @@ import copy
 import inspect
 import math
 import numbers
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
@@ -555,8 +556,9 @@ class ArrayModule(nn.Module):
         models), and that it can be copied (or, with ``assign``, assigned) into
         its parameter or buffer. A state dict that fails any check raises
         :class:`StateDictError` (a RuntimeError, as torch raises, listing every
-        problem) and leaves the module exactly as it was. Returns torch's
-        ``(missing_keys, unexpected_keys)`` named tuple.
+        problem) and leaves the module exactly as it was. A value overlapping the
+        module's own memory (a transposed view of a weight) loads the values it
+        holds. Returns torch's ``(missing_keys, unexpected_keys)`` named tuple.
 
         The checks see the state dict as given: load-state-dict pre-hooks
         registered on the module run only during the load itself.
@@ -575,7 +577,32 @@ class ArrayModule(nn.Module):
                     "Error(s) in loading state_dict for {}:\n\t{}".format(
                         type(self).__name__, "\n\t".join(errors))
                 )
+            if not assign:
+                state_dict = self._unaliased(state_dict)
         return super().load_state_dict(state_dict, strict, assign)
+
+    def _unaliased(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state_dict`` with a copy of every value that overlaps this module's own memory other
+        than as the very tensor it is written into (a transposed view of a weight): torch's
+        ``copy_`` refuses those, and would after the entries before it were written."""
+        own: dict[int, list[torch.Tensor]] = {}
+        for t in [*self.parameters(), *self.buffers()]:
+            if t.layout == torch.strided and not t.is_meta:
+                own.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+
+        def overlaps(v: Any) -> bool:
+            if not (type(v) in (torch.Tensor, nn.Parameter) and v.layout == torch.strided) or v.is_meta:
+                return False
+            return any(not (t.data_ptr() == v.data_ptr() and t.shape == v.shape and t.stride() == v.stride())
+                       for t in own.get(v.untyped_storage().data_ptr(), ()))
+
+        if not any(overlaps(v) for v in state_dict.values()):
+            return state_dict
+        copied = OrderedDict((k, v.clone() if overlaps(v) else v) for k, v in state_dict.items())
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            copied._metadata = metadata
+        return copied
 
     def _fill_legacy_entries(self, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         """Add, in place, entries that older checkpoints of this module lack (none by default).
