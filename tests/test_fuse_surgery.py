@@ -252,3 +252,24 @@ def test_surgery_without_a_factory_after_a_dtype_change():
     x = torch.randn(B, 2, 1, 8, 8, dtype=torch.float64)
     fused.eval()
     assert_close(fused(x)[1], fused.extract_model(1).eval()(x[1]))
+
+
+def test_legacy_state_dict_without_a_torch_norms_count_loads_as_torch_loads_it():
+    # A plain dict (no version metadata) without num_batches_tracked, for a norm the fused model
+    # keeps as torch's (BatchNorm3d): torch's own loader keeps the count; the checks refused it.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm3d(2)
+
+        def forward(self, x):
+            return self.bn(x)
+
+    fused = hfkern.fuse([Net(), Net()])
+    fused.get_submodule("bn").num_batches_tracked.fill_(3)
+    sd = {k: v.clone() + (1 if v.is_floating_point() else 0) for k, v in fused.state_dict().items()
+          if k != "bn.num_batches_tracked"}
+    assert not fused.load_state_dict(sd).missing_keys
+    for k, v in sd.items():
+        assert torch.equal(fused.state_dict()[k], v), k
+    assert fused.get_submodule("bn").num_batches_tracked.tolist() == [3, 3]

@@ -638,6 +638,13 @@ class ArrayModule(nn.Module):
             local_metadata = {} if metadata is None else dict(metadata.get(path, {}))
             if isinstance(module, ArrayModule):
                 module._fill_legacy_entries(sd, prefix, local_metadata)
+            elif isinstance(module, nn.modules.batchnorm._NormBase):
+                # A torch norm (in a fused model) keeps its count where an older checkpoint has
+                # none, as its own loader does (num_batches_tracked came with version 2).
+                version = local_metadata.get("version")
+                key = prefix + "num_batches_tracked"
+                if (version is None or version < 2) and module.track_running_stats and key not in sd:
+                    sd[key] = module.num_batches_tracked
             local = {
                 k: v for k, v in module._parameters.items() if v is not None
             }
