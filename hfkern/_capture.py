@@ -40,10 +40,10 @@ compute something else than its models. :func:`capture` closes those gaps:
   ``torch.linspace`` and the random factories above) and ``len(x)`` are
   recorded as calls on the traced sizes (torch.fx alone takes a size only as a
   tensor factory's single argument, and no ``len`` at all).
-* **Arguments that are None or a bool** in the call a graph is captured for
-  can be passed to ``forward`` as those Python values (``concrete``), where
-  torch.fx would trace every argument as a tensor (never None): ``if mask is
-  None:`` then takes the branch such a call takes.
+* **Arguments that are Python constants** (None, a bool, an int, a string) in
+  the call a graph is captured for can be passed to ``forward`` as those Python
+  values (``concrete``), where torch.fx would trace every argument as a tensor
+  (never None): ``if mask is None:`` then takes the branch such a call takes.
 * **Tensor constants** (tensors made in ``forward`` from Python values, and
   tensor attributes that are neither parameters nor buffers) are returned
   with the graph; modifying one in place is refused (it is state: make it a
@@ -107,8 +107,8 @@ def _construct(message: str) -> str:
                 "captured; name forward's arguments)")
     if "control flow" in message:
         return ("Python control flow on a traced value (an `if`/`while`/`and`/`assert` on a tensor value "
-                "or shape, or on an argument of forward: torch.fx traces every argument that is not None "
-                "or a bool as a tensor, numbers and strings included)")
+                "or shape, or on an argument of forward: an argument that is not a Python constant (None, "
+                "a bool, an int, a string, ...) is a traced value, floats included)")
     if "len" in message:
         return "len() of a tensor"
     return "an operation torch.fx cannot capture"
@@ -291,7 +291,7 @@ class _Tracer(fx.Tracer):
                  settled: set[tuple[str, str]] | None = None, concrete: dict[str, Any] | None = None):
         super().__init__()
         # Arguments of forward traced as the Python values they have in the call being captured
-        # (None, a bool), not as traced values: their placeholders stay, unused.
+        # (None, a bool, an int, a string, ...), not as traced values: their placeholders stay, unused.
         self._concrete = concrete or {}
         # Python attributes the first call assigned (``(path, name)``) when this traces a second
         # call from the state the first left; None for the first call.

@@ -5,8 +5,8 @@ returns a :class:`FusedModel` that computes, for every b, what model b
 computes, with the array dim B first on every input and output.
 
 How: model 0's ``forward`` is captured as a ``torch.fx`` graph and rewritten op
-by op; once per pattern of the arguments that are None or a bool in a call (see
-below), in practice once or twice.
+by op; once per pattern of the arguments that are Python values (None, bools,
+ints, strings) in a call (see below), in practice once or twice.
 
 * **Leaf modules with an array version** (``nn.Conv2d``, ``nn.Linear``,
   ``nn.BatchNorm2d``, ``nn.TransformerEncoder``, ... every ``torch.nn`` class
@@ -64,16 +64,22 @@ below), in practice once or twice.
 Inputs are ``[B, *per-model shape]`` tensors, or one input shared by the B
 models as :func:`hfkern.broadcast` (no copy; the first array layer uses the
 cheaper shared math). Non-tensor arguments are passed as they are, every model
-gets the same. Arguments that are None or a bool are Python values in the
-captured code, so ``if mask is None:`` and ``if flag:`` take the branch the call
-takes: the forward is captured for each pattern of such arguments (``fuse``
+gets the same. Arguments that are None, a bool, an int, a string (or an enum
+member, a dtype, a device, a tuple of these) are Python values in the captured
+code, so ``if mask is None:``, ``if flag:``, ``if mode == "sum":`` and
+``self.blocks[:depth]`` take what the call takes: the forward is captured for
+each pattern of such values, as ``torch.compile`` specializes on ints (``fuse``
 captures a call with forward's arguments at their defaults and one giving every
 argument whose default is None; another pattern is captured at its first call,
 and such a call that runs a module neither of those runs raises
-:class:`FuseError`, as that module did not become an array module). Other
-arguments are traced as tensors (a Python branch on a number or a string
-argument cannot be captured); a tensor made from them alone
-(``torch.arange(k)``) is the same for every model, each model having its own copy.
+:class:`FuseError`, as that module did not become an array module). A fused
+model warns once it has captured more than 8 patterns: pass a value that changes
+from call to call as a float or a tensor. Floats and other arguments are traced
+values, one capture serving every value (a Python branch on a float argument
+cannot be captured; a required argument is traced by ``fuse``'s own capture, so
+forward may branch on a required int only once ``fuse`` has captured without
+it: give it a default); a tensor made from them alone (``torch.arange(k)``) is
+the same for every model, each model having its own copy.
 
 Configuration: the models must agree on every module's plain attributes (numbers,
 strings, tuples of them) except the array modules', which keep them per model
@@ -93,7 +99,9 @@ load, and the factory given to :func:`fuse` travels where pickle can save it
 statistics per model, dropout draws per model; code that reads
 ``self.training`` in a ``forward`` is captured in both modes, and every module
 starts in the mode it has in the models. A module registered under two names
-is one module under both. The fused model can be compiled with ``torch.compile``.
+is one module under both. The fused model can be compiled with ``torch.compile``
+(a pattern of Python-valued arguments first met while dynamo traces is captured
+eagerly, a graph break: under ``fullgraph=True`` call the model once with it first).
 
 Module hooks registered before fusing: forward hooks of modules whose code is
 captured run in the captured call (model 0's, for every model); hooks the fused
@@ -126,12 +134,14 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import enum
 import importlib
 import inspect
 import itertools
 import operator
 import pickle
 import sys
+import warnings
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -1404,6 +1414,7 @@ class FusedModel(ArrayModule):
     """
 
     _torch_cls = nn.Module  # any: the original class is kept in ``model_class``
+    _warned_patterns = False  # (set once the many-patterns warning was given)
 
     def __init__(self) -> None:  # use hfkern.fuse
         super().__init__()
@@ -1433,9 +1444,8 @@ class FusedModel(ArrayModule):
         return self
 
     def _call_key(self, args: tuple, kwargs: dict) -> tuple:
-        """Which of forward's named arguments are None, True or False in this call (a graph is
-        captured for each such pattern): per argument None, True, False, or ``...`` for any
-        other value."""
+        """The Python values this call gives forward's named arguments (a graph is captured for
+        each such pattern): per argument its :func:`_argument_key`."""
         names, positional, defaults = self._arguments
         key = []
         given = len(args)
@@ -1447,7 +1457,7 @@ class FusedModel(ArrayModule):
             else:  # its default's key (a required argument left out: the call raises TypeError, as torch's)
                 key.append(defaults[i])
                 continue
-            key.append(None if v is None else v if v is True or v is False else ...)
+            key.append(_argument_key(v))
         return tuple(key)
 
     def _forward_for(self, key: tuple) -> Callable:
@@ -1457,7 +1467,10 @@ class FusedModel(ArrayModule):
         if forward is not None:
             return forward
         if (True, key) not in forwards:
-            self._capture_call(key)
+            if "torch._dynamo" in sys.modules:  # (maybe called from a frame dynamo runs)
+                _capture_new_pattern_eagerly(self, key)
+            else:
+                self._capture_call(key)
             forwards = self._forwards
             forward = forwards.get((None, key))
             if forward is not None:
@@ -1472,18 +1485,19 @@ class FusedModel(ArrayModule):
         return forwards[(modes.pop(), key)]
 
     def _capture_call(self, key: tuple) -> None:
-        """Capture and rewrite forward for calls whose None and bool arguments are ``key``'s (the
+        """Capture and rewrite forward for calls whose Python-valued arguments are ``key``'s (the
         first such call), from model 0 as the fused model holds it now."""
         names = self._arguments[0]
-        pattern = ", ".join(f"{n}={v!r}" for n, v in zip(names, key) if v is not ...) or "no None or bool argument"
+        pattern = _pattern(names, key)
         try:
             with torch.inference_mode(False):  # (constants made in a call under inference mode serve training)
                 rewritten, constants, root_assigned = _capture_and_rewrite(
                     self.extract_model(0), self.B, self._opaque, key, self._arguments, fused=self)
         except FuseError as e:
             raise FuseError(
-                f"{self.model_class.__name__} (fused): forward is captured for each pattern of arguments "
-                f"that are None or a bool, here for a call with {pattern}: {e}") from e
+                f"{self.model_class.__name__} (fused): forward is captured for each pattern of the "
+                f"arguments that are Python values (None, bools, ints, strings, ...), here for a call "
+                f"with {pattern}: {e}") from e
         for name, value in constants.values():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_root_assigned", self._root_assigned | root_assigned)
@@ -1496,6 +1510,17 @@ class FusedModel(ArrayModule):
             self._run_graphs(_fused_graphs(self, strategy.recompute) if strategy is not None else own)
         else:
             self._run_graphs(own)
+        patterns = {k for _, k in own}
+        if len(patterns) > _MANY_PATTERNS and not self._warned_patterns:
+            object.__setattr__(self, "_warned_patterns", True)
+            varying = [n for i, n in enumerate(names)
+                       if len({k[i] for k in patterns if i < len(k)}) > _MANY_PATTERNS // 2]
+            warnings.warn(
+                f"{self.model_class.__name__} (fused): forward has now been captured for {len(patterns)} "
+                f"patterns of its Python-valued arguments (each capture traces and rewrites forward); "
+                f"{'argument(s) ' + ', '.join(map(repr, varying)) + ' take' if varying else 'the calls give'} "
+                f"many values. Pass a value that changes from call to call as a float or a tensor "
+                f"(traced, one capture for all values).", UserWarning, stacklevel=6)
 
     def _run_graphs(self, graphs: dict[tuple, fx.Graph]) -> None:
         """Run ``graphs`` (as ``_own_graphs``: one per train/eval mode, or None for both, and
@@ -1988,10 +2013,90 @@ def fuse(models: Sequence[nn.Module] | Callable[[], nn.Module], B: int | None = 
             f"{root_cls.__name__}") from e
 
 
+def _capture_new_pattern(model: FusedModel, key: tuple) -> None:
+    model._capture_call(key)
+
+
+# Capturing a pattern of arguments first met under torch.compile runs Python that dynamo cannot
+# trace (copies of model 0, torch.fx): it runs eagerly, between two graphs, with dynamo off for
+# every frame it calls (torch 2.11 compiled them as frames of their own after a graph break).
+# torch._disable_dynamo (torch.optim's zero_grad uses it) imports dynamo when first called, not
+# with hfkern; torch.compiler.disable called while tracing was traced into by torch 2.11. Under
+# fullgraph=True dynamo refuses the call, naming this function: call the model once first.
+_capture_new_pattern_eagerly = torch._disable_dynamo(_capture_new_pattern)
+
+
+# A fused model warns once when its forward has been captured for more patterns of Python-valued
+# arguments than this (torch.compile's recompile limit is 8).
+_MANY_PATTERNS = 8
+
+
+class _Value:
+    """A key entry for an argument given a Python value the graph is captured for (an int, a
+    string, an enum member, a dtype, a tuple of them): equal to another only for values of the
+    same types (``1 == True == 1.0`` in Python; three different calls here)."""
+
+    __slots__ = ("value", "_typed")
+
+    def __init__(self, value: Any, typed: tuple):
+        self.value = value
+        self._typed = typed
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Value) and self._typed == other._typed
+
+    def __hash__(self) -> int:
+        return hash(self._typed)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __reduce__(self):
+        return (_argument_key, (self.value,))
+
+
+_CONSTANT_TYPES = (int, str, bytes, torch.dtype, torch.device, torch.memory_format, torch.layout, enum.Enum)
+
+
+def _typed_constant(v: Any) -> tuple | None:
+    """``v`` with its types, hashable, where ``v`` is a Python constant a graph is captured for
+    (see :func:`_argument_key`); else None."""
+    if v is None or isinstance(v, _CONSTANT_TYPES) and not isinstance(v, float):
+        try:
+            hash(v)
+        except TypeError:
+            return None
+        return (type(v), v)
+    if type(v) is tuple:
+        items = tuple(_typed_constant(x) for x in v)
+        return None if any(x is None for x in items) else (tuple, items)
+    return None
+
+
+def _argument_key(v: Any) -> Any:
+    """An argument's entry in a call's key (:meth:`FusedModel._call_key`): None, True or False
+    as they are; a :class:`_Value` for an int (an enum, a string, a dtype, a device, a tuple of
+    such): the graph is captured for that value, which forward sees as it is; ``...`` for
+    anything else (tensors, floats, lists: traced values of the captured graph)."""
+    if v is None or v is True or v is False:
+        return v
+    typed = _typed_constant(v)
+    return ... if typed is None else _Value(v, typed)
+
+
+def _key_value(k: Any) -> Any:
+    """The Python value a key entry (:func:`_argument_key`) gives forward: ``...`` for traced."""
+    return k.value if isinstance(k, _Value) else k
+
+
+def _pattern(names: Sequence[str], key: tuple) -> str:
+    return ", ".join(f"{n}={v!r}" for n, v in zip(names, key) if v is not ...) or "no Python-valued argument"
+
+
 def _forward_arguments(model: nn.Module) -> tuple[tuple[str, ...], int, tuple]:
     """The named arguments of the ``forward`` that torch.fx captures (positional ones, then
     keyword-only ones), how many are positional, and their defaults as a call's key has them
-    (:meth:`FusedModel._call_key`: None, True, False, else ``...``, a required argument's too)."""
+    (:func:`_argument_key`; ``...`` for a required argument)."""
     fn = inspect.unwrap(type(model).forward)
     code = getattr(fn, "__code__", None)
     try:
@@ -2001,8 +2106,9 @@ def _forward_arguments(model: nn.Module) -> tuple[tuple[str, ...], int, tuple]:
     if code is None or parameters is None or code.co_argcount < 1:
         return (), 0, ()
     names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
-    defaults = tuple(parameters[n].default if n in parameters else ... for n in names)
-    return names, code.co_argcount - 1, tuple(d if d is None or d is True or d is False else ... for d in defaults)
+    return names, code.co_argcount - 1, tuple(... if d is inspect.Parameter.empty else _argument_key(d)
+                                              for d in (parameters[n].default if n in parameters else
+                                                        inspect.Parameter.empty for n in names))
 
 
 def _captured(model: nn.Module, array_classes: dict, opaque: dict[type, str], key: tuple,
@@ -2011,7 +2117,7 @@ def _captured(model: nn.Module, array_classes: dict, opaque: dict[type, str], ke
     None: one capture serves both) for calls whose None and bool arguments are ``key``'s."""
     opaque_types = tuple(opaque)
     leaf = lambda m: type(m) in array_classes or isinstance(m, opaque_types)  # noqa: E731
-    concrete = {name: v for name, v in zip(arguments[0], key) if v is not ...}
+    concrete = {name: _key_value(v) for name, v in zip(arguments[0], key) if v is not ...}
     captured = {mode: _capture.capture(model, leaf, mode, concrete=concrete) for mode in (True, False)}
     if _same_capture(captured[True], captured[False]):
         captured = {None: captured[True]}

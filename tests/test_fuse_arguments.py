@@ -1,10 +1,10 @@
 """A fused model's forward takes the original forward's arguments, and each call computes
 what B torch models compute with those arguments.
 
-Arguments that are None or a bool are Python values in the captured code (torch.fx
-would trace them as tensors, never None, so ``if mask is None:`` would always take the
-other branch): the forward is captured for each pattern of such arguments, and a call
-runs its pattern's graph. A tensor made in forward from a non-tensor argument alone
+Arguments that are None, a bool, an int, a string (an enum member, a tuple of them) are
+Python values in the captured code (torch.fx would trace them as tensors, never None, so
+``if mask is None:`` would always take the other branch): the forward is captured for each
+pattern of such arguments, and a call runs its pattern's graph. A tensor made in forward from a non-tensor argument alone
 (``torch.arange(k)``) is the same for every model. What cannot be captured for a call is
 refused with a FuseError naming the call's arguments and the module or statement.
 """
@@ -12,6 +12,9 @@ refused with a FuseError naming the call's arguments and the module or statement
 from __future__ import annotations
 
 import copy
+import enum
+import pickle
+import warnings
 
 import pytest
 import torch
@@ -171,21 +174,100 @@ class _Varargs(nn.Module):
         return self.m(*args)
 
 
-class _StringBranch(nn.Module):
+class _FloatBranch(nn.Module):
     def __init__(self):
         super().__init__()
         self.m = nn.Linear(4, 3)
 
-    def forward(self, x, mode="sum"):
-        return self.m(x) if mode == "sum" else -self.m(x)
+    def forward(self, x, scale=1.0):
+        return self.m(x) if scale > 0 else -self.m(x)
 
 
 def test_uncapturable_arguments_are_named_as_such():
     with pytest.raises(FuseError, match=r"forward's own `\*args`.*one value.*model's own forward \(_Varargs\)") as e:
         hfkern.fuse([_Varargs() for _ in range(2)])
     assert "Python control flow" not in str(e.value)
-    with pytest.raises(FuseError, match=r"argument of forward.*not None or a bool.*`return self\.m\(x\) if"):
-        hfkern.fuse([_StringBranch() for _ in range(2)])
+    with pytest.raises(FuseError, match=r"argument of forward.*not a Python constant.*floats included.*"
+                                        r"`return self\.m\(x\) if"):
+        hfkern.fuse([_FloatBranch() for _ in range(2)])
+
+
+# ---- ints, strings and other Python constants ----------------------------------------------
+class _Mode(enum.Enum):
+    SUM = "sum"
+    MAX = "max"
+
+
+class _Configurable(nn.Module):
+    """Arguments that choose the structure: how many blocks run, a reduction named by a string
+    or an enum, a tuple of dims; a float scale (traced: every value shares one capture)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x, depth: int = 3, mode="sum", dims=(-1,), kind=_Mode.SUM, scale: float = 1.0):
+        for block in self.blocks[:depth]:
+            x = block(x).relu()
+        y = self.out(x)
+        y = y.sum(dims) if mode == "sum" else y.amax(dims)
+        return (y if kind is _Mode.SUM else -y) * scale
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"depth": 1}, {"depth": 0, "mode": "max"}, {"mode": "max", "dims": (-2, -1)},
+                                    {"kind": _Mode.MAX, "scale": 0.25}, {"depth": 2, "scale": -3.0}])
+def test_int_string_and_enum_arguments_take_what_the_call_takes(kwargs):
+    torch.manual_seed(0)
+    models = [_Configurable() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(B, 5, 4)
+    _check_call(fused, models, x, **kwargs)
+    _check_call(fused, models, x.transpose(1, 2).contiguous().transpose(1, 2), **kwargs)  # non-contiguous
+    fused.eval()
+    for m in models:
+        m.eval()
+    _check_call(fused, models, x, **kwargs)
+
+
+def test_positional_int_and_its_default_are_one_capture_and_a_bool_is_not_an_int():
+    models = [_Configurable() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(B, 5, 4)
+    fused(x)
+    patterns = len(fused._own_graphs)
+    fused(x, 3)  # the default, positionally
+    fused(x, depth=3, scale=0.5)  # a float: traced, no capture of its own
+    assert len(fused._own_graphs) == patterns
+    fused(x, True)  # True == 1 in Python, but a bool is its own pattern (torch's slicing takes both alike)
+    fused(x, 1)
+    assert len(fused._own_graphs) == patterns + 2
+    _check_call(fused, models, x, True)
+    _check_call(fused, models, x, 1)
+
+
+def test_pickled_model_keeps_its_captures_for_int_arguments():
+    models = [_Configurable() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(B, 5, 4)
+    want = fused(x, 1, "max")
+    loaded = pickle.loads(pickle.dumps(fused))
+    assert set(loaded._own_graphs) == set(fused._own_graphs)
+    assert_close(loaded(x, 1, "max"), want, rtol=0, atol=0)
+    assert_close(loaded(x, 2), fused(x, 2), rtol=0, atol=0)
+
+
+def test_many_patterns_warn_once_naming_the_argument():
+    models = [_Configurable() for _ in range(2)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(2, 5, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for depth in range(-6, 4):
+            fused(x, depth)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 1, messages
+    assert "'depth'" in messages[0] and "float or a tensor" in messages[0]
 
 
 # ---- tensors made from Python values given to forward ---------------------------------------
@@ -195,9 +277,9 @@ class _Ranged(nn.Module):
         self.fc = nn.Linear(4, 3)
 
     def forward(self, x, k: int = 3):
-        offset = torch.zeros(k)
+        offset = torch.zeros(3)
         offset[0] = 1.0  # written in place, as each model may
-        return self.fc(x) + offset + torch.arange(k).float()
+        return self.fc(x) + offset * k + torch.arange(k).float()
 
 
 class _Drawn(nn.Module):
@@ -213,8 +295,9 @@ def test_tensor_made_from_an_int_argument_is_every_models():
     torch.manual_seed(0)
     models = [_Ranged() for _ in range(B)]
     fused = hfkern.fuse(models)
-    _check_call(fused, models, torch.randn(B, 2, 4), 3)
-    _check_call(fused, models, hfkern.broadcast(torch.randn(2, 4), B), 3)
+    for k in (3, 3.0):  # an int is a Python value in the captured code; a float a traced value
+        _check_call(fused, models, torch.randn(B, 2, 4), k)
+        _check_call(fused, models, hfkern.broadcast(torch.randn(2, 4), B), k)
 
 
 def test_draw_sized_by_an_int_argument_is_drawn_per_model():
@@ -228,3 +311,18 @@ def test_draw_sized_by_an_int_argument_is_drawn_per_model():
     ref = torch.stack([m(x[b], 3) for b, m in enumerate(models)])
     assert_close(out, ref, **TOL)
     assert not torch.allclose(out[0] - models[0].fc(x[0]), out[1] - models[1].fc(x[1]))
+
+
+def test_compiled_fused_model_captures_a_new_pattern_between_graphs():
+    """A pattern first met while dynamo traces is captured eagerly (a graph break), then compiled;
+    with ``fullgraph=True`` such a call must have been made once eagerly first."""
+    torch.manual_seed(0)
+    models = [_Configurable() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(B, 5, 4)
+    compiled = torch.compile(fused, backend="aot_eager")
+    for kwargs in ({}, {"depth": 1}, {"mode": "max", "scale": 0.5}, {"depth": 1}):
+        want = torch.stack([m(x[b], **kwargs) for b, m in enumerate(models)])
+        assert_close(compiled(x, **kwargs), want, **TOL)
+    full = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    assert_close(full(x, depth=1), fused(x, depth=1), rtol=0, atol=0)  # a pattern captured before
