@@ -338,6 +338,12 @@ class GradScaler:
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         user_skip = kwargs.pop("skip", None)
+        if user_skip is not None:  # checked before unscale_ divides the gradients
+            if not isinstance(user_skip, Tensor) or user_skip.dtype != torch.bool or user_skip.shape != (self.B,):
+                got = (f"a tensor of shape {list(user_skip.shape)} and dtype {user_skip.dtype}"
+                       if isinstance(user_skip, Tensor) else type(user_skip).__name__)
+                error = ValueError if isinstance(user_skip, Tensor) and user_skip.dtype == torch.bool else TypeError
+                raise error(f"GradScaler.step: skip must be a [B]=[{self.B}] bool tensor, got {got}")
         if optimizer_state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         found = list(optimizer_state["found_inf_per_device"].values())
@@ -347,10 +353,6 @@ class GradScaler:
         for f in found[1:]:
             skip = skip | f.to(skip.device, non_blocking=True)
         if user_skip is not None:
-            if not isinstance(user_skip, Tensor) or user_skip.dtype != torch.bool or user_skip.shape != (self.B,):
-                got = (f"{list(user_skip.shape)} {user_skip.dtype}" if isinstance(user_skip, Tensor)
-                       else type(user_skip).__name__)
-                raise ValueError(f"GradScaler: skip must be a [B]=[{self.B}] bool tensor, got {got}")
             skip = skip | user_skip.to(skip.device, non_blocking=True)
         retval = optimizer.step(*args, skip=skip, **kwargs)
         optimizer_state["stage"] = OptState.STEPPED

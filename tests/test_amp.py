@@ -421,9 +421,14 @@ def test_bad_arguments():
         scaler.step(hoptim.SGD([q], lr=0.1))
     with pytest.raises(RuntimeError, match="Closure"):
         scaler.step(opt, closure=lambda: None)
-    with pytest.raises(ValueError, match=r"skip must be a \[B\]=\[3\] bool tensor"):
+    scaled = p.grad.clone()
+    with pytest.raises(ValueError, match=r"skip must be a \[B\]=\[3\] bool tensor, got a tensor of shape \[2\]"):
         scaler.step(opt, skip=torch.zeros(2, dtype=torch.bool))
-    scaler._per_optimizer_states.clear()
+    with pytest.raises(TypeError, match=r"skip must be a \[B\]=\[3\] bool tensor, got list"):
+        scaler.step(opt, skip=[True, False, False])
+    with pytest.raises(TypeError, match=r"got a tensor of shape \[3\] and dtype torch.float32"):
+        scaler.step(opt, skip=torch.zeros(3))
+    assert torch.equal(p.grad, scaled)  # refused before unscale_: the gradients are still scaled
     scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match="already been called"):
         scaler.unscale_(opt)

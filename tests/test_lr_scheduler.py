@@ -653,3 +653,22 @@ def test_step_does_not_sync_cuda(name):
 
 def _cpu_twin(B):
     return SGD([{"params": [torch.nn.Parameter(torch.randn(B, 3))], "lr": GROUP_LRS[g]} for g in range(2)])
+
+
+def test_scheduler_stepped_before_its_optimizer_warns_as_torch_does():
+    """torch warns when a scheduler steps before its optimizer ever has (the schedule's first value
+    is then never used); the array schedulers do too, and not in the usual order."""
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    opt = SGD([p], lr=[0.1, 0.2, 0.3])
+    sched = H.StepLR(opt, step_size=1, gamma=0.5)
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\) was called before optimizer.step\(\)"):
+        sched.step()
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    opt = SGD([p], lr=[0.1, 0.2, 0.3])
+    sched = H.StepLR(opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            p.grad = torch.randn_like(p)
+            opt.step()
+            sched.step()

@@ -554,6 +554,49 @@ def test_load_rejects_state_of_another_array_size():
         hoptim.Adam([q]).load_state_dict(opt.state_dict())
 
 
+@pytest.mark.parametrize("name,dropped", [("Adam", "step"), ("Adam", "exp_avg"), ("RMSprop", "square_avg"),
+                                          ("Adagrad", "step"), ("Adadelta", "acc_delta")])
+def test_load_refuses_a_started_state_with_an_entry_missing(name, dropped):
+    """A missing entry would start from zeros beside the others' history (a step count of 0 beside
+    moments of many steps): refused, naming it, and nothing changes. Entries kept only where a value
+    switches them on may be missing (switched on since the last step, the next step starts them)."""
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    opt = getattr(hoptim, name)([p], lr=0.1)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    del sd["state"][0][dropped]
+    q = torch.nn.Parameter(torch.randn(3, 4))
+    other = getattr(hoptim, name)([q], lr=0.1)
+    q.grad = torch.randn_like(q)
+    other.step()
+    before = {k: v.clone() for k, v in other.state[q].items()}
+    with pytest.raises(ValueError, match=rf"state of parameter 0 has .* but not \['{dropped}'\]"):
+        other.load_state_dict(sd)
+    assert {k: v for k, v in other.state[q].items()}.keys() == before.keys()
+    for k, v in other.state[q].items():
+        assert torch.equal(v, before[k])
+
+
+def test_load_takes_a_state_whose_switched_on_entry_starts_next_step():
+    """amsgrad switched on after a step and saved before the next: the maximum is not there yet,
+    and loading the state gives what continuing would have given."""
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    opt = hoptim.Adam([p], lr=0.1)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[0]["amsgrad"] = True
+    sd = opt.state_dict()
+    assert "max_exp_avg_sq" not in sd["state"][0]
+    q = torch.nn.Parameter(p.detach().clone())
+    other = hoptim.Adam([q], lr=0.1, amsgrad=True)
+    other.load_state_dict(sd)
+    p.grad = q.grad = torch.randn_like(p)
+    opt.step()
+    other.step()
+    assert torch.equal(p, q)
+
+
 def test_sgd_loads_momentum_buffer_without_step_count():
     """A momentum buffer saved without a count has been started for every model."""
     B = 3

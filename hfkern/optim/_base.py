@@ -217,6 +217,7 @@ class ArrayOptimizer(Optimizer):
         self._skipped_out: torch.Tensor | None = None  # see _init_group
         self._device: torch.device | None = None
         self._checked: dict[int, tuple[dict, _Checked]] = {}
+        self._opt_called = False  # whether a step ran (set by _init_group)
         super().__init__(params, defaults)
 
     # ---- subclass interface ----------------------------------------------
@@ -547,6 +548,7 @@ class ArrayOptimizer(Optimizer):
         if self._skipped_out is not None:
             self.last_skipped = self._skipped_out
             skipped.append(self._skipped_out)
+        self._opt_called = True  # (what torch's schedulers read: a scheduler stepped first warns)
         return tuple(layout)
 
     def _state_of(self, p: torch.Tensor, group: dict[str, Any], keys: tuple[str, ...]) -> dict:
@@ -794,6 +796,12 @@ class ArrayOptimizer(Optimizer):
                 )
             groups.append({**{k: _COMPAT_DEFAULTS[k] for k in self._compat}, **saved})
             id_map.update(zip(ids, group["params"]))
+        # Entries every started state holds: the next step would make a missing one from zeros
+        # beside the others' history (a step count of 0 beside moments of many steps). Entries kept
+        # only where a value switches them on (momentum buffers, amsgrad's maximum, SGD's step
+        # counts) may be missing: switched on since the last step, they start at the next one.
+        spec = self._spec
+        complete = ("step",) * (not spec.steps_when) + tuple(key for _, key, when in spec.states if not when)
         state = {}
         for key, entries in saved_state.items():
             p = id_map.get(key)
@@ -805,6 +813,12 @@ class ArrayOptimizer(Optimizer):
                     f"{name}: the state of parameter {key!r} must be a dict of tensors, got {type(entries).__name__}"
                 )
             state[key] = {k: _Shielded(self._loaded_state_tensor(p, k, v, key)) for k, v in entries.items()}
+            missing = [k for k in complete if k not in entries]
+            if entries and missing:
+                raise ValueError(
+                    f"{name}: the state of parameter {key!r} has {sorted(entries)} but not {missing}; a "
+                    f"started {type(self).__name__} state holds {list(complete)} (is it a partial state?)"
+                )
         for group, loaded in zip(self.param_groups, groups):
             self._validate_group({**loaded, "params": group["params"]})
         return {**state_dict, "param_groups": groups, "state": state}

@@ -133,6 +133,13 @@ _EPOCH_DEPRECATION_WARNING = getattr(
     "The epoch parameter in `scheduler.step()` is deprecated; the closed form is used when given.",
 )
 
+# An hfkern optimizer that has never stepped when its scheduler first steps: the order torch
+# warns about too (the schedule's first value is never used).
+_STEP_ORDER_WARNING = (
+    "lr_scheduler.step() was called before optimizer.step(): step the optimizer first, then the "
+    "scheduler (the order since PyTorch 1.1), or the schedule's first learning rate is never used."
+)
+
 
 # ---- argument parsing ---------------------------------------------------
 def _numpy() -> Any:
@@ -1145,6 +1152,8 @@ class LRScheduler(_PerModel, _torch.LRScheduler):
         ValueError for a length other than B) before anything changes, and so
         does any step that raises.
         """
+        if getattr(self.optimizer, "_opt_called", None) is False and bool((self._step_counts == 1).any()):
+            warnings.warn(_STEP_ORDER_WARNING, UserWarning, stacklevel=2)
         if epoch is not None:
             epoch = _step_epochs(epoch, self.B, f"{type(self).__name__}.step")
             warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
