@@ -553,6 +553,43 @@ def test_mha_per_model_dropout_p0_p1_match_torch(how, need_weights):
                 torch.testing.assert_close(got[n][b], rg, **GRAD_TOL, msg=lambda s: f"{n}: {s}")
 
 
+@pytest.mark.parametrize("mask", ["key_padding", "attn"])
+def test_mha_per_model_dropout_query_with_every_key_masked_matches_torch(mask):
+    # torch's module attends through scaled_dot_product_attention when it returns no weights: a
+    # query whose every key is masked gets zeros (the output projection's bias), no NaN, and no
+    # NaN gradients. Per-model dropout takes the explicit softmax, which must do the same.
+    p = [0.0, 1.0, 0.5]
+    B, E, H, L, N = len(p), 8, 2, 5, 3
+    modules = [nn.MultiheadAttention(E, H, dropout=pb) for pb in p]
+    array = MultiheadAttention.from_modules(modules)
+    x = torch.randn(B, L, N, E, requires_grad=True)
+    kwargs = {}
+    if mask == "key_padding":
+        kpm = torch.zeros(N, L, dtype=torch.bool)
+        kpm[1] = True  # sample 1: every key padded
+        kpm[2, 3:] = True
+        kwargs["key_padding_mask"] = kpm
+    else:
+        am = torch.zeros(L, L)
+        am[2] = -math.inf  # query 2 sees no key
+        am[4, :2] = -math.inf
+        kwargs["attn_mask"] = am
+    out, _ = array(x, x, x, need_weights=False, **kwargs)
+    assert torch.isfinite(out).all()
+    g = torch.randn_like(out)
+    names = [n for n, _ in array.named_parameters()]
+    *got, gx = torch.autograd.grad(out, [q for _, q in array.named_parameters()] + [x], g)
+    assert torch.isfinite(gx).all() and all(torch.isfinite(t).all() for t in got)
+    for b in (0, 1):
+        xb = x[b].detach().requires_grad_()
+        ref, _ = modules[b](xb, xb, xb, need_weights=False, **kwargs)
+        torch.testing.assert_close(out[b], ref)
+        *ref_g, ref_gx = torch.autograd.grad(ref, [q for _, q in modules[b].named_parameters()] + [xb], g[b])
+        torch.testing.assert_close(gx[b], ref_gx, **GRAD_TOL)
+        for n, t, rg in zip(names, got, ref_g):
+            torch.testing.assert_close(t[b], rg, **GRAD_TOL, msg=lambda s: f"{n}: {s}")
+
+
 def test_mha_per_model_dropout_weights_semantics():
     # Model b zeroes its attention weights with its own probability and scales
     # the kept ones by 1/(1-p_b); models with equal p draw independently.

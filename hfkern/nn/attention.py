@@ -329,9 +329,18 @@ class MultiheadAttention(ArrayModule):
 
         if explicit:
             scores = torch.matmul(q4 * math.sqrt(1.0 / D), k4.transpose(-2, -1))
+            empty = None
             if mask4 is not None:
                 scores = scores + mask4
+                if not need_weights:
+                    # What scaled_dot_product_attention does, which torch's module calls here: a
+                    # query whose every key is masked attends to nothing (zeros, not NaN), and its
+                    # scores get no gradient (a NaN softmax row would give q and k NaN gradients).
+                    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+                    scores = scores.masked_fill(empty, 0.0)
             weights = torch.softmax(scores, dim=-1)
+            if empty is not None:
+                weights = weights.masked_fill(empty, 0.0)
             if per_model_drop:
                 # the merged batch dim starts with the array dim in both merges
                 cache = None if torch.compiler.is_compiling() else self._dropout_factors
