@@ -672,3 +672,29 @@ def test_scheduler_stepped_before_its_optimizer_warns_as_torch_does():
             p.grad = torch.randn_like(p)
             opt.step()
             sched.step()
+
+
+def test_flat_list_of_one_entry_per_param_group_is_per_model_and_says_so():
+    """torch reads ``[a, b]`` as one entry per param group, hfkern as one per model: where both
+    readings are possible a warning says which applies, else the error says how to nest."""
+    def opt_of(B):
+        return SGD([{"params": [torch.nn.Parameter(torch.randn(B, 2))]},
+                    {"params": [torch.nn.Parameter(torch.randn(B, 3))]}], lr=0.1)
+
+    with pytest.warns(UserWarning, match=r"lr_lambda: a flat list of 2 callables is read as one per model.*"
+                                         r"\[\[f0\] \* B, \[f1\] \* B\]") as caught:
+        H.LambdaLR(opt_of(2), lr_lambda=[lambda e: 0.5, lambda e: 1.0])
+    assert caught[0].filename == __file__  # pointed at the caller
+    with pytest.warns(UserWarning, match=r"max_lr: a flat list of 2 numbers is read as one per model"):
+        H.OneCycleLR(opt_of(2), max_lr=[0.5, 1.0], total_steps=10)
+    with pytest.raises(ValueError, match=r"lr_lambda: a flat list of 2 callables is one per model here \(B=3\), "
+                                         r"not one per param group \(2\)"):
+        H.LambdaLR(opt_of(3), lr_lambda=[lambda e: 0.5, lambda e: 1.0])
+    with pytest.raises(ValueError, match=r"base_lr: a flat list of 2 numbers is one per model here \(B=3\)"):
+        H.CyclicLR(opt_of(3), base_lr=[0.01, 0.02], max_lr=0.1, cycle_momentum=False)
+    with warnings.catch_warnings():  # nested, or a tensor per model: no question
+        warnings.simplefilter("error")
+        sched = H.LambdaLR(opt_of(2), lr_lambda=[[lambda e: 0.5] * 2, [lambda e: 1.0] * 2])
+        assert [lr.tolist() for lr in sched.get_last_lr()] == [pytest.approx([0.05] * 2), pytest.approx([0.1] * 2)]
+        H.OneCycleLR(opt_of(2), max_lr=torch.tensor([0.5, 1.0]), total_steps=10)
+        H.LambdaLR(opt_of(3), lr_lambda=[lambda e: 0.5, lambda e: 1.0, lambda e: 2.0])

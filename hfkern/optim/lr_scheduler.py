@@ -326,8 +326,25 @@ def _per_group(value: object, n_groups: int, B: int, name: str) -> list[torch.Te
                 f"{name}: expected one per-model value per param group ({n_groups}), got {len(value)}"
             )
         return [_floats(v, B, f"{name}[{i}]") for i, v in enumerate(value)]
+    _check_flat_list(value, n_groups, B, name, "numbers", "[[v0] * B, [v1] * B]")
     t = _floats(value, B, name)
     return [t.clone() for _ in range(n_groups)]
+
+
+def _check_flat_list(value: object, n_groups: int, B: int, name: str, what: str, nested: str) -> None:
+    """A flat list or tuple of one entry per param group, as a torch script passes it: hfkern
+    reads a flat list as one entry per model. Where that is also B, it warns (a script ported from
+    torch would run with another meaning); else the error says how to write one per group."""
+    if n_groups < 2 or not isinstance(value, (list, tuple)) or len(value) != n_groups:
+        return
+    how = (f"for one per param group, as torch reads such a list, give each group its own per-model "
+           f"value: a list of {n_groups} entries each of B={B} (e.g. {nested})")
+    if len(value) != B:
+        raise ValueError(f"{name}: a flat list of {len(value)} {what} is one per model here (B={B}), "
+                         f"not one per param group ({n_groups}); {how}")
+    warnings.warn(f"{name}: a flat list of {B} {what} is read as one per model (hfkern's convention), "
+                  f"where torch reads one per param group (this optimizer has {n_groups}); {how}",
+                  UserWarning, stacklevel=4)
 
 
 def _milestones(value: object, B: int, name: str = "milestones") -> list[Counter]:
@@ -1152,11 +1169,12 @@ class LRScheduler(_PerModel, _torch.LRScheduler):
         ValueError for a length other than B) before anything changes, and so
         does any step that raises.
         """
+        # (stacklevel 3: the caller's line, past host_step's wrapper)
         if getattr(self.optimizer, "_opt_called", None) is False and bool((self._step_counts == 1).any()):
-            warnings.warn(_STEP_ORDER_WARNING, UserWarning, stacklevel=2)
+            warnings.warn(_STEP_ORDER_WARNING, UserWarning, stacklevel=3)
         if epoch is not None:
             epoch = _step_epochs(epoch, self.B, f"{type(self).__name__}.step")
-            warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
+            warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=3)
         self._step_models(None, epoch)
 
     def _step_models(self, models: torch.Tensor | None = None, epoch: _Epochs | None = None) -> None:
@@ -1682,6 +1700,7 @@ def _lambdas(lr_lambda: object, n_groups: int, B: int, name: str = "lr_lambda") 
                 f"{name}: expected one entry per param group ({n_groups}), got {len(lr_lambda)}"
             )
         return [per_model(f, f"{name}[{i}]") for i, f in enumerate(lr_lambda)]
+    _check_flat_list(lr_lambda, n_groups, B, name, "callables", "[[f0] * B, [f1] * B]")
     fns = per_model(list(lr_lambda), name)
     return [fns] * n_groups
 
@@ -2623,7 +2642,7 @@ class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):
             epochs = self.last_epochs + 1
         else:
             epochs = _step_epochs(epoch, self.B, "ReduceLROnPlateau.step")
-            warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
+            warnings.warn(_EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=3)
         with _kept_on_error(self):
             self.last_epochs = epochs
 
