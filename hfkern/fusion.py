@@ -14,6 +14,9 @@ ints, strings) in a call (see below), in practice once or twice.
   that array module, built with ``from_modules`` from the B models' modules:
   parameters, buffers, ``requires_grad`` and per-model hyper-parameters (a
   dropout probability) carried over. The heavy work runs in array kernels.
+  An attention mask reaches an array attention module in its explicit form,
+  one per model (``[B, 1, L, S]``) or the same for every model
+  (``[1, N*num_heads, L, S]``), so that B == N*num_heads is not ambiguous.
 * **Element-wise leaf modules** (ReLU, GELU, Tanh, Identity, ...) stay the
   torch modules they are and run on the ``[B, ...]`` tensors directly.
 * **A norm and its activation** become one call: a BatchNorm or LayerNorm
@@ -49,7 +52,9 @@ ints, strings) in a call (see below), in practice once or twice.
   residual adds, functional calls, reductions over dims, parameters used
   directly) runs over the array dim with per-model semantics: common ops are
   translated to the same op on the array (dims shifted past B, shapes prefixed
-  with B, lower-rank operands aligned), and any other call runs under
+  with B, lower-rank operands aligned; ``F.embedding`` runs on the array
+  embedding op, which keeps ``padding_idx``, ``scale_grad_by_freq``, ``sparse``
+  and ``max_norm`` per model where vmap's would not), and any other call runs under
   ``torch.vmap`` (``randomness="different"``: random ops draw independently per
   model). Shape queries (``x.size(0)``, ``x.shape``, ``x.dim()``) answer for
   one model. Other ``torch.nn`` leaf modules without an array version run under
@@ -152,12 +157,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import _backend, _capture
-from ._array import broadcast, check_B, fold_planes
+from ._array import broadcast, check_B, fold_planes, is_shared
 from ._capture import FuseError
 from .nn._base import ArrayModule, _zero_slot_, seeded
 from .nn.normalization import LayerNorm as _ArrayLayerNorm
 from .nn.normalization import _BatchNorm as _ArrayBatchNorm
 from .nn.conv import _ArrayConvNd
+from .nn.embedding import check_indices as _check_indices
+from .ops.embedding import array_embedding_renorm_, embedding as _array_embedding
 from .ops.conv import GroupedConvCall
 from ._array import array_of_grouped, fresh_array, fresh_grouped, to_grouped
 
@@ -371,6 +378,113 @@ def _interpolate(input, *args, **kwargs):
     return unfold(F.interpolate(folded, *args, **kwargs))
 
 
+class _Shared:
+    """A tensor argument that is not an array value (the same for every model), as the translations
+    in ``_SHARED_ARGUMENTS`` receive it: they need to know which of their tensors are per model."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+
+def _marked_shared(dims: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with every tensor argument that is not an array value as a :class:`_Shared`."""
+    arg_dims, kwarg_dims = dims
+
+    def mark(d, v):
+        return _Shared(v) if d is None and isinstance(v, torch.Tensor) else v
+    return (tuple(mark(d, v) for d, v in zip(arg_dims, args)),
+            {k: mark(kwarg_dims.get(k), v) for k, v in kwargs.items()})
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _embedding_call(who: str, input, weight, padding_idx: int | None, max_norm, norm_type,
+                    scale_grad_by_freq, sparse, torch_padding: bool):
+    """``F.embedding`` (``torch_padding``: ``torch.embedding``'s padding_idx rule) for every model at
+    once on hfkern's array embedding op: per model a ``[V, D]`` table (an array ``[B, V, D]``, or one
+    table every model reads) and its indices. Under torch.vmap, the B lookups' backward applies
+    ``padding_idx`` to the first model's table only, and a sparse gradient fails; the array op
+    keeps each model's padding row, its own ``scale_grad_by_freq`` counts and a sparse ``[B, V, D]``
+    gradient, and renormalizes each model's rows in place under ``max_norm`` as torch does."""
+    shared_weight = isinstance(weight, _Shared)
+    w = weight.value if shared_weight else weight
+    x = input.value if isinstance(input, _Shared) else input
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or isinstance(input, _Shared) \
+            and shared_weight:
+        raise _Fallback
+    if w.dim() != (2 if shared_weight else 3) or x.dtype not in (torch.int64, torch.int32) \
+            or x.device != w.device or w.layout != torch.strided:
+        raise _Fallback  # torch's own error, per model under vmap
+    if not (padding_idx is None or isinstance(padding_idx, int) and not isinstance(padding_idx, bool)) \
+            or not (max_norm is None or _number(max_norm)) or not _number(norm_type) \
+            or not isinstance(scale_grad_by_freq, bool) or not isinstance(sparse, bool):
+        raise _Fallback  # (traced values, or values torch refuses)
+    V = w.size(-2)
+    if padding_idx is None:
+        padding_idx = -1
+    elif torch_padding:  # aten: an index equal to padding_idx gets no gradient (none is negative or >= V)
+        padding_idx = padding_idx if 0 <= padding_idx < V else -1
+    elif not -V <= padding_idx < V:
+        raise _Fallback  # F.embedding's assertion, per model under vmap
+    elif padding_idx < 0:
+        padding_idx += V
+    B = w.size(0) if not shared_weight else x.size(0)
+    grad = w.requires_grad and torch.is_grad_enabled()
+    if shared_weight:
+        # One table every model reads (a constant, or a tensor made in forward from no array value):
+        # torch.vmap is right (sparse gradients included) but for scale_grad_by_freq, whose counts it
+        # takes over all the models' indices together; that one runs on the table's broadcast view.
+        if max_norm is not None:
+            raise FuseError(
+                f"fused forward: {who}(max_norm={max_norm}) renormalizes the rows each model looks up in "
+                "place, per model; here the weight is one tensor shared by the models (neither a parameter "
+                "nor a buffer, nor computed from one), which the fused model cannot hold per model. Make the "
+                "table a parameter or buffer, or renormalize outside forward")
+        if not (scale_grad_by_freq and grad) or sparse:
+            raise _Fallback
+        w = broadcast(w, B)
+    elif is_shared(w):  # an input given as hfkern.broadcast(table, B)
+        if max_norm is not None:
+            raise FuseError(
+                f"fused forward: {who}(max_norm={max_norm}) renormalizes each model's table in place, and "
+                "the weight here is one table shared by the models (hfkern.broadcast): pass one table per "
+                "model ([B, num_embeddings, embedding_dim])")
+        if sparse and grad:
+            raise FuseError(
+                f"fused forward: {who}(sparse=True) on a weight shared by the models (hfkern.broadcast) "
+                "that requires grad: its gradient would be the sum of the B models' sparse gradients, which "
+                "torch cannot form through the broadcast. Pass one table per model, or sparse=False")
+    if isinstance(input, _Shared):
+        x = broadcast(x, B)
+    idx = _check_indices(who, x, B, V, w)
+    if max_norm is not None:
+        with torch.no_grad():
+            array_embedding_renorm_(w, idx, float(max_norm), float(norm_type))
+    return _array_embedding(w, idx, padding_idx, scale_grad_by_freq, sparse)
+
+
+def _f_embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                 sparse=False):
+    """``F.embedding`` (:func:`_embedding_call`)."""
+    return _embedding_call("F.embedding", input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq,
+                           sparse, torch_padding=False)
+
+
+def _torch_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """``torch.embedding`` (:func:`_embedding_call`)."""
+    return _embedding_call("torch.embedding", indices, weight, padding_idx, None, 2.0, scale_grad_by_freq,
+                           sparse, torch_padding=True)
+
+
+# Translations that also take tensors that are not array values, each as a _Shared.
+_SHARED_ARGUMENTS = (_f_embedding, _torch_embedding)
+_ANY_ARGUMENT += _SHARED_ARGUMENTS  # (the table is the second argument of F.embedding)
+
+
 def _getitem(x, index):
     if not isinstance(x, torch.Tensor):
         return x[index]  # a tuple or list of arrays, or a namedtuple
@@ -455,6 +569,7 @@ _TRANSLATED_FUNCTIONS: dict[Callable, Callable] = {
         ("adaptive_max_pool2d", 4), ("avg_pool1d", 3), ("avg_pool2d", 4), ("max_pool1d", 3),
         ("max_pool2d", 4))},
     F.interpolate: _interpolate,
+    F.embedding: _f_embedding, torch.embedding: _torch_embedding,
 }
 
 # Shape queries: their value is one model's, computed on model 0's slice.
@@ -713,9 +828,12 @@ class _ArrayCall(_CallsFunction):
                         return self._vmap(dims, args, kwargs)  # in place into a lower-rank tensor
                     args, kwargs = _aligned(dims, (args, kwargs), rank)
                 return self._call(args, kwargs)
-        elif self.translate is not None and not others and (
+        elif self.translate is not None and (not others or self.translate in _SHARED_ARGUMENTS) and (
                 self.translate in _ANY_ARGUMENT or self._first_holds_arrays(dims)):
             try:
+                if others:  # (a translation in _SHARED_ARGUMENTS)
+                    marked_args, marked_kwargs = _marked_shared(dims, args, kwargs)
+                    return self.translate(*marked_args, **marked_kwargs)
                 return self.translate(*args, **kwargs)
             except _Fallback:
                 pass
@@ -926,6 +1044,30 @@ def _share(value: Any, B: int) -> Any:
 # Positional arguments of an array module that are its data (shared when they
 # are not array values); other tensor arguments (masks) are passed as they are.
 _DATA_ARGS: dict[str, tuple[int, ...]] = {"MultiheadAttention": (0, 1, 2)}
+
+# Attention-mask arguments of array modules (name -> position): torch's 3-D mask ``[N*num_heads, L, S]``
+# and B stacked ``[L, S]`` masks ``[B, L, S]`` look alike where B == N*num_heads, which the module
+# refuses as ambiguous. The fused graph knows which one a mask is (an array value or not): the
+# module gets the explicit 4-D spelling (_explicit_attn_mask). Key padding masks need nothing:
+# their shared and per-model forms differ in rank.
+_MASK_ARGS: dict[str, dict[str, int]] = {
+    "MultiheadAttention": {"attn_mask": 5},
+    "TransformerEncoderLayer": {"src_mask": 1},
+    "TransformerEncoder": {"mask": 1},
+}
+
+
+def _explicit_attn_mask(mask: Any, per_model: bool) -> Any:
+    """An attention mask as its unambiguous 4-D form for an array attention module: one per model
+    (an array value), ``[B, L, S]`` -> ``[B, 1, L, S]`` (``[B, N*num_heads, L, S]`` is one already);
+    the same for every model, ``[N*num_heads, L, S]`` -> ``[1, N*num_heads, L, S]``, and a rank torch
+    does not accept (4-D) with a leading 1, so that the module refuses it as torch does rather than
+    reading it as one mask per model. Other masks (``[L, S]``, None) as they are."""
+    if not isinstance(mask, torch.Tensor):
+        return mask
+    if per_model:
+        return mask.unsqueeze(1) if mask.dim() == 3 else mask
+    return mask.unsqueeze(0) if mask.dim() in (3, 4) else mask
 
 
 # ---- a norm and its activation as one call ---------------------------------------------
@@ -2755,6 +2897,15 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
                     out.call_function(_share, (a, B)) if i in data and isinstance(a, fx.Node)
                     and not array[node_args[i]] else a
                     for i, a in enumerate(args))
+                for name, i in _MASK_ARGS.get(array_classes[cls].__name__, {}).items():
+                    given = node_args[i] if i < len(node_args) else node.kwargs.get(name)
+                    if not isinstance(given, fx.Node):
+                        continue
+                    mask = out.call_function(_explicit_attn_mask, (env[given], array[given]))
+                    if i < len(node_args):
+                        args = (*args[:i], mask, *args[i + 1:])
+                    else:
+                        kwargs = {**kwargs, name: mask}
                 if node in conv_norms:
                     activation, act = norm_activations.get(node, (None, None))
                     act_module = (out.get_attr(act.target),) if act is not None and act.op == "call_module" else ()
