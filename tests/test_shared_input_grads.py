@@ -109,3 +109,25 @@ def test_r1_penalty_on_shared_real_images():
                 assert ours is None or not ours[b].any(), name
             else:
                 torch.testing.assert_close(ours[b], p.grad, msg=name)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: hnn.BatchNorm2d(3, affine=False, track_running_stats=False, B=2),
+    lambda: hnn.LayerNorm(5, elementwise_affine=False, B=2),
+    lambda: hnn.GroupNorm(1, 3, affine=False, B=2),
+    lambda: hnn.MaxPool2d(2, B=2),
+], ids=["batch_norm", "layer_norm", "group_norm", "max_pool"])
+def test_layer_without_parameters_returns_a_shared_input_shared(make):
+    """The README's rule: computed once, returned as a broadcast view (the next layer's cheaper
+    path), equal to the result on B stacked copies; written in place it raises as any expanded
+    tensor does, and a clone of it is an ordinary per-model tensor."""
+    layer = make()
+    x = torch.randn(4, 3, 5, 5)
+    y = layer(hfkern.broadcast(x, 2))
+    assert hfkern.is_shared(y)
+    torch.testing.assert_close(y, layer(torch.stack([x, x])))
+    with pytest.raises(RuntimeError, match="single memory location"):
+        torch.relu_(y)
+    y = y.clone()
+    torch.relu_(y)
+    assert not hfkern.is_shared(y)
