@@ -503,10 +503,8 @@ def test_mha_bad_masks():
         a(x, x, x, attn_mask=torch.zeros(B, N * 2, L, L - 1))
     with pytest.raises(ValueError, match=r"got \[3, 1, 5, 5\]"):
         a(x, x, x, attn_mask=torch.zeros(3, 1, L, L))
-    with pytest.raises(TypeError, match="torch.bool or torch.float32, got torch.int64"):
+    with pytest.raises(TypeError, match=r"torch.bool or a floating dtype \(torch.float32, the query's\), got torch.int64"):
         a(x, x, x, attn_mask=torch.zeros(L, L, dtype=torch.long))
-    with pytest.raises(TypeError, match="query's dtype torch.float32, got torch.float64"):
-        a(x, x, x, key_padding_mask=torch.zeros(N, L, dtype=torch.float64))
     with pytest.raises(ValueError, match="attn_mask is on meta but query is on cpu"):
         a(x, x, x, attn_mask=torch.zeros(L, L, device="meta"))
     u = torch.randn(B, L, 8)
@@ -551,6 +549,26 @@ def test_mha_per_model_dropout_p0_p1_match_torch(how, need_weights):
                 assert torch.all(got[n][b] == 0), n
             else:
                 torch.testing.assert_close(got[n][b], rg, **GRAD_TOL, msg=lambda s: f"{n}: {s}")
+
+
+@pytest.mark.parametrize("dropout", [0.0, (0.0, 1.0)], ids=["sdpa", "per_model_dropout"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_mha_float_mask_of_another_dtype_than_the_query(dtype, dropout):
+    # torch's module passes a float mask as it is to scaled_dot_product_attention (a float32
+    # causal mask from generate_square_subsequent_mask on a float64 model): accepted here too.
+    B, E, H, L, N = 2, 8, 2, 5, 3
+    p = dropout if isinstance(dropout, tuple) else (dropout,) * B
+    modules = [nn.MultiheadAttention(E, H, dropout=pb, batch_first=True).to(dtype) for pb in p]
+    array = MultiheadAttention.from_modules(modules)
+    x = torch.randn(B, N, L, E, dtype=dtype)
+    causal = nn.Transformer.generate_square_subsequent_mask(L)  # float32
+    kpm = torch.zeros(N, L)
+    kpm[1, 3:] = -1e4
+    out, _ = array(x, x, x, attn_mask=causal, key_padding_mask=kpm, need_weights=False)
+    tol = {} if dtype == torch.float64 else {"rtol": 2e-2, "atol": 2e-2}
+    for b in range(B):
+        ref, _ = modules[b](x[b], x[b], x[b], attn_mask=causal, key_padding_mask=kpm, need_weights=False)
+        torch.testing.assert_close(out[b], ref, **tol)
 
 
 @pytest.mark.parametrize("mask", ["key_padding", "attn"])

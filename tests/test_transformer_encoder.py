@@ -485,7 +485,7 @@ def test_encoder_bad_inputs():
         array(x, mask=torch.zeros(4, S, S))
     with pytest.raises(ValueError, match=r"src_key_padding_mask of shape \[4, 5\].*got \[2, 5\]"):
         array(x, src_key_padding_mask=torch.zeros(B, S, dtype=torch.bool))
-    with pytest.raises(TypeError, match="mask of dtype torch.bool or torch.float32, got torch.int32"):
+    with pytest.raises(TypeError, match="mask of dtype torch.bool or a floating dtype \\(torch.float32, the query.s\\), got torch.int32"):
         array(x, mask=torch.zeros(S, S, dtype=torch.int32))
 
 

@@ -25,7 +25,9 @@ __all__ = ["MultiheadAttention"]
 
 
 def _float_mask(module: str, mask: torch.Tensor | None, name: str, query: torch.Tensor) -> torch.Tensor | None:
-    """torch's canonical mask: bool (True = masked) becomes an additive -inf float mask."""
+    """torch's canonical mask: bool (True = masked) becomes an additive -inf float mask of the
+    query's dtype; a float mask is kept as it is, of any float dtype, as torch's module passes it
+    to scaled_dot_product_attention (an explicit softmax adds it in the query's dtype)."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
@@ -35,11 +37,9 @@ def _float_mask(module: str, mask: torch.Tensor | None, name: str, query: torch.
     if mask.dtype == torch.bool:
         return torch.zeros_like(mask, dtype=query.dtype).masked_fill_(mask, float("-inf"))
     if not mask.is_floating_point():
-        raise TypeError(f"{module}: expected {name} of dtype torch.bool or {query.dtype}, got {mask.dtype}")
-    if mask.dtype != query.dtype:
         raise TypeError(
-            f"{module}: expected a float {name} of the query's dtype {query.dtype}, got {mask.dtype}"
-        )
+            f"{module}: expected {name} of dtype torch.bool or a floating dtype ({query.dtype}, the "
+            f"query's), got {mask.dtype}")
     return mask
 
 
@@ -331,7 +331,7 @@ class MultiheadAttention(ArrayModule):
             scores = torch.matmul(q4 * math.sqrt(1.0 / D), k4.transpose(-2, -1))
             empty = None
             if mask4 is not None:
-                scores = scores + mask4
+                scores = scores + mask4.to(scores.dtype)
                 if not need_weights:
                     # What scaled_dot_product_attention does, which torch's module calls here: a
                     # query whose every key is masked attends to nothing (zeros, not NaN), and its
