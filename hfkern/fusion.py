@@ -1733,7 +1733,9 @@ class FusedModel(ArrayModule):
         """
         b = self._check_slot(b, "extract_model")
         device = self._factory_kwargs().get("device", torch.device("cpu"))
-        model = copy.deepcopy(self._template).to_empty(device=device)
+        # Drawn in torch's default dtype, as a constructor draws, then given the fused model's
+        # dtypes by reset_model (_follow_dtypes): what `torch.manual_seed(s); Net().double()` gives.
+        model = copy.deepcopy(self._template).to(torch.get_default_dtype()).to_empty(device=device)
         with torch.no_grad():
             for path, name in self._stacked:
                 owner, _ = _parent(model, path + "." + name if path else name)
@@ -1826,7 +1828,9 @@ class FusedModel(ArrayModule):
         the architecture is re-initialized with each submodule's
         ``reset_parameters()``, a module's after its submodules' (as its constructor
         runs after theirs: ``MultiheadAttention`` zeroes its output projection's
-        bias), which is what the constructors of torch's layers draw (a model whose
+        bias), which is what the constructors of torch's layers draw, in torch's
+        default dtype and then converted to the fused model's dtypes, as
+        ``Net().double()`` is made (a model whose
         ``__init__`` initializes differently, or clones layers as
         ``nn.TransformerEncoder`` does, needs its factory for an exact fresh
         model). A parameter registered under several names keeps the
@@ -1869,7 +1873,9 @@ class FusedModel(ArrayModule):
 
     def _reinitialized(self) -> nn.Module:
         device = self._factory_kwargs().get("device", torch.device("cpu"))
-        model = copy.deepcopy(self._template).to_empty(device=device)
+        # Drawn in torch's default dtype, as a constructor draws, then given the fused model's
+        # dtypes by reset_model (_follow_dtypes): what `torch.manual_seed(s); Net().double()` gives.
+        model = copy.deepcopy(self._template).to(torch.get_default_dtype()).to_empty(device=device)
         self._retie(model)
         # A tensor registered under several names (an output head tied to the embedding) is
         # its first name's module's: torch's tying keeps that module's initialization.

@@ -254,6 +254,20 @@ def test_surgery_without_a_factory_after_a_dtype_change():
     assert_close(fused(x)[1], fused.extract_model(1).eval()(x[1]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_reset_model_of_models_converted_before_fusing_draws_as_their_constructor(dtype):
+    """Models made as `Net().to(dtype)` and then fused: the constructor draws in torch's default
+    dtype and the model is converted after, so a reset slot must too (it drew in the models' dtype:
+    other numbers, up to 0.7 apart)."""
+    fused = hfkern.fuse([DigitsCNN().to(dtype) for _ in range(B)])
+    fused.reset_model(1, seed=5)
+    torch.manual_seed(5)
+    fresh = DigitsCNN().to(dtype)
+    for key, value in fresh.state_dict().items():
+        assert fused.state_dict()[key].dtype == value.dtype, key
+        assert torch.equal(fused.state_dict()[key][1], value), key
+
+
 def test_legacy_state_dict_without_a_torch_norms_count_loads_as_torch_loads_it():
     # A plain dict (no version metadata) without num_batches_tracked, for a norm the fused model
     # keeps as torch's (BatchNorm3d): torch's own loader keeps the count; the checks refused it.

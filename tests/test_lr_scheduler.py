@@ -698,3 +698,21 @@ def test_flat_list_of_one_entry_per_param_group_is_per_model_and_says_so():
         assert [lr.tolist() for lr in sched.get_last_lr()] == [pytest.approx([0.05] * 2), pytest.approx([0.1] * 2)]
         H.OneCycleLR(opt_of(2), max_lr=torch.tensor([0.5, 1.0]), total_steps=10)
         H.LambdaLR(opt_of(3), lr_lambda=[lambda e: 0.5, lambda e: 1.0, lambda e: 2.0])
+
+
+def test_sequential_lr_refuses_to_restart_a_chained_scheduler_at_its_milestone():
+    """torch's SequentialLR raises NotImplementedError when a ChainedScheduler's milestone comes
+    (it restarts the next scheduler at epoch 0, which a chain cannot); so does this one, by name,
+    leaving everything as it was (an AttributeError came out of the chain before)."""
+    p = torch.nn.Parameter(torch.randn(2, 3))
+    opt = SGD([p], lr=0.1)
+    chain = H.ChainedScheduler([H.StepLR(opt, step_size=2, gamma=0.5), H.ExponentialLR(opt, gamma=0.9)])
+    sched = H.SequentialLR(opt, [H.ConstantLR(opt, factor=0.5, total_iters=2), chain], milestones=[2])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    sched.step()
+    lr, state = opt.param_groups[0]["lr"].clone(), sched.state_dict()
+    with pytest.raises(NotImplementedError, match="scheduler 1 is a ChainedScheduler, which cannot restart"):
+        sched.step()
+    assert torch.equal(opt.param_groups[0]["lr"], lr)
+    assert str(sched.state_dict()) == str(state)

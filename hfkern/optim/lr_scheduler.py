@@ -2416,6 +2416,12 @@ class SequentialLR(LRScheduler):
                 scheduler = self._schedulers[k]
                 restart = sel & (epochs == self._milestones[k - 1]) if k > 0 else torch.zeros_like(sel)
                 if restart.any():
+                    if isinstance(scheduler, (ChainedScheduler, SequentialLR)):
+                        raise NotImplementedError(
+                            f"SequentialLR: scheduler {k} is a {type(scheduler).__name__}, which cannot "
+                            f"restart at epoch 0 when models reach its milestone (torch's SequentialLR "
+                            f"raises NotImplementedError there too); give SequentialLR its schedulers "
+                            f"one by one")
                     scheduler._update_lr(0, None if bool(restart.all()) else restart)
                 if (sel & ~restart).any():
                     _step_child(scheduler, sel & ~restart)
