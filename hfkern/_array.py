@@ -401,7 +401,8 @@ _CONV_ND = (1, 2)  # the spatial dims array convolutions support
 def check_conv_args(
     op: str, activation_dims: int, weight: torch.Tensor, stride: Sequence[int],
     padding: Sequence[int], dilation: Sequence[int], output_padding: Sequence[int], groups: int,
-    *, grad_out: torch.Tensor | None = None,
+    *, grad_out: torch.Tensor | None = None, transposed: bool | None = None, x: torch.Tensor | None = None,
+    input_size: Sequence[int] | None = None, bias: torch.Tensor | None = None,
 ) -> None:
     """Raise unless the arguments describe a 1-D or 2-D array convolution.
 
@@ -409,6 +410,12 @@ def check_conv_args(
     or a shared ``[N, C, *s]``); messages name ``hfkern::{op}``. A 3-D
     convolution raises NotImplementedError, anything else malformed
     ValueError. Metadata only: no device value is read.
+
+    Given ``transposed`` (what the ops and their fakes pass), the operands are checked
+    against the weight too: the input ``x`` (or, for the input gradient, its
+    ``input_size``) has the weight's B and C_in, ``bias`` is ``[B, C_out]``,
+    ``grad_out`` has the convolution's output shape, and every tensor has the
+    weight's device (ValueError) and dtype (TypeError).
     """
     nd = len(stride)
     kernel_nd = weight.dim() - 3
@@ -427,12 +434,13 @@ def check_conv_args(
             f"hfkern::{op}: expected weight of {nd + 3} dims ([B, C_out, C_in/groups, *k] with "
             f"{nd} kernel dims, as stride {list(stride)}), got {list(weight.shape)}"
         )
-    for name, value in (("padding", padding), ("dilation", dilation), ("output_padding", output_padding)):
-        if len(value) != nd:
-            raise ValueError(
-                f"hfkern::{op}: expected {name} of length {nd} (one per spatial dim, as stride "
-                f"{list(stride)}), got {list(value)}"
-            )
+    if len(padding) != nd or len(dilation) != nd or len(output_padding) != nd:
+        for name, value in (("padding", padding), ("dilation", dilation), ("output_padding", output_padding)):
+            if len(value) != nd:
+                raise ValueError(
+                    f"hfkern::{op}: expected {name} of length {nd} (one per spatial dim, as stride "
+                    f"{list(stride)}), got {list(value)}"
+                )
     if activation_dims not in (nd + 2, nd + 3):
         raise ValueError(
             f"hfkern::{op}: expected an input of {nd + 3} dims [B, N, C_in, *s] (or {nd + 2} dims "
@@ -445,6 +453,71 @@ def check_conv_args(
         )
     if groups < 1:
         raise ValueError(f"hfkern::{op}: expected groups >= 1, got {groups}")
+    if transposed is None:
+        return
+    # The operands against the weight [B, C_out, C_in/groups, *k] (transposed: [B, C_in,
+    # C_out/groups, *k]): the input (x, or its shape input_size) [B, N, C_in, *s] or shared
+    # [N, C_in, *s] with the weight's B and C_in, bias [B, C_out], grad_out the output's shape
+    # [B, N, C_out, *s']; the weight's dtype (TypeError) and device for every tensor. Every
+    # forward runs this: one expression of integer and attribute comparisons where all is
+    # well, _explain_conv_operands where it is not.
+    ws = weight.shape
+    B, w1, w2 = ws[0], ws[1], ws[2]
+    c_in, c_out = (w1, w2 * groups) if transposed else (w2 * groups, w1)
+    size = input_size if x is None else x.shape
+    dtype, device = weight.dtype, weight.device
+    if (w1 % groups or size[-nd - 1] != c_in or (len(size) == nd + 3 and size[0] != B)
+            or (x is not None and (x.dtype != dtype or x.device != device))
+            or (bias is not None and (bias.shape != (B, c_out) or bias.dtype != dtype or bias.device != device))
+            or (grad_out is not None and (grad_out.dtype != dtype or grad_out.device != device or list(grad_out.shape)
+                                          != _conv_output_shape(size, weight, stride, padding, dilation, transposed,
+                                                                output_padding, c_out)))):
+        _explain_conv_operands(op, weight, stride, padding, dilation, output_padding, groups, transposed, x,
+                               size, bias, grad_out, c_in, c_out)
+
+
+def _conv_output_shape(size, weight, stride, padding, dilation, transposed, output_padding, c_out) -> list[int]:
+    """``[B, N, C_out, *s']``: the output shape of the array convolution of an input of shape ``size``."""
+    nd = weight.dim() - 3
+    out = conv_output_size(size[-nd:], weight.shape[-nd:], stride, padding, dilation, transposed, output_padding)
+    return [weight.shape[0], size[-nd - 2], c_out, *out]
+
+
+def _explain_conv_operands(op, weight, stride, padding, dilation, output_padding, groups, transposed, x, size,
+                           bias, grad_out, c_in, c_out) -> None:
+    """Raise for the first operand :func:`_check_conv_operands` rejects."""
+    B, w1, nd = weight.shape[0], weight.shape[1], weight.dim() - 3
+    if w1 % groups:
+        raise ValueError(
+            f"hfkern::{op}: expected weight's dim 1 ({'C_in' if transposed else 'C_out'}) divisible by "
+            f"groups={groups}, got weight of shape {list(weight.shape)}"
+        )
+    per_model = len(size) == nd + 3
+    if (per_model and size[0] != B) or size[-nd - 1] != c_in:
+        expected = f"[B={B}, N, C_in={c_in}, *s]" if per_model else f"[N, C_in={c_in}, *s] (shared)"
+        raise ValueError(
+            f"hfkern::{op}: expected {'input_size' if x is None else 'x'} of shape {expected} for weight of "
+            f"shape {list(weight.shape)} ({'transposed, ' if transposed else ''}groups={groups}), got {list(size)}"
+        )
+    for name, t in (("x", x), ("bias", bias), ("grad_out", grad_out)):
+        if t is None:
+            continue
+        if t.device != weight.device:
+            raise ValueError(
+                f"hfkern::{op}: expected {name} on the weight's device ({weight.device}), got {name} on {t.device}"
+            )
+        if t.dtype != weight.dtype:
+            raise TypeError(f"hfkern::{op}: expected {name} of the weight's dtype ({weight.dtype}), got {t.dtype}")
+    if bias is not None and bias.shape != (B, c_out):
+        raise ValueError(f"hfkern::{op}: expected bias of shape [B={B}, C_out={c_out}], got {list(bias.shape)}")
+    if grad_out is not None:
+        expected = _conv_output_shape(size, weight, stride, padding, dilation, transposed, output_padding, c_out)
+        if list(grad_out.shape) != expected:
+            raise ValueError(
+                f"hfkern::{op}: expected grad_out of the convolution's output shape {expected} ([B, N, C_out, *s'] "
+                f"for an input of shape {list(size)}), got {list(grad_out.shape)}"
+            )
+    raise AssertionError(f"hfkern::{op}: operands judged mismatched, but none is")
 
 
 def conv_output_size(

@@ -277,19 +277,32 @@ def _grouped_train(xg, B, weight, bias, running_mean, running_var, num_batches_t
     C = xg.shape[1] // B
     running, factor = (None, None), 0.0
     if running_mean is not None and momentum is not None:
-        running, factor = (running_mean.view(-1), running_var.view(-1)), momentum  # updated in place
+        # Updated in place by torch's kernel, which takes them flat: running statistics
+        # with other strides (a [C, B] buffer transposed) through contiguous copies,
+        # written back below.
+        running, factor = (_flat_running(running_mean), _flat_running(running_var)), momentum
     elif running_mean is not None:
         # Per-model factors: torch writes the batch mean and unbiased variance
         # (momentum 1 into zeros), blended per model below.
-        stats = _PARAM_DTYPE[xg.dtype]
-        running, factor = (xg.new_zeros(B * C, dtype=stats), xg.new_zeros(B * C, dtype=stats)), 1.0
+        stat_dtype = _PARAM_DTYPE[xg.dtype]
+        running, factor = (xg.new_zeros(B * C, dtype=stat_dtype), xg.new_zeros(B * C, dtype=stat_dtype)), 1.0
     y, mean, rstd = torch.native_batch_norm(xg, *_grouped_params(xg, weight, bias), *running, True, factor, eps)
     if running_mean is not None and momentum is None:
         _update_running(running_mean, running_var, num_batches_tracked,
                         running[0].view(B, C), running[1].view(B, C), None)
+    elif running_mean is not None:
+        for buf, flat in ((running_mean, running[0]), (running_var, running[1])):
+            if not buf.is_contiguous():
+                buf.copy_(flat.view(B, C))
     if not stats:
         return y, None, None
     return y, mean.view(B, C), rstd.view(B, C)
+
+
+def _flat_running(t: Tensor) -> Tensor:
+    """The ``[B, C]`` running statistic ``t`` flat: a view of it where it is contiguous, else a
+    contiguous copy (which :func:`_grouped_train` writes back)."""
+    return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
 def grouped_serves(xg: Tensor, B: int, *per_channel: Tensor | None, activation: str = "none") -> bool:
@@ -329,6 +342,7 @@ class _ArrayMeta:
     def __init__(self, xg: Tensor, B: int):
         self.shape = torch.Size((B, xg.shape[0], xg.shape[1] // B, *xg.shape[2:]))
         self.dtype = xg.dtype
+        self.device = xg.device
 
     def dim(self) -> int:
         return len(self.shape)
@@ -427,7 +441,7 @@ def array_batch_norm_backward_torch(
         # have a device"): a weight of ones is the same math on every device.
         w = _flat(weight) if weight is not None else x.new_ones(B * C, dtype=_PARAM_DTYPE[x.dtype])
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            to_grouped(grad_y), to_grouped(x), w, None, None, mean.view(-1), rstd.view(-1),
+            to_grouped(grad_y), to_grouped(x), w, None, None, mean.reshape(-1), rstd.reshape(-1),
             True, 0.0, list(output_mask),
         )
         if output_mask[0]:
@@ -541,6 +555,7 @@ def _check_x(op: str, x: Tensor) -> None:
 
 def _check_per_channel(op: str, x: Tensor, **tensors: Tensor | None) -> None:
     expected = [x.shape[0], x.shape[2]]
+    device = x.device
     for name, t in tensors.items():
         if t is None:
             continue
@@ -551,6 +566,24 @@ def _check_per_channel(op: str, x: Tensor, **tensors: Tensor | None) -> None:
             )
         if not t.is_floating_point():
             raise TypeError(f"hfkern::{op}: expected {name} of a floating-point dtype, got {t.dtype}")
+        if t.device != device:
+            _raise_device(op, name, t, device)
+
+
+def _raise_device(op: str, name: str, t: Tensor, device: torch.device) -> None:
+    raise ValueError(f"hfkern::{op}: expected {name} on x's device ({device}), got {name} on {t.device}")
+
+
+def _check_in_place(op: str, **tensors: Tensor | None) -> None:
+    """The tensors the op writes in place have no element stored twice (an expanded tensor,
+    a stride-0 dim of size > 1, is never contiguous: callers ask where one is not)."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous() and any(
+                st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            raise ValueError(
+                f"hfkern::{op}: expected {name} in dense memory (updated in place: no element stored "
+                f"twice), got shape {_shape(t)} with strides {list(t.stride())} (an expanded tensor)"
+            )
 
 
 def _check_forward(
@@ -587,12 +620,16 @@ def _check_forward(
                 f"hfkern::{_FWD}: expected num_batches_tracked of an integer dtype, "
                 f"got {num_batches_tracked.dtype}"
             )
+        if num_batches_tracked.device != x.device:
+            _raise_device(_FWD, "num_batches_tracked", num_batches_tracked, x.device)
     elif training and momentum is None and running_mean is not None:
         raise ValueError(
             f"hfkern::{_FWD}: momentum=None (cumulative average) updates the running statistics "
             "by 1 / num_batches_tracked: expected num_batches_tracked of shape "
             f"[{x.shape[0]}], got None"
         )
+    if training and running_mean is not None and not (running_mean.is_contiguous() and running_var.is_contiguous()):
+        _check_in_place(_FWD, running_mean=running_mean, running_var=running_var)
 
 
 def _check_backward(grad_y: Tensor, x: Tensor, weight, mean, rstd, output_mask, bias, activation) -> None:
@@ -602,6 +639,8 @@ def _check_backward(grad_y: Tensor, x: Tensor, weight, mean, rstd, output_mask, 
         raise ValueError(
             f"hfkern::{_BWD}: expected grad_y of x's shape {_shape(x)}, got {_shape(grad_y)}"
         )
+    if grad_y.device != x.device:
+        _raise_device(_BWD, "grad_y", grad_y, x.device)
     _check_per_channel(_BWD, x, weight=weight, mean=mean, rstd=rstd, bias=bias)
     check_mask(_BWD, output_mask, 3, weight)
 

@@ -289,16 +289,19 @@ def conv(
     """
     if not _backend.eager_torch(_FWD, x.device):
         return array_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-    x, weight, bias = _eager_inputs(x, weight, bias, stride, padding, dilation, output_padding, groups)
+    x, weight, bias = _eager_inputs(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
         return _EagerConv.apply(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     return _conv_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, fresh=True)
 
 
-def _eager_inputs(x, weight, bias, stride, padding, dilation, output_padding, groups):
-    """The eager path's ``(x, weight, bias)``: the op's argument checks, then its autocast rule."""
-    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
-    return _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
+def _eager_inputs(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """The eager path's ``(x, weight, bias)``: the op's autocast rule, then its argument checks
+    (on the dtypes the op would receive)."""
+    x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
+    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups,
+                    transposed=transposed, x=x, bias=bias)
+    return x, weight, bias
 
 
 def grouped_conv(
@@ -320,7 +323,8 @@ def grouped_conv(
     if not checked:
         if not _backend.eager_torch(_FWD, x.device) or x.dim() != weight.dim():
             return None
-        x, weight, bias = _eager_inputs(x, weight, bias, stride, padding, dilation, output_padding, groups)
+        x, weight, bias = _eager_inputs(x, weight, bias, stride, padding, dilation, transposed, output_padding,
+                                        groups)
     else:
         x, weight, bias = _autocast.cast_inputs("hfkern::array_conv", x.device.type, x, weight, bias)
     fmt = array_memory_format(x)
@@ -412,14 +416,16 @@ def array_conv(
     output_padding: list[int],
     groups: int,
 ) -> Tensor:
-    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
+    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups,
+                    transposed=transposed, x=x, bias=bias)
     fn = _backend.resolve(_FWD, x.device)
     return fn(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
 @array_conv.register_fake
 def _(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups)
+    check_conv_args(_FWD, x.dim(), weight, stride, padding, dilation, output_padding, groups,
+                    transposed=transposed, x=x, bias=bias)
     nd = len(stride)
     out = conv_output_size(x.shape[-nd:], weight.shape[-nd:], stride, padding, dilation, transposed,
                            output_padding)
@@ -441,7 +447,7 @@ def array_conv_input_grad(
     groups: int,
 ) -> Tensor:
     check_conv_args(_DGRAD, len(input_size), weight, stride, padding, dilation, output_padding,
-                    groups, grad_out=grad_out)
+                    groups, grad_out=grad_out, transposed=transposed, input_size=input_size)
     fn = _backend.resolve(_DGRAD, grad_out.device)
     return fn(grad_out, weight, input_size, stride, padding, dilation, transposed, output_padding, groups)
 
@@ -449,7 +455,7 @@ def array_conv_input_grad(
 @array_conv_input_grad.register_fake
 def _(grad_out, weight, input_size, stride, padding, dilation, transposed, output_padding, groups):
     check_conv_args(_DGRAD, len(input_size), weight, stride, padding, dilation, output_padding,
-                    groups, grad_out=grad_out)
+                    groups, grad_out=grad_out, transposed=transposed, input_size=input_size)
     fmt = array_memory_format(grad_out)
     if len(input_size) == weight.dim() - 1:  # shared input
         return torch.empty(input_size, dtype=grad_out.dtype, device=grad_out.device, memory_format=fmt)
@@ -469,7 +475,7 @@ def array_conv_weight_grad(
     groups: int,
 ) -> Tensor:
     check_conv_args(_WGRAD, x.dim(), weight, stride, padding, dilation, output_padding, groups,
-                    grad_out=grad_out)
+                    grad_out=grad_out, transposed=transposed, x=x)
     fn = _backend.resolve(_WGRAD, grad_out.device)
     return fn(grad_out, x, weight, stride, padding, dilation, transposed, output_padding, groups)
 
@@ -477,7 +483,7 @@ def array_conv_weight_grad(
 @array_conv_weight_grad.register_fake
 def _(grad_out, x, weight, stride, padding, dilation, transposed, output_padding, groups):
     check_conv_args(_WGRAD, x.dim(), weight, stride, padding, dilation, output_padding, groups,
-                    grad_out=grad_out)
+                    grad_out=grad_out, transposed=transposed, x=x)
     return torch.empty_like(weight)
 
 

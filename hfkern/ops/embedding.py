@@ -240,6 +240,45 @@ def _check_padding_idx(op: str, padding_idx: int, num_weights: int) -> None:
                          f"got {padding_idx}")
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def _check_indices(op: str, indices: Tensor, B: int, device: torch.device, owner: str) -> None:
+    """``indices`` ``[B, *]`` int64 or int32 on ``device`` (``owner``: the argument whose B and
+    device those are)."""
+    if indices.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"hfkern::{op}: expected indices of dtype torch.int64 or torch.int32, got {indices.dtype}")
+    if indices.dim() == 0 or indices.shape[0] != B:
+        raise ValueError(
+            f"hfkern::{op}: expected indices of shape [B, *] with B = {B} ({owner}'s; an index tensor shared "
+            f"by the models is expanded to B, stride 0), got {list(indices.shape)}"
+        )
+    if indices.device != device:
+        raise ValueError(f"hfkern::{op}: expected indices on {owner}'s device ({device}), got indices on "
+                         f"{indices.device}")
+
+
+def _check_lookup(op: str, weight: Tensor, indices: Tensor, padding_idx: int = -1) -> None:
+    """The arguments of the lookup (and of the renorm): weight ``[B, V, D]``, indices ``[B, *]``."""
+    if weight.dim() != 3:
+        raise ValueError(f"hfkern::{op}: expected weight of shape [B, V, D], got {list(weight.shape)}")
+    _check_indices(op, indices, weight.shape[0], weight.device, "weight")
+    _check_padding_idx(op, padding_idx, weight.shape[1])
+
+
+def _check_grad(op: str, grad_out: Tensor, indices: Tensor, num_weights: int, padding_idx: int) -> None:
+    """The arguments of a backward op: grad_out ``[*indices.shape, D]``, indices ``[B, *]``."""
+    if grad_out.dim() != indices.dim() + 1 or grad_out.shape[:-1] != indices.shape:
+        raise ValueError(
+            f"hfkern::{op}: expected grad_out of shape [*indices.shape, D] = {list(indices.shape)} + [D], "
+            f"got {list(grad_out.shape)}"
+        )
+    _check_indices(op, indices, grad_out.shape[0], grad_out.device, "grad_out")
+    if num_weights < 0:
+        raise ValueError(f"hfkern::{op}: expected num_weights >= 0, got {num_weights}")
+    _check_padding_idx(op, padding_idx, num_weights)
+
+
 @torch.library.custom_op("hfkern::array_embedding", mutates_args=())
 def array_embedding(
     weight: Tensor,
@@ -248,14 +287,14 @@ def array_embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> Tensor:
-    _check_padding_idx(_FWD, padding_idx, weight.shape[-2])
+    _check_lookup(_FWD, weight, indices, padding_idx)
     fn = _backend.resolve(_FWD, weight.device)
     return fn(weight, indices, padding_idx, scale_grad_by_freq, sparse)
 
 
 @array_embedding.register_fake
 def _(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    _check_padding_idx(_FWD, padding_idx, weight.shape[-2])
+    _check_lookup(_FWD, weight, indices, padding_idx)
     return weight.new_empty((*indices.shape, weight.shape[-1]))
 
 
@@ -267,14 +306,14 @@ def array_embedding_backward(
     padding_idx: int,
     scale_grad_by_freq: bool,
 ) -> Tensor:
-    _check_padding_idx(_BWD, padding_idx, num_weights)
+    _check_grad(_BWD, grad_out, indices, num_weights, padding_idx)
     fn = _backend.resolve(_BWD, grad_out.device)
     return fn(grad_out, indices, num_weights, padding_idx, scale_grad_by_freq)
 
 
 @array_embedding_backward.register_fake
 def _(grad_out, indices, num_weights, padding_idx, scale_grad_by_freq):
-    _check_padding_idx(_BWD, padding_idx, num_weights)
+    _check_grad(_BWD, grad_out, indices, num_weights, padding_idx)
     return grad_out.new_empty((grad_out.shape[0], num_weights, grad_out.shape[-1]))
 
 
@@ -285,13 +324,14 @@ def array_embedding_sparse_backward(
     num_weights: int,
     padding_idx: int,
 ) -> Tensor:
-    _check_padding_idx(_SPARSE_BWD, padding_idx, num_weights)
+    _check_grad(_SPARSE_BWD, grad_out, indices, num_weights, padding_idx)
     fn = _backend.resolve(_SPARSE_BWD, grad_out.device)
     return fn(grad_out, indices, num_weights, padding_idx)
 
 
 @array_embedding_sparse_backward.register_fake
 def _(grad_out, indices, num_weights, padding_idx):
+    _check_grad(_SPARSE_BWD, grad_out, indices, num_weights, padding_idx)
     return torch.empty(
         (grad_out.shape[0], num_weights, grad_out.shape[-1]),
         dtype=grad_out.dtype, device=grad_out.device, layout=torch.sparse_coo,
@@ -300,13 +340,14 @@ def _(grad_out, indices, num_weights, padding_idx):
 
 @torch.library.custom_op("hfkern::array_embedding_renorm_", mutates_args=("weight",))
 def array_embedding_renorm_(weight: Tensor, indices: Tensor, max_norm: float, norm_type: float) -> None:
+    _check_lookup(_RENORM, weight, indices)
     fn = _backend.resolve(_RENORM, weight.device)
     fn(weight, indices, max_norm, norm_type)
 
 
 @array_embedding_renorm_.register_fake
 def _(weight, indices, max_norm, norm_type):
-    return None
+    _check_lookup(_RENORM, weight, indices)
 
 
 def _setup_context(ctx, inputs, output):
@@ -357,7 +398,7 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     formula."""
     if not _backend.eager_torch(_FWD, weight.device):
         return array_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
-    _check_padding_idx(_FWD, padding_idx, weight.shape[-2])
+    _check_lookup(_FWD, weight, indices, padding_idx)
     return _EagerEmbedding.apply(weight, indices, padding_idx, scale_grad_by_freq, sparse)
 
 

@@ -357,7 +357,10 @@ def norm_backward_math(
 
 # ---- the ops -----------------------------------------------------------------
 
-def _check(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int) -> None:
+def _check(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int,
+           grad_y: Tensor | None = None, **stats: Tensor) -> None:
+    """The arguments of a forward op, or with ``grad_y`` and the statistics (``mean=``,
+    ``rstd=``) of a backward op: shapes, dtypes and devices (every tensor on x's)."""
     if norm_ndim < 1 or x.dim() < norm_ndim + 1:
         raise ValueError(
             f"hfkern::{op}: expected x of shape [B, *, *normalized_shape] with norm_ndim >= 1 "
@@ -375,6 +378,30 @@ def _check(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_
                 f"hfkern::{op}: expected {name} of shape {expected} ([B, *normalized_shape]), "
                 f"got {list(p.shape)}"
             )
+    device = x.device
+    if (weight is not None and weight.device != device) or (bias is not None and bias.device != device):
+        _raise_device(op, "weight" if weight is not None and weight.device != device else "bias", device,
+                      weight if weight is not None and weight.device != device else bias)
+    if grad_y is None:
+        return
+    if grad_y.shape != x.shape:
+        raise ValueError(
+            f"hfkern::{op}: expected grad_y of x's shape {list(x.shape)}, got {list(grad_y.shape)}"
+        )
+    rows = [x.shape[0], num_rows(x, norm_ndim)]
+    for name, t in stats.items():
+        if list(t.shape) != rows:
+            raise ValueError(
+                f"hfkern::{op}: expected {name} of shape {rows} ([B, M], M the rows normalized per model "
+                f"of x of shape {list(x.shape)}: as the forward returned it), got {list(t.shape)}"
+            )
+    for name, t in (("grad_y", grad_y), *stats.items()):
+        if t.device != device:
+            _raise_device(op, name, device, t)
+
+
+def _raise_device(op: str, name: str, device: torch.device, t: Tensor) -> None:
+    raise ValueError(f"hfkern::{op}: expected {name} on x's device ({device}), got {name} on {t.device}")
 
 
 def _param_shape(x: Tensor, norm_ndim: int) -> list[int]:
@@ -423,7 +450,7 @@ def array_layer_norm_backward(
     bias: Tensor | None = None,
     activation: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check(_LN_BWD, x, weight, bias, norm_ndim)
+    _check(_LN_BWD, x, weight, bias, norm_ndim, grad_y, mean=mean, rstd=rstd)
     check_mask(_LN_BWD, output_mask, 3, weight)
     check_activation(f"hfkern::{_LN_BWD}", activation)
     fn = _backend.resolve(_LN_BWD, grad_y.device, x.dtype)
@@ -432,7 +459,7 @@ def array_layer_norm_backward(
 
 @array_layer_norm_backward.register_fake
 def _(grad_y, x, weight, mean, rstd, norm_ndim, output_mask, bias=None, activation="none"):
-    _check(_LN_BWD, x, weight, bias, norm_ndim)
+    _check(_LN_BWD, x, weight, bias, norm_ndim, grad_y, mean=mean, rstd=rstd)
     check_mask(_LN_BWD, output_mask, 3, weight)
     check_activation(f"hfkern::{_LN_BWD}", activation)
     return backward_outputs(x, weight, output_mask, _param_shape(x, norm_ndim))
@@ -588,7 +615,7 @@ def array_rms_norm_backward(
     norm_ndim: int,
     output_mask: list[bool],
 ) -> tuple[Tensor, Tensor]:
-    _check(_RMS_BWD, x, weight, None, norm_ndim)
+    _check(_RMS_BWD, x, weight, None, norm_ndim, grad_y, rstd=rstd)
     check_mask(_RMS_BWD, output_mask, 2, weight)
     fn = _backend.resolve(_RMS_BWD, grad_y.device, x.dtype)
     return fn(grad_y, x, weight, rstd, norm_ndim, output_mask)
@@ -596,7 +623,7 @@ def array_rms_norm_backward(
 
 @array_rms_norm_backward.register_fake
 def _(grad_y, x, weight, rstd, norm_ndim, output_mask):
-    _check(_RMS_BWD, x, weight, None, norm_ndim)
+    _check(_RMS_BWD, x, weight, None, norm_ndim, grad_y, rstd=rstd)
     check_mask(_RMS_BWD, output_mask, 2, weight)
     return backward_outputs(x, weight, output_mask, _param_shape(x, norm_ndim))
 

@@ -22,14 +22,18 @@ Conventions shared by every ``*_step_`` op (model b is index b of every dim 0):
 
 * ``params``: n tensors ``[B, *shape_i]`` of float32, float64, bfloat16 or float16,
   updated in place. ``grads``: n tensors with the shape and dtype of ``params[i]``,
-  read only. All tensors of one call live on one device. For a bfloat16/float16
-  parameter the update is computed in float32 from the parameter's value and
-  rounded into the parameter once, at the end.
+  read only. All tensors of one call live on one device (``hypers`` included;
+  ValueError otherwise). For a bfloat16/float16 parameter the update is
+  computed in float32 from the parameter's value and rounded into the
+  parameter once, at the end.
 * State lists (``exp_avgs``, ...): n tensors ``[B, *shape_i]`` in the *state
   dtype*, float64 for a float64 parameter and float32 otherwise, updated in
   place; an optional state list is empty (length 0) when its option is off.
   The optimizers allocate state with the parameter's strides
   (``torch.zeros_like(p, dtype=...)``); ``params``, ``grads`` and state are dense.
+  A tensor the op writes (a parameter, a state tensor, a step count) that stores
+  an element twice (an expanded one: a stride-0 dim of size > 1) raises ValueError.
+  Every check runs before anything is written.
   A momentum buffer is present when any model has momentum, and a model whose
   momentum is 0 leaves its slice untouched (torch keeps no buffer for it and
   steps without one): switched off, a model's buffer waits as it was, and
@@ -87,6 +91,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+from operator import attrgetter, itemgetter
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
@@ -109,8 +114,9 @@ __all__ = [
 # ---- checks and op definition ----------------------------------------------------
 
 def _check(spec: OptimizerSpec, args: Sequence[Any]) -> None:
-    """Shapes, dtypes and list lengths of the op's arguments (in ``spec.args`` order):
-    metadata only, never a device value."""
+    """Shapes, dtypes, list lengths, devices and memory of the op's arguments (in
+    ``spec.args`` order): metadata only, never a device value. Everything is checked
+    before the op writes anything, so a call that raises leaves every tensor as it was."""
     op = spec.op
     n_states = len(spec.states)
     params, grads = args[0], args[1]
@@ -131,6 +137,10 @@ def _check(spec: OptimizerSpec, args: Sequence[Any]) -> None:
     n = len(params)
     if len(grads) != n:
         raise ValueError(f"hfkern::{op}: expected {n} grads (one per parameter), got {len(grads)}")
+    if n and params[0].dim() == 0:  # (B is read from it below)
+        raise ValueError(
+            f"hfkern::{op}: expected every parameter of shape [B, ...] (array dim first), got [] at index 0"
+        )
     rows = spec.rows
     if hypers.dim() != 2 or hypers.size(0) != len(rows) or (n and hypers.size(1) != params[0].size(0)):
         B = params[0].size(0) if n else "B"
@@ -159,6 +169,8 @@ def _check(spec: OptimizerSpec, args: Sequence[Any]) -> None:
     B = params[0].size(0)
     if not _lists_match(params, grads, lists, steps, B):
         _explain_mismatch(op, params, grads, lists, steps, B)
+    if not _placement_ok(params, grads, lists, steps, hypers):
+        _explain_placement(op, params, grads, lists, steps, hypers)
     if skip is not None and (
         skip.dtype != torch.bool or skip.shape != (B,) or skip.device != params[0].device
     ):
@@ -168,24 +180,97 @@ def _check(spec: OptimizerSpec, args: Sequence[Any]) -> None:
         )
 
 
+# The checks below run at every step over every tensor of the step: they read one
+# attribute of every tensor of a list at a time (``map`` with an attribute getter,
+# no Python code per tensor) and compare lists, and look at single tensors only to
+# explain a failure.
+_shape_of, _dtype_of, _device_of, _is_cpu = (attrgetter(a) for a in ("shape", "dtype", "device", "is_cpu"))
+_first = itemgetter(0)
+_is_contiguous = Tensor.is_contiguous
+
+
 def _lists_match(params, grads, lists: dict, steps, B: int) -> bool:
     """Whether every tensor list fits ``params`` (the conditions :func:`_explain_mismatch`
     names), compared list against list: a step checks every call, so the common case
     costs a few list comparisons rather than Python branches per tensor."""
-    shapes = [p.shape for p in params]
-    dtypes = [p.dtype for p in params]
-    if not all(len(s) and s[0] == B for s in shapes) or not set(dtypes) <= _FLOAT_SET:
+    shapes = list(map(_shape_of, params))
+    dtypes = list(map(_dtype_of, params))
+    kinds = set(dtypes)
+    # (an empty torch.Size is false: every parameter has a dim 0, which is B)
+    if not (all(shapes) and list(map(_first, shapes)) == [B] * len(shapes)) or not kinds <= _FLOAT_SET:
         return False
-    if [g.shape for g in grads] != shapes or [g.dtype for g in grads] != dtypes:
+    if list(map(_shape_of, grads)) != shapes or list(map(_dtype_of, grads)) != dtypes:
         return False
-    state_dtypes = [acc_dtype(d) for d in dtypes]
+    if len(kinds) == 1:  # one dtype: one state dtype
+        state_dtypes = [acc_dtype(dtypes[0])] * len(dtypes)
+    else:
+        state_dtypes = [acc_dtype(d) for d in dtypes]
     for lst in lists.values():
-        if lst and ([t.shape for t in lst] != shapes or [t.dtype for t in lst] != state_dtypes):
+        if lst and (list(map(_shape_of, lst)) != shapes or list(map(_dtype_of, lst)) != state_dtypes):
             return False
-    return not steps or all(s.shape == (B,) and s.dtype == torch.float32 for s in steps)
+    return not steps or (list(map(_shape_of, steps)) == [(B,)] * len(steps)
+                         and set(map(_dtype_of, steps)) == _FLOAT32_SET)
 
 
 _FLOAT_SET = frozenset(FLOAT_DTYPES)
+_FLOAT32_SET = frozenset({torch.float32})
+
+
+def _written(params, lists: dict, steps) -> list[list[Tensor]]:
+    """The tensor lists a step writes in place."""
+    return [params, *(lst for lst in lists.values() if lst), steps]
+
+
+def _placement_ok(params, grads, lists: dict, steps, hypers: Tensor) -> bool:
+    """Whether every tensor lies on ``params[0]``'s device and every tensor the step writes
+    has no overlapping elements (the conditions :func:`_explain_placement` names). A tensor
+    with a stride-0 dim of size > 1 (an expanded one) is never contiguous, so the common
+    case is one ``is_contiguous`` per written tensor; only tensors that are not (a
+    channels-last weight and its state) have their strides read."""
+    device = params[0].device
+    every = itertools.chain(params, grads, *lists.values(), steps, (hypers,))
+    # (on the CPU a flag per tensor: reading a device makes an object)
+    if not (all(map(_is_cpu, every)) if device.type == "cpu" else set(map(_device_of, every)) == {device}):
+        return False
+    written = itertools.chain.from_iterable(_written(params, lists, steps))
+    return all(map(_is_contiguous, written)) or not any(
+        _overlapping(t) for t in itertools.chain.from_iterable(_written(params, lists, steps))
+        if not t.is_contiguous()
+    )
+
+
+def _overlapping(t: Tensor) -> bool:
+    """Whether ``t`` addresses an element more than once through a stride-0 dim of size > 1
+    (an expanded tensor: ``expand``, ``broadcast_to``)."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+
+
+def _explain_placement(op: str, params, grads, lists: dict, steps, hypers: Tensor) -> None:
+    """Raise for the first tensor :func:`_placement_ok` rejects."""
+    device = params[0].device
+    named = [("params", params), ("grads", grads), *lists.items(), ("steps", steps)]
+    for name, lst in named:
+        for i, t in enumerate(lst):
+            if t.device != device:
+                raise ValueError(
+                    f"hfkern::{op}: expected every tensor on one device (params[0]'s, {device}), "
+                    f"got {name}[{i}] on {t.device}"
+                )
+    if hypers.device != device:
+        raise ValueError(
+            f"hfkern::{op}: expected every tensor on one device (params[0]'s, {device}), got hypers on {hypers.device}"
+        )
+    for name, lst in named:
+        if name == "grads":  # read only
+            continue
+        for i, t in enumerate(lst):
+            if _overlapping(t):
+                raise ValueError(
+                    f"hfkern::{op}: expected {name}[{i}] in dense memory (updated in place: no element "
+                    f"stored twice), got shape {list(t.shape)} with strides {list(t.stride())} (an expanded "
+                    "tensor; pass a copy, e.g. .clone())"
+                )
+    raise AssertionError(f"hfkern::{op}: tensors judged misplaced, but none is")
 
 
 def _explain_mismatch(op: str, params, grads, lists: dict, steps, B: int) -> None:
