@@ -105,17 +105,19 @@ def test_search_checks_its_arguments():
         search(model, trials=0, steps=1, B_values=[1])
     with pytest.raises(ValueError, match="B_values must be a non-empty sequence"):
         search(model, trials=1, steps=1, B_values=[])
-    # values too: B = 0 divided by zero, B = -3 gave a front of one plan with a negative time
-    for kwargs, match in [(dict(B_values=[0, 2]), r"B_values must hold positive ints, got 0"),
-                          (dict(B_values=[-3, 2]), r"B_values must hold positive ints, got -3"),
-                          (dict(B_values=[2.5]), r"B_values must hold positive ints, got 2.5"),
-                          (dict(B_values=[True]), r"B_values must hold positive ints, got True"),
-                          (dict(B_values=[2], arrays=[0]), r"arrays must hold positive ints, got 0"),
-                          (dict(B_values=[2], micro_batches=[0]), r"micro_batches must hold positive ints, got 0"),
-                          (dict(B_values=[2], precisions=["fp8"]), r"precisions must hold choices of .*'fp8'"),
-                          (dict(B_values=[2], memory_formats=["nhwc"]), r"memory_formats must hold choices .*'nhwc'")]:
+    # values too: B = 0 divided by zero, B = -3 gave a front of one plan with a negative time;
+    # values of another type raise TypeError, as Strategy's fields do
+    for kwargs, error, match in [
+            (dict(B_values=[0, 2]), ValueError, r"B_values must hold positive ints, got 0"),
+            (dict(B_values=[-3, 2]), ValueError, r"B_values must hold positive ints, got -3"),
+            (dict(B_values=[2.5]), TypeError, r"B_values must hold positive ints, got 2.5"),
+            (dict(B_values=[True]), TypeError, r"B_values must hold positive ints, got True"),
+            (dict(B_values=[2], arrays=[0]), ValueError, r"arrays must hold positive ints, got 0"),
+            (dict(B_values=[2], micro_batches=[0]), ValueError, r"micro_batches must hold positive ints, got 0"),
+            (dict(B_values=[2], precisions=["fp8"]), ValueError, r"precisions must hold choices of .*'fp8'"),
+            (dict(B_values=[2], memory_formats=["nhwc"]), ValueError, r"memory_formats must hold choices .*'nhwc'")]:
         for fn in (search, search_brute_force):
-            with pytest.raises(ValueError, match=fn.__name__ + ": " + match):
+            with pytest.raises(error, match=fn.__name__ + ": " + match):
                 fn(model, trials=1, steps=1, **kwargs)
     assert pareto_front([]) == []
 

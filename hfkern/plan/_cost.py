@@ -8,20 +8,25 @@ what the search (:func:`hfkern.plan._search.search`) needs.
 
 What one profiled step records:
 
-* each block's forward time (hooks around its forward; CUDA events on a GPU,
-  so that nothing synchronizes inside the step), and the whole step's time
-  and the optimizer's;
-* the bytes each block saves for backward (``saved_tensors_hooks`` while its
-  forward runs; a storage saved twice counts once) and the bytes of its
-  inputs (what it saves when recomputed);
+* each block's forward time (calls at the start and end of each run of the
+  block's nodes in the fused forward's graph, what a recomputation
+  checkpoints; CUDA events on a GPU, so that nothing synchronizes inside the
+  step), the time of the model's forward outside every block, and the whole
+  step's time and the optimizer's;
+* the bytes each block saves for backward in one forward of the model
+  (``saved_tensors_hooks`` while its code runs; a storage saved twice counts
+  once, over all the block's calls) and the bytes of its inputs (what it
+  keeps when recomputed);
 * the persistent bytes (parameters, optimizer state), the gradients', and the
   step's peak (CUDA allocator statistics; on the CPU the profiler's memory
   events, :mod:`hfkern.sweep._memory`).
 
 The model: a block's forward and backward take its forward time scaled by the
-step's (time less the optimizer's) over the blocks' forward sum, i.e. the rest
-of the step (loss, backward, dispatch) is shared in proportion; recomputing
-a block costs its forward again. Memory is persistent + gradients + the
+step's (time less the optimizer's) over the model's forward, i.e. the rest of
+the step (loss, backward, dispatch) is shared in proportion, and the share of
+the forward outside every block (the model's own code, and blocks the step
+never ran as code of their own, which cannot be recomputed) stays the rest of
+the step's; recomputing a block costs its forward again. Memory is persistent + gradients + the
 activations saved + a residual (what the blocks' saved tensors do not
 explain: gradients of activations during backward, workspaces), the residual
 fitted from the measured peaks.
@@ -39,9 +44,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..fusion import fuse
-from ._search import BlockCost, StepCost, step_costs
-from ._strategy import InFlight, Strategy, apply, blocks, make_step
+from ..fusion import FusedModel, fuse
+from ._search import BlockCost, StepCost, check_spaces, step_costs
+from ._strategy import InFlight, Strategy, _marked, _not_recomputable, apply, blocks, make_step
 
 __all__ = ["FittedCostModel", "Profile", "fit_cost_model", "fit_profiles", "profile_step", "profile_together"]
 
@@ -71,83 +76,145 @@ class Profile:
     step_time: float                 # seconds
     optimizer_time: float            # seconds
     forward_time: dict[str, float]   # block -> seconds of its forward(s) in a step, in forward order
-    saved: dict[str, float]          # block -> bytes saved for backward, per forward call
-    inputs: dict[str, float]         # block -> bytes of its inputs, per forward call
+    saved: dict[str, float]          # block -> bytes saved for backward by its calls in one forward
+    inputs: dict[str, float]         # block -> bytes of its inputs in one forward
     persistent: float                # bytes: parameters and optimizer state
     gradients: float                 # bytes
     peak: float                      # bytes: the step's peak, persistent included
+    # Seconds of the model's forward in a step outside every block's code (its own code, children
+    # without parameters): the rest of the step's, not a block's. 0 where not measured.
+    other_forward_time: float = 0.0
+    # Blocks the step never ran as code of their own (the model's forward uses their parameters
+    # directly): nothing was measured for them, and they cannot be recomputed.
+    unseen: tuple[str, ...] = ()
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() if t.layout == torch.strided else t.element_size() * t.numel()
 
 
-class _Recorder:
-    """Hooks on the layers of each block: forward times, saved and input bytes per block.
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
-    The hooks sit on each block's leaf modules, not on the block: a fused model
-    (:func:`hfkern.fuse`) calls its leaf layers directly and never the top-level
-    block. A block's input is that of its first layer called after another
-    block's (the blocks run in order, as for recomputation they must).
+
+class _Recorder:
+    """Per block: forward times, saved and input bytes; and the time of the model's forwards.
+
+    Of a fused model (:func:`hfkern.fuse`), a block is the runs of its nodes in the fused
+    forward's graph, what a recomputation checkpoints: the fused model calls a block's leaf
+    layers directly, never the block, and a block whose own code uses a parameter (``x @
+    self.w``) calls no layer at all. The forward runs with a call at the start and the end of
+    each run (:func:`hfkern.plan._strategy._marked`); a run's inputs are the values it reads
+    from outside it, what its recomputation keeps. Of another array model, hooks on each block's
+    leaf modules: a block's input is that of its first layer called after another block's.
+
+    Per forward of the model (each micro-batch's), a block's saved bytes count each storage once
+    over all its calls: a block entered twice, another block between, keeps both calls'
+    activations until backward, as one that is entered twice in a row. Parameters and buffers
+    (and views of them) that a block saves or reads are not activations. A block never seen
+    is reported (:attr:`Profile.unseen`); the time of the forward outside every block is
+    measured too (:attr:`Profile.other_forward_time`).
     """
 
     def __init__(self, model: nn.Module, names: Sequence[str], clock: _Clock):
         self.clock, self.names = clock, list(names)
         self.marks: dict[str, list[tuple[Any, Any]]] = {n: [] for n in names}
+        self.forward_marks: list[tuple[Any, Any]] = []  # each recorded forward of the model
         self.saved = {n: 0.0 for n in names}
         self.inputs = {n: 0.0 for n in names}
         self.calls = {n: 0 for n in names}
+        self.forwards = 0
         self.order: list[str] = []  # blocks by their first call: forward order
+        self._recording = False
         self._current: str | None = None
         self._last: str | None = None
-        self._seen: set[int] = set()
-        # Parameters (and views of them) that layers save are not activations.
-        self._params = {t.untyped_storage().data_ptr() for t in model.parameters()}
-        # Every forward of the model (each micro-batch's) enters its first block anew.
-        self._handles = [model.register_forward_pre_hook(lambda module, args: self.new_step())]
+        self._seen: dict[str, set[int]] = {}         # per block, the storages it saved (this forward)
+        self._seen_inputs: dict[str, set[int]] = {}  # ... and those it read
+        self._persistent = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+        # Every forward of the model (each micro-batch's) is recorded where it builds a graph.
+        self._handles = [model.register_forward_pre_hook(self._begin), model.register_forward_hook(self._end)]
+        self._restore: Callable[[], None] | None = None
+        if not names:
+            return
+        if isinstance(model, FusedModel):
+            graphs = model._graphs
+            marked = {mode: _marked(g, set(names), self._enter_run, self._leave) for mode, g in graphs.items()}
+            model._run_graphs(marked)
+
+            def restore() -> None:
+                if model._graphs is marked:  # (a capture of a new call pattern has replaced them)
+                    model._run_graphs(graphs)
+            self._restore = restore
+            return
         for n in names:
             block = model.get_submodule(n)
             leaves = [m for m in block.modules() if not any(True for _ in m.children())] or [block]
             for m in leaves:
                 self._handles.append(m.register_forward_pre_hook(self._pre(n)))
-                self._handles.append(m.register_forward_hook(self._post(n)))
+                self._handles.append(m.register_forward_hook(lambda module, args, out, n=n: self._leave(n)))
+
+    def _begin(self, module: nn.Module, args: Any) -> None:
+        self._recording = torch.is_grad_enabled()  # not evaluation
+        if self._recording:
+            self.forwards += 1
+            self._last = self._current = None
+            self._seen, self._seen_inputs = {}, {}
+            self._forward_start = self.clock.mark()
+
+    def _end(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._recording:
+            self.forward_marks.append((self._forward_start, self.clock.mark()))
+        self._recording, self._current = False, None
+
+    def _enter(self, name: str, inputs: Sequence[Any]) -> None:
+        if name not in self.order:
+            self.order.append(name)
+        if self._last != name:
+            self._last = name
+            self.calls[name] += 1
+        seen = self._seen_inputs.setdefault(name, set())
+        for a in inputs:
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided:
+                key = _storage(a)
+                if key not in seen and key not in self._persistent:
+                    seen.add(key)
+                    self.inputs[name] += _nbytes(a)
+        self._current = name
+        self._start = self.clock.mark()
+
+    def _enter_run(self, name: str, *inputs: Any) -> None:
+        if self._recording:
+            self._enter(name, inputs)
 
     def _pre(self, name: str):
         def hook(module, args):
-            if not torch.is_grad_enabled():  # evaluation
-                return
-            if self._last != name:  # the block's first layer of this forward
-                self._last, self._seen = name, set()
-                if name not in self.order:
-                    self.order.append(name)
-                self.calls[name] += 1
-                self.inputs[name] += sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor))
-            self._current = name
-            self._start = self.clock.mark()
+            if self._recording:
+                self._enter(name, args if self._last != name else ())  # the block's first layer of a call
         return hook
 
-    def _post(self, name: str):
-        def hook(module, args, out):
-            if self._current != name:
-                return
-            self.marks[name].append((self._start, self.clock.mark()))
-            self._current = None
-        return hook
-
-    def new_step(self) -> None:
-        self._last = None
+    def _leave(self, name: str) -> None:
+        if self._current != name:
+            return
+        self.marks[name].append((self._start, self.clock.mark()))
+        self._current = None
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._current is not None and t.layout == torch.strided:
-            key = t.untyped_storage().data_ptr()
-            if key not in self._seen and key not in self._params:
-                self._seen.add(key)
-                self.saved[self._current] += _nbytes(t)
+        name = self._current
+        if name is not None and t.layout == torch.strided:
+            key = _storage(t)
+            seen = self._seen.setdefault(name, set())
+            if key not in seen and key not in self._persistent:
+                seen.add(key)
+                self.saved[name] += _nbytes(t)
         return t
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles = []
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -228,15 +295,20 @@ class _Run:
         # before the batch norms between them): what is alive while a block recomputes follows it.
         names = rec.order + [n for n in names if n not in rec.order]
         forward = {n: sum(clock.seconds(a, b) for a, b in rec.marks[n]) / steps for n in names}
-        per_call = {n: max(rec.calls[n], 1) for n in names}
+        other_forward = 0.0
+        if names:  # what the model's forwards took outside every block: the rest of the step's
+            whole = sum(clock.seconds(a, b) for a, b in rec.forward_marks) / steps
+            other_forward = max(whole - sum(forward.values()), 0.0)
+        forwards = max(rec.forwards, 1)  # a block's bytes are per forward of the model, all its calls
         gradients = float(sum(_nbytes(p.grad) for m in self.models for p in m.parameters() if p.grad is not None))
         persistent = float(sum(sum(_nbytes(p) for p in m.parameters()) + _state_bytes(o)
                                + sum(_nbytes(b) for b in m.buffers()) for m, o in zip(self.models, self.opts)))
         gc.collect()
         peak = persistent + _peak_of(lambda: self.step(x, y), self.device)
         return Profile(self.strategy, statistics.median(self.step_times), statistics.median(optimizer_times),
-                       forward, {n: rec.saved[n] / per_call[n] for n in names},
-                       {n: rec.inputs[n] / per_call[n] for n in names}, persistent, gradients, peak)
+                       forward, {n: rec.saved[n] / forwards for n in names},
+                       {n: rec.inputs[n] / forwards for n in names}, persistent, gradients, peak,
+                       other_forward_time=other_forward, unseen=tuple(n for n in names if not rec.calls[n]))
 
 
 def _time_in_rounds(runs: Sequence[_Run], steps: int) -> None:
@@ -249,7 +321,8 @@ def _time_in_rounds(runs: Sequence[_Run], steps: int) -> None:
 def _scaled(p: Profile, factor: float) -> Profile:
     """``p`` with every time multiplied by ``factor``."""
     return dataclasses.replace(p, step_time=p.step_time * factor, optimizer_time=p.optimizer_time * factor,
-                               forward_time={n: t * factor for n, t in p.forward_time.items()})
+                               forward_time={n: t * factor for n, t in p.forward_time.items()},
+                               other_forward_time=p.other_forward_time * factor)
 
 
 def profile_together(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
@@ -335,6 +408,8 @@ class FittedCostModel:
     blocks: list[str]
     fits: dict[tuple[str, int, str], dict[str, Curve]]
     profiles: list[Profile]
+    # Blocks that cannot be recomputed, each with the reason: the search leaves them out.
+    unrecomputable: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def settings(self) -> list[tuple[str, int, str]]:
         return list(self.fits)
@@ -348,20 +423,25 @@ class FittedCostModel:
             raise ValueError(f"FittedCostModel: no profile of precision={precision!r}, micro_batches="
                              f"{micro_batches}, memory_format={memory_format!r}; fitted: {self.settings()}")
         at = lambda key: self._at(setting, key, B)  # noqa: E731
+        fit = self.fits[setting]
         compute = at("compute")       # seconds of the step less the optimizer's
         fwd = {n: at(f"fwd:{n}") for n in self.blocks}
-        total_fwd = sum(fwd.values()) or 1.0
-        share = compute / total_fwd   # a block's forward + backward per second of its forward
-        fit = self.fits[setting]
+        # The forward outside every block (the model's own code, layers without parameters, blocks
+        # never seen) is the rest of the step's: its share stays in the step, not a block's.
+        other_fwd = at("fwd_other") if "fwd_other" in fit else 0.0
+        forward = sum(fwd.values()) + other_fwd
+        share = compute / forward if forward > 0 else 0.0  # forward + backward per second of forward
         # Measured recomputation (a profile with the block recomputed alone) where there is one;
         # else its forward again, and its inputs kept.
         blocks = tuple(BlockCost(n, fwd[n] * share,
                                  at(f"rc_time:{n}") if f"rc_time:{n}" in fit else fwd[n],
                                  at(f"saved:{n}"),
                                  at(f"rc_saved:{n}") if f"rc_saved:{n}" in fit else at(f"inputs:{n}"),
-                                 at(f"rc_peak:{n}") if f"rc_peak:{n}" in fit else at(f"saved:{n}"))
+                                 at(f"rc_peak:{n}") if f"rc_peak:{n}" in fit else at(f"saved:{n}"),
+                                 n not in self.unrecomputable)
                        for n in self.blocks)
-        other = at("optimizer") + (0.0 if self.blocks else compute)
+        # No forward measured (no blocks, or none seen): the whole step is the rest's.
+        other = at("optimizer") + (other_fwd * share if forward > 0 else compute)
         return StepCost(blocks, other, at("static"))
 
     def in_flight(self, B: int, precision: str, micro_batches: int, memory_format: str,
@@ -379,6 +459,10 @@ class FittedCostModel:
         """(seconds of one step of the strategy's arrays, peak bytes of the device): one array's
         under ``strategy``, times ``strategy.arrays`` (one after another) and what :meth:`in_flight`
         measured for that many together."""
+        fixed = {n: self.unrecomputable[n] for n in strategy.recompute if n in self.unrecomputable}
+        if fixed:
+            raise ValueError("FittedCostModel.predict: expected blocks that can be recomputed, got "
+                             + "; ".join(f"{n!r}: {why}" for n, why in fixed.items()))
         cost = self.step_cost(strategy.B, strategy.precision, strategy.micro_batches, strategy.memory_format)
         time, peak = step_costs(cost, strategy.recompute)
         k = strategy.arrays
@@ -448,17 +532,28 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     by_default = B_values is None
     B_values = default_profile_B(device) if by_default else B_values
+    # (numpy ints as ints; TypeError for values of another type, ValueError for those out of range)
+    spaces = check_spaces("fit_cost_model", None, steps, B_values=B_values, precisions=precisions,
+                          micro_batches=micro_batches, memory_formats=memory_formats, arrays=arrays)
+    B_values, precisions, micro_batches = spaces["B_values"], spaces["precisions"], spaces["micro_batches"]
+    memory_formats, arrays, steps = spaces["memory_formats"], list(spaces["arrays"]), int(steps)
     if len(set(B_values)) < 2:
         raise ValueError(f"fit_cost_model: B_values needs at least two distinct sizes to fit curves, got "
                          f"{list(B_values)}")
-    arrays = list(arrays)
-    if not arrays or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in arrays):
-        raise ValueError(f"fit_cost_model: expected arrays as positive ints (arrays in flight), got {arrays}")
     optimizer = optimizer or (lambda params: optim.Adam(params, lr=1e-3))
     loss_fn = loss_fn or cross_entropy
     profiles: list[Profile] = []
     too_large: set[int] = set()    # default sizes whose profiles ran out of device memory
-    names = blocks(fuse(factory, 1)) if recompute else []  # each recomputed alone
+    names = []  # each recomputed alone
+    if recompute:
+        one = fuse(factory, 1)
+        fixed = _not_recomputable(one)
+        names = [n for n in blocks(one) if n not in fixed]
+        if fixed:
+            warnings.warn(f"fit_cost_model: block(s) {list(fixed)} cannot be recomputed: {next(iter(fixed.values()))}; "
+                          f"their time and activations count with the rest of the step, and no plan recomputes "
+                          f"them", stacklevel=2)
+        del one
     kw = dict(optimizer=optimizer, loss_fn=loss_fn, device=device, steps=steps, warmup=warmup)
     for precision in precisions:
         for m in micro_batches:
@@ -551,17 +646,24 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
         else:
             by_setting.setdefault(setting, {})[s.B] = p
     names: list[str] | None = None
+    unseen: dict[str, None] = {}  # (ordered)
     fits = {}
     for setting, by_B in by_setting.items():
         if len(by_B) < 2:
             raise ValueError(f"fit_profiles: setting {setting} has a profile at B = {list(by_B)} only; a curve "
                              f"needs two array sizes")
-        these = list(next(iter(by_B.values())).forward_time)
-        if names is None:
-            names = these
-        elif these != names:
-            raise ValueError(f"fit_profiles: profiles of different models (blocks {names} and {these})")
-        series: dict[str, dict[int, float]] = {"compute": {}, "optimizer": {}, "static": {}}
+        for p in by_B.values():  # every B of every setting: one model's blocks
+            these = list(p.forward_time)
+            if names is None:
+                names = these
+            elif these != names:
+                raise ValueError(f"fit_profiles: profiles of different models (blocks {names} and {these}, "
+                                 f"the latter at {p.strategy.label})")
+            if set(p.saved) != set(these) or set(p.inputs) != set(these):
+                raise ValueError(f"fit_profiles: a profile ({p.strategy.label}) with saved bytes of blocks "
+                                 f"{list(p.saved)} and inputs of {list(p.inputs)}, expected its blocks {these}")
+            unseen.update((n, None) for n in p.unseen)
+        series: dict[str, dict[int, float]] = {"compute": {}, "optimizer": {}, "static": {}, "fwd_other": {}}
         rc_profiles = single.get(setting, {})
         for n in rc_profiles:
             if n not in names:
@@ -569,6 +671,7 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
         for B, p in by_B.items():
             series["compute"][B] = p.step_time - p.optimizer_time
             series["optimizer"][B] = p.optimizer_time
+            series["fwd_other"][B] = p.other_forward_time
             saved = _saved_bytes(p, {n: rc[B] for n, rc in rc_profiles.items() if B in rc})
             for n in names:
                 series.setdefault(f"fwd:{n}", {})[B] = p.forward_time[n]
@@ -605,4 +708,7 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
                     series.setdefault(f"arrays{k}:memory", {})[B] = q.peak / (k * by_B[B].peak)
         fits[setting] = {k: Curve.fit(v) for k, v in series.items()
                          if not k.startswith(("rc_", "arrays")) or len(v) >= 2}
-    return FittedCostModel(names or [], fits, list(profiles))
+    names = names or []
+    reason = ("the profiled step never ran it as code of its own (the model's forward uses its parameters "
+              "directly): its time and activations count with the rest of the step")
+    return FittedCostModel(names, fits, list(profiles), {n: reason for n in unseen if n in names})

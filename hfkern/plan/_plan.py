@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ._cost import FittedCostModel, fit_cost_model
-from ._search import Plan, check_spaces, search
+from ._search import Plan, check_budget, check_spaces, search
 
 __all__ = ["PlanSet", "plan"]
 
@@ -30,9 +30,21 @@ def _fmt_bytes(n: float) -> str:
     raise AssertionError
 
 
+def _fmt_seconds(t: float) -> str:
+    """Seconds in a unit that keeps four significant digits readable (µs to hours)."""
+    for unit, scale in (("h", 3600.0), ("min", 60.0), ("s", 1.0), ("ms", 1e-3)):
+        if abs(t) >= scale:
+            return f"{t / scale:.4g} {unit}"
+    return f"{t / 1e-6:.4g} µs"
+
+
 @dataclasses.dataclass
 class PlanSet:
-    """The Pareto set :func:`plan` found, by increasing memory (so by decreasing time)."""
+    """The Pareto set :func:`plan` found, by increasing memory (so by decreasing time).
+
+    ``front`` holds the plans within ``memory_budget``; ``unbounded_front`` (None: the same as
+    ``front``) the whole Pareto set, from which :meth:`best` chooses for another budget.
+    """
 
     front: list[Plan]
     cost_model: FittedCostModel
@@ -42,13 +54,22 @@ class PlanSet:
     search_seconds: float
     fit_seconds: float
     device: torch.device
+    unbounded_front: list[Plan] | None = None
 
     def best(self, memory_budget: float | None = None) -> Plan:
-        """The fastest plan whose peak memory is within ``memory_budget`` bytes (default: the set's)."""
-        budget = self.memory_budget if memory_budget is None else memory_budget
-        fitting = [p for p in self.front if budget is None or p.peak_memory <= budget]
+        """The fastest plan whose peak memory is within ``memory_budget`` bytes (default: the set's).
+
+        A budget larger than the set's reaches the plans above it too (those of the whole Pareto
+        set, which :func:`plan` keeps in ``unbounded_front``). Raises TypeError for a budget that is
+        not a number (a str, a bool), ValueError for one not finite or not positive, and for a
+        budget no plan fits."""
+        budget = self.memory_budget if memory_budget is None else check_budget("PlanSet.best", memory_budget)
+        plans = self.front if self.unbounded_front is None else self.unbounded_front
+        if not plans:
+            raise ValueError("PlanSet.best: expected a set with plans, got none")
+        fitting = [p for p in plans if budget is None or p.peak_memory <= budget]
         if not fitting:
-            least = min(self.front, key=lambda p: p.peak_memory)
+            least = min(plans, key=lambda p: p.peak_memory)
             raise ValueError(f"PlanSet.best: no plan fits {_fmt_bytes(budget)}; the smallest needs "
                              f"{_fmt_bytes(least.peak_memory)} ({least.strategy.label})")
         return min(fitting, key=lambda p: p.time)
@@ -65,8 +86,8 @@ class PlanSet:
             table.add_column(col, justify="right")
         for p in self.front:
             table.add_row("*" if p == chosen else "", str(p.B), p.precision, str(p.micro_batches), str(p.arrays),
-                          p.memory_format, ",".join(p.recompute) or "-", f"{p.step_time * 1e3:.1f} ms",
-                          _fmt_bytes(p.peak_memory), f"{p.time:.1f} s")
+                          p.memory_format, ",".join(p.recompute) or "-", _fmt_seconds(p.step_time),
+                          _fmt_bytes(p.peak_memory), _fmt_seconds(p.time))
         return table
 
     def print(self, chosen: Plan | None = None) -> None:
@@ -78,14 +99,19 @@ class PlanSet:
              measured: Sequence[tuple[Plan, float, float]] = (), title: str | None = None):
         """Time for all trials against peak memory: the predicted front, ``chosen`` marked, and
         ``measured`` points (plan, measured time for all trials, measured peak bytes) beside their
-        predictions. Saved to ``path`` if given; returns the matplotlib figure."""
-        import matplotlib
-
+        predictions. Saved to ``path`` if given, drawn on a figure of its own (an Agg canvas: neither
+        pyplot's figures nor its backend change); else a pyplot figure. Returns the figure."""
         if path is not None:
-            matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+            fig = Figure(figsize=(7, 4.5))
+            FigureCanvasAgg(fig)
+            ax = fig.subplots()
+        else:
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(7, 4.5))
         mib = 1024 ** 2
         ax.step([p.peak_memory / mib for p in self.front], [p.time for p in self.front], where="post",
                 color="tab:blue", alpha=0.4)
@@ -109,7 +135,6 @@ class PlanSet:
         fig.tight_layout()
         if path is not None:
             fig.savefig(path, dpi=120)
-            plt.close(fig)
         return fig
 
 
@@ -134,8 +159,12 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
             count profiled together (:class:`hfkern.plan.InFlight`: a CUDA stream
             per array) for the cost model.
         memory_formats: layouts searched.
-        memory_budget: bytes a device offers; plans above it are left out (default:
-            90% of the device's free memory, as :func:`hfkern.max_array_size` reads it).
+        memory_budget: bytes a device offers; plans above it are left out of
+            ``front`` (default: 90% of the device's free memory, as
+            :func:`hfkern.max_array_size` reads it), kept in ``unbounded_front`` for
+            :meth:`PlanSet.best` with a larger budget. Checked before profiling: TypeError
+            for what is not a number (a str such as "8GiB", a bool), ValueError for one
+            not finite or not positive.
         profile_B: the array sizes profiled to fit the cost model (default
             :func:`hfkern.plan.default_profile_B`: 1, 2, 4, 8, and 16 on CUDA).
         cost_model: a fitted model to reuse instead of profiling again.
@@ -148,11 +177,14 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
     arrays = ((1, 2) if cuda else (1,)) if arrays is None else arrays
     B_values = range(1, 65) if B_values is None else B_values
     # before the profiling, which takes minutes
-    check_spaces("plan", trials, steps, B_values=B_values, precisions=precisions, micro_batches=micro_batches,
-                 arrays=arrays, memory_formats=memory_formats)
+    spaces = check_spaces("plan", trials, steps, B_values=B_values, precisions=precisions,
+                          micro_batches=micro_batches, arrays=arrays, memory_formats=memory_formats)
     if profile_B is not None:
-        check_spaces("plan", trials, steps, profile_B=profile_B)
-    precisions, arrays, B_values = tuple(precisions), tuple(arrays), tuple(B_values)
+        profile_B = check_spaces("plan", trials, steps, profile_B=profile_B)["profile_B"]
+    memory_budget = check_budget("plan", memory_budget)
+    trials, steps = int(trials), int(steps)
+    B_values, precisions, micro_batches = spaces["B_values"], spaces["precisions"], spaces["micro_batches"]
+    arrays, memory_formats = spaces["arrays"], spaces["memory_formats"]
     if memory_budget is None:
         memory_budget = 0.9 * _free_bytes(device)
     start = time.perf_counter()
@@ -162,10 +194,12 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
                                     memory_formats=memory_formats, arrays=arrays)
     fitted = time.perf_counter() - start
     start = time.perf_counter()
-    front = search(cost_model, trials=trials, steps=steps, B_values=B_values, precisions=precisions,
-                   micro_batches=micro_batches, arrays=arrays, memory_formats=memory_formats,
-                   memory_budget=memory_budget)
+    unbounded = search(cost_model, trials=trials, steps=steps, B_values=B_values, precisions=precisions,
+                       micro_batches=micro_batches, arrays=arrays, memory_formats=memory_formats)
+    # The front within the budget is the whole front's plans within it (a plan's dominators need
+    # no more memory than it).
+    front = [p for p in unbounded if p.peak_memory <= memory_budget]
     searched = time.perf_counter() - start
     if not front:
         raise ValueError(f"plan: no strategy fits the memory budget of {_fmt_bytes(memory_budget)} on {device}")
-    return PlanSet(front, cost_model, trials, steps, memory_budget, searched, fitted, device)
+    return PlanSet(front, cost_model, trials, steps, memory_budget, searched, fitted, device, unbounded)

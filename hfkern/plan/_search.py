@@ -20,7 +20,10 @@ So the peak is ``static + max(sum of saved, max over recomputed blocks i of
 (saved of the blocks before i + transient_i))``. A partial strategy over the
 first k blocks is the triple (time, saved so far, peak so far); one that is no
 better in all three than another is dropped: whatever the remaining blocks
-choose, it stays no better.
+choose, it stays no better. A peak below what the blocks so far and the least
+the remaining ones can save is never the step's and counts as 0, so that more
+partial strategies are comparable. The pruning sorts and sweeps (O(n log n) in
+the partial strategies), as does the last filter of the (time, memory) front.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import bisect
 import dataclasses
 import itertools
 import math
-from typing import Iterable, Protocol, Sequence
+import numbers
+from typing import Any, Iterable, Protocol, Sequence
 
 __all__ = ["BlockCost", "CostModel", "Plan", "StepCost", "pareto_front", "search", "search_brute_force", "step_costs"]
 
@@ -44,6 +48,9 @@ class BlockCost:
     saved: float            # bytes it saves for backward
     saved_recompute: float  # bytes it saves when recomputed (its inputs)
     transient: float        # bytes alive again during its backward when recomputed
+    # False: the block cannot be recomputed (the fused forward never runs it as code of its own);
+    # the search never chooses it.
+    recomputable: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +93,9 @@ class Plan:
 def step_costs(cost: StepCost, recompute: Sequence[str]) -> tuple[float, float]:
     """(step seconds, peak bytes) of one array whose blocks named in ``recompute`` recompute."""
     time, saved, peak = cost.other_time, 0.0, 0.0
+    fixed = [b.name for b in cost.blocks if b.name in recompute and not b.recomputable]
+    if fixed:
+        raise ValueError(f"step_costs: expected blocks that can be recomputed, got {fixed}")
     for block in cost.blocks:
         if block.name in recompute:
             time += block.time + block.recompute_time
@@ -97,21 +107,16 @@ def step_costs(cost: StepCost, recompute: Sequence[str]) -> tuple[float, float]:
     return time, cost.static + max(saved, peak)
 
 
-def _dominated(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    """Whether ``a`` is no better than ``b`` in every component (and so may be dropped for it)."""
-    return all(x >= y for x, y in zip(a, b))
-
-
-def _prune(states: list[tuple[tuple[float, float, float], tuple[str, ...]]]
-           ) -> list[tuple[tuple[float, float, float], tuple[str, ...]]]:
+def _prune(states: list[tuple[tuple[float, float, float], Any]]) -> list[tuple[tuple[float, float, float], Any]]:
     """The states (time, saved, peak) not dominated by another (of equal ones, the first).
 
-    In order of time, a state is dominated exactly when an earlier kept one has
-    saved and peak no larger: the least peak among kept states with saved <= s.
-    That is read off a staircase of the kept (saved, peak) pairs, saved rising
-    and peak falling, in O(log n) per state.
+    Sorted by (time, saved, peak), a state's dominators all come before it, so a
+    state is dominated exactly when an earlier kept one has saved and peak no
+    larger: the least peak among kept states with saved <= s. That is read off a
+    staircase of the kept (saved, peak) pairs, saved rising and peak falling, in
+    O(log n) per state (and an amortized O(1) of steps removed).
     """
-    states = sorted(states, key=lambda s: s[0])
+    states = sorted(states, key=lambda s: s[0])  # by (time, saved, peak), stable: of equal ones the first
     kept = []
     stair_saved: list[float] = []  # the staircase: saved increasing ...
     stair_peak: list[float] = []   # ... peak decreasing
@@ -130,19 +135,67 @@ def _prune(states: list[tuple[tuple[float, float, float], tuple[str, ...]]]
     return kept
 
 
+def _not_dominated(points: Sequence[tuple[float, float]]) -> list[bool]:
+    """For each (time, memory) point, whether no other point is at least as good in both and
+    differs (equal points are all kept). Sort and sweep, O(n log n): in order of (time, memory),
+    a group of equal points is dominated exactly when a point before it has no more memory."""
+    order = sorted(range(len(points)), key=points.__getitem__)
+    keep = [False] * len(points)
+    least = math.inf  # the least memory of the points before the current group
+    k = 0
+    while k < len(order):
+        point = points[order[k]]
+        g = k
+        while g < len(order) and points[order[g]] == point:
+            g += 1
+        if point[1] < least:
+            for i in order[k:g]:
+                keep[i] = True
+            least = point[1]
+        k = g
+    return keep
+
+
+def _names(chosen: Any) -> tuple[str, ...]:
+    """The recomputed blocks of a chain ``(name, (name, ... None))``, in forward order."""
+    names = []
+    while chosen is not None:
+        names.append(chosen[0])
+        chosen = chosen[1]
+    return tuple(reversed(names))
+
+
+_BELOW = 1.0 - 1e-9  # a peak below (1 - 1e-9) of the least saved bytes to come cannot be the step's
+
+
 def _recompute_front(cost: StepCost) -> list[tuple[float, float, tuple[str, ...]]]:
     """(step time, peak bytes, recomputed blocks) of every Pareto-optimal recomputation subset."""
-    # A state: (time, saved by the blocks so far, peak of the recomputed blocks so far).
-    states: list[tuple[tuple[float, ...], tuple[str, ...]]] = [((cost.other_time, 0.0, 0.0), ())]
-    for block in cost.blocks:
+    # A state: (time, saved by the blocks so far, peak of the recomputed blocks so far), and its
+    # recomputed blocks as a chain (last, earlier chain): extending a state copies nothing.
+    # The blocks after the k-th save at least least[k + 1] more, so the step's peak is at least
+    # saved + least[k + 1]: a peak below that cannot become the step's, and is taken as 0 (a
+    # state's peak enters the step's only through max()): states then differ in fewer ways and
+    # more of them are dominated. (A margin keeps the sum's rounding from mattering.)
+    least = [0.0] * (len(cost.blocks) + 1)
+    for k in range(len(cost.blocks) - 1, -1, -1):
+        b = cost.blocks[k]
+        least[k] = least[k + 1] + (min(b.saved, b.saved_recompute) if b.recomputable else b.saved)
+    states: list[tuple[tuple[float, float, float], Any]] = [((cost.other_time, 0.0, 0.0), None)]
+    for k, block in enumerate(cost.blocks):
         grown = []
+        after = least[k + 1]
         for (time, saved, peak), chosen in states:
-            grown.append(((time + block.time, saved + block.saved, peak), chosen))
-            grown.append(((time + block.time + block.recompute_time, saved + block.saved_recompute,
-                           max(peak, saved + block.transient)), chosen + (block.name,)))
+            s = saved + block.saved
+            grown.append(((time + block.time, s, peak if peak >= (s + after) * _BELOW else 0.0), chosen))
+            if block.recomputable:
+                s = saved + block.saved_recompute
+                p = max(peak, saved + block.transient)
+                grown.append(((time + block.time + block.recompute_time, s, p if p >= (s + after) * _BELOW else 0.0),
+                              (block.name, chosen)))
         states = _prune(grown)
     out = [(time, cost.static + max(saved, peak), chosen) for (time, saved, peak), chosen in states]
-    return [(t, m, c) for t, m, c in out if not any(t2 <= t and m2 <= m and (t2, m2) != (t, m) for t2, m2, _ in out)]
+    keep = _not_dominated([(t, m) for t, m, _ in out])
+    return [(t, m, _names(c)) for (t, m, c), k in zip(out, keep) if k]
 
 
 def _settings(B_values, precisions, micro_batches, arrays, memory_formats):
@@ -169,6 +222,7 @@ def _plans(model: CostModel, trials: int, steps: int, settings, front_of) -> lis
 def pareto_front(plans: Iterable[Plan], memory_budget: float | None = None) -> list[Plan]:
     """The plans no other is at least as good as in both time and memory (and better in one),
     within ``memory_budget`` bytes if given, by increasing memory."""
+    memory_budget = check_budget("pareto_front", memory_budget)
     plans = [p for p in plans if memory_budget is None or p.peak_memory <= memory_budget]
     plans.sort(key=lambda p: (p.peak_memory, p.time))
     front: list[Plan] = []
@@ -178,30 +232,66 @@ def pareto_front(plans: Iterable[Plan], memory_budget: float | None = None) -> l
     return front
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _is_int(value: object) -> bool:
+    """An int (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_spaces(who: str, trials: int, steps: int, **spaces: Sequence) -> None:
-    """ValueError naming the field unless ``trials`` and ``steps`` are positive ints and every
-    space is a non-empty sequence of valid choices: ``precisions`` and ``memory_formats`` from
-    :class:`hfkern.plan.Strategy`'s, the others (``B_values``, ``micro_batches``, ``arrays``)
-    positive ints."""
+def check_budget(who: str, memory_budget: Any) -> float | None:
+    """``memory_budget`` as float bytes (None stays None): TypeError for what is not a real
+    number (a str, a bool), ValueError for one not finite or not positive."""
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real):
+        raise TypeError(f"{who}: expected memory_budget as a number of bytes, got "
+                        f"{type(memory_budget).__name__} {memory_budget!r}")
+    value = float(memory_budget)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{who}: expected memory_budget as a positive, finite number of bytes, got {memory_budget!r}")
+    return value
+
+
+def check_spaces(who: str, trials: int | None, steps: int | None, **spaces: Sequence) -> dict[str, tuple]:
+    """The spaces as tuples (numpy ints as ints), or an error naming the field: ``trials`` and
+    ``steps`` positive ints (None: not checked) and every space a non-empty sequence (a 1-d numpy array too) of
+    valid choices: ``precisions`` and ``memory_formats`` from :class:`hfkern.plan.Strategy`'s,
+    the others (``B_values``, ``micro_batches``, ``arrays``) positive ints. TypeError for a value
+    of another type (a float, a bool, a str where a sequence belongs), ValueError for one of the
+    right type out of range (0, an unknown precision, an empty sequence)."""
     from ._strategy import MEMORY_FORMATS, PRECISIONS
 
     for name, value in (("trials", trials), ("steps", steps)):
-        if not _positive_int(value):
+        if value is None:
+            continue
+        if not _is_int(value):
+            raise TypeError(f"{who}: {name} must be a positive int, got {type(value).__name__} {value!r}")
+        if value < 1:
             raise ValueError(f"{who}: {name} must be a positive int, got {value!r}")
     choices = {"precisions": PRECISIONS, "memory_formats": tuple(MEMORY_FORMATS)}
+    out = {}
     for name, values in spaces.items():
-        if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+        if not isinstance(values, (str, bytes)) and getattr(values, "ndim", None) == 1 and hasattr(values, "tolist"):
+            values = values.tolist()  # a numpy array
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise TypeError(f"{who}: {name} must be a non-empty sequence of choices, got "
+                            f"{type(values).__name__} {values!r}")
+        if not values:
             raise ValueError(f"{who}: {name} must be a non-empty sequence of choices, got {values!r}")
         allowed = choices.get(name)
         for value in values:
-            if allowed is not None and value not in allowed:
-                raise ValueError(f"{who}: {name} must hold choices of {allowed}, got {value!r}")
-            if allowed is None and not _positive_int(value):
-                raise ValueError(f"{who}: {name} must hold positive ints, got {value!r}")
+            if allowed is not None:
+                if not isinstance(value, str):
+                    raise TypeError(f"{who}: {name} must hold choices of {allowed}, got {value!r} "
+                                    f"({type(value).__name__})")
+                if value not in allowed:
+                    raise ValueError(f"{who}: {name} must hold choices of {allowed}, got {value!r}")
+            else:
+                if not _is_int(value):
+                    raise TypeError(f"{who}: {name} must hold positive ints, got {value!r} ({type(value).__name__})")
+                if value < 1:
+                    raise ValueError(f"{who}: {name} must hold positive ints, got {value!r}")
+        out[name] = tuple(values) if allowed is not None else tuple(int(v) for v in values)
+    return out
 
 
 def search(model: CostModel, *, trials: int, steps: int, B_values: Sequence[int],
@@ -214,10 +304,11 @@ def search(model: CostModel, *, trials: int, steps: int, B_values: Sequence[int]
     recomputation subsets found by dynamic programming over the blocks.
     Returns the plans of the (time, peak memory) front, by increasing memory.
     """
-    check_spaces("search", trials, steps, B_values=B_values, precisions=precisions, micro_batches=micro_batches,
-                 arrays=arrays, memory_formats=memory_formats)
-    settings = _settings(B_values, precisions, micro_batches, arrays, memory_formats)
-    return pareto_front(_plans(model, trials, steps, settings, _recompute_front), memory_budget)
+    spaces = check_spaces("search", trials, steps, B_values=B_values, precisions=precisions,
+                          micro_batches=micro_batches, arrays=arrays, memory_formats=memory_formats)
+    memory_budget = check_budget("search", memory_budget)
+    settings = _settings(*spaces.values())
+    return pareto_front(_plans(model, int(trials), int(steps), settings, _recompute_front), memory_budget)
 
 
 def search_brute_force(model: CostModel, *, trials: int, steps: int, B_values: Sequence[int],
@@ -226,15 +317,18 @@ def search_brute_force(model: CostModel, *, trials: int, steps: int, B_values: S
                        memory_budget: float | None = None) -> list[Plan]:
     """:func:`search` by enumerating every recomputation subset (2^blocks per setting): the check of
     the dynamic program on small spaces."""
-    check_spaces("search_brute_force", trials, steps, B_values=B_values, precisions=precisions,
-                 micro_batches=micro_batches, arrays=arrays, memory_formats=memory_formats)
+    spaces = check_spaces("search_brute_force", trials, steps, B_values=B_values, precisions=precisions,
+                          micro_batches=micro_batches, arrays=arrays, memory_formats=memory_formats)
+    memory_budget = check_budget("search_brute_force", memory_budget)
 
     def every_subset(cost: StepCost):
         out = []
         for mask in itertools.product((False, True), repeat=len(cost.blocks)):
+            if any(rc and not b.recomputable for b, rc in zip(cost.blocks, mask)):
+                continue
             chosen = tuple(b.name for b, rc in zip(cost.blocks, mask) if rc)
             out.append((*step_costs(cost, chosen), chosen))
         return out
 
-    settings = _settings(B_values, precisions, micro_batches, arrays, memory_formats)
-    return pareto_front(_plans(model, trials, steps, settings, every_subset), memory_budget)
+    settings = _settings(*spaces.values())
+    return pareto_front(_plans(model, int(trials), int(steps), settings, every_subset), memory_budget)

@@ -26,13 +26,18 @@ time, in backward. Forward also updates state (batch norm's running
 statistics and counters, any buffer or tensor attribute the block changes,
 the parameters without a gradient a momentum encoder writes); the
 recomputation must neither update it a second time nor see it already
-updated. So the block's buffers and its parameters that do not require grad
-are copied before its forward, the recomputation runs on those copies (it
-sees exactly what the forward saw, and computes the same), and afterwards the
-block gets them back as the forward left them. A parameter that requires grad
-cannot be swapped for a copy (its gradient would go to the copy), so a block
-whose forward writes one in place raises RuntimeError: leave it out of
-:attr:`Strategy.recompute`. Random draws (dropout) repeat the forward's masks:
+updated. So the state the forward writes (its buffers and parameters that do
+not require grad, of the modules whose state the block's forwards in train or
+eval mode wrote: the first step copies all of it and learns which) is copied
+before its forward, the recomputation runs on those copies (it sees
+exactly what the forward saw, and computes the same), and afterwards the
+block gets them back as the forward left them. The rest (frozen weights) is
+not copied: it is checked by its version, and a write to it (by a later
+forward, by other code before the recomputation, or by the recomputation)
+raises RuntimeError rather than recompute from other values; later forwards
+then copy it. A parameter that requires grad cannot be swapped for a copy (its
+gradient would go to the copy), so a block whose forward writes one in place
+raises RuntimeError: leave it out of :attr:`Strategy.recompute`. Random draws (dropout) repeat the forward's masks:
 ``torch.utils.checkpoint`` restores the RNG state before the recomputation.
 """
 
@@ -42,6 +47,7 @@ import contextlib
 import dataclasses
 import numbers
 import operator
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -182,34 +188,68 @@ def _array_size(model: nn.Module, who: str) -> int:
 
 
 # ---- keeping a block's state through its recomputation ------------------------------------
-def _state_of(block: nn.Module, copy: bool) -> list[tuple[dict, str, torch.Tensor, bool]]:
-    """The block's state a forward may write as ``(table, key, tensor, is_copied)``: its buffers
-    and parameters that do not require grad (copied if asked), and its tensor attributes.
+# Per block and train/eval mode: the modules (paths within the block) whose state its forwards
+# wrote. Only their state is copied before a later forward. Each call site of a block (a
+# hand-written block, or one run of a fused block's nodes: a block run in several runs writes
+# other state in each) copies all of it at its first forward in a mode, and learns from it.
+_WRITERS: weakref.WeakKeyDictionary[nn.Module, dict[bool, set[str]]] = weakref.WeakKeyDictionary()
+_LEARNED: weakref.WeakKeyDictionary[Any, set[bool]] = weakref.WeakKeyDictionary()  # call site -> its modes
 
-    Attributes are held by reference: a forward assigns them (``self.last = h``), it
-    does not write into them (:func:`hfkern.fuse` refuses that for non-buffers).
-    """
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version
+        return None
+
+
+class _Entry:
+    """One state tensor of a block as a forward found it: where it lives (``table[key]``, of the
+    module at ``path``), the tensor, its version, and a copy where one is kept."""
+
+    __slots__ = ("copy", "key", "kind", "path", "table", "tensor", "version")
+
+    def __init__(self, table: dict, key: str, path: str, kind: str, tensor: torch.Tensor, copy: bool):
+        self.table, self.key, self.path, self.kind, self.tensor = table, key, path, kind, tensor
+        self.version = _version(tensor) if kind != "attribute" else None
+        self.copy = _copied(tensor) if copy else None
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}.{self.key}" if self.path else self.key
+
+    def changed(self) -> bool:
+        """Written in place since (a version that moved; where the version misses a write, as a
+        kernel writing through a pointer does, the copy differs from the tensor)."""
+        version = _version(self.tensor)
+        if version is None or version != self.version:
+            return True
+        return self.copy is not None and not torch.equal(self.copy, self.tensor)
+
+
+def _copied(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return nn.Parameter(t.clone(), False) if isinstance(t, nn.Parameter) else t.clone()
+
+
+def _state_of(block: nn.Module, writers: set[str] | None) -> list[_Entry]:
+    """The block's state a forward may write: its buffers and parameters that do not require grad
+    (a teacher's weights), copied where their module is among ``writers`` (all, for None), and its
+    tensor attributes, held by reference: a forward assigns them (``self.last = h``), it does not
+    write into them (:func:`hfkern.fuse` refuses that for non-buffers)."""
     entries = []
-    with torch.no_grad():
-        for m in block.modules():
-            for key, buf in m._buffers.items():
-                if buf is not None:
-                    entries.append((m._buffers, key, buf.clone() if copy else buf, True))
-            for key, p in m._parameters.items():
-                if p is not None and not p.requires_grad:  # a teacher's weights, written in place
-                    entries.append((m._parameters, key, nn.Parameter(p.clone(), False) if copy else p, True))
-            for key, value in vars(m).items():
-                if isinstance(value, torch.Tensor):
-                    entries.append((vars(m), key, value, False))
+    for path, m in block.named_modules():
+        copy = writers is None or path in writers
+        for key, buf in m._buffers.items():
+            if buf is not None:
+                entries.append(_Entry(m._buffers, key, path, "buffer", buf, copy))
+        for key, p in m._parameters.items():
+            if p is not None and not p.requires_grad:  # a teacher's weights, written in place
+                entries.append(_Entry(m._parameters, key, path, "parameter", p, copy))
+        for key, value in vars(m).items():
+            if isinstance(value, torch.Tensor):
+                entries.append(_Entry(vars(m), key, path, "attribute", value, False))
     return entries
-
-
-def _install(entries: list[tuple[dict, str, torch.Tensor, bool]], copy: bool) -> None:
-    with torch.no_grad():
-        for table, key, value, copied in entries:
-            if copy and copied:
-                value = nn.Parameter(value.clone(), False) if isinstance(value, nn.Parameter) else value.clone()
-            table[key] = value
 
 
 def _trained_parameters(block: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
@@ -220,19 +260,42 @@ def _trained_parameters(block: nn.Module) -> list[tuple[str, torch.Tensor, int]]
 class _BlockState:
     """``context_fn`` of ``torch.utils.checkpoint`` for one call of one block.
 
-    The forward context copies the block's buffers as they are before the
-    forward; the recomputation context installs fresh copies of them for the
-    recomputation (which updates those, not the block's) and puts back what the
-    forward left when the recomputation ends, also when checkpoint stops it early.
+    The forward context notes the block's state as it is before the forward and
+    copies what the forward writes: the state of the modules whose state the
+    block's forwards in this train/eval mode wrote (the first forward of each call
+    site of the block copies all of it, and learns which). The recomputation
+    context installs fresh copies of those for the recomputation (which updates
+    them, not the block's), the tensors a forward replaced as they were before it,
+    and puts back what the forward left when the recomputation ends, also when
+    checkpoint stops it early. State no copy was kept of is checked by its
+    version: written by the forward, by anything before the recomputation, or by
+    the recomputation, it raises RuntimeError.
     """
 
-    def __init__(self, block: nn.Module):
-        self.block = block
-        self.before: list | None = None
+    def __init__(self, block: nn.Module, site: Any):
+        self.block, self.site = block, site  # site: the call (a Recompute block, a fused block's run)
+        self.mode = block.training  # of its forward
+        self.before: list[_Entry] = []
         self.trained: list = []
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         return _BeforeForward(self), _DuringRecomputation(self)
+
+
+def _unexpected_write(state: _BlockState, entries: list[_Entry], when: str) -> RuntimeError:
+    """The error for state written where no copy of it was kept; later forwards of the block keep one."""
+    block = state.block
+    _WRITERS.setdefault(block, {}).setdefault(state.mode, set()).update(e.path for e in entries)
+    names = ", ".join(f"{e.kind} {e.name!r}" for e in entries)
+    what = {"forward": f"its forward wrote {names} in place, which its earlier forwards in "
+                       f"{'train' if state.mode else 'eval'} mode did not write",
+            "between": f"{names} was written in place between its forward and its recomputation (its forward "
+                       f"does not write it)",
+            "recomputation": f"its recomputation wrote {names} in place, which its forward did not write"}[when]
+    return RuntimeError(
+        f"hfkern.plan: a recomputed block ({type(block).__name__}): {what}, so no copy of it was kept for the "
+        f"recomputation, which would not see the state the forward saw. Later forwards of the block keep a "
+        f"copy of it; leave the block out of Strategy.recompute if this recurs")
 
 
 class _BeforeForward:
@@ -240,43 +303,81 @@ class _BeforeForward:
         self.state = state
 
     def __enter__(self) -> None:
-        self.state.before = _state_of(self.state.block, copy=True)
-        self.state.trained = _trained_parameters(self.state.block)
+        block, site = self.state.block, self.state.site
+        self.state.mode = mode = block.training
+        self.first = mode not in _LEARNED.get(site, ())  # the call site's first forward in this mode
+        self.state.before = _state_of(block, None if self.first else _WRITERS.get(block, {}).get(mode, set()))
+        self.state.trained = _trained_parameters(block)
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if exc_type is not None:
             return
         # (in-place ops count in the version; a write through .data does not, and goes unseen)
+        block = self.state.block
         written = [name for name, p, version in self.state.trained if p._version != version]
         self.state.trained = []
         if written:
-            block = type(self.state.block).__name__
             raise RuntimeError(
-                f"hfkern.plan: a recomputed block ({block}) wrote its parameters {written} in place in "
+                f"hfkern.plan: a recomputed block ({type(block).__name__}) wrote its parameters {written} in place in "
                 f"its forward; they require grad, so its recomputation in backward cannot run on copies "
                 f"and would write them again: leave the block out of Strategy.recompute")
+        state = [e for e in self.state.before if e.kind != "attribute"]
+        if self.first:
+            # The call site's first forward in this mode copied all the block's state and keeps it
+            # for its recomputation (other runs of the block may write state it did not). Later
+            # forwards copy the state of the modules it wrote (all of it: a kernel may write a
+            # buffer without moving its version); the rest is kept by reference, its version checked.
+            _WRITERS.setdefault(block, {}).setdefault(self.state.mode, set()).update(
+                e.path for e in state if e.changed())
+            _LEARNED.setdefault(self.state.site, set()).add(self.state.mode)
+            return
+        unseen = [e for e in state if e.copy is None and e.changed()]
+        if unseen:
+            raise _unexpected_write(self.state, unseen, "forward")
 
 
 class _DuringRecomputation:
     # Entered once per recomputation: twice for a graph backpropagated twice (retain_graph=True),
-    # which is why the snapshot is copied in, never handed over.
+    # which is why the copies are copied in, never handed over.
     def __init__(self, state: _BlockState):
         self.state = state
-        self.after: list = []
+        self.after: list[tuple[dict, str, Any]] = []
+        self.kept: list[_Entry] = []
 
     def __enter__(self) -> None:
-        self.after = _state_of(self.state.block, copy=False)
-        _install(self.state.before, copy=True)
+        self.after, self.kept = [], []
+        moved = [e for e in self.state.before if e.kind != "attribute" and e.copy is None and e.changed()]
+        if moved:  # written since the forward (by other code): the recomputation would see it written
+            raise _unexpected_write(self.state, moved, "between")
+        with torch.no_grad():
+            for e in self.state.before:
+                current = e.table.get(e.key)
+                if e.copy is not None:     # written by the forward: a fresh copy of it as it was
+                    self.after.append((e.table, e.key, current))
+                    e.table[e.key] = _copied(e.copy)
+                    continue
+                if e.kind != "attribute":  # not written: the tensor itself, checked after
+                    self.kept.append(e)
+                if current is not e.tensor:  # replaced by the forward: the one it found
+                    self.after.append((e.table, e.key, current))
+                    e.table[e.key] = e.tensor
 
     def __exit__(self, *exc: object) -> None:
-        _install(self.after, copy=False)
+        for table, key, value in self.after:
+            table[key] = value
+        self.after = []
+        wrote = [e for e in self.kept if _version(e.tensor) != e.version]
+        self.kept = []
+        if wrote:
+            raise _unexpected_write(self.state, wrote, "recomputation")
 
 
-def _checkpoint_block(fn: Callable, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, its activations recomputed in backward, ``block``'s state kept."""
+def _checkpoint_block(fn: Callable, block: nn.Module, site: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, its activations recomputed in backward, ``block``'s state kept
+    (``site``: the call, what the state its forward writes is learned for)."""
     if not torch.is_grad_enabled():  # nothing will be backpropagated: no need to snapshot or stash RNG
         return fn(*args, **kwargs)
-    state = _BlockState(block)
+    state = _BlockState(block, site)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=state.contexts, **kwargs)
 
 
@@ -294,10 +395,10 @@ def _prepare_checkpoint() -> None:
         _EAGER_CHECKPOINT = torch.compiler.disable(_checkpoint_block)
 
 
-def _checkpointed(fn: Callable, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _checkpointed(fn: Callable, block: nn.Module, site: Any, *args: Any, **kwargs: Any) -> Any:
     if _EAGER_CHECKPOINT is None:
         _prepare_checkpoint()
-    return _EAGER_CHECKPOINT(fn, block, *args, **kwargs)
+    return _EAGER_CHECKPOINT(fn, block, site, *args, **kwargs)
 
 
 # ---- recomputation of a hand-written array's blocks: a class swap -------------------------
@@ -318,7 +419,7 @@ class Recompute(nn.Module):
     _recompute_base: type[nn.Module]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _checkpointed(super().forward, self, *args, **kwargs)
+        return _checkpointed(super().forward, self, self, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return ", ".join(filter(None, (super().extra_repr(), "recompute")))
@@ -371,7 +472,7 @@ class _RecomputeSegment(_capture.GraphTarget):
         self._named(f"recompute_{block}")
 
     def __call__(self, fused: nn.Module, *inputs: Any) -> tuple:
-        return _checkpointed(self.fn, fused.get_submodule(self.block), fused, *inputs)
+        return _checkpointed(self.fn, fused.get_submodule(self.block), self, fused, *inputs)
 
     # Pickled (torch.save of a fused model with a plan applied) as its graph's nodes.
     def __getstate__(self) -> dict[str, Any]:
@@ -396,6 +497,11 @@ def _label(graph: fx.Graph) -> dict[fx.Node, str | None]:
     for node in reversed(graph.nodes):
         if node.op in ("placeholder", "output"):
             labels[node] = None
+        elif isinstance(node.target, _RecomputeSegment):  # a graph apply() made: its calls of a block
+            labels[node] = node.target.block
+        elif (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+              and isinstance(node.args[0].target, _RecomputeSegment)):
+            labels[node] = node.args[0].target.block
         elif "hfkern_module" in node.meta:
             where = node.meta["hfkern_module"]
             labels[node] = where[0].split(".", 1)[0] if where and where[0] else None
@@ -478,6 +584,56 @@ def _with_recompute(graph: fx.Graph, names: set[str]) -> fx.Graph:
             env[node] = out.node_copy(node, env.__getitem__)
     out.lint()
     return out
+
+
+class _Mark(_capture.GraphTarget):
+    """Graph target: ``fn(block, *args)``, where a run of a block's nodes begins or ends (the cost
+    model's recorder: :func:`_marked`)."""
+
+    def __init__(self, fn: Callable, block: str, where: str):
+        self.fn, self.block = fn, block
+        self._named(f"{where}_{block}")
+
+    def __call__(self, *args: Any) -> None:
+        self.fn(self.block, *args)
+
+
+def _marked(graph: fx.Graph, names: set[str], enter: Callable, leave: Callable) -> fx.Graph:
+    """The fused forward with ``enter(block, *inputs)`` called before each run of a named block's
+    nodes (``inputs``: the values the run reads from outside it, what its recomputation keeps) and
+    ``leave(block)`` after it: what :func:`hfkern.plan.fit_cost_model` measures a block by. The
+    runs are those :func:`apply` checkpoints (of a graph it made, its checkpointed calls)."""
+    runs = _runs(graph, names)
+    starts = {run[0]: (block, run) for block, run in runs}
+    ends = {run[-1]: block for block, run in runs}
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node in starts:
+            block, run = starts[node]
+            members = set(run)
+            inputs = list(dict.fromkeys(i for n in run for i in n.all_input_nodes if i not in members))
+            out.call_function(_Mark(enter, block, "enter"), tuple(env[i] for i in inputs))
+        env[node] = out.node_copy(node, env.__getitem__)
+        if node in ends:
+            out.call_function(_Mark(leave, ends[node], "leave"), ())
+    out.lint()
+    return out
+
+
+_NOT_CALLED = ("the fused forward never runs it as code of its own (the model's forward uses its parameters "
+               "directly), so there is nothing to recompute")
+
+
+def _not_recomputable(model: nn.Module) -> dict[str, str]:
+    """The blocks of an array model that :func:`apply` cannot recompute, each with the reason."""
+    names = blocks(model)
+    if isinstance(model, FusedModel):
+        called = {block for g in model._own_graphs.values() for block, _ in _runs(g, set(names))}
+        return {n: _NOT_CALLED for n in names if n not in called}
+    children = dict(model.named_children())
+    return {n: f"it is a {type(children[n]).__name__} (a container whose entries the model calls itself)"
+            for n in names if type(children[n]).forward is nn.Module.forward}
 
 
 def _fused_graphs(model: FusedModel, names: tuple[str, ...]) -> dict:
