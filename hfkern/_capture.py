@@ -56,8 +56,10 @@ import builtins
 import contextlib
 import copy
 import inspect
+import linecache
 import operator
 import os
+import re
 import sys
 import threading
 import traceback
@@ -92,6 +94,32 @@ def _user_line(frames: list[traceback.FrameSummary]) -> str:
     return f" at {os.path.basename(f.filename)}:{f.lineno}: `{f.line}`"
 
 
+_LIBRARY_FILES: dict[str, bool] = {}
+
+
+def _user_site(depth: int = 2) -> tuple[str, int] | None:
+    """``(filename, lineno)`` of the innermost frame of the user's code calling this (past
+    ``depth`` frames), or None: a frame walk, cheap enough for every captured node."""
+    frame = sys._getframe(depth)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        library = _LIBRARY_FILES.get(filename)
+        if library is None:
+            library = _LIBRARY_FILES[filename] = _library_file(filename)
+        if not library:
+            return filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def site_line(site: tuple[str, int] | None) -> str:
+    """`` at file.py:12: `code` `` for a :func:`_user_site`, or ''."""
+    if not site:
+        return ""
+    code = linecache.getline(site[0], site[1]).strip()
+    return f" at {os.path.basename(site[0])}:{site[1]}" + (f": `{code}`" if code else "")
+
+
 def where(module: tuple[str, str] | None, root: nn.Module) -> str:
     if module is None or not module[0]:
         return f"in the model's own forward ({type(root).__name__})"
@@ -123,6 +151,32 @@ REMEDY = (
 # Calls that read a tensor's values on the host: never the same for B models.
 _HOST_READS = {"item", "tolist", "numpy", "nonzero", "unique", "unique_consecutive", "argwhere",
                "masked_select", "__bool__", "__int__", "__float__", "__index__"}
+
+
+# Functions whose result's size depends on a tensor's values, which differ between the B models.
+_VALUE_SIZED = {torch.nonzero: "torch.nonzero", torch.argwhere: "torch.argwhere", torch.unique: "torch.unique",
+                torch.unique_consecutive: "torch.unique_consecutive", torch.masked_select: "torch.masked_select"}
+
+
+def _value_sized(node: fx.Node) -> str | None:
+    """The construct a captured call is, where its result's size depends on a tensor's values
+    (``torch.nonzero``, ``torch.where(condition)``, ``F.one_hot`` without ``num_classes``)."""
+    if node.op != "call_function":
+        return None
+    try:
+        name = _VALUE_SIZED.get(node.target)
+    except TypeError:  # (an unhashable target)
+        return None
+    if name is not None:
+        return f"`{name}`"
+    if node.target is torch.where and len(node.args) + len(node.kwargs) == 1:
+        return "`torch.where(condition)` with one argument (the indices where it holds, as torch.nonzero)"
+    if node.target is torch.nn.functional.one_hot:
+        classes = node.args[1] if len(node.args) > 1 else node.kwargs.get("num_classes", -1)
+        if isinstance(classes, int) and classes < 0:
+            return ("`F.one_hot` without `num_classes` (its number of classes is the largest index plus "
+                    "one; give num_classes)")
+    return None
 
 
 # ---- what the graph records beyond fx's own nodes -----------------------------------------
@@ -326,6 +380,9 @@ class _Tracer(fx.Tracer):
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta["hfkern_module"] = self._modules_entered[-1] if self._modules_entered else None
+        if kind in ("call_function", "call_method"):
+            # where the statement is, for an error of the fused forward about this call
+            node.meta["hfkern_site"] = _user_site()
         if kind == "call_method" and target == "view":
             # where the statement is, for an error of the fused forward about this view
             node.meta["hfkern_line"] = _user_line(traceback.extract_stack()[:-1])
@@ -647,6 +704,11 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
         if node.op == "call_method" and node.target in _HOST_READS:
             problem = (f"`.{node.target}()` reads a tensor's values on the host", "the B models' values "
                        f"differ, so the result is not one Python value. {REMEDY}")
+        elif (construct := _value_sized(node)) is not None:
+            problem = (f"{construct} makes a tensor whose size depends on a tensor's values",
+                       ("the B models' values differ, so their results differ in size and are not one "
+                        "array. Write it with ops whose result has a fixed size (torch.where(condition, x, "
+                        "y), masked_fill, a sum of a masked product), or move it out of forward"))
         elif _inplace(node) and node.args and isinstance(node.args[0], fx.Node) \
                 and node.args[0].op == "get_attr" and node.args[0].target in constants:
             name = node.args[0].target
@@ -681,10 +743,20 @@ def _trace(traced: nn.Module, model: nn.Module, leaf: Callable[[nn.Module], bool
 
 
 def _source_line(node: fx.Node) -> str:
+    """`` at file.py:12: `code` `` for the innermost frame of the user's code in the stack trace
+    recorded for ``node`` (torch's and hfkern's own frames skipped, as :func:`_user_line` does), or ''."""
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines()]
-    for i in range(len(lines) - 2, -1, -1):
-        if lines[i].startswith("File ") and i + 1 < len(lines):
-            return f" at {lines[i].split(',')[0][5:].strip()}:{lines[i].split(',')[1].split()[-1]}: " \
-                   f"`{lines[i + 1]}`"
-    return ""
+    found = ""
+    for i, line in enumerate(lines):
+        match = _FRAME.match(line)
+        if match is None or _library_file(match.group(1)):
+            continue
+        code = lines[i + 1] if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+        found = f" at {os.path.basename(match.group(1))}:{match.group(2)}" + (f": `{code}`" if code else "")
+    if not found:
+        found = site_line(node.meta.get("hfkern_site"))
+    return found
+
+
+_FRAME = re.compile(r'File "(.*)", line (\d+)')

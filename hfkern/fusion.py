@@ -56,7 +56,18 @@ ints, strings) in a call (see below), in practice once or twice.
   embedding op, which keeps ``padding_idx``, ``scale_grad_by_freq``, ``sparse``
   and ``max_norm`` per model where vmap's would not), and any other call runs under
   ``torch.vmap`` (``randomness="different"``: random ops draw independently per
-  model). Shape queries (``x.size(0)``, ``x.shape``, ``x.dim()``) answer for
+  model; a call vmap cannot run raises :class:`FuseError` naming it and its
+  line). Translations take torch's keyword spellings (``dim=`` or ``axis=``,
+  ``chunks=``, ``shape=``, ``dims=``, ``other=``, ...); one they do not know runs
+  under vmap. Some calls need more than their array op: ``masked_fill``/``fill_``
+  with a per-model 0-d value (a scalar parameter, ``y.max()``) write each model's
+  value (``torch.where``, ``copy_``); ``y[mask] = value`` with a boolean mask is a
+  masked fill, per model; ``Tensor.detach_()`` detaches in place where the array
+  allows, else every later reader reads a detached value; and
+  ``torch.autograd.grad`` in forward (forces, gradient penalties) takes the
+  gradients of the array outputs with respect to the array inputs, all models at
+  once (they are independent), its ``grad_outputs`` per model.
+  Shape queries (``x.size(0)``, ``x.shape``, ``x.dim()``) answer for
   one model. Other ``torch.nn`` leaf modules without an array version run under
   ``torch.vmap`` over their stacked parameters. ``x.view(shape)`` is a view of
   ``x`` as in torch wherever the forward writes in place through it, or into
@@ -84,7 +95,13 @@ values, one capture serving every value (a Python branch on a float argument
 cannot be captured; a required argument is traced by ``fuse``'s own capture, so
 forward may branch on a required int only once ``fuse`` has captured without
 it: give it a default); a tensor made from them alone (``torch.arange(k)``) is
-the same for every model, each model having its own copy.
+the same for every model, each model having its own copy. So is a tensor made
+from such values and shape queries (``torch.zeros(x.size(0), 8)``), and one
+converted to an array value's dtype and device (``torch.arange(n).type_as(x)``,
+``.to(x)``): one tensor, until the forward writes array values into it in place
+(``out[:, 1:7] = x``, ``.scatter_(1, idx, 1.0)``), which makes it each model's
+own ``[B, ...]`` copy where it is made. Every output has B first: a tensor that
+is not an array value is returned as each model's copy.
 
 Configuration: the models must agree on every module's plain attributes (numbers,
 strings, tuples of them) except the array modules', which keep them per model
@@ -125,7 +142,10 @@ in-place writes to tensors that are neither parameters nor buffers) raises
 
 What cannot be captured: ``torch.fx`` runs ``forward`` on symbolic values, so
 Python control flow on a tensor (``if x.sum() > 0:``, ``if x.size(1) > 3:``,
-``for row in x:``) and host reads (``.item()``, ``.tolist()``) raise
+``for row in x:``), host reads (``.item()``, ``.tolist()``) and results whose size
+depends on the values (``torch.nonzero``, ``torch.where(condition)``,
+``torch.unique``, ``torch.masked_select``, ``F.one_hot`` without ``num_classes``;
+boolean-mask indexing ``x[mask]`` when the fused forward runs) raise
 :class:`FuseError`, naming the construct, the source line and the module.
 Write such branches as tensor ops (``torch.where``), move them out of
 ``forward``, or name the module's class in ``fuse(..., vmap_modules=...)``
@@ -216,13 +236,38 @@ def _dims(d: Any, nd: int) -> tuple[int, ...] | int:
     return _dim(d, nd)
 
 
+# Translations take torch's own keyword spellings (``dim`` and its alias ``axis``, ``chunks``,
+# ``shape``, ``dims``, ...). One given twice, or a spelling they do not take, is a call they leave
+# to torch.vmap (a TypeError from a translation's own signature does too), where the op reports
+# what torch reports.
+_UNSET = object()
+
+
+def _either(dim: Any, axis: Any, default: Any = _UNSET) -> Any:
+    """``dim``, or its alias ``axis`` (torch's NumPy spelling); ``default`` if neither is given."""
+    if axis is _UNSET:
+        if dim is _UNSET:
+            if default is _UNSET:
+                raise _Fallback  # a required dim missing: torch's own error under vmap
+            return default
+        return dim
+    if dim is not _UNSET:
+        raise _Fallback  # both spellings given
+    return axis
+
+
 def _all_dims(x: torch.Tensor) -> tuple[int, ...]:
     if x.dim() < 2:
         raise _Fallback  # a per-model scalar: sum(dim=()) would mean every dim
     return tuple(range(1, x.dim()))
 
 
-def _shape(shape: tuple) -> tuple:
+def _shape(shape: tuple, named: Any = _UNSET) -> tuple:
+    """A shape given as ``*shape`` or (``named``) by its keyword (``size=``, ``shape=``, ``dims=``)."""
+    if named is not _UNSET:
+        if shape:
+            raise _Fallback
+        shape = (named,)
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = tuple(shape[0])
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
@@ -235,8 +280,8 @@ def _flatten(x, start_dim=0, end_dim=-1):
     return x.flatten(_dim(start_dim, nd), _dim(end_dim, nd))
 
 
-def _view(x, *shape):
-    shape = (x.size(0), *_shape(shape))
+def _view(x, *shape, size=_UNSET):
+    shape = (x.size(0), *_shape(shape, size))
     try:
         return x.view(shape)
     except RuntimeError:
@@ -246,8 +291,8 @@ def _view(x, *shape):
         return x.reshape(shape)
 
 
-def _reshape(x, *shape):
-    return x.reshape(x.size(0), *_shape(shape))
+def _reshape(x, *sizes, shape=_UNSET):
+    return x.reshape(x.size(0), *_shape(sizes, shape))
 
 
 def _transpose(x, dim0, dim1):
@@ -255,16 +300,29 @@ def _transpose(x, dim0, dim1):
     return x.transpose(_dim(dim0, nd), _dim(dim1, nd))
 
 
-def _permute(x, *dims):
+def _swapaxes(x, axis0, axis1):
+    return _transpose(x, axis0, axis1)
+
+
+def _permute(x, *order, dims=_UNSET):
     nd = x.dim() - 1
-    return x.permute(0, *(_dim(d, nd) for d in _shape(dims)))
+    return x.permute(0, *(_dim(d, nd) for d in _shape(order, dims)))
 
 
-def _unsqueeze(x, dim):
+def _movedim(x, source, destination):
+    nd = x.dim() - 1
+    return torch.movedim(x, _dims(source, nd), _dims(destination, nd))
+
+
+def _unsqueeze(x, dim=_UNSET, *, axis=_UNSET):
+    if axis is not _UNSET or dim is _UNSET:
+        dim = _either(dim, axis)
     return x.unsqueeze(_dim(dim, x.dim() - 1, extra=1))
 
 
-def _squeeze(x, dim=None):
+def _squeeze(x, dim=None, *, axis=_UNSET):
+    if axis is not _UNSET:
+        dim = _either(_UNSET if dim is None else dim, axis)
     if dim is None:
         dims = tuple(i for i in range(1, x.dim()) if x.size(i) == 1)
         return x.squeeze(dims) if dims else x.view_as(x)
@@ -273,14 +331,23 @@ def _squeeze(x, dim=None):
 
 # Translations parametrized by the torch function they call are partials of module-level
 # functions, which name that function, so that a fused model's graph pickles (torch.save).
-def _reduce(name: str, x, dim=None, keepdim=False, **kw):
-    dims = _all_dims(x) if dim is None else _dims(dim, x.dim() - 1)
-    if dim is None and keepdim:
-        raise _Fallback
+def _reduce(name: str, x, dim=None, keepdim=False, *, axis=_UNSET, **kw):
+    if axis is not _UNSET:
+        dim = _either(_UNSET if dim is None else dim, axis)
+    if dim is None:
+        if keepdim:
+            raise _Fallback
+        dims = _all_dims(x)
+    elif isinstance(dim, (tuple, list)) and not dim:
+        dims = _all_dims(x)  # torch: an empty dim list reduces every dim (of one model's)
+    else:
+        dims = _dims(dim, x.dim() - 1)
     return getattr(torch, name)(x, dims, keepdim, **kw)
 
 
-def _extremum(name: str, x, dim=None, keepdim=False):
+def _extremum(name: str, x, dim=None, keepdim=False, *, axis=_UNSET):
+    if axis is not _UNSET:
+        dim = _either(_UNSET if dim is None else dim, axis)
     if isinstance(dim, torch.Tensor):
         raise _Fallback  # torch.max(a, b): handled as element-wise by vmap
     if dim is None:
@@ -288,7 +355,9 @@ def _extremum(name: str, x, dim=None, keepdim=False):
     return getattr(torch, name)(x, _dim(dim, x.dim() - 1), keepdim)
 
 
-def _argextremum(name: str, x, dim=None, keepdim=False):
+def _argextremum(name: str, x, dim=None, keepdim=False, *, axis=_UNSET):
+    if axis is not _UNSET:
+        dim = _either(_UNSET if dim is None else dim, axis)
     if dim is None:
         if keepdim:
             raise _Fallback
@@ -296,8 +365,10 @@ def _argextremum(name: str, x, dim=None, keepdim=False):
     return getattr(torch, name)(x, _dim(dim, x.dim() - 1), keepdim)
 
 
-def _with_dim(name: str, x, dim, *args, **kwargs):
+def _with_dim(name: str, x, dim=_UNSET, *args, axis=_UNSET, **kwargs):
     """Ops whose second argument is one dim: ``torch.<name>(x, dim, *rest)``."""
+    if axis is not _UNSET or dim is _UNSET:
+        dim = _either(dim, axis)
     return getattr(torch, name)(x, _dim(dim, x.dim() - 1), *args, **kwargs)
 
 
@@ -307,48 +378,69 @@ def _f_softmax(name: str, input, dim=None, _stacklevel=3, dtype=None):
     return getattr(F, name)(input, dim=_dim(dim, input.dim() - 1), dtype=dtype)
 
 
+def _chunk(x, chunks, dim=0, *, axis=_UNSET):
+    if axis is not _UNSET:
+        dim = _either(_UNSET if type(dim) is int and dim == 0 else dim, axis)
+    return torch.chunk(x, chunks, _dim(dim, x.dim() - 1))
+
+
+def _split(x, split_size_or_sections=_UNSET, dim=0, *, split_size=_UNSET):
+    """``torch.split(x, split_size_or_sections, dim)`` and ``x.split(split_size, dim)``."""
+    return torch.split(x, _either(split_size_or_sections, split_size), _dim(dim, x.dim() - 1))
+
+
 def _split_like(name: str, x, size_or_sections, dim=0):
+    """(What fused models pickled before ``_chunk`` and ``_split`` name.)"""
     return getattr(torch, name)(x, size_or_sections, _dim(dim, x.dim() - 1))
 
 
-def _unbind(x, dim=0):
+def _unbind(x, dim=0, *, axis=_UNSET):
+    if axis is not _UNSET:
+        dim = _either(_UNSET if type(dim) is int and dim == 0 else dim, axis)
     return torch.unbind(x, _dim(dim, x.dim() - 1))
 
 
-def _narrow(x, dim, start, length):
-    return torch.narrow(x, _dim(dim, x.dim() - 1), start, length)
+def _narrow(x, dim=_UNSET, start=_UNSET, length=_UNSET, *, axis=_UNSET):
+    if start is _UNSET or length is _UNSET:
+        raise _Fallback
+    return torch.narrow(x, _dim(_either(dim, axis), x.dim() - 1), start, length)
 
 
-def _expand(x, *sizes):
-    sizes = _shape(sizes)
+def _expand(x, *sizes, size=_UNSET):
+    sizes = _shape(sizes, size)
     if len(sizes) != x.dim() - 1:
         raise _Fallback  # new leading dims would land before B
     return x.expand(x.size(0), *sizes)
 
 
-def _cat(tensors, dim=0):
+def _cat(tensors, dim=0, *, axis=_UNSET):
     if not tensors:
         raise _Fallback
+    if axis is not _UNSET:
+        dim = _either(_UNSET if type(dim) is int and dim == 0 else dim, axis)
     return torch.cat(list(tensors), _dim(dim, tensors[0].dim() - 1))
 
 
-def _stack(tensors, dim=0):
+def _stack(tensors, dim=0, *, axis=_UNSET):
     if not tensors:
         raise _Fallback
+    if axis is not _UNSET:
+        dim = _either(_UNSET if type(dim) is int and dim == 0 else dim, axis)
     return torch.stack(list(tensors), _dim(dim, tensors[0].dim() - 1, extra=1))
 
 
-def _matmul(a, b):
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 3 or b.dim() < 3 \
-            or a.dim() != b.dim():
+def _matmul(input, other):
+    if not (isinstance(input, torch.Tensor) and isinstance(other, torch.Tensor)) or input.dim() < 3 \
+            or other.dim() < 3 or input.dim() != other.dim():
         raise _Fallback  # per-model vectors and mixed ranks: vmap knows torch.matmul's rules
-    return torch.matmul(a, b)
+    return torch.matmul(input, other)
 
 
-def _bmm(a, b):
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 4 or b.dim() != 4:
+def _bmm(input, mat2):
+    if not (isinstance(input, torch.Tensor) and isinstance(mat2, torch.Tensor)) or input.dim() != 4 \
+            or mat2.dim() != 4:
         raise _Fallback  # not per-model 3-D: torch.bmm's own error, under vmap
-    return torch.matmul(a, b)
+    return torch.matmul(input, mat2)
 
 
 # Translations of calls whose arrays may be in any argument, not only the first.
@@ -505,7 +597,11 @@ _ARRAY_ATTRIBUTES = {"data", "grad", "real", "imag", "mT", "mH"}
 
 
 def _getattr(x, name, *default):
-    if not isinstance(x, torch.Tensor) or name not in _ARRAY_ATTRIBUTES:
+    if not isinstance(x, torch.Tensor):
+        if type(x).__module__ == "torch.return_types" and name in getattr(type(x), "__match_args__", ()):
+            return getattr(x, name)  # `x.max(1).values`: a field of arrays is an array
+        raise _Fallback
+    if name not in _ARRAY_ATTRIBUTES:
         raise _Fallback
     return getattr(x, name, *default)
 
@@ -543,19 +639,20 @@ _ELEMENTWISE_METHODS = {
 # Ops with dims or shapes in their arguments, and their array translation.
 _TRANSLATED_METHODS: dict[str, Callable] = {
     "flatten": _flatten, "view": _view, "reshape": _reshape, "transpose": _transpose,
-    "swapaxes": _transpose, "permute": _permute, "unsqueeze": _unsqueeze, "squeeze": _squeeze,
+    "swapaxes": _swapaxes, "permute": _permute, "unsqueeze": _unsqueeze, "squeeze": _squeeze,
+    "movedim": _movedim, "moveaxis": _movedim,
     **{name: partial(_reduce, name) for name in ("sum", "mean", "amax", "amin")},
     **{name: partial(_extremum, name) for name in ("max", "min")},
     **{name: partial(_argextremum, name) for name in ("argmax", "argmin")},
     **{name: partial(_with_dim, name) for name in ("softmax", "log_softmax", "cumsum", "cumprod")},
-    **{name: partial(_split_like, name) for name in ("chunk", "split")},
+    "chunk": _chunk, "split": _split,
     "unbind": _unbind, "narrow": _narrow, "expand": _expand,
     "matmul": _matmul, "bmm": _bmm, "__matmul__": _matmul, "__getitem__": _getitem,
 }
 _TRANSLATED_FUNCTIONS: dict[Callable, Callable] = {
     torch.flatten: _flatten, torch.reshape: _reshape, torch.transpose: _transpose,
-    torch.swapaxes: _transpose, torch.permute: _permute, torch.unsqueeze: _unsqueeze,
-    torch.squeeze: _squeeze,
+    torch.swapaxes: _swapaxes, torch.permute: _permute, torch.unsqueeze: _unsqueeze,
+    torch.squeeze: _squeeze, torch.movedim: _movedim, torch.moveaxis: _movedim,
     **{getattr(torch, name): _TRANSLATED_METHODS[name] for name in (
         "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "softmax", "log_softmax",
         "cumsum", "cumprod", "chunk", "split")},
@@ -650,6 +747,13 @@ def _vmap_call(fn: Callable, dims: tuple, args: tuple, kwargs: dict) -> Any:
     spec, leaves = layout
     it = iter(tensors)
     return tree_unflatten([next(it) if v is _OUT else v for v in leaves], spec)
+
+
+def _vmap_refused(e: Exception) -> bool:
+    """Whether an error comes from torch.vmap itself (no batching rule, a dynamic shape, ...)
+    rather than from the op as torch runs it for one model."""
+    message = str(e)
+    return "vmap" in message or "atching rule" in message
 
 
 def _aligned(dims: Any, value: Any, rank: int) -> Any:
@@ -835,7 +939,7 @@ class _ArrayCall(_CallsFunction):
                     marked_args, marked_kwargs = _marked_shared(dims, args, kwargs)
                     return self.translate(*marked_args, **marked_kwargs)
                 return self.translate(*args, **kwargs)
-            except _Fallback:
+            except (_Fallback, TypeError):  # (TypeError: a spelling the translation does not take)
                 pass
         return self._vmap(dims, args, kwargs)
 
@@ -862,7 +966,7 @@ class _ArrayCall(_CallsFunction):
         if self.translate is not None and (first_only or self.translate in _ANY_ARGUMENT):
             try:
                 return self.translate(*args, **kwargs)
-            except _Fallback:
+            except (_Fallback, TypeError):
                 return self._vmap(_in_dims(self.marks, (args, kwargs)), args, kwargs)
         return _WALK
 
@@ -883,7 +987,224 @@ class _ArrayCall(_CallsFunction):
         return bool(arg_dims) and arg_dims[0] is not None and not tree_flatten(rest)[0].count(0)
 
     def _vmap(self, dims: Any, args: tuple, kwargs: dict) -> Any:
-        return _vmap_call(lambda *a, **k: self._call(a, k), dims, args, kwargs)
+        try:
+            return _vmap_call(lambda *a, **k: self._call(a, k), dims, args, kwargs)
+        except (RuntimeError, ValueError) as e:
+            if isinstance(e, FuseError):
+                raise
+            if _vmap_refused(e):
+                raise self._vmap_error(e, args, kwargs) from e
+            if "stack expects each tensor to be equal size" in str(e) and self.fn is not torch.stack:
+                # vmap's loop over the models (an op without a batching rule) made results of different sizes
+                raise FuseError(
+                    f"fused forward: `{self._text()}`{_capture.site_line(self.site)} {self.module_text} makes results "
+                    "of different sizes for the B models: its result's size depends on the values, which differ "
+                    "between the models, so the results are not one array. Write it with ops whose result has a "
+                    "fixed size") from e
+            raise
+
+    # Where the call is in the model's code (set by the rewrite): for its errors.
+    site: tuple[str, int] | None = None
+    module_text: str = ""
+
+    def _text(self) -> str:
+        if self.fn is operator.getitem or self.method == "__getitem__":
+            return "x[index]"
+        if self.fn is operator.setitem or self.method == "__setitem__":
+            return "x[index] = value"
+        if self.method is not None:
+            return f"Tensor.{self.method}"
+        module = getattr(self.fn, "__module__", None) or ""
+        name = getattr(self.fn, "__name__", repr(self.fn))
+        return f"{'torch' if module.startswith('torch') else module}.{name}" if module else name
+
+    def _vmap_error(self, e: Exception, args: tuple, kwargs: dict) -> FuseError:
+        where = f"{_capture.site_line(self.site)} {self.module_text}".rstrip()
+        if self._text().startswith("x[index]") and len(args) > 1 and any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                for i in tree_flatten(args[1])[0]):
+            return FuseError(
+                f"fused forward: boolean-mask indexing `{self._text().replace('index', 'mask')}`{where} selects "
+                "as many elements as the mask holds True values: a size that depends on the values, which "
+                "differ between the models, so the results are not one array "
+                "(as torch.nonzero, torch.masked_select). Write it with ops of a fixed size: "
+                "torch.where(mask, x, other), x.masked_fill(mask, value), (x * mask).sum()")
+        return FuseError(
+            f"fused forward: `{self._text()}`{where} runs under torch.vmap (for the B models at once), which "
+            f"cannot run it: {str(e).strip().splitlines()[0]} Write it with other tensor ops, or name the "
+            "class of the module whose forward makes this call in hfkern.fuse(..., loop_modules=(Cls,)) to "
+            "run that module once per model")
+
+
+def _lifted(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """An array tensor ``[B, *s]`` viewed as ``[B, 1, ..., 1, *s]`` of ``rank`` dims."""
+    missing = rank - t.dim()
+    return t[(slice(None),) + (None,) * missing] if missing > 0 else t
+
+
+class _FillCall(_ArrayCall):
+    """``masked_fill``, ``masked_fill_``, ``torch.masked_fill`` or ``fill_`` whose value is an array
+    value (a per-model 0-d tensor: a scalar parameter, ``y.max()``), which torch's op takes only as
+    one 0-d tensor: each model's value as a column ``[B, 1, ..., 1]``, written with ``torch.where``
+    (masked_fill, copied into the tensor in place) or ``copy_`` (fill_). Other arguments: as an
+    :class:`_ArrayCall` (the rewrite makes this call only where the value is an array value)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._fill(args, kwargs)
+        return super().__call__(*args, **kwargs) if out is _WALK else out
+
+    def _fill(self, args: tuple, kwargs: dict) -> Any:
+        names = ("input", "value") if self.method == "fill_" else ("input", "mask", "value")
+        arg_marks, kwarg_marks = self.marks
+        if len(args) > len(names):
+            return _WALK
+        values, marks = dict(zip(names, args)), dict(zip(names, arg_marks))
+        for k, v in kwargs.items():
+            if k not in names or k in values:
+                return _WALK  # torch's own error, under vmap
+            values[k], marks[k] = v, kwarg_marks.get(k)
+        x, value = values.get("input"), values.get("value")
+        if len(values) != len(names) or marks["value"] is not True or not isinstance(value, torch.Tensor) \
+                or value.dim() != 1 or not isinstance(x, torch.Tensor):
+            return _WALK  # (a per-model value that is not 0-d: torch's error, under vmap)
+        x_array = marks["input"] is True
+        if self.method == "fill_":
+            return x.copy_(_lifted(value, x.dim())) if x_array else _WALK
+        mask = values["mask"]
+        if not isinstance(mask, torch.Tensor):
+            return _WALK
+        mask_array = marks["mask"] is True
+        # arrays lifted to one rank past every other tensor's: the others broadcast per model
+        rank = max((t.dim() if a else t.dim() + 1) for t, a in ((x, x_array), (mask, mask_array), (value, True)))
+        filled = torch.where(_lifted(mask, rank) if mask_array else mask, _lifted(value, rank).to(x.dtype),
+                             _lifted(x, rank) if x_array else x)
+        if self.method == "masked_fill_":
+            if not x_array or filled.shape != x.shape:
+                return _WALK
+            return x.copy_(filled)
+        return filled
+
+
+class _MaskSetItem(_ArrayCall):
+    """``x[index] = value`` where the index is or may be a tensor: with a boolean mask (``y[y < 0] = 0``,
+    a masked fill), each model's elements where its mask holds are written in place (``masked_fill_``,
+    or ``torch.where`` for a value per model); any other index as an :class:`_ArrayCall`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 3 and not kwargs:
+            x, index, value = args
+            x_mark, index_mark, value_mark = self.marks[0]
+            if type(index) is tuple and len(index) == 1:
+                index, index_mark = index[0], index_mark[0] if isinstance(index_mark, tuple) else index_mark
+            if isinstance(index, torch.Tensor) and index.dtype == torch.bool and isinstance(x, torch.Tensor) \
+                    and x_mark is True \
+                    and self._masked(x, index, index_mark is True, value, value_mark is True) is not _WALK:
+                return None
+        return super().__call__(*args, **kwargs)
+
+    def _masked(self, x: torch.Tensor, mask: torch.Tensor, mask_array: bool, value: Any, value_array: bool) -> Any:
+        shape = mask.shape[1:] if mask_array else mask.shape  # one model's mask
+        rest = x.dim() - 1 - len(shape)  # x's dims past the mask's
+        if rest < 0 or tuple(shape) != tuple(x.shape[1:1 + len(shape)]) or (mask_array and mask.size(0) != x.size(0)):
+            return _WALK  # torch's own error
+        mask = mask[(Ellipsis,) + (None,) * rest]
+        if isinstance(value, (int, float, bool)) or isinstance(value, torch.Tensor) and not value_array \
+                and value.dim() == 0:
+            x.masked_fill_(mask, value)
+            return None
+        if not isinstance(value, torch.Tensor):
+            return _WALK
+        first = 1 if value_array else 0
+        extra = value.dim() - first - rest  # the value's dims past one selected element's
+        if extra > 0:
+            if any(n != 1 for n in value.shape[first:first + extra]):
+                raise FuseError(
+                    f"fused forward: `x[mask] = value` with a value of one row per selected element"
+                    f"{_capture.site_line(self.site)} {self.module_text}: how many elements each model's mask "
+                    "selects depends on its values, which differ between the models. Write it with "
+                    "torch.where(mask, value, x) on tensors of x's shape")
+            value = value.reshape(*value.shape[:first], *value.shape[first + extra:])
+        value = _lifted(value, x.dim()) if value_array else value
+        x.copy_(torch.where(mask, value.to(x.dtype), x))
+        return None
+
+
+_GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)
+
+
+class _GradCall(_ArrayCall):
+    """``torch.autograd.grad`` in forward (forces, gradient penalties): the models are independent,
+    so the gradients of their outputs with respect to their inputs (array values) are the gradients
+    of the array outputs, weighted per model by ``grad_outputs`` (ones for per-model scalars), with
+    respect to the arrays, all models at once; ``create_graph`` and ``retain_graph`` as given."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given = _GRAD_SIGNATURE.bind(*args, **kwargs).arguments  # (torch's TypeError)
+        marks = _GRAD_SIGNATURE.bind(*self.marks[0], **self.marks[1]).arguments
+        where = f"{_capture.site_line(self.site)} {self.module_text}"
+        if given.get("is_grads_batched"):
+            raise FuseError(f"fused forward: torch.autograd.grad(..., is_grads_batched=True){where} is not "
+                            "supported: compute the batch of gradients one grad_outputs at a time")
+        outputs = self._per_model("outputs", given["outputs"], marks["outputs"], where)
+        inputs = self._per_model("inputs", given["inputs"], marks["inputs"], where)
+        weights = given.get("grad_outputs")
+        if weights is None or isinstance(weights, torch.Tensor):
+            weights, weight_marks = [weights], [marks.get("grad_outputs")]
+        else:
+            weight_marks = marks["grad_outputs"]
+            weight_marks = [weight_marks] * len(weights) if not isinstance(weight_marks, (tuple, list)) \
+                else weight_marks
+        if len(weights) == 1 and len(outputs) > 1 and weights[0] is None:
+            weights, weight_marks = weights * len(outputs), weight_marks * len(outputs)
+        if len(weights) != len(outputs):
+            raise RuntimeError(f"grad requires one grad_output per output: got {len(weights)} grad_outputs "
+                               f"and {len(outputs)} outputs")
+        per_model = []
+        for out, w, mark in zip(outputs, weights, weight_marks):
+            if w is None:
+                # a per-model scalar's implicit weight, one per model (torch's error for others)
+                w = torch.ones_like(out) if out.requires_grad and out[0].numel() == 1 else None
+            elif isinstance(w, torch.Tensor) and mark is not True:
+                w = w.unsqueeze(0).expand(out.size(0), *w.shape)  # the same weights for every model
+            per_model.append(w)
+        rest = {k: given[k] for k in ("retain_graph", "create_graph", "only_inputs", "allow_unused",
+                                      "materialize_grads") if k in given}
+        return torch.autograd.grad(outputs, inputs, grad_outputs=per_model, **rest)
+
+    @staticmethod
+    def _per_model(name: str, value: Any, mark: Any, where: str) -> list[torch.Tensor]:
+        if isinstance(value, torch.Tensor):
+            value, mark = [value], [mark]
+        elif not isinstance(mark, (tuple, list)):
+            mark = [mark] * len(value)
+        if not all(isinstance(v, torch.Tensor) and m is True for v, m in zip(value, mark)):
+            raise FuseError(
+                f"fused forward: torch.autograd.grad{where} with {name} that are not the B models' own values "
+                "(a tensor made in forward from no input, parameter or buffer is one tensor for every model, "
+                "whose gradient would be the sum over the models): make it from the input or keep it in a "
+                "buffer")
+        return list(value)
+
+
+def _detach_(x: torch.Tensor) -> torch.Tensor:
+    """``Tensor.detach_()`` per model: in place where the array allows it, else (the array a view,
+    as an array op's output may be where one model's tensor is not) a detached value, which the
+    rewrite gives every later reader of the tensor."""
+    try:
+        return x.detach_()
+    except RuntimeError:
+        return x.detach()
+
+
+def _per_model_copies(value: Any, B: int) -> Any:
+    """``value``, made of Python values and tensors that are not array values, with each tensor as
+    the B models' own copies (``[B, *shape]``)."""
+    if isinstance(value, torch.Tensor):
+        return _every_model(value, B, copy=True)
+    leaves, spec = tree_flatten(value)
+    if not any(isinstance(v, torch.Tensor) for v in leaves):
+        return value  # (Python values as they are: a torch.Size stays one)
+    return tree_unflatten([_every_model(v, B, copy=True) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
 
 class _Metadata(_CallsFunction):
@@ -2840,7 +3161,53 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
     """The captured graph with every call made per model over the array dim.
 
     ``constants``: the graph's constant get_attr targets -> their names on the fused model.
+
+    A tensor that is not an array value (``torch.zeros(x.size(0), 8)``: the same for every model)
+    but that the forward writes in place with array values (``out[:, 1:7] = x``, ``.scatter_(1,
+    idx, 1.0)``) is made each model's own where it is made (``[B, ...]`` copies), so the writes
+    land per model: a rewrite finds such tensors, and the graph is rewritten again with them.
     """
+    promoted: set[fx.Node] = set()
+    while True:
+        out, wanted = _rewrite_pass(graph, model, B, leaves, array_classes, opaque, constants, attribute_state,
+                                    promoted)
+        if wanted <= promoted:
+            return out
+        promoted |= wanted
+
+
+def _fresh_sources(graph: fx.Graph, model: nn.Module, array_classes: dict) -> Callable[[fx.Node], list[fx.Node]]:
+    """``sources(node)``: the nodes of ``graph`` that make new memory (a factory's, an arithmetic
+    result's) which ``node``'s tensor may share (:func:`_alias_sources`, conservatively)."""
+    nodes = list(graph.nodes)
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(n: fx.Node) -> fx.Node:
+        while n in parent:
+            n = parent[n]
+        return n
+
+    fresh = []
+    for node in nodes:
+        sources = _alias_sources(node, model, array_classes)
+        if not sources and node.op in ("call_function", "call_method") and not _is_metadata(node) \
+                and not isinstance(node.target, _capture.GraphTarget):
+            fresh.append(node)
+        for src in sources:
+            a, b = find(node), find(src)
+            if a is not b:
+                parent[a] = b
+    return lambda node: [n for n in fresh if find(n) is find(node)]
+
+
+def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Module],
+                  array_classes: dict, opaque: dict[type, str], constants: dict[str, str],
+                  attribute_state: list[tuple[str, str]], promoted: set[fx.Node]
+                  ) -> tuple[fx.Graph, set[fx.Node]]:
+    """One rewrite of :func:`_rewrite`, the nodes ``promoted`` made every model's own; also returns
+    the nodes to promote for writes with array values into tensors that are not array values."""
+    wanted: set[fx.Node] = set()
+    sources_of = None
     params = {n for n, _ in _named_tensors(model)} | {".".join(filter(None, pn)) for pn in attribute_state}
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -2884,7 +3251,10 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
                 env[node] = out.node_copy(node, lambda n: env[n])
             array[node] = node.target in params
         elif node.op == "output":
-            env[node] = out.node_copy(node, lambda n: env[n])
+            # every output with B first: a value that is not an array value as each model's copy
+            env[node] = out.output(fx.node.map_arg(node.args[0], lambda n: env[n] if array[n] else
+                                                   out.call_function(_per_model_copies, (env[n], B))),
+                                   type_expr=node.type)
         elif node.op == "call_module":
             module = leaves.get(node.target, model.get_submodule(node.target))
             cls = type(module)
@@ -2961,16 +3331,48 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
                 else:
                     env[node] = out.node_copy(node, lambda n: env[n])
                     array[node] = False
+                    if node in promoted:  # written in place with array values later: each model's own
+                        env[node] = out.call_function(_per_model_copies, (env[node], B))
+                        env[node].meta.update(node.meta)
+                        array[node] = True
                 continue
             method = node.target if node.op == "call_method" else None
             fn = None if method else node.target
             label = method or getattr(fn, "__name__", "call")
-            if _is_metadata(node):
+            first = node.args[0] if node.args else None
+            if _capture._inplace(node) and not (isinstance(first, fx.Node) and array[first]) \
+                    and isinstance(first, fx.Node):
+                # An in-place write of array values into a tensor that is not an array value: the
+                # tensor it writes must be each model's own from where it is made.
+                if sources_of is None:
+                    sources_of = _fresh_sources(graph, model, array_classes)
+                wanted.update(n for n in sources_of(first) if not array.get(n, True))
+            if _is_metadata(node) or method in ("to", "type_as") and not (isinstance(first, fx.Node) and array[first]):
+                # A shape query, or `torch.arange(n).type_as(x)`: x gives a dtype and device only,
+                # and the result is one tensor for every model, as its source is.
                 env[node] = out.call_function(_Metadata(fn, marks, f"one_model_{label}", method),
                                               args, kwargs)
                 array[node] = False
+            elif method == "detach_" or fn is torch.detach_:
+                env[node] = out.call_function(_detach_, args, kwargs)
+                array[node] = True
+                if isinstance(first, fx.Node):  # every later reader of the tensor reads it detached
+                    env[first] = env[node]
             else:
-                call = _ArrayCall(fn, marks, f"per_model_{label}", method, B)
+                cls = _ArrayCall
+                if method in ("masked_fill", "masked_fill_", "fill_") or fn is torch.masked_fill:
+                    value = node.args[-1] if len(node.args) == (2 if method == "fill_" else 3) else \
+                        node.kwargs.get("value")
+                    if isinstance(value, fx.Node) and array[value]:
+                        cls = _FillCall  # a value per model (0-d): not a value torch's op takes
+                elif fn is operator.setitem and len(node.args) == 3 and any(
+                        isinstance(i, fx.Node) for i in tree_flatten(node.args[1])[0]):
+                    cls = _MaskSetItem
+                elif fn is torch.autograd.grad:
+                    cls = _GradCall
+                call = cls(fn, marks, f"per_model_{label}", method, B)
+                call.site = node.meta.get("hfkern_site")
+                call.module_text = _capture.where(node.meta.get("hfkern_module"), model)
                 if node in aliasing:  # a view that in-place writes go through: a view, or an error
                     module = _capture.where(node.meta.get("hfkern_module"), model)
                     call.translate = partial(_strict_view, f"{node.meta.get('hfkern_line', '')} {module}")
@@ -2980,7 +3382,7 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
             env[node].meta.update(node.meta)
     _group_regions(out, model, B, array_classes)
     out.lint()
-    return out
+    return out, wanted
 
 
 def unfuse(array: FusedModel) -> list[nn.Module]:
