@@ -108,9 +108,10 @@ class _Recorder:
     from outside it, what its recomputation keeps. Of another array model, hooks on each block's
     leaf modules: a block's input is that of its first layer called after another block's.
 
-    Per forward of the model (each micro-batch's), a block's saved bytes count each storage once
-    over all its calls: a block entered twice, another block between, keeps both calls'
-    activations until backward, as one that is entered twice in a row. Parameters and buffers
+    Per forward of the model (each micro-batch's), a storage saved for backward counts once, for
+    the first block that saves it (a block's output the next block saves as its input is held
+    once): a block entered twice, another block between, keeps both calls' activations until
+    backward, as one that is entered twice in a row. Parameters and buffers
     (and views of them) that a block saves or reads are not activations. A block never seen
     is reported (:attr:`Profile.unseen`); the time of the forward outside every block is
     measured too (:attr:`Profile.other_forward_time`).
@@ -128,8 +129,8 @@ class _Recorder:
         self._recording = False
         self._current: str | None = None
         self._last: str | None = None
-        self._seen: dict[str, set[int]] = {}         # per block, the storages it saved (this forward)
-        self._seen_inputs: dict[str, set[int]] = {}  # ... and those it read
+        self._saved_storages: set[int] = set()       # the storages saved (this forward), by any block
+        self._seen_inputs: dict[str, set[int]] = {}  # per block, those it read
         self._persistent = {_storage(t) for t in (*model.parameters(), *model.buffers())}
         # Every forward of the model (each micro-batch's) is recorded where it builds a graph.
         self._handles = [model.register_forward_pre_hook(self._begin), model.register_forward_hook(self._end)]
@@ -158,7 +159,7 @@ class _Recorder:
         if self._recording:
             self.forwards += 1
             self._last = self._current = None
-            self._seen, self._seen_inputs = {}, {}
+            self._saved_storages, self._seen_inputs = set(), {}
             self._forward_start = self.clock.mark()
 
     def _end(self, module: nn.Module, args: Any, out: Any) -> None:
@@ -202,9 +203,10 @@ class _Recorder:
         name = self._current
         if name is not None and t.layout == torch.strided:
             key = _storage(t)
-            seen = self._seen.setdefault(name, set())
-            if key not in seen and key not in self._persistent:
-                seen.add(key)
+            if key not in self._saved_storages and key not in self._persistent:
+                # Once per forward, to the first block that saves it: a block's output that the next
+                # block saves too (its input) is held once, and the blocks' saved bytes add up.
+                self._saved_storages.add(key)
                 self.saved[name] += _nbytes(t)
         return t
 
