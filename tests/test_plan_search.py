@@ -11,7 +11,8 @@ import torch
 
 import hfkern.plan
 
-from hfkern.plan._search import BlockCost, Plan, StepCost, pareto_front, search, search_brute_force
+from hfkern.plan._search import (BlockCost, Plan, SharedBytes, StepCost, _recompute_front, pareto_front, search,
+                                 search_brute_force, step_costs)
 
 
 class RandomCosts:
@@ -48,6 +49,58 @@ def test_dynamic_program_finds_the_brute_force_front(n_blocks, seed):
     assert key(dp) == key(brute)
     for p in dp:  # and the same recomputed blocks give the same costs: re-derive one plan
         assert isinstance(p, Plan) and set(p.recompute) <= {f"b{i}" for i in range(n_blocks)}
+
+
+class RandomSharedCosts(RandomCosts):
+    """RandomCosts with bytes several blocks hold (SharedBytes): each entry held by two or three
+    blocks, near one another or not, as savers, readers or both."""
+
+    def __init__(self, n_blocks: int, seed: int, n_shared: int):
+        super().__init__(n_blocks, seed)
+        rng = random.Random(seed + 1000)
+        self.shared = []
+        for _ in range(n_shared):
+            holders = rng.sample(range(n_blocks), min(n_blocks, rng.choice((2, 2, 3))))
+            savers = frozenset(f"b{k}" for k in holders if rng.random() < 0.7)
+            readers = frozenset(f"b{k}" for k in holders if rng.random() < 0.5)
+            self.shared.append((rng.uniform(1, 60), savers, readers))
+
+    def step_cost(self, B, precision, micro_batches, memory_format):
+        cost = super().step_cost(B, precision, micro_batches, memory_format)
+        size = (0.5 if precision == "bf16" else 1.0) / micro_batches
+        return StepCost(cost.blocks, cost.other_time, cost.static,
+                        tuple(SharedBytes(B * b * size, s, r) for b, s, r in self.shared))
+
+
+@pytest.mark.parametrize("n_blocks, n_shared", [(2, 1), (4, 3), (6, 4), (7, 8)])
+@pytest.mark.parametrize("seed", range(4))
+def test_dynamic_program_with_shared_bytes_finds_the_brute_force_front(n_blocks, n_shared, seed):
+    model = RandomSharedCosts(n_blocks, seed, n_shared)
+    space = dict(trials=37, steps=11, B_values=[1, 3, 8], precisions=["fp32", "bf16"], micro_batches=[1, 2])
+    dp, brute = search(model, **space), search_brute_force(model, **space)
+    assert key(dp) == key(brute)
+    for p in dp:  # each plan's recomputed blocks give its costs
+        t, m = step_costs(model.step_cost(p.B, p.precision, p.micro_batches, "auto"), p.recompute)
+        assert (p.step_time, p.peak_memory) == pytest.approx((t, m))
+
+
+def test_shared_bytes_are_freed_only_when_no_holder_holds_them():
+    """a's output, saved by b (its input, as a convolution saves it): recomputing a alone frees
+    nothing of it (b saves it), nor does recomputing b (it keeps its input), nor both."""
+    out = SharedBytes(100.0, savers=frozenset({"b"}), readers=frozenset({"b"}))
+    relu = SharedBytes(40.0, savers=frozenset({"a", "b"}), readers=frozenset({"b"}))  # a saves it too
+    own = SharedBytes(30.0, savers=frozenset({"a"}), readers=frozenset({"c"}))  # a's, then c's input
+    cost = StepCost((BlockCost("a", 1.0, 1.0, 10.0, 1.0, 5.0), BlockCost("b", 1.0, 1.0, 20.0, 2.0, 5.0),
+                     BlockCost("c", 1.0, 1.0, 0.0, 0.0, 0.0)), 0.0, 0.0, (out, relu, own))
+    plain = 10 + 20 + 100 + 40 + 30
+    assert step_costs(cost, ())[1] == plain
+    assert step_costs(cost, ("a",))[1] == plain - 10 + 1 - 30
+    assert step_costs(cost, ("b",))[1] == plain - 20 + 2
+    assert step_costs(cost, ("c",))[1] == plain  # it keeps a's output, which a saves anyway
+    assert step_costs(cost, ("a", "c"))[1] == plain - 10 + 1
+    # the least memory: a and b recomputed, c not (it would keep a's output): 1 + 2 + 100 + 40
+    front = _recompute_front(cost)
+    assert min(front, key=lambda f: f[1])[1:] == (143.0, ("a", "b"))
 
 
 def test_front_is_sorted_non_dominated_and_respects_the_budget():

@@ -21,11 +21,12 @@ import types
 from ._cost import (FittedCostModel, Profile, default_profile_B, fit_cost_model, fit_profiles, profile_step,
                     profile_together)
 from ._plan import PlanSet, plan
-from ._search import BlockCost, Plan, StepCost, pareto_front, search, search_brute_force
+from ._search import BlockCost, Plan, SharedBytes, StepCost, pareto_front, search, search_brute_force
 from ._strategy import InFlight, Recompute, Strategy, applied, apply, blocks, make_step, unapply
 
 __all__ = [
-    "BlockCost", "FittedCostModel", "InFlight", "Plan", "PlanSet", "Profile", "Recompute", "StepCost", "Strategy",
+    "BlockCost", "FittedCostModel", "InFlight", "Plan", "PlanSet", "Profile", "Recompute", "SharedBytes", "StepCost",
+    "Strategy",
     "applied", "apply", "blocks", "default_profile_B", "fit_cost_model", "fit_profiles", "make_step", "pareto_front", "plan",
     "profile_step", "profile_together", "search", "search_brute_force", "unapply",
 ]

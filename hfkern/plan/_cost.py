@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import statistics
 import time
 import warnings
@@ -45,7 +46,7 @@ import torch
 from torch import nn
 
 from ..fusion import FusedModel, fuse
-from ._search import BlockCost, StepCost, check_spaces, step_costs
+from ._search import BlockCost, SharedBytes, StepCost, check_spaces, held_bytes, step_costs
 from ._strategy import InFlight, Strategy, _marked, _not_recomputable, apply, blocks, make_step
 
 __all__ = ["FittedCostModel", "Profile", "fit_cost_model", "fit_profiles", "profile_step", "profile_together"]
@@ -87,6 +88,11 @@ class Profile:
     # Blocks the step never ran as code of their own (the model's forward uses their parameters
     # directly): nothing was measured for them, and they cannot be recomputed.
     unseen: tuple[str, ...] = ()
+    # The activations by who holds them, per forward: (blocks that save them for backward, blocks
+    # that read them as inputs, bytes), blocks in forward order. A tensor held outside every block
+    # (the batch, what the model's own code saves) is not among them. Empty where not recorded:
+    # each block's saved bytes and inputs are then taken as its own.
+    held: tuple[tuple[tuple[str, ...], tuple[str, ...], float], ...] = ()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -115,6 +121,12 @@ class _Recorder:
     (and views of them) that a block saves or reads are not activations. A block never seen
     is reported (:attr:`Profile.unseen`); the time of the forward outside every block is
     measured too (:attr:`Profile.other_forward_time`).
+
+    Each activation's holders are recorded too (:attr:`held`): the blocks that save it and those
+    that read it as an input, which a recomputation keeps. Recomputing one of them frees it only
+    where no other holds it. What the model's own code saves, and the batch, is held whatever
+    recomputes. Inputs are referenced until the end of the forward, so that a storage freed in it
+    is not taken for a later one at the same address.
     """
 
     def __init__(self, model: nn.Module, names: Sequence[str], clock: _Clock):
@@ -132,6 +144,15 @@ class _Recorder:
         self._saved_storages: set[int] = set()       # the storages saved (this forward), by any block
         self._seen_inputs: dict[str, set[int]] = {}  # per block, those it read
         self._persistent = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+        # Holders of this forward's activations, by storage (until the next forward): who saves
+        # it, who reads it; those held outside every block; the inputs referenced meanwhile.
+        self.held: dict[tuple[tuple[str, ...], tuple[str, ...]], float] = {}
+        self._savers: dict[int, set[str]] = {}
+        self._readers: dict[int, set[str]] = {}
+        self._sizes: dict[int, int] = {}
+        self._outside: set[int] = set()
+        self._referenced: list[torch.Tensor] = []
+        self._in_forward = False
         # Every forward of the model (each micro-batch's) is recorded where it builds a graph.
         self._handles = [model.register_forward_pre_hook(self._begin), model.register_forward_hook(self._end)]
         self._restore: Callable[[], None] | None = None
@@ -155,17 +176,34 @@ class _Recorder:
                 self._handles.append(m.register_forward_hook(lambda module, args, out, n=n: self._leave(n)))
 
     def _begin(self, module: nn.Module, args: Any) -> None:
+        self._flush()
         self._recording = torch.is_grad_enabled()  # not evaluation
         if self._recording:
             self.forwards += 1
             self._last = self._current = None
             self._saved_storages, self._seen_inputs = set(), {}
+            self._in_forward = True
+            self._outside = {_storage(t) for t in torch.utils._pytree.tree_leaves(args)
+                             if isinstance(t, torch.Tensor) and t.layout == torch.strided}  # the batch
             self._forward_start = self.clock.mark()
 
     def _end(self, module: nn.Module, args: Any, out: Any) -> None:
         if self._recording:
             self.forward_marks.append((self._forward_start, self.clock.mark()))
-        self._recording, self._current = False, None
+        self._recording, self._current, self._in_forward = False, None, False
+        self._referenced = []
+
+    def _flush(self) -> None:
+        """The last forward's activations into :attr:`held`, by holders (in forward order)."""
+        rank = {n: i for i, n in enumerate(self.order)}
+        for key in self._savers.keys() | self._readers.keys():
+            if key in self._outside:
+                continue
+            savers = tuple(sorted(self._savers.get(key, ()), key=rank.__getitem__))
+            readers = tuple(sorted(self._readers.get(key, ()), key=rank.__getitem__))
+            self.held[savers, readers] = self.held.get((savers, readers), 0.0) + self._sizes[key]
+        self._savers, self._readers, self._sizes, self._outside = {}, {}, {}, set()
+        self._referenced = []
 
     def _enter(self, name: str, inputs: Sequence[Any]) -> None:
         if name not in self.order:
@@ -180,6 +218,9 @@ class _Recorder:
                 if key not in seen and key not in self._persistent:
                     seen.add(key)
                     self.inputs[name] += _nbytes(a)
+                    self._readers.setdefault(key, set()).add(name)
+                    self._sizes[key] = _nbytes(a)
+                    self._referenced.append(a)
         self._current = name
         self._start = self.clock.mark()
 
@@ -201,16 +242,28 @@ class _Recorder:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         name = self._current
-        if name is not None and t.layout == torch.strided:
-            key = _storage(t)
-            if key not in self._saved_storages and key not in self._persistent:
+        if t.layout != torch.strided:
+            return t
+        key = _storage(t)
+        if key in self._persistent:
+            return t
+        if name is not None:
+            if key not in self._saved_storages:
                 # Once per forward, to the first block that saves it: a block's output that the next
                 # block saves too (its input) is held once, and the blocks' saved bytes add up.
                 self._saved_storages.add(key)
                 self.saved[name] += _nbytes(t)
+            self._savers.setdefault(key, set()).add(name)
+            self._sizes[key] = _nbytes(t)
+        elif self._in_forward or key in self._savers:
+            # Saved outside every block: by the model's own code, or after the forward (the loss
+            # saving the model's output). After the forward, an input no block saved may have
+            # been freed and its address taken by the loss's tensors: only saved ones count.
+            self._outside.add(key)
         return t
 
     def close(self) -> None:
+        self._flush()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -310,7 +363,9 @@ class _Run:
         return Profile(self.strategy, statistics.median(self.step_times), statistics.median(optimizer_times),
                        forward, {n: rec.saved[n] / forwards for n in names},
                        {n: rec.inputs[n] / forwards for n in names}, persistent, gradients, peak,
-                       other_forward_time=other_forward, unseen=tuple(n for n in names if not rec.calls[n]))
+                       other_forward_time=other_forward, unseen=tuple(n for n in names if not rec.calls[n]),
+                       held=tuple((savers, readers, nbytes / forwards)
+                                  for (savers, readers), nbytes in rec.held.items()))
 
 
 def _time_in_rounds(runs: Sequence[_Run], steps: int) -> None:
@@ -433,18 +488,18 @@ class FittedCostModel:
         other_fwd = at("fwd_other") if "fwd_other" in fit else 0.0
         forward = sum(fwd.values()) + other_fwd
         share = compute / forward if forward > 0 else 0.0  # forward + backward per second of forward
+        # The activations by holders, and what single recomputations showed the hooks miss.
+        held = [(*json.loads(key[len("held:"):]), at(key)) for key in fit if key.startswith("held:")]
+        memory = _memory_cost(self.blocks, held, {n: at(f"hidden:{n}") for n in self.blocks})
         # Measured recomputation (a profile with the block recomputed alone) where there is one;
-        # else its forward again, and its inputs kept.
-        blocks = tuple(BlockCost(n, fwd[n] * share,
-                                 at(f"rc_time:{n}") if f"rc_time:{n}" in fit else fwd[n],
-                                 at(f"saved:{n}"),
-                                 at(f"rc_saved:{n}") if f"rc_saved:{n}" in fit else at(f"inputs:{n}"),
-                                 at(f"rc_peak:{n}") if f"rc_peak:{n}" in fit else at(f"saved:{n}"),
-                                 n not in self.unrecomputable)
-                       for n in self.blocks)
+        # else its forward again, and its own saved tensors alive again in its backward.
+        blocks = tuple(dataclasses.replace(
+            m, time=fwd[n] * share, recompute_time=at(f"rc_time:{n}") if f"rc_time:{n}" in fit else fwd[n],
+            transient=at(f"rc_peak:{n}") if f"rc_peak:{n}" in fit else _own_bytes(memory, n),
+            recomputable=n not in self.unrecomputable) for n, m in zip(self.blocks, memory.blocks))
         # No forward measured (no blocks, or none seen): the whole step is the rest's.
         other = at("optimizer") + (other_fwd * share if forward > 0 else compute)
-        return StepCost(blocks, other, at("static"))
+        return StepCost(blocks, other, at("static"), memory.shared)
 
     def in_flight(self, B: int, precision: str, micro_batches: int, memory_format: str,
                   arrays: int) -> tuple[float, float] | None:
@@ -502,9 +557,10 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     ``example_batch``: ``(inputs [N, ...], targets [N])``, one batch as one model
     sees it. ``optimizer``: ``params -> optimizer`` (default ``hfkern.optim.Adam``);
     ``loss_fn(output, target) -> [B]`` (default per-model cross entropy).
-    ``recompute``: also profile each block recomputed alone at every B, and fit
-    what recomputing it costs and saves from those (else: its forward again,
-    and its inputs kept, as the hooks see them). ``arrays``: array counts in
+    ``recompute``: also profile each block recomputed alone, and all of them
+    together, at every B, and fit what recomputing each costs and saves from
+    those (else: its forward again, its inputs kept and its saved tensors alive
+    again in its backward, as the hooks see them). ``arrays``: array counts in
     flight to profile together (:class:`~hfkern.plan._strategy.InFlight`; on CUDA
     a stream each) at every B, for :meth:`FittedCostModel.in_flight`; counts not
     profiled are modelled as one array after another.
@@ -570,6 +626,8 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
                     strategy = Strategy(B=B, precision=precision, micro_batches=m, memory_format=fmt)
                     group = [strategy]
                     group += [dataclasses.replace(strategy, recompute=(n,)) for n in names]
+                    if len(names) > 1:  # and all of them (what the backward of each holds, bounded)
+                        group.append(dataclasses.replace(strategy, recompute=tuple(names)))
                     group += [dataclasses.replace(strategy, arrays=k) for k in sorted(set(arrays) - {1})]
                     try:
                         if interleave:
@@ -615,23 +673,53 @@ def _scaled_across_B(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor
     return [_scaled(p, factor) for factor, group in zip(factors, groups) for p in group]
 
 
-def _saved_bytes(plain: Profile, recomputed: dict[str, Profile]) -> dict[str, float]:
-    """Each block's bytes saved for backward: as the hooks saw them, or more where recomputing the
-    block alone lowered the peak by more.
+def _held(p: Profile) -> list[tuple[tuple[str, ...], tuple[str, ...], float]]:
+    """A profile's activations by holders (:attr:`Profile.held`); where not recorded, each block's
+    saved bytes as its own, and its inputs as what it alone keeps when recomputed."""
+    if p.held:
+        return [(tuple(s), tuple(r), float(b)) for s, r, b in p.held]
+    return ([((n,), (), b) for n, b in p.saved.items()] + [((), (n,), b) for n, b in p.inputs.items()])
 
-    The hooks see the tensors autograd saves through ``saved_tensors_hooks``; some memory a
-    block holds until its backward escapes them (tensors an autograd function keeps on its
-    context, a vmapped op's own buffers). Recomputing the block frees all of it, so the peak
-    it saves bounds what the block holds from below: ``s_n >= P - P_n`` (the peak is at least
-    what remains of the other blocks' activations, ``P - s_n``, plus what block n keeps).
-    """
-    return {n: max(s, plain.peak - recomputed[n].peak) if n in recomputed else s for n, s in plain.saved.items()}
+
+def _held_key(savers: Sequence[str], readers: Sequence[str]) -> str:
+    return "held:" + json.dumps([list(savers), list(readers)])
+
+
+def _memory_cost(names: Sequence[str], held: Sequence[tuple[Sequence[str], Sequence[str], float]],
+                 hidden: dict[str, float]) -> StepCost:
+    """The blocks' memory as a StepCost (times and static 0): what one block holds alone in its
+    BlockCost (saved; saved_recompute: what its recomputation keeps), ``hidden[n]`` among its
+    saved bytes, the rest as SharedBytes."""
+    saved = {n: hidden.get(n, 0.0) for n in names}
+    kept = {n: 0.0 for n in names}
+    shared = []
+    for savers, readers, nbytes in held:
+        holders = set(savers) | set(readers)
+        if len(holders) == 1:
+            (n,) = holders
+            if n in saved:
+                saved[n] += nbytes if n in savers else 0.0
+                kept[n] += nbytes if n in readers else 0.0
+        elif holders:
+            shared.append(SharedBytes(nbytes, frozenset(savers), frozenset(readers)))
+    return StepCost(tuple(BlockCost(n, 0.0, 0.0, saved[n], kept[n], 0.0) for n in names),
+                    0.0, 0.0, tuple(shared))
+
+
+def _own_bytes(cost: StepCost, name: str) -> float:
+    """What a block saves that no block before it holds (plain): alive again while its
+    recomputation's backward runs."""
+    position = [b.name for b in cost.blocks].index(name)
+    before = {b.name for b in cost.blocks[:position]}
+    block = cost.blocks[position]
+    return block.saved + sum(s.nbytes for s in cost.shared if name in s.savers and not (s.savers & before))
 
 
 def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
     """The cost model of measured profiles: per setting, :class:`Curve` s in B (at least two B each)."""
     by_setting: dict[tuple[str, int, str], dict[int, Profile]] = {}
     single: dict[tuple[str, int, str], dict[str, dict[int, Profile]]] = {}
+    several: dict[tuple[str, int, str], dict[int, list[Profile]]] = {}  # several blocks recomputed
     flight: dict[tuple[str, int, str], dict[int, dict[int, Profile]]] = {}
     for p in profiles:
         s = p.strategy
@@ -642,8 +730,8 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
             flight.setdefault(setting, {}).setdefault(s.arrays, {})[s.B] = p
             continue
         if len(s.recompute) > 1:
-            raise ValueError(f"fit_profiles: profiles recompute one block at most, got {s.label}")
-        if s.recompute:
+            several.setdefault(setting, {}).setdefault(s.B, []).append(p)
+        elif s.recompute:
             single.setdefault(setting, {}).setdefault(s.recompute[0], {})[s.B] = p
         else:
             by_setting.setdefault(setting, {})[s.B] = p
@@ -667,41 +755,74 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
             unseen.update((n, None) for n in p.unseen)
         series: dict[str, dict[int, float]] = {"compute": {}, "optimizer": {}, "static": {}, "fwd_other": {}}
         rc_profiles = single.get(setting, {})
-        for n in rc_profiles:
+        for n in [*rc_profiles, *(n for ps in several.get(setting, {}).values() for q in ps
+                                  for n in q.strategy.recompute)]:
             if n not in names:
                 raise ValueError(f"fit_profiles: a profile recomputes {n!r}, not a block of {names}")
         for B, p in by_B.items():
             series["compute"][B] = p.step_time - p.optimizer_time
             series["optimizer"][B] = p.optimizer_time
             series["fwd_other"][B] = p.other_forward_time
-            saved = _saved_bytes(p, {n: rc[B] for n, rc in rc_profiles.items() if B in rc})
             for n in names:
                 series.setdefault(f"fwd:{n}", {})[B] = p.forward_time[n]
-                series.setdefault(f"saved:{n}", {})[B] = saved[n]
-                series.setdefault(f"inputs:{n}", {})[B] = p.inputs[n]
-            # What the saved activations do not explain (persistent bytes, gradients, workspaces,
+            held = _held(p)
+            for savers, readers, nbytes in held:
+                key = _held_key(savers, readers)
+                series.setdefault(key, {})[B] = series.get(key, {}).get(B, 0.0) + nbytes
+            # Memory the hooks do not see (tensors an autograd function keeps on its context, a
+            # vmapped op's own buffers) is freed by recomputing its block: recomputed alone, block
+            # n's measured peak P_n bounds what it frees from below (the peak is at least what
+            # remains at the end of the forward), so where it frees more than the recorded
+            # activations say, the difference is its hidden bytes.
+            cost = _memory_cost(names, held, {})
+            plain_held = held_bytes(cost, ())[0]
+            rc = {n: rc_by_B[B] for n, rc_by_B in rc_profiles.items() if B in rc_by_B}
+            hidden = {n: max(p.peak - q.peak - (plain_held - held_bytes(cost, (n,))[0]), 0.0) for n, q in rc.items()}
+            for n in names:
+                series.setdefault(f"hidden:{n}", {})[B] = hidden.get(n, 0.0)
+            # What the activations do not explain (persistent bytes, gradients, workspaces,
             # gradients of activations in backward) is fitted as the static term.
-            static = series["static"][B] = p.peak - sum(saved.values())
+            cost = _memory_cost(names, held, hidden)
+            total = held_bytes(cost, ())[0]
+            static = series["static"][B] = p.peak - total
             # Recomputing block n alone: the time it adds, and its measured peak P_n, which the
-            # model must give back: P_n = static + max(S - s_n + kept_n, prefix_n + transient_n),
-            # S all blocks' saved bytes, prefix_n those of the blocks before n. What it keeps is
-            # what the first term leaves for it, at most its inputs. Where that term reaches P_n,
-            # the transient is not seen (anything up to P_n fits): it is taken as the block's
-            # saved tensors alive again, which is what its backward holds at least. Otherwise
-            # the transient is what makes the second term P_n.
-            total = sum(saved.values())
-            for n, rc_by_B in rc_profiles.items():
-                if B not in rc_by_B:
-                    continue
-                rc = rc_by_B[B]
-                prefix = sum(saved[k] for k in names[:names.index(n)])
-                kept = max(min(p.inputs[n], rc.peak - static - total + saved[n]), 0.0)
-                bound = max(rc.peak - static - prefix, 0.0)
-                series.setdefault(f"rc_time:{n}", {})[B] = max(rc.step_time - p.step_time, 0.0)
-                series.setdefault(f"rc_saved:{n}", {})[B] = kept
+            # model must give back: P_n = static + max(H_n, before_n + transient_n), H_n what the
+            # blocks hold at the end of the forward and before_n what the blocks before n hold.
+            # Where the first term reaches P_n, the transient is not seen (anything up to P_n fits):
+            # it is taken as the block's own saved tensors alive again (those the hooks see), which
+            # is what its backward holds at least. Otherwise the transient is what makes the second term P_n.
+            for n, q in rc.items():
+                end, before = held_bytes(cost, (n,))
+                bound = max(q.peak - static - before[n], 0.0)
+                series.setdefault(f"rc_time:{n}", {})[B] = max(q.step_time - p.step_time, 0.0)
                 # The end of the forward explains P_n within 1% (measurement noise): the transient is not seen.
-                explained = static + total - saved[n] + kept >= 0.99 * rc.peak
-                series.setdefault(f"rc_peak:{n}", {})[B] = min(bound, p.saved[n]) if explained else bound
+                explained = static + end >= 0.99 * q.peak
+                own = _own_bytes(cost, n) - hidden[n]  # (as in the test of this case: what the hooks see)
+                series.setdefault(f"rc_peak:{n}", {})[B] = min(bound, own) if explained else bound
+            # Several blocks recomputed together (every one that can be, as fit_cost_model profiles):
+            # their peak P_S bounds each one's transient from above, P_S >= static + before_n +
+            # transient_n, where a single recomputation's end of the forward hid it. (PointNet's
+            # transform networks: recomputed alone, each leaves the peak at the end of the forward;
+            # the backward of their recomputation holds less than all they save, the gradients of
+            # the large layers after them being freed by then.) And the time they add, measured
+            # together, is shared out in proportion to what each added alone: single differences
+            # of a few timed steps are noisy, and a plan adds up several.
+            for q in sorted(several.get(setting, {}).get(B, ()), key=lambda q: len(q.strategy.recompute)):
+                chosen = q.strategy.recompute
+                before = held_bytes(cost, chosen)[1]
+                for n in chosen:
+                    bound = max(q.peak - static - before[n], 0.0)
+                    default = _own_bytes(cost, n) - hidden.get(n, 0.0)
+                    rc_peak = series.setdefault(f"rc_peak:{n}", {})
+                    rc_peak[B] = min(rc_peak.get(B, default), bound)
+                added = [series.get(f"rc_time:{n}", {}).get(B) for n in chosen]
+                if None not in added and sum(added) > 0:
+                    factor = max(q.step_time - p.step_time, 0.0) / sum(added)
+                    for n in chosen:
+                        series[f"rc_time:{n}"][B] *= factor
+        # Holders not recorded at some B hold nothing there.
+        for key in [k for k in series if k.startswith("held:")]:
+            series[key] = {B: series[key].get(B, 0.0) for B in by_B}
         # k arrays in flight against k steps one after another: the time and memory factors.
         for k, flight_by_B in flight.get(setting, {}).items():
             for B, q in flight_by_B.items():

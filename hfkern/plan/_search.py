@@ -16,13 +16,20 @@ Memory of one step, what the search minimizes with time:
 * while a recomputed block's backward runs, its activations exist again
   (``transient``) on top of what the blocks before it still hold.
 
-So the peak is ``static + max(sum of saved, max over recomputed blocks i of
-(saved of the blocks before i + transient_i))``. A partial strategy over the
+* bytes several blocks hold (:class:`SharedBytes`: a tensor one block saves for
+  backward and the next keeps as its input when recomputed) count once, and
+  only while one of them holds them.
+
+So the peak is ``static + max(held, max over recomputed blocks i of (held by
+the blocks before i + transient_i))``, ``held`` what the blocks hold at the end
+of the forward. A partial strategy over the
 first k blocks is the triple (time, saved so far, peak so far); one that is no
 better in all three than another is dropped: whatever the remaining blocks
 choose, it stays no better. A peak below what the blocks so far and the least
 the remaining ones can save is never the step's and counts as 0, so that more
-partial strategies are comparable. The pruning sorts and sweeps (O(n log n) in
+partial strategies are comparable. Shared bytes whose holders are not all
+decided yet make partial strategies differ in what they already hold: only
+those that hold the same of them are compared. The pruning sorts and sweeps (O(n log n) in
 the partial strategies), as does the last filter of the (time, memory) front.
 """
 
@@ -35,7 +42,7 @@ import math
 import numbers
 from typing import Any, Iterable, Protocol, Sequence
 
-__all__ = ["BlockCost", "CostModel", "Plan", "StepCost", "pareto_front", "search", "search_brute_force", "step_costs"]
+__all__ = ["BlockCost", "CostModel", "Plan", "SharedBytes", "StepCost", "pareto_front", "search", "search_brute_force", "step_costs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +61,32 @@ class BlockCost:
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedBytes:
+    """Bytes that several blocks hold until backward, counted once: alive at the end of the
+    forward while one of them holds them, a block of ``savers`` that is not recomputed (it saves
+    them for backward) or a block of ``readers`` that is (its recomputation keeps its inputs).
+
+    A block's output that the next block saves for backward (a ReLU's output, the next
+    convolution's input) is freed by recomputing neither alone: the first's recomputation does
+    not save it, but the second still does, or keeps it as its input when recomputed too."""
+
+    nbytes: float
+    savers: frozenset[str]
+    readers: frozenset[str] = frozenset()
+
+    def held_by(self, block: str, recomputed: bool) -> bool:
+        return block in (self.readers if recomputed else self.savers)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepCost:
     """A setting's costs that do not depend on which blocks recompute."""
 
     blocks: tuple[BlockCost, ...]
     other_time: float    # seconds of the rest of a step: optimizer, loss, data, dispatch
     static: float        # bytes: parameters, gradients, optimizer state, batch
+    # Bytes several blocks hold (a block's own are its BlockCost's saved and saved_recompute).
+    shared: tuple[SharedBytes, ...] = ()
 
 
 class CostModel(Protocol):
@@ -90,21 +117,36 @@ class Plan:
                         recompute=self.recompute, arrays=self.arrays, memory_format=self.memory_format)
 
 
+def held_bytes(cost: StepCost, recompute: Sequence[str]) -> tuple[float, dict[str, float]]:
+    """(bytes the blocks hold at the end of the forward, {block: bytes held by the blocks before
+    it}) when the blocks named in ``recompute`` recompute."""
+    recompute = set(recompute)
+    held, before, taken = 0.0, {}, set()
+    for block in cost.blocks:
+        rc = block.name in recompute
+        before[block.name] = held
+        held += block.saved_recompute if rc else block.saved
+        for i, s in enumerate(cost.shared):
+            if i not in taken and s.held_by(block.name, rc):
+                taken.add(i)
+                held += s.nbytes
+    return held, before
+
+
 def step_costs(cost: StepCost, recompute: Sequence[str]) -> tuple[float, float]:
     """(step seconds, peak bytes) of one array whose blocks named in ``recompute`` recompute."""
-    time, saved, peak = cost.other_time, 0.0, 0.0
     fixed = [b.name for b in cost.blocks if b.name in recompute and not b.recomputable]
     if fixed:
         raise ValueError(f"step_costs: expected blocks that can be recomputed, got {fixed}")
+    held, before = held_bytes(cost, recompute)
+    time, peak = cost.other_time, 0.0
     for block in cost.blocks:
         if block.name in recompute:
             time += block.time + block.recompute_time
-            peak = max(peak, saved + block.transient)
-            saved += block.saved_recompute
+            peak = max(peak, before[block.name] + block.transient)
         else:
             time += block.time
-            saved += block.saved
-    return time, cost.static + max(saved, peak)
+    return time, cost.static + max(held, peak)
 
 
 def _prune(states: list[tuple[tuple[float, float, float], Any]]) -> list[tuple[tuple[float, float, float], Any]]:
@@ -170,30 +212,52 @@ _BELOW = 1.0 - 1e-9  # a peak below (1 - 1e-9) of the least saved bytes to come 
 
 def _recompute_front(cost: StepCost) -> list[tuple[float, float, tuple[str, ...]]]:
     """(step time, peak bytes, recomputed blocks) of every Pareto-optimal recomputation subset."""
-    # A state: (time, saved by the blocks so far, peak of the recomputed blocks so far), and its
+    # A state: (time, held by the blocks so far, peak of the recomputed blocks so far), and its
     # recomputed blocks as a chain (last, earlier chain): extending a state copies nothing.
-    # The blocks after the k-th save at least least[k + 1] more, so the step's peak is at least
-    # saved + least[k + 1]: a peak below that cannot become the step's, and is taken as 0 (a
+    # The blocks after the k-th hold at least least[k + 1] more, so the step's peak is at least
+    # held + least[k + 1]: a peak below that cannot become the step's, and is taken as 0 (a
     # state's peak enters the step's only through max()): states then differ in fewer ways and
     # more of them are dominated. (A margin keeps the sum's rounding from mattering.)
-    least = [0.0] * (len(cost.blocks) + 1)
-    for k in range(len(cost.blocks) - 1, -1, -1):
+    # States are grouped by the shared bytes they hold of those whose holders are not all decided
+    # ("open"): what the blocks to come add depends on it, so only states of one group compare.
+    n = len(cost.blocks)
+    least = [0.0] * (n + 1)
+    for k in range(n - 1, -1, -1):
         b = cost.blocks[k]
         least[k] = least[k + 1] + (min(b.saved, b.saved_recompute) if b.recomputable else b.saved)
-    states: list[tuple[tuple[float, float, float], Any]] = [((cost.other_time, 0.0, 0.0), None)]
+    position = {b.name: k for k, b in enumerate(cost.blocks)}
+    touching: list[list[tuple[int, SharedBytes]]] = [[] for _ in range(n)]  # per block, the shared it may hold
+    closes = [set() for _ in range(n)]  # per block, the shared whose last holder it is
+    for i, s in enumerate(cost.shared):
+        ks = sorted(position[name] for name in s.savers | s.readers if name in position)
+        for k in ks:
+            touching[k].append((i, s))
+        if ks:
+            closes[ks[-1]].add(i)
+    groups: dict[frozenset[int], list] = {frozenset(): [((cost.other_time, 0.0, 0.0), None)]}
     for k, block in enumerate(cost.blocks):
-        grown = []
+        grown: dict[frozenset[int], list] = {}
         after = least[k + 1]
-        for (time, saved, peak), chosen in states:
-            s = saved + block.saved
-            grown.append(((time + block.time, s, peak if peak >= (s + after) * _BELOW else 0.0), chosen))
-            if block.recomputable:
-                s = saved + block.saved_recompute
-                p = max(peak, saved + block.transient)
-                grown.append(((time + block.time + block.recompute_time, s, p if p >= (s + after) * _BELOW else 0.0),
-                              (block.name, chosen)))
-        states = _prune(grown)
-    out = [(time, cost.static + max(saved, peak), chosen) for (time, saved, peak), chosen in states]
+        for taken, states in groups.items():
+            # Per choice (kept, recomputed): the bytes it adds and the group it leads to.
+            choices = []
+            for rc in ((False, True) if block.recomputable else (False,)):
+                new = [i for i, s in touching[k] if i not in taken and s.held_by(block.name, rc)]
+                add = (block.saved_recompute if rc else block.saved) + sum(cost.shared[i].nbytes for i in new)
+                key = frozenset(taken.union(new) - closes[k]) if (new or closes[k]) else taken
+                choices.append((rc, add, grown.setdefault(key, [])))
+            for (time, held, peak), chosen in states:
+                for rc, add, out in choices:
+                    h = held + add
+                    if rc:
+                        p = max(peak, held + block.transient)
+                        out.append(((time + block.time + block.recompute_time, h,
+                                     p if p >= (h + after) * _BELOW else 0.0), (block.name, chosen)))
+                    else:
+                        out.append(((time + block.time, h, peak if peak >= (h + after) * _BELOW else 0.0), chosen))
+        groups = {key: _prune(states) for key, states in grown.items()}
+    states = [state for group in groups.values() for state in group]
+    out = [(time, cost.static + max(held, peak), chosen) for (time, held, peak), chosen in states]
     keep = _not_dominated([(t, m) for t, m, _ in out])
     return [(t, m, _names(c)) for (t, m, c), k in zip(out, keep) if k]
 
