@@ -16,7 +16,9 @@ What one profiled step records:
 * the bytes each block saves for backward in one forward of the model
   (``saved_tensors_hooks`` while its code runs; a storage saved twice counts
   once, over all the block's calls) and the bytes of its inputs (what it
-  keeps when recomputed);
+  keeps when recomputed); and each activation with the blocks that hold it,
+  those that save it and those that read it (:attr:`Profile.held`): it is
+  freed only where none of them holds it;
 * the persistent bytes (parameters, optimizer state), the gradients', and the
   step's peak (CUDA allocator statistics; on the CPU the profiler's memory
   events, :mod:`hfkern.sweep._memory`).
@@ -27,9 +29,11 @@ the step (loss, backward, dispatch) is shared in proportion, and the share of
 the forward outside every block (the model's own code, and blocks the step
 never ran as code of their own, which cannot be recomputed) stays the rest of
 the step's; recomputing a block costs its forward again. Memory is persistent + gradients + the
-activations saved + a residual (what the blocks' saved tensors do not
+activations held + a residual (what the blocks' saved tensors do not
 explain: gradients of activations during backward, workspaces), the residual
-fitted from the measured peaks.
+fitted from the measured peaks. The profiles of each block recomputed alone,
+and of all of them together, calibrate what a recomputation adds in time,
+frees at the end of the forward, and holds again in its backward.
 """
 
 from __future__ import annotations
