@@ -289,7 +289,8 @@ def test_state_written_between_forward_and_recomputation_raises():
 
 # ---- D3: the search's filters ---------------------------------------------------------------
 def reference_front(cost: StepCost) -> list[tuple[float, float, tuple[str, ...]]]:
-    """The search before: every partial state's subset as a tuple, the final filter O(n^2)."""
+    """The search before (without shared bytes): every partial state's subset as a tuple, the final
+    filter O(n^2)."""
     from hfkern.plan._search import _prune
 
     states = [((cost.other_time, 0.0, 0.0), ())]
@@ -297,8 +298,9 @@ def reference_front(cost: StepCost) -> list[tuple[float, float, tuple[str, ...]]
         grown = []
         for (time, saved, peak), chosen in states:
             grown.append(((time + block.time, saved + block.saved, peak), chosen))
-            grown.append(((time + block.time + block.recompute_time, saved + block.saved_recompute,
-                           max(peak, saved + block.transient)), chosen + (block.name,)))
+            kept = saved + block.saved_recompute  # its inputs, kept while its backward runs
+            grown.append(((time + block.time + block.recompute_time, kept, max(peak, kept + block.transient)),
+                          chosen + (block.name,)))
         states = _prune(grown)
     out = [(time, cost.static + max(saved, peak), chosen) for (time, saved, peak), chosen in states]
     return [(t, m, c) for t, m, c in out if not any(t2 <= t and m2 <= m and (t2, m2) != (t, m) for t2, m2, _ in out)]

@@ -499,7 +499,7 @@ class FittedCostModel:
         # else its forward again, and its own saved tensors alive again in its backward.
         blocks = tuple(dataclasses.replace(
             m, time=fwd[n] * share, recompute_time=at(f"rc_time:{n}") if f"rc_time:{n}" in fit else fwd[n],
-            transient=at(f"rc_peak:{n}") if f"rc_peak:{n}" in fit else _own_bytes(memory, n),
+            transient=at(f"rc_peak:{n}") if f"rc_peak:{n}" in fit else _own_bytes(self.blocks, held, n),
             recomputable=n not in self.unrecomputable) for n, m in zip(self.blocks, memory.blocks))
         # No forward measured (no blocks, or none seen): the whole step is the rest's.
         other = at("optimizer") + (other_fwd * share if forward > 0 else compute)
@@ -710,13 +710,13 @@ def _memory_cost(names: Sequence[str], held: Sequence[tuple[Sequence[str], Seque
                     0.0, 0.0, tuple(shared))
 
 
-def _own_bytes(cost: StepCost, name: str) -> float:
-    """What a block saves that no block before it holds (plain): alive again while its
-    recomputation's backward runs."""
-    position = [b.name for b in cost.blocks].index(name)
-    before = {b.name for b in cost.blocks[:position]}
-    block = cost.blocks[position]
-    return block.saved + sum(s.nbytes for s in cost.shared if name in s.savers and not (s.savers & before))
+def _own_bytes(names: Sequence[str], held: Sequence[tuple[Sequence[str], Sequence[str], float]], name: str) -> float:
+    """What a block saves that no block before it holds (plain) and its recomputation does not
+    keep (its inputs): its activations alive again while its recomputation's backward runs, as
+    the hooks see them."""
+    before = set(names[:list(names).index(name)])
+    return sum(nbytes for savers, readers, nbytes in held
+               if name in savers and name not in readers and not (set(savers) & before))
 
 
 def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
@@ -790,21 +790,22 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
             total = held_bytes(cost, ())[0]
             static = series["static"][B] = p.peak - total
             # Recomputing block n alone: the time it adds, and its measured peak P_n, which the
-            # model must give back: P_n = static + max(H_n, before_n + transient_n), H_n what the
-            # blocks hold at the end of the forward and before_n what the blocks before n hold.
+            # model must give back: P_n = static + max(H_n, through_n + transient_n), H_n what the
+            # blocks hold at the end of the forward and through_n what n and the blocks before it
+            # hold (n its inputs).
             # Where the first term reaches P_n, the transient is not seen (anything up to P_n fits):
             # it is taken as the block's own saved tensors alive again (those the hooks see), which
             # is what its backward holds at least. Otherwise the transient is what makes the second term P_n.
             for n, q in rc.items():
-                end, before = held_bytes(cost, (n,))
-                bound = max(q.peak - static - before[n], 0.0)
+                end, through = held_bytes(cost, (n,))
+                bound = max(q.peak - static - through[n], 0.0)
                 series.setdefault(f"rc_time:{n}", {})[B] = max(q.step_time - p.step_time, 0.0)
                 # The end of the forward explains P_n within 1% (measurement noise): the transient is not seen.
                 explained = static + end >= 0.99 * q.peak
-                own = _own_bytes(cost, n) - hidden[n]  # (as in the test of this case: what the hooks see)
+                own = _own_bytes(names, held, n)
                 series.setdefault(f"rc_peak:{n}", {})[B] = min(bound, own) if explained else bound
             # Several blocks recomputed together (every one that can be, as fit_cost_model profiles):
-            # their peak P_S bounds each one's transient from above, P_S >= static + before_n +
+            # their peak P_S bounds each one's transient from above, P_S >= static + through_n +
             # transient_n, where a single recomputation's end of the forward hid it. (PointNet's
             # transform networks: recomputed alone, each leaves the peak at the end of the forward;
             # the backward of their recomputation holds less than all they save, the gradients of
@@ -813,10 +814,10 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
             # of a few timed steps are noisy, and a plan adds up several.
             for q in sorted(several.get(setting, {}).get(B, ()), key=lambda q: len(q.strategy.recompute)):
                 chosen = q.strategy.recompute
-                before = held_bytes(cost, chosen)[1]
+                through = held_bytes(cost, chosen)[1]
                 for n in chosen:
-                    bound = max(q.peak - static - before[n], 0.0)
-                    default = _own_bytes(cost, n) - hidden.get(n, 0.0)
+                    bound = max(q.peak - static - through[n], 0.0)
+                    default = _own_bytes(names, held, n)
                     rc_peak = series.setdefault(f"rc_peak:{n}", {})
                     rc_peak[B] = min(rc_peak.get(B, default), bound)
                 added = [series.get(f"rc_time:{n}", {}).get(B) for n in chosen]

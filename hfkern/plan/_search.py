@@ -13,16 +13,16 @@ Memory of one step, what the search minimizes with time:
 * ``static``: parameters, gradients, optimizer state, the batch;
 * the activations each block saves for backward: ``saved`` without
   recomputation, ``saved_recompute`` (its inputs) with it;
-* while a recomputed block's backward runs, its activations exist again
-  (``transient``) on top of what the blocks before it still hold.
-
 * bytes several blocks hold (:class:`SharedBytes`: a tensor one block saves for
   backward and the next keeps as its input when recomputed) count once, and
-  only while one of them holds them.
+  only while one of them holds them;
+* while a recomputed block's backward runs, its activations exist again
+  (``transient``) on top of what it (its inputs) and the blocks before it
+  still hold.
 
 So the peak is ``static + max(held, max over recomputed blocks i of (held by
-the blocks before i + transient_i))``, ``held`` what the blocks hold at the end
-of the forward. A partial strategy over the
+i and the blocks before it + transient_i))``, ``held`` what the blocks hold at
+the end of the forward. A partial strategy over the
 first k blocks is the triple (time, saved so far, peak so far); one that is no
 better in all three than another is dropped: whatever the remaining blocks
 choose, it stays no better. A peak below what the blocks so far and the least
@@ -118,19 +118,21 @@ class Plan:
 
 
 def held_bytes(cost: StepCost, recompute: Sequence[str]) -> tuple[float, dict[str, float]]:
-    """(bytes the blocks hold at the end of the forward, {block: bytes held by the blocks before
-    it}) when the blocks named in ``recompute`` recompute."""
+    """(bytes the blocks hold at the end of the forward, {block: bytes held by it and the blocks
+    before it}) when the blocks named in ``recompute`` recompute. While a recomputed block's
+    backward runs, what it and the blocks before it hold is alive (its inputs, kept by its
+    recomputation, among them), and its transient on top."""
     recompute = set(recompute)
-    held, before, taken = 0.0, {}, set()
+    held, through, taken = 0.0, {}, set()
     for block in cost.blocks:
         rc = block.name in recompute
-        before[block.name] = held
         held += block.saved_recompute if rc else block.saved
         for i, s in enumerate(cost.shared):
             if i not in taken and s.held_by(block.name, rc):
                 taken.add(i)
                 held += s.nbytes
-    return held, before
+        through[block.name] = held
+    return held, through
 
 
 def step_costs(cost: StepCost, recompute: Sequence[str]) -> tuple[float, float]:
@@ -138,12 +140,12 @@ def step_costs(cost: StepCost, recompute: Sequence[str]) -> tuple[float, float]:
     fixed = [b.name for b in cost.blocks if b.name in recompute and not b.recomputable]
     if fixed:
         raise ValueError(f"step_costs: expected blocks that can be recomputed, got {fixed}")
-    held, before = held_bytes(cost, recompute)
+    held, through = held_bytes(cost, recompute)
     time, peak = cost.other_time, 0.0
     for block in cost.blocks:
         if block.name in recompute:
             time += block.time + block.recompute_time
-            peak = max(peak, before[block.name] + block.transient)
+            peak = max(peak, through[block.name] + block.transient)
         else:
             time += block.time
     return time, cost.static + max(held, peak)
@@ -250,7 +252,7 @@ def _recompute_front(cost: StepCost) -> list[tuple[float, float, tuple[str, ...]
                 for rc, add, out in choices:
                     h = held + add
                     if rc:
-                        p = max(peak, held + block.transient)
+                        p = max(peak, h + block.transient)
                         out.append(((time + block.time + block.recompute_time, h,
                                      p if p >= (h + after) * _BELOW else 0.0), (block.name, chosen)))
                     else:
