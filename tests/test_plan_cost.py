@@ -75,7 +75,6 @@ def test_memory_the_hooks_miss_is_calibrated_from_single_recomputations():
     backward of its recomputation holds only what the hooks see. The model must predict every set
     of recomputed blocks, the pair included, from the single profiles."""
     import dataclasses
-    import itertools
 
     names = ("a", "b", "c")
     true_saved = {"a": 100.0, "b": 100.0, "c": 30.0}    # bytes per model
@@ -105,8 +104,15 @@ def test_memory_the_hooks_miss_is_calibrated_from_single_recomputations():
         profiles.append(plain)
         for n in names:
             profiles.append(dataclasses.replace(plain, strategy=Strategy(B=B, recompute=(n,)), peak=peak(B, (n,))))
-    model = fit_profiles(profiles)
-    for B in (3, 8):
+    assert_every_subset_predicted(fit_profiles(profiles), names, peak)
+
+
+def assert_every_subset_predicted(model, names, peak, B_values=(3, 8)) -> None:
+    """The model's peak of every set of recomputed blocks, at array sizes it was not fitted on,
+    is ``peak(B, recompute)``."""
+    import itertools
+
+    for B in B_values:
         for k in range(len(names) + 1):
             for recompute in itertools.combinations(names, k):
                 _, m = model.predict(Strategy(B=B, recompute=recompute))
@@ -120,7 +126,6 @@ def test_all_blocks_recomputed_bound_what_the_backward_of_each_holds():
     high (PointNet's transform networks, 16%). The profile of every block recomputed bounds it.
     The time that profile adds is shared out in proportion to the single ones'."""
     import dataclasses
-    import itertools
 
     names = ("a", "b", "c")
     saved = {"a": 100.0, "b": 100.0, "c": 30.0}
@@ -148,11 +153,8 @@ def test_all_blocks_recomputed_bound_what_the_backward_of_each_holds():
             profiles.append(dataclasses.replace(plain, strategy=Strategy(B=B, recompute=chosen),
                                                 peak=peak(B, chosen), step_time=step_time(B, chosen)))
     model = fit_profiles(profiles)
+    assert_every_subset_predicted(model, names, peak)
     for B in (3, 8):
-        for k in range(len(names) + 1):
-            for recompute in itertools.combinations(names, k):
-                _, m = model.predict(Strategy(B=B, recompute=recompute))
-                assert m == pytest.approx(peak(B, recompute)), (B, recompute)
         t, _ = model.predict(Strategy(B=B, recompute=names))
         assert t == pytest.approx(step_time(B, names))
         t, _ = model.predict(Strategy(B=B, recompute=("a",)))
