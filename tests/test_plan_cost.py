@@ -170,6 +170,10 @@ def test_fit_checks_its_profiles():
         fit_profiles([synthetic(2)])
     with pytest.raises(ValueError, match="recomputes 'c', not a block"):
         fit_profiles([synthetic(1), synthetic(2), dataclasses_replace(synthetic(2), recompute=("a", "c"))])
+    import dataclasses
+
+    with pytest.raises(ValueError, match=r"held by \['c'\], not blocks of \['a', 'b'\]"):
+        fit_profiles([synthetic(1), dataclasses.replace(synthetic(2), held=((("a",), ("c",), 1.0),))])
     with pytest.raises(ValueError, match="recomputes 'c', not a block"):
         fit_profiles([synthetic(1), synthetic(2), dataclasses_replace(synthetic(2), recompute=("c",))])
     model = fit_profiles([synthetic(1), synthetic(2)])

@@ -756,6 +756,10 @@ def fit_profiles(profiles: Sequence[Profile]) -> FittedCostModel:
             if set(p.saved) != set(these) or set(p.inputs) != set(these):
                 raise ValueError(f"fit_profiles: a profile ({p.strategy.label}) with saved bytes of blocks "
                                  f"{list(p.saved)} and inputs of {list(p.inputs)}, expected its blocks {these}")
+            strangers = sorted({n for savers, readers, _ in p.held for n in (*savers, *readers)} - set(these))
+            if strangers:
+                raise ValueError(f"fit_profiles: a profile ({p.strategy.label}) whose activations are held by "
+                                 f"{strangers}, not blocks of {these}")
             unseen.update((n, None) for n in p.unseen)
         series: dict[str, dict[int, float]] = {"compute": {}, "optimizer": {}, "static": {}, "fwd_other": {}}
         rc_profiles = single.get(setting, {})
