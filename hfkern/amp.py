@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
+from . import graphs
 from ._array import check_B, hyper
 from .ops import optim as ops
 from .utils import _host_to_device
@@ -373,6 +374,7 @@ class GradScaler:
         if not self._enabled:
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
+        graphs.note_optimizer(self)  # a captured step re-captures when the factors change
         if new_scale is not None:
             if isinstance(new_scale, Tensor):
                 if (new_scale.device.type != self._device or new_scale.numel() not in (1, self.B)
@@ -416,6 +418,13 @@ class GradScaler:
         new_tracker = torch.where(found_inf | at_interval, torch.zeros_like(successful), successful)
         scale.copy_(new_scale)
         growth_tracker.copy_(new_tracker)
+
+    def _graph_structure(self) -> tuple:
+        """What a captured step (:func:`hfkern.capture_step`) that updates this scaler is specific
+        to: the factors and the interval (host values the update computes with) and the device
+        tensors it writes (new ones after unpickling)."""
+        return (self._growth_factor, self._backoff_factor, self._growth_interval, id(self._scale),
+                id(self._growth_tracker))
 
     # ---- queries and settings ------------------------------------------------------
     def _get_scale_async(self) -> Tensor | None:

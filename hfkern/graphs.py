@@ -50,7 +50,11 @@ How a call runs:
   hfkern optimizer that ``step_fn`` steps (a new group, parameters added or
   removed, a hyperparameter assigned anew instead of written in place, a value
   that switches optional work such as weight decay or momentum on for a group
-  that had none: the graph would run stale work). Everything else, written in
+  that had none: the graph would run stale work), and a new growth factor,
+  backoff factor or growth interval of an hfkern GradScaler it updates
+  (``set_growth_factor``, ``load_state_dict``). Non-tensor arguments must be
+  hashable or numpy arrays (floats match by their bits: a NaN matches itself);
+  another raises a TypeError, on the CPU too. Everything else, written in
   place into the tensors the graph reads, takes effect without one:
   ``set_hyperparameters``, the schedulers' learning rates and momenta,
   ``reset_state``, ``load_model``/``reset_model``, the GradScaler's resets, skip
@@ -70,6 +74,7 @@ import functools
 import threading
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -113,15 +118,32 @@ def _structure(optimizers: dict[int, Any]) -> tuple:
     return tuple((key, opt._graph_structure()) for key, opt in sorted(optimizers.items()))
 
 
+def _value_key(v: Any, where: int) -> tuple:
+    """A non-tensor argument as a graph's key: the graph holds what the step computed from its
+    value. Floats by their bits (a NaN matches itself; 0.0 and -0.0 differ), numpy arrays by
+    their dtype, shape and bytes; anything else must be hashable."""
+    if isinstance(v, float):
+        return ("float", type(v), v.hex())
+    if isinstance(v, np.ndarray):
+        return ("ndarray", v.dtype.str, v.shape, v.tobytes())
+    try:
+        hash(v)
+    except TypeError:
+        raise TypeError(f"capture_step: a graph is specific to the values of the non-tensor arguments, so they "
+                        f"must be hashable (or numpy arrays, or lists, tuples and dicts of such); argument leaf "
+                        f"{where} is an unhashable {type(v).__name__}") from None
+    return ("value", type(v), v)
+
+
 def _signature(args: tuple, kwargs: dict) -> tuple:
     """What a graph is specific to: tensors' metadata, other values as they are."""
     leaves, spec = tree_flatten((args, kwargs))
     sig = []
-    for v in leaves:
+    for i, v in enumerate(leaves):
         if isinstance(v, torch.Tensor):
             sig.append(("tensor", v.shape, v.dtype, v.device, v.stride(), v.requires_grad))
         else:
-            sig.append(("value", type(v), v))
+            sig.append(_value_key(v, i))
     return spec, tuple(sig)
 
 
@@ -169,7 +191,7 @@ class CapturedStep:
     """What :func:`capture_step` returns: call it as ``step_fn`` (see :mod:`hfkern.graphs`).
 
     ``graphs`` counts the captures made so far (a test, or a log, can see a re-capture);
-    ``eager_calls`` the calls run eagerly.
+    ``eager_calls`` the calls run eagerly (those that raised included).
     """
 
     def __init__(self, step_fn: Callable, example_args: tuple, warmup: int):
@@ -186,9 +208,9 @@ class CapturedStep:
         functools.update_wrapper(self, step_fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = _signature(args, kwargs)  # (on the CPU too: an argument no graph can key fails alike)
         if not _on_cuda(args, kwargs):
             return self._eager(args, kwargs)
-        key = _signature(args, kwargs)
         graph = self._graphs.get(key)
         if graph is not None and graph.stale():
             del self._graphs[key]  # an optimizer's parameter groups changed: the graph is stale
@@ -196,8 +218,9 @@ class CapturedStep:
             graph = None
         if graph is None:
             if self._warm.get(key, 0) < self.warmup:
-                self._warm[key] = self._warm.get(key, 0) + 1
-                return self._eager(args, kwargs, side_stream=True)
+                out = self._eager(args, kwargs, side_stream=True)
+                self._warm[key] = self._warm.get(key, 0) + 1  # a warm-up call that raised does not count
+                return out
             graph = self._graphs[key] = self._capture(args, kwargs)
             if graph.graph.runs_at_capture:
                 return self._after_replay(graph)

@@ -176,6 +176,81 @@ def test_new_parameter_groups_force_a_new_capture(simulated):
     assert (run.eager_calls, run.graphs) == (2, 2)
 
 
+def test_a_warmup_call_that_raises_does_not_count(simulated):
+    """Counted before the step ran, failed warm-up calls let the next call capture at once, with
+    no eager step having allocated the state or compiled the kernels."""
+    calls = []
+
+    def step(x, fail):
+        calls.append(fail)
+        if fail:
+            raise RuntimeError("bad batch")
+        return x * 2
+
+    x = torch.randn(3)
+    run = hfkern.capture_step(step, x, False, warmup=2)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="bad batch"):
+            run(x, True)
+    for _ in range(2):
+        run(x, False)
+    assert run.graphs == 0  # two successful eager calls first
+    assert torch.equal(run(x, False), x * 2) and run.graphs == 1
+
+
+def test_non_tensor_arguments_key_their_graphs_by_value(simulated):
+    """A NaN argument never matched its own key (a warm-up forever, a cache entry per call); a
+    numpy array raised TypeError on CUDA only; 0.0 and -0.0 are different values to a graph."""
+    import numpy as np
+
+    def step(x, scale, table):
+        return x * scale + float(np.sum(table))
+
+    x, table = torch.randn(3), np.arange(3.0)
+    run = hfkern.capture_step(step, x, 1.0, table, warmup=1)
+    for _ in range(3):
+        run(x, float("nan"), table.copy())
+    assert (run.eager_calls, run.graphs, len(run._warm)) == (1, 1, 1)
+    run(x, -0.0, table)
+    run(x, 0.0, table)
+    run(x, 0.0, table + 1)  # another table: another graph
+    assert len(run._warm) == 4
+
+    class Opaque:
+        __hash__ = None
+
+    for on_cuda in (True, False):  # the same error without a graph (on the CPU)
+        graphs_on_cuda = graphs._on_cuda
+        try:
+            graphs._on_cuda = lambda args, kwargs: on_cuda
+            with pytest.raises(TypeError, match="argument leaf 1 is an unhashable Opaque"):
+                run(x, Opaque(), table)
+        finally:
+            graphs._on_cuda = graphs_on_cuda
+
+
+def test_new_grad_scaler_factors_force_a_new_capture(simulated):
+    """The factors and the interval are host values the scaler's update computes with: a graph
+    captured before set_growth_factor would grow the scales by the old factor."""
+    fused, opt, sched, scaler, step = _setup()
+    run = hfkern.capture_step(step, *_batches(1)[0], warmup=1)
+    batches = _batches(8)
+    for batch in batches[:2]:
+        run(*batch)
+    assert (run.eager_calls, run.graphs) == (1, 1)
+    scaler.update(new_scale=4.0)  # written in place: the graph reads it
+    run(*batches[2])
+    assert (run.eager_calls, run.graphs) == (1, 1)
+    for i, change in enumerate((lambda: scaler.set_growth_factor(4.0), lambda: scaler.set_backoff_factor(0.25),
+                                lambda: scaler.set_growth_interval(3),
+                                lambda: scaler.load_state_dict({**scaler.state_dict(), "growth_factor": 3.0}))):
+        change()
+        run(*batches[3 + i])  # an eager step, then a new capture
+        assert (run.eager_calls, run.graphs) == (2 + i, 1 + i)
+        run(*batches[3 + i])
+        assert (run.eager_calls, run.graphs) == (2 + i, 2 + i)
+
+
 def test_arguments_are_checked():
     with pytest.raises(TypeError, match="step_fn to be callable"):
         hfkern.capture_step(3, torch.zeros(1))
