@@ -141,18 +141,34 @@ class Autoscaler:
 
     # -- events -----------------------------------------------------------------------------------
     def submit(self, job: Job, now: float) -> list[Decision]:
-        """A new job arrives; re-solve. ValueError if a job of that name is active."""
+        """A new job arrives; re-solve. ValueError if a job of that name is active. A call that
+        raises changes nothing."""
+        now = self._check_submit(job, now)
+        saved = (self._now, self.last_solve)
+        self._now = now
+        self.jobs[job.name] = job
+        try:
+            return self._solve(now, "arrival")
+        except BaseException:
+            # the solve failed before changing allocations: take the job back out
+            del self.jobs[job.name]
+            self._now, self.last_solve = saved
+            raise
+
+    def _check_submit(self, job: Job, now: float) -> float:
+        """The checks of :meth:`submit` without submitting: raises what ``submit(job, now)``
+        would raise on its arguments, else returns ``now`` as seconds. Changes nothing."""
         if not isinstance(job, Job):
             raise TypeError(f"job: expected a Job, got {type(job).__name__}")
         now = self._checked_now(now)
         if job.name in self.jobs:
             raise ValueError(f"job: expected a name not already active, got {job.name!r} twice")
-        self._now = now
-        self.jobs[job.name] = job
-        return self._solve(now, "arrival")
+        return now
 
     def finish(self, name: str, now: float) -> list[Decision]:
         """Job ``name`` completed (its devices are free); re-solve. ValueError if it is not active."""
+        if not isinstance(name, str):
+            raise TypeError(f"name: expected an active job's name (a str), got {type(name).__name__} {name!r}")
         now = self._checked_now(now)
         if name not in self.jobs:
             raise ValueError(f"name: expected an active job (one of {sorted(self.jobs)}), got {name!r}")

@@ -76,9 +76,17 @@ class Controller:
         if spec.lr_rule != self.autoscaler.lr_rule:
             raise ValueError(f"Controller.submit: job {job.name!r} has lr_rule={spec.lr_rule!r}, the autoscaler "
                              f"scales learning rates by {self.autoscaler.lr_rule!r}: make them one")
+        # Every check before any state changes: the autoscaler's (its clock not going back, the name
+        # not active there) too, so that a refused job is neither registered nor recorded.
+        now = self.autoscaler._check_submit(job, self.clock())
         self.executor.register(spec)
         self._specs[job.name] = spec
-        return self._carry_out(self.autoscaler.submit(job, self.clock()))
+        try:
+            decisions = self.autoscaler.submit(job, now)
+        except BaseException:
+            del self._specs[job.name]
+            raise
+        return self._carry_out(decisions)
 
     def step(self) -> list[Decision]:
         """One round: report jobs that ended, re-solve when due, carry out the decisions."""

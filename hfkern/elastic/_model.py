@@ -286,9 +286,15 @@ class Efficiency:
         object.__setattr__(self, "noise_scale", _check_float("noise_scale", self.noise_scale))
 
     def __call__(self, batch_size) -> float:
-        """``E(batch_size)``; also accepts a numpy array of batch sizes (returns an array)."""
+        """``E(batch_size)``; also accepts a numpy array of batch sizes (returns an array).
+        ValueError for a batch size that is not > 0."""
         if isinstance(batch_size, np.ndarray):
-            return (self.noise_scale + self.base_batch_size) / (self.noise_scale + batch_size.astype(np.float64))
+            b = batch_size.astype(np.float64)
+            bad = ~(b > 0)          # also NaN
+            if bad.any():
+                raise ValueError(f"batch_size: expected batch sizes > 0, got {batch_size[bad].ravel()[:8].tolist()} "
+                                 f"({int(bad.sum())} of {b.size})")
+            return (self.noise_scale + self.base_batch_size) / (self.noise_scale + b)
         batch_size = _check_int("batch_size", batch_size, 1)
         return (self.noise_scale + self.base_batch_size) / (self.noise_scale + batch_size)
 
@@ -361,6 +367,9 @@ class Job:
         if not self.min_gpus <= self.requested_gpus <= hi:
             raise ValueError(f"requested_gpus: expected between min_gpus={self.min_gpus} and "
                              f"max_gpus={self.max_gpus}, got {self.requested_gpus}")
+        if self.requested_gpus > self.batch_sizes[-1]:
+            raise ValueError(f"requested_gpus: expected at most the largest batch size {self.batch_sizes[-1]} "
+                             f"(each device needs a sample), got {self.requested_gpus}")
 
     def local_batch(self, gpus: int, batch_size: int, B: int = 1) -> int:
         """Samples on the busiest device: ``B * ceil(batch_size / gpus)``."""

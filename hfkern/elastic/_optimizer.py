@@ -510,13 +510,20 @@ def place(solution: Solution, gpus: int, gpus_per_node: int) -> dict[str, list[i
     _check_args([], gpus, gpus_per_node, "speedup", "elastic", "elastic", None)
     if gpus_per_node is None:
         raise TypeError("gpus_per_node: expected an int, got None")
+    for name, a in solution.allocations.items():
+        g = getattr(a, "gpus", None)
+        if isinstance(g, bool) or not isinstance(g, numbers.Integral):
+            raise TypeError(f"solution: expected Allocation.gpus an int >= 0 for job {name!r}, "
+                            f"got {type(g).__name__} {g!r}")
+        if g < 0:
+            raise ValueError(f"solution: expected Allocation.gpus an int >= 0 for job {name!r}, got {g!r}")
     used = solution.gpus_used
     if used > gpus:
         raise ValueError(f"solution: expected at most gpus={gpus} devices in use, got {used}")
     n_nodes = gpus // gpus_per_node
     free = [list(range(n * gpus_per_node, (n + 1) * gpus_per_node)) for n in range(n_nodes)]
     out: dict[str, list[int]] = {name: [] for name in solution.allocations}
-    order = sorted((a.gpus, name) for name, a in solution.allocations.items() if a.gpus > 0)
+    order = sorted((int(a.gpus), name) for name, a in solution.allocations.items() if a.gpus > 0)
     order.reverse()
     for g, name in order:
         for _ in range(g // gpus_per_node):

@@ -65,6 +65,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from hfkern.elastic._model import Job
+from hfkern.elastic._optimizer import _OBJECTIVES
 from hfkern.elastic._trace import Trace, TraceJob
 
 __all__ = ["POLICIES", "Segment", "JobRecord", "SimResult", "simulate", "compare", "check_result"]
@@ -280,6 +281,13 @@ def _trace_jobs(trace) -> list[TraceJob]:
         if tj.name in names:
             raise ValueError(f"simulate: expected unique job names, got {tj.name!r} twice")
         names.add(tj.name)
+        for field in ("arrival", "work", "duration"):
+            v = getattr(tj, field)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"simulate: expected trace[{i}].{field} a real number, got {type(v).__name__} {v!r}")
+        if not isinstance(tj.archetype, str):
+            raise TypeError(f"simulate: expected trace[{i}].archetype a str, got {type(tj.archetype).__name__} "
+                            f"{tj.archetype!r}")
         if not (math.isfinite(tj.arrival) and tj.arrival >= 0):
             raise ValueError(f"simulate: expected trace[{i}].arrival finite and >= 0, got {tj.arrival!r}")
         if not (math.isfinite(tj.work) and tj.work > 0):
@@ -520,12 +528,32 @@ class _Sim:
 
 def _make_scaler(policy: str, gpus: int, gpn: int, interval: float, restart_cost: float, objective: str,
                  autoscaler_kwargs: Mapping | None):
+    """The autoscaler of an elastic ``policy``; for ``"fixed"`` (which runs none) one is still
+    built, then dropped, so that its arguments are checked alike under every policy."""
     from hfkern.elastic._autoscaler import Autoscaler
 
-    kw = dict(gpus_per_node=gpn, interval=interval, restart_cost=restart_cost, policy=policy,
-              objective=objective)
-    kw.update(autoscaler_kwargs or {})
-    return Autoscaler(gpus, **kw)
+    kw = dict(gpus_per_node=gpn, interval=interval, restart_cost=restart_cost,
+              policy="hfkern" if policy == "fixed" else policy, objective=objective)
+    # ("policy" in autoscaler_kwargs, checked to be ``policy`` itself, is left out)
+    kw.update({k: v for k, v in (autoscaler_kwargs or {}).items() if k != "policy"})
+    scaler = Autoscaler(gpus, **kw)
+    return None if policy == "fixed" else scaler
+
+
+def _check_autoscaler_kwargs(policy: str, autoscaler_kwargs) -> dict:
+    if autoscaler_kwargs is None:
+        return {}
+    if not isinstance(autoscaler_kwargs, Mapping):
+        raise TypeError(f"simulate: expected autoscaler_kwargs a mapping of Autoscaler keyword arguments or None, "
+                        f"got {type(autoscaler_kwargs).__name__} {autoscaler_kwargs!r}")
+    for k in autoscaler_kwargs:
+        if not isinstance(k, str):
+            raise TypeError(f"simulate: expected autoscaler_kwargs keys str (Autoscaler keyword arguments), "
+                            f"got {type(k).__name__} {k!r}")
+    if "policy" in autoscaler_kwargs and autoscaler_kwargs["policy"] != policy:
+        raise ValueError(f"simulate: expected autoscaler_kwargs without 'policy' (it is set by simulate's own "
+                         f"policy argument, {policy!r}), got policy={autoscaler_kwargs['policy']!r}")
+    return dict(autoscaler_kwargs)
 
 
 def simulate(trace: Trace | Sequence[TraceJob], policy: str, *, gpus: int, gpus_per_node: int = 8,
@@ -540,7 +568,8 @@ def simulate(trace: Trace | Sequence[TraceJob], policy: str, *, gpus: int, gpus_
     time (None: run until every job finished). ``objective`` is passed to the
     autoscaler (``"speedup"`` or ``"goodput"``); ``backfill`` applies to the
     fixed policy. ``autoscaler_kwargs`` override the autoscaler's keyword
-    arguments (e.g. ``lr_rule``).
+    arguments (e.g. ``lr_rule``; not ``policy``, which is this function's
+    own argument); they and ``objective`` are checked under every policy.
 
     ValueError if a job requests more devices than the cluster has under the
     fixed policy (it could never start), or ``gpus`` is not a multiple of
@@ -561,6 +590,9 @@ def simulate(trace: Trace | Sequence[TraceJob], policy: str, *, gpus: int, gpus_
         raise ValueError(f"simulate: expected backfill one of {_BACKFILL}, got {backfill!r}")
     if not isinstance(oracle_remaining, bool):
         raise TypeError(f"simulate: expected oracle_remaining a bool, got {type(oracle_remaining).__name__}")
+    if not isinstance(objective, str) or objective not in _OBJECTIVES:
+        raise ValueError(f"simulate: expected objective one of {_OBJECTIVES}, got {objective!r}")
+    autoscaler_kwargs = _check_autoscaler_kwargs(policy, autoscaler_kwargs)
     items = _trace_jobs(trace)
     if policy == "fixed":
         for tj in items:
@@ -571,14 +603,12 @@ def simulate(trace: Trace | Sequence[TraceJob], policy: str, *, gpus: int, gpus_
             if not j.goodput(j.requested_gpus, j.default_batch_size, j.default_B, -(-j.requested_gpus // gpn)) > 0:
                 raise ValueError(f"simulate: job {tj.name!r} cannot run at its request ({j.requested_gpus} GPUs, "
                                  f"batch {j.default_batch_size}, B {j.default_B}); expected a feasible request")
-        scaler = None
-    else:
-        scaler = _make_scaler(policy, G, gpn, interval, restart_cost, objective, autoscaler_kwargs)
+    scaler = _make_scaler(policy, G, gpn, interval, restart_cost, objective, autoscaler_kwargs)
     sim = _Sim(items, policy, G, gpn, interval, restart_cost, horizon, backfill, oracle_remaining, scaler)
     end = sim.run()
     params = dict(policy=policy, gpus=G, gpus_per_node=gpn, interval=interval, restart_cost=restart_cost,
                   horizon=horizon, objective=objective, backfill=backfill, oracle_remaining=oracle_remaining,
-                  autoscaler_kwargs=dict(autoscaler_kwargs or {}))
+                  autoscaler_kwargs=autoscaler_kwargs)
     res = SimResult(policy=policy, gpus=G, gpus_per_node=gpn, horizon=horizon, end_time=end, jobs=sim.records,
                     timeline=sim.timeline, params=params, solver_seconds=sim.solver_seconds,
                     decisions=sim.decisions, events=sim.events,
@@ -657,4 +687,8 @@ def compare(trace: Trace | Sequence[TraceJob], policies: Sequence[str] = POLICIE
     """:func:`simulate` the same trace under each of ``policies`` (same keyword arguments)."""
     if isinstance(policies, str):
         raise TypeError("compare: expected a sequence of policy names, got a str")
+    policies = list(policies)
+    for p in policies:      # every name checked before anything runs
+        if not isinstance(p, str) or p not in POLICIES:
+            raise ValueError(f"compare: expected policies among {POLICIES}, got {p!r}")
     return {p: simulate(trace, p, **kwargs) for p in policies}

@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -317,11 +318,49 @@ def _check_dist(dist: Mapping, what: str) -> None:
         raise TypeError(f"{what}: expected a non-empty mapping, got {type(dist).__name__}")
     total = 0.0
     for k, p in dist.items():
-        if not isinstance(p, (int, float)) or p < 0:
-            raise ValueError(f"{what}: expected non-negative probabilities, got {k!r}: {p!r}")
+        if isinstance(p, bool) or not isinstance(p, numbers.Real):
+            raise TypeError(f"{what}: expected non-negative probabilities (real numbers), got {k!r}: "
+                            f"{type(p).__name__} {p!r}")
+        if not (math.isfinite(p) and p >= 0):
+            raise ValueError(f"{what}: expected finite non-negative probabilities, got {k!r}: {p!r}")
         total += float(p)
-    if total <= 0:
+    if not total > 0:
         raise ValueError(f"{what}: expected probabilities with a positive sum, got sum {total}")
+    if not math.isfinite(total):
+        raise ValueError(f"{what}: expected probabilities with a finite sum, got sum {total}")
+
+
+def _check_int_arg(where: str, name: str, v, minimum: int = 1) -> int:
+    """``v`` as a Python int (numpy integers accepted): TypeError if not an int, ValueError if below ``minimum``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{where}: expected {name} an int >= {minimum}, got {type(v).__name__} {v!r}")
+    if v < minimum:
+        raise ValueError(f"{where}: expected {name} an int >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def _check_positive(where: str, name: str, v) -> float:
+    """``v`` as a finite float > 0 (numpy numbers accepted): TypeError if not a real number,
+    ValueError if not finite or not > 0."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{where}: expected {name} a number, got {type(v).__name__} {v!r}")
+    v = float(v)
+    if not 0 < v < math.inf:
+        raise ValueError(f"{where}: expected a finite {name} > 0, got {v!r}")
+    return v
+
+
+def _check_durations(where: str, duration_scale, min_duration, max_duration) -> tuple[float, float, float]:
+    """Checked ``(duration_scale, min_duration, max_duration)``: the first two finite and > 0, the
+    last >= ``min_duration`` and possibly ``inf`` (no upper clip)."""
+    for nm, v in (("min_duration", min_duration), ("max_duration", max_duration), ("duration_scale", duration_scale)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{where}: expected {nm} a number, got {type(v).__name__} {v!r}")
+    if not (0 < min_duration <= max_duration) or not math.isfinite(min_duration):
+        raise ValueError(f"{where}: expected 0 < min_duration <= max_duration with min_duration finite "
+                         f"(max_duration may be inf), got {min_duration!r}, {max_duration!r}")
+    duration_scale = _check_positive(where, "duration_scale", duration_scale)
+    return duration_scale, float(min_duration), float(max_duration)
 
 
 def _lognormal_clipped_mean(median: float, sigma: float, lo: float, hi: float) -> float:
@@ -337,7 +376,9 @@ def _lognormal_clipped_mean(median: float, sigma: float, lo: float, hi: float) -
     b = (math.log(hi) - mu) / sigma
     # E[X; lo < X < hi] = e^{mu + s^2/2} (Phi(b - s) - Phi(a - s))
     mid = math.exp(mu + sigma * sigma / 2.0) * (phi(b - sigma) - phi(a - sigma))
-    return lo * phi(a) + mid + hi * (1.0 - phi(b))
+    # hi = inf (no upper clip): the clipped tail carries no mass (and inf * 0 would be NaN)
+    top = 0.0 if hi == math.inf else hi * (1.0 - phi(b))
+    return lo * phi(a) + mid + top
 
 
 def _capped_request_dist(dist: Mapping[int, float], max_request: int) -> dict[int, float]:
@@ -354,10 +395,17 @@ def expected_gpu_seconds(*, max_request: int | None = None, gpu_request_dist: Ma
                          max_duration: float = 2 * 86400.0) -> float:
     """E[requested_gpus x duration] of one job, in GPU-seconds (closed form).
 
-    Uses the same distributions, cap and clipping as :func:`generate_trace`.
+    Uses the same distributions, cap and clipping as :func:`generate_trace`
+    (``max_duration=inf``: no upper clip).
     """
-    dist = _capped_request_dist(gpu_request_dist or GPU_REQUEST_DIST,
-                                max_request if max_request is not None else 1 << 30)
+    w = "expected_gpu_seconds"
+    duration_scale, min_duration, max_duration = _check_durations(w, duration_scale, min_duration, max_duration)
+    max_request = 1 << 30 if max_request is None else _check_int_arg(w, "max_request", max_request)
+    req_dist = GPU_REQUEST_DIST if gpu_request_dist is None else gpu_request_dist
+    _check_dist(req_dist, "gpu_request_dist")
+    for g in req_dist:
+        _check_request_key(g)
+    dist = _capped_request_dist(req_dist, max_request)
     total = 0.0
     for g, p in dist.items():
         med = DURATION_MEDIAN_S[size_class(g)] * duration_scale
@@ -371,12 +419,15 @@ def rate_for_load(load: float, cluster_gpus: int, **kwargs) -> float:
     ``kwargs`` are passed to :func:`expected_gpu_seconds`; ``max_request``
     defaults to ``cluster_gpus``.
     """
-    if not isinstance(load, (int, float)) or isinstance(load, bool) or not load > 0:
-        raise ValueError(f"rate_for_load: expected a load > 0, got {load!r}")
-    if not isinstance(cluster_gpus, int) or cluster_gpus < 1:
-        raise ValueError(f"rate_for_load: expected cluster_gpus an int >= 1, got {cluster_gpus!r}")
+    load = _check_positive("rate_for_load", "load", load)
+    cluster_gpus = _check_int_arg("rate_for_load", "cluster_gpus", cluster_gpus)
     kwargs.setdefault("max_request", cluster_gpus)
-    return float(load) * cluster_gpus / expected_gpu_seconds(**kwargs)
+    return load * cluster_gpus / expected_gpu_seconds(**kwargs)
+
+
+def _check_request_key(g) -> None:
+    if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
+        raise ValueError(f"gpu_request_dist: expected int GPU counts >= 1 as keys, got {g!r}")
 
 
 def _pick(rng: np.random.Generator, dist: Mapping, keys: Sequence | None = None):
@@ -426,7 +477,9 @@ def generate_trace(num_jobs: int, *, seed: int = 0, rate: float | None = None, l
     Exactly one of ``rate`` (jobs per second) and ``load`` (target offered load
     on ``cluster_gpus`` GPUs) must be given. ``max_request`` caps requested
     GPUs (default: ``cluster_gpus``). ``duration_scale`` multiplies every
-    median duration (to shrink a trace for tests). ``gpus_per_node`` sets how
+    median duration (to shrink a trace for tests); durations are clipped to
+    ``[min_duration, max_duration]`` (``max_duration=math.inf``: no upper clip).
+    ``gpus_per_node`` sets how
     many nodes a request spans when its work is computed. Jobs are named
     ``"<archetype>-<index>"`` with a zero-padded index in arrival order.
     ``load_basis`` ("realized" or "expected") says how ``load`` sets the rate.
@@ -441,29 +494,25 @@ def generate_trace(num_jobs: int, *, seed: int = 0, rate: float | None = None, l
         raise TypeError(f"generate_trace: expected num_jobs an int, got {type(num_jobs).__name__}")
     if num_jobs < 0:
         raise ValueError(f"generate_trace: expected num_jobs >= 0, got {num_jobs}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"generate_trace: expected seed a non-negative int, got {type(seed).__name__} {seed!r}")
+    if seed < 0:
         raise ValueError(f"generate_trace: expected seed a non-negative int, got {seed!r}")
     if (rate is None) == (load is None):
         raise ValueError(f"generate_trace: expected exactly one of rate and load, got rate={rate!r}, load={load!r}")
-    for nm, v in (("cluster_gpus", cluster_gpus), ("gpus_per_node", gpus_per_node)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"generate_trace: expected {nm} an int >= 1, got {v!r}")
-    max_request = cluster_gpus if max_request is None else max_request
-    if isinstance(max_request, bool) or not isinstance(max_request, int) or max_request < 1:
-        raise ValueError(f"generate_trace: expected max_request an int >= 1, got {max_request!r}")
-    for nm, v in (("min_duration", min_duration), ("max_duration", max_duration), ("duration_scale", duration_scale)):
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-            raise TypeError(f"generate_trace: expected {nm} a number, got {type(v).__name__} {v!r}")
-    if not (0 < min_duration <= max_duration):
-        raise ValueError(f"generate_trace: expected 0 < min_duration <= max_duration, "
-                         f"got {min_duration!r}, {max_duration!r}")
-    if not duration_scale > 0:
-        raise ValueError(f"generate_trace: expected duration_scale > 0, got {duration_scale!r}")
+    if rate is not None:
+        rate = _check_positive("generate_trace", "rate", rate)
+    else:
+        load = _check_positive("generate_trace", "load", load)
+    cluster_gpus = _check_int_arg("generate_trace", "cluster_gpus", cluster_gpus)
+    gpus_per_node = _check_int_arg("generate_trace", "gpus_per_node", gpus_per_node)
+    max_request = cluster_gpus if max_request is None else _check_int_arg("generate_trace", "max_request", max_request)
+    duration_scale, min_duration, max_duration = _check_durations("generate_trace", duration_scale, min_duration,
+                                                                  max_duration)
     req_dist = GPU_REQUEST_DIST if gpu_request_dist is None else gpu_request_dist
     _check_dist(req_dist, "gpu_request_dist")
     for g in req_dist:
-        if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
-            raise ValueError(f"gpu_request_dist: expected int GPU counts >= 1 as keys, got {g!r}")
+        _check_request_key(g)
     mix = ARCHETYPE_MIX if archetype_mix is None else archetype_mix
     archs = ARCHETYPES if archetypes is None else archetypes
     for cls_name, dist in mix.items():
@@ -475,11 +524,7 @@ def generate_trace(num_jobs: int, *, seed: int = 0, rate: float | None = None, l
         raise ValueError(f"generate_trace: expected default_batch 'typical' or 'memory', got {default_batch!r}")
     if load_basis not in ("realized", "expected"):
         raise ValueError(f"generate_trace: expected load_basis 'realized' or 'expected', got {load_basis!r}")
-    if rate is not None:
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate < math.inf:
-            raise ValueError(f"generate_trace: expected a finite rate > 0 (jobs per second), got {rate!r}")
-        rate = float(rate)
-    else:
+    if rate is None:
         rate = rate_for_load(load, cluster_gpus, max_request=max_request, gpu_request_dist=req_dist,
                              duration_scale=duration_scale, min_duration=min_duration, max_duration=max_duration)
 
@@ -506,7 +551,7 @@ def generate_trace(num_jobs: int, *, seed: int = 0, rate: float | None = None, l
         jobs.append((job, duration * gp, duration, arch.name))
     if load is not None and load_basis == "realized" and num_jobs > 0:
         gpu_seconds = sum(j.requested_gpus * d for j, _, d, _ in jobs)
-        rate = float(load) * cluster_gpus * float(unit_arrivals[-1]) / gpu_seconds
+        rate = load * cluster_gpus * float(unit_arrivals[-1]) / gpu_seconds
     arrivals = unit_arrivals / rate
     jobs = [TraceJob(arrival=float(a), job=j, work=w, duration=d, archetype=n)
             for a, (j, w, d, n) in zip(arrivals, jobs)]
