@@ -2,9 +2,15 @@
 
 An entry is one contiguous buffer::
 
-    offset 0   prefix  "<8sIIQQ": magic, format version, 0, header length H, total length T
+    offset 0   prefix  "<8sIIQQ": magic, format version, CRC-32, header length H, total length T
     offset 32  header  H bytes of UTF-8 JSON: the cache identity and the sample's tree
     align(32 + H, 64)  data: every array leaf's bytes, each at a 64-byte aligned offset
+
+The CRC-32 (``zlib.crc32``) covers everything after itself: H, T, the header,
+the padding and the data. It is written when the entry is meant for the disk
+tier and checked on every read from disk (:func:`decode` with ``verify=True``),
+so a flipped bit in the header or in a leaf is a corrupt entry, not a wrong
+sample. Memory-tier entries never leave the process and are not checked.
 
 The tree mirrors the sample: ``tuple``/``list``/``dict`` nodes hold their
 children; array leaves (``torch.Tensor``, ``numpy.ndarray``, numpy scalars,
@@ -12,6 +18,13 @@ children; array leaves (``torch.Tensor``, ``numpy.ndarray``, numpy scalars,
 Python scalars (``int``, ``float``, ``complex``, ``bool``, ``str``, ``None``)
 live in the JSON itself (Python's JSON writes floats with ``repr``, so they
 round-trip exactly, ``nan``, ``inf`` and ``-0.0`` included).
+
+numpy ``str_`` / ``bytes_`` scalars are kept whole, trailing NULs included
+(numpy drops those when it reads an element of an array, so they are not
+stored as 0-d arrays): a ``str_``'s text lives in the JSON, a ``bytes_``'s
+bytes in the data area, each with its dtype, and they are rebuilt with
+``numpy.str_`` / ``numpy.bytes_``. Arrays of strings keep their bytes and dtype;
+reading an element of one drops trailing NULs, as numpy does for the original.
 
 Decoding builds the leaves with ``torch.frombuffer`` / ``numpy.frombuffer``
 over the buffer: over a private (copy-on-write) memory map of a disk entry they
@@ -27,14 +40,18 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from typing import Any
 
 import numpy as np
 import torch
 
 MAGIC = b"HFKCACHE"
-FORMAT = 1
+FORMAT = 2  # 2: the prefix holds a CRC-32 of the rest of the entry; numpy str_/bytes_ scalars kept whole
 _PREFIX = struct.Struct("<8sIIQQ")
+_CRC_AT = 12  # offset of the CRC-32 in the prefix; it covers the entry from _CRC_FROM on
+_CRC = struct.Struct("<I")
+_CRC_FROM = _CRC_AT + _CRC.size
 ALIGN = 64
 # A sample nested deeper than this is refused rather than recursed into (a list
 # that contains itself would otherwise recurse until Python's limit).
@@ -90,11 +107,19 @@ class _Encoder:
             n = data.numel() * data.element_size()
             return {"t": "tensor", "dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
                     "off": self._leaf(data, n), "n": n}
+        if isinstance(obj, np.str_):
+            # Its own text, trailing NULs included (a 0-d array would drop them when read back).
+            return {"t": "npstr", "dtype": obj.dtype.str, "v": str.__str__(obj)}
+        if isinstance(obj, np.bytes_):
+            data = bytes(obj)  # every byte, trailing NULs included
+            return {"t": "npbytes", "dtype": obj.dtype.str, "off": self._leaf(data, len(data)), "n": len(data)}
         if t is np.ndarray or isinstance(obj, np.generic):  # ndarray subclasses (matrix, masked) are refused
             dt = obj.dtype
             if dt.hasobject or dt.fields is not None:
                 raise _unsupported(obj, where, f" of dtype {dt} (Python objects or fields)")
             data = np.asarray(obj, order="C")  # not ascontiguousarray: it makes a scalar 1-d
+            if data.dtype != dt:  # the bytes written must be those of the dtype recorded
+                raise _unsupported(obj, where, f" of dtype {dt} (numpy makes it an array of dtype {data.dtype})")
             kind = "ndarray" if t is np.ndarray else "npscalar"
             return {"t": kind, "dtype": dt.str, "shape": list(data.shape), "off": self._leaf(data, data.nbytes),
                     "n": data.nbytes}
@@ -129,10 +154,12 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def encode(sample: Any, ident: dict) -> bytearray:
+def encode(sample: Any, ident: dict, *, checksum: bool = True) -> bytearray:
     """The entry for ``sample``; ``ident`` (JSON values) is stored with it and checked by :func:`decode`.
 
-    Raises a TypeError naming the offending part of ``sample`` before anything is written.
+    ``checksum=False`` leaves the CRC-32 at 0 (an entry that will never be read
+    with ``verify=True``: the memory tier's alone). Raises a TypeError naming the
+    offending part of ``sample`` before anything is written.
     """
     enc = _Encoder()
     tree = enc.node(sample, "", 0)
@@ -153,6 +180,9 @@ def encode(sample: Any, ident: dict) -> bytearray:
                 np.frombuffer(buf, np.uint8, data.nbytes, off)[:] = data.reshape(-1).view(np.uint8)
         else:  # bytes
             buf[off:off + len(data)] = data
+    if checksum:
+        with memoryview(buf) as view:
+            _CRC.pack_into(buf, _CRC_AT, zlib.crc32(view[_CRC_FROM:]))
     return buf
 
 
@@ -166,17 +196,24 @@ def entry_size(buf) -> int:
     return total
 
 
-def decode(buf, ident: dict, *, copy: bool) -> Any:
+def decode(buf, ident: dict, *, copy: bool, verify: bool = True) -> Any:
     """The sample stored in ``buf`` (a bytearray, or a writable uint8 numpy array over a private map).
 
     ``copy=True`` gives leaves that own their memory; ``copy=False`` leaves that
-    view ``buf`` (keeping it alive). Raises CorruptEntry when ``buf`` is not a
-    complete entry or its identity is not ``ident``.
+    view ``buf`` (keeping it alive). ``verify=True`` checks the entry's CRC-32
+    first (an entry encoded with ``checksum=True``). Raises CorruptEntry when
+    ``buf`` is not a complete entry, its checksum does not match, or its
+    identity is not ``ident``.
     """
     total = entry_size(buf)
-    _, _, _, hlen, _ = _PREFIX.unpack_from(buf, 0)
+    _, _, crc, hlen, _ = _PREFIX.unpack_from(buf, 0)
     if total != len(buf) or _PREFIX.size + hlen > total:
         raise CorruptEntry(f"entry records {total} bytes (header {hlen}), buffer holds {len(buf)}")
+    if verify:
+        with memoryview(buf) as view:
+            got = zlib.crc32(view[_CRC_FROM:])
+        if got != crc:
+            raise CorruptEntry(f"entry checksum mismatch: recorded CRC-32 {crc:#010x}, computed {got:#010x}")
     try:
         header = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + hlen]))
         if header["ident"] != ident:
@@ -221,7 +258,7 @@ class _Decoder:
             shape = tuple(int(s) for s in node["shape"])
             numel = int(np.prod(shape, dtype=np.int64))
             off = self._range(node, numel * dtype.itemsize)
-            if numel == 0:
+            if numel == 0 or dtype.itemsize == 0:  # no bytes (frombuffer refuses an itemsize of 0, as V0's)
                 out = np.empty(shape, dtype=dtype)
                 return out[()] if t == "npscalar" else out
             out = np.frombuffer(self.buf, dtype=dtype, count=numel, offset=off).reshape(shape)
@@ -231,6 +268,14 @@ class _Decoder:
         if t == "bytes":
             off = self._range(node, node["n"])
             return bytes(self.buf[off:off + node["n"]])
+        if t == "npstr":
+            v = node["v"]
+            if type(v) is not str:
+                raise CorruptEntry(f"numpy str_ scalar holds a {type(v).__name__}")
+            return self._checked(np.str_(v), node["dtype"])
+        if t == "npbytes":
+            off = self._range(node, node["n"])
+            return self._checked(np.bytes_(bytes(self.buf[off:off + node["n"]])), node["dtype"])
         if t == "v":
             return node["v"]
         if t == "float":
@@ -247,3 +292,10 @@ class _Decoder:
                 raise CorruptEntry(f"dict with {len(keys)} keys and {len(items)} values")
             return {self.node(k, depth + 1): self.node(v, depth + 1) for k, v in zip(keys, items)}
         raise CorruptEntry(f"unknown node type {t!r}")
+
+    @staticmethod
+    def _checked(scalar: np.generic, dtype: str) -> np.generic:
+        """``scalar`` if its dtype is the one recorded (a str_/bytes_ scalar's dtype is its length)."""
+        if scalar.dtype.str != dtype:
+            raise CorruptEntry(f"numpy {type(scalar).__name__} scalar of dtype {scalar.dtype.str}, recorded {dtype}")
+        return scalar

@@ -29,9 +29,11 @@ Disk protocol (POSIX; one machine):
   it writes or reads the entry, so it does not depend on the mount's atime policy.
   A process killed between a rename and the count update leaves the count short
   by one entry until the next listing recomputes it.
-* Every entry records its dataset key, version and index, checked on read. An
-  entry that fails the check (or is not a complete entry) is counted as
-  ``corrupt``, removed, and loaded again.
+* Every entry records its dataset key, version and index and a CRC-32 of its
+  header and data, checked on read. An entry that fails the checks (or is not a
+  complete entry) is counted as ``corrupt``, removed, and loaded again. Entry
+  names include the entry format's version, so the entries of another format
+  are never read: they age out like those of another ``version``.
 
 Identity: the disk tier needs ``key``, a string that names the dataset
 (its source and its transform) and is the same in every process that should
@@ -51,6 +53,7 @@ import re
 import secrets
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -169,7 +172,8 @@ class _DiskTier:
         self.root = root
         self.capacity = capacity
         self.dir = os.path.join(root, _slug(key))
-        self.prefix = hashlib.sha256(repr((key, version)).encode()).hexdigest()[:12]
+        # The entry format is part of the name: another format's entries are stale, never misread.
+        self.prefix = hashlib.sha256(repr((key, version, _codec.FORMAT)).encode()).hexdigest()[:12]
         self._last_ns = 0
 
     # -- paths and time ---------------------------------------------------------------
@@ -512,6 +516,9 @@ class CachedDataset(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def _index(self, index: Any) -> int:
+        # A bool has an __index__ (and a bool tensor one too), but True is no sample number.
+        if isinstance(index, (bool, np.bool_)) or (isinstance(index, torch.Tensor) and index.dtype == torch.bool):
+            raise TypeError(f"CachedDataset indices must be integers, got {type(index).__name__} {index!r}")
         try:
             i = operator.index(index)
         except TypeError:
@@ -536,13 +543,24 @@ class CachedDataset(torch.utils.data.Dataset):
                 blob = memory.get(i)
                 self._count("memory_hits" if blob is not None else "memory_misses")
             if blob is not None:
-                return _codec.decode(blob, ident, copy=True)
+                try:
+                    return _codec.decode(blob, ident, copy=True, verify=False)
+                except _codec.CorruptEntry as e:
+                    # Never expected (the process encoded it itself): counted as a miss, not a hit,
+                    # dropped, and looked up further like any miss.
+                    with self._lock:
+                        if memory.entries.get(i) is blob:
+                            memory.pop(i)
+                        self._count("memory_hits", -1)
+                        self._count("memory_misses")
+                    warnings.warn(f"CachedDataset: memory-tier entry {i} could not be decoded and was "
+                                  f"dropped ({e})", RuntimeWarning, stacklevel=2)
         if disk is not None:
             found = disk.get(i)
             if found is not None:
                 buf, inode = found
                 try:
-                    sample = _codec.decode(buf, ident, copy=False)
+                    sample = _codec.decode(buf, ident, copy=False, verify=True)
                 except _codec.CorruptEntry:
                     # Counted as corrupt and as a miss: removed, then loaded and written again.
                     self._count("disk_corrupt")
@@ -555,7 +573,7 @@ class CachedDataset(torch.utils.data.Dataset):
             self._count("disk_misses")
         sample = self.dataset[i]
         self._count("loads")
-        blob = _codec.encode(sample, ident)
+        blob = _codec.encode(sample, ident, checksum=disk is not None)  # checked on disk reads alone
         if memory is not None:
             self._remember(i, blob)
         if disk is not None:
@@ -600,9 +618,12 @@ class CachedDataset(torch.utils.data.Dataset):
         """Counters, summed over this process and its DataLoader workers (those with
         ``id < max_workers``), as ``{"memory": {...}, "disk": {...}, "loads": n}``:
 
-        * memory: ``hits``, ``misses``, ``evictions``, ``too_large`` (entries larger than the tier);
+        * memory: ``hits``, ``misses`` (an entry that cannot be decoded, which would be a bug of
+          the cache, is dropped with a RuntimeWarning and counted as a miss), ``evictions``,
+          ``too_large`` (entries larger than the tier);
         * disk: ``hits``, ``misses``, ``writes``, ``evictions`` (done by these processes, of any
-          key), ``too_large``, ``corrupt`` (entries found damaged and removed);
+          key), ``too_large``, ``corrupt`` (entries found damaged, by their checks or checksum,
+          and removed);
         * ``loads``: calls of the wrapped dataset.
 
         A tier that is off counts nothing. ``per_process=True`` returns one such dict per row
