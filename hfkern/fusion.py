@@ -2957,7 +2957,7 @@ _FRESH_METHODS = (
 _VIEW_FUNCTIONS = {torch.flatten, torch.reshape, torch.transpose, torch.swapaxes, torch.permute,
                    torch.unsqueeze, torch.squeeze, torch.narrow, torch.select, torch.unbind, torch.chunk,
                    torch.split, torch.tensor_split, torch.diagonal, torch.movedim, torch.t, torch.detach,
-                   operator.getitem, builtins.getattr}
+                   torch.unflatten, operator.getitem, builtins.getattr}
 
 
 _SIGNATURES: dict[Callable, inspect.Signature | None] = {}
@@ -3067,18 +3067,55 @@ def _written(node: fx.Node, model: nn.Module, array_classes: dict) -> list[fx.No
     return []
 
 
+# Calls that torch makes views of their (contiguous) source, and that the array may have to copy:
+# a model's tensor is contiguous where the array's per-model slice need not be (a linear on a
+# shared input returns a [B, N, ...] view of [N, B, ...] memory).
+_RESHAPING_METHODS = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten"}
+_RESHAPING_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten}
+
+
+# Views that may be non-contiguous in torch (a reshape of one copies).
+_STRIDED_VIEW_METHODS = {"transpose", "swapaxes", "swapdims", "t", "permute", "expand", "expand_as", "narrow",
+                         "select", "unbind", "chunk", "split", "tensor_split", "split_with_sizes", "__getitem__",
+                         "diagonal", "as_strided", "unfold", "movedim", "moveaxis", "mT", "T"}
+_STRIDED_VIEW_FUNCTIONS = {torch.transpose, torch.swapaxes, torch.permute, torch.narrow, torch.select, torch.unbind,
+                           torch.chunk, torch.split, torch.tensor_split, torch.diagonal, torch.movedim, torch.t,
+                           operator.getitem}
+
+
+def _strided_view(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _STRIDED_VIEW_METHODS
+    if node.op == "call_function":
+        return node.target in _STRIDED_VIEW_FUNCTIONS or (node.target is builtins.getattr
+                                                          and node.args[1:2] in (("mT",), ("T",)))
+    return False
+
+
+def _reshaping(node: fx.Node) -> bool:
+    if not (node.args and isinstance(node.args[0], fx.Node)):
+        return False
+    return ((node.op == "call_method" and node.target in _RESHAPING_METHODS)
+            or (node.op == "call_function" and node.target in _RESHAPING_FUNCTIONS))
+
+
 def _aliasing_views(graph: fx.Graph, model: nn.Module, array_classes: dict) -> dict[fx.Node, str | None]:
-    """``x.view(...)`` nodes that must alias their source: something writes in place, after the
-    view is made, into a tensor that may share its memory (the view, its source, a view of
-    either). The value says where the source may be given new memory for the view (None:
-    nowhere): "view", just before the view (nothing made before it that shares the source's
-    memory is read after it; the source itself excepted, whose later readers read the new
-    memory), or "source", just after the source is made (nothing made before the source that
-    shares its memory is read after that); never where one of them is the model's state or an
-    input."""
+    """Reshaping calls (``x.view(...)``, ``reshape``, ``flatten``, ...) that must alias their
+    source: something writes in place, after the call, into a tensor that may share its memory
+    (the result, its source, a view of either), and a tensor made before the call that shares it
+    is read after it (else which of them the write reaches is not seen). The value says where
+    the source may be given new memory for the view (None: nowhere): "view", just before the
+    call (nothing made before it that shares the source's memory is read after it; the source
+    itself excepted, whose later readers read the new memory), or "source", just after the
+    source is made (nothing made before the source that shares its memory is read after that);
+    never where one of them is the model's state or an input.
+
+    ``view`` always aliases in torch; ``reshape`` and ``flatten`` alias a contiguous tensor
+    and copy another: where the source is itself a view (a transpose, a slice), which torch may
+    hold non-contiguous, it is not given new memory (None), so the call aliases where the
+    array's memory allows and raises a FuseError otherwise."""
     nodes = list(graph.nodes)
-    views = [n for n in nodes if n.op == "call_method" and n.target == "view" and n.args
-             and isinstance(n.args[0], fx.Node)]
+    views = [n for n in nodes if _reshaping(n)]
     if not views:
         return {}
     order = {n: i for i, n in enumerate(nodes)}
@@ -3106,30 +3143,30 @@ def _aliasing_views(graph: fx.Graph, model: nn.Module, array_classes: dict) -> d
         source = view.args[0]
         members = [n for n in nodes if find(n) is group]
 
-        def read_after(at: int) -> bool:
-            """Whether a tensor made before ``at`` that shares memory is read after it (or kept
-            by the model's state: an assignment in forward)."""
+        def read_after(at: int, but: fx.Node | None = None) -> bool:
+            """Whether a tensor made before ``at`` that shares memory (``but`` excepted) is read
+            after it (or kept by the model's state: an assignment in forward)."""
             return any((isinstance(n.target, _capture.AssignState) or any(order[u] >= at for u in n.users))
-                       for n in members if order[n] < at and n is not source)
+                       for n in members if order[n] < at and n is not but)
 
+        if not any(isinstance(n.target, _capture.AssignState) or any(order[u] > order[view] for u in n.users)
+                   for n in members if order[n] < order[view]):
+            continue  # a copy is not seen: nothing made before the call is read after it
         if any(n.op in ("placeholder", "get_attr") for n in members):
             found[view] = None
-        elif not read_after(order[view]):
+        elif view.target not in ("view", "view_as") and _strided_view(source):
+            found[view] = None  # a strided view's reshape: torch's copies where the view is not contiguous
+        elif not read_after(order[view], source):
             found[view] = "view"
-        elif not read_after(order[source] + 1):
+        elif not read_after(order[source] + 1, source):
             found[view] = "source"
         else:
             found[view] = None
     return found
 
 
-def _aliasable(x, *shape):
-    """``x``, or its contiguous copy where ``x.view(shape)`` (per model) cannot be a view of it."""
-    try:
-        x.view(x.size(0), *_shape(shape))
-        return x
-    except (RuntimeError, _Fallback):
-        return x.contiguous()
+def _shares_memory(y: Any, x: torch.Tensor) -> bool:
+    return isinstance(y, torch.Tensor) and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
 def _contiguous(x):
@@ -3137,22 +3174,41 @@ def _contiguous(x):
     return x.contiguous()
 
 
-def _strict_view(where: str, x, *shape):
-    """``x.view(shape)`` per model where the forward writes through the view: a view, or FuseError."""
-    size = (x.size(0), *_shape(shape))
-    try:
-        return x.view(size)
-    except RuntimeError as e:
+class _AliasableSource(_ArrayCall):
+    """Called as a reshaping call of the fused graph (``view``, ``reshape``, ...), returns its
+    source: itself where the call is a view of it, else its contiguous copy (in which every
+    reshaping of a model's values is a view)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0]
         try:
-            x.reshape(size)
+            y = super().__call__(*args, **kwargs)
         except RuntimeError:
-            raise e from None  # torch's own error: the sizes do not fit
-        raise FuseError(
-            f"fused forward: `.view({', '.join(map(str, shape))})`{where} cannot be a view of its source in the "
-            "fused model's memory, where the B models' values are laid out for the array ops, and the forward "
-            "writes in place through the view or into its source while the view is in use, so a copy would "
-            "lose those writes. Write the update into the tensor itself rather than through a view, or give "
-            f"the tensor contiguous memory where it is made (`.contiguous()`) ({e})") from None
+            return x.contiguous()
+        return x if _shares_memory(y, x) else x.contiguous()
+
+
+class _AliasingCall(_ArrayCall):
+    """A reshaping call (``view``, ``reshape``, ``flatten``, ...) that in-place writes go through
+    (:func:`_aliasing_views`): its result must be a view of its source, or FuseError. ``where``:
+    the user's line and module, for the message."""
+
+    where = ""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().__call__(*args, **kwargs)
+        if isinstance(args[0], torch.Tensor) and not _shares_memory(out, args[0]):
+            shown = ", ".join([*("tensor" if isinstance(a, torch.Tensor) else str(a) for a in args[1:]),
+                               *(f"{k}={v}" for k, v in kwargs.items())])
+            call = f".{self.method}({shown})" if self.method else \
+                f"torch.{getattr(self.fn, '__name__', 'reshape')}(x{', ' if shown else ''}{shown})"
+            raise FuseError(
+                f"fused forward: `{call}`{self.where} cannot be a view of its source in the fused model's "
+                "memory, where the B models' values are laid out for the array ops, and the forward writes in "
+                "place through the result or into its source while both are in use, so a copy would lose "
+                "those writes. Write the update into the tensor itself rather than through a view, or give the "
+                "tensor contiguous memory where it is made (`.contiguous()`)")
+        return out
 
 
 def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Module],
@@ -3234,8 +3290,11 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
         if aliasing.get(node) == "view" and array[node.args[0]]:
             # The source in memory the view can alias, for the view and all that reads it after.
             source = node.args[0]
-            env[source] = out.call_function(_aliasable, fx.node.map_arg(
-                (source, *node.args[1:]), lambda n: env[n]), fx.node.map_arg(node.kwargs, lambda n: env[n]))
+            probe = _AliasableSource(node.target if node.op == "call_function" else None,
+                                     fx.node.map_arg((tuple(node.args), dict(node.kwargs)), lambda n: array[n]),
+                                     f"aliasable_{node.name}", node.target if node.op == "call_method" else None, B)
+            env[source] = out.call_function(probe, fx.node.map_arg(tuple(node.args), lambda n: env[n]),
+                                            fx.node.map_arg(node.kwargs, lambda n: env[n]))
             env[source].meta.update(node.meta)
         marks = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), lambda n: array[n])
         any_array = any(array[n] for n in node.all_input_nodes)
@@ -3370,12 +3429,14 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
                     cls = _MaskSetItem
                 elif fn is torch.autograd.grad:
                     cls = _GradCall
+                elif node in aliasing:  # a reshaping call that in-place writes go through: a view, or an error
+                    cls = _AliasingCall
                 call = cls(fn, marks, f"per_model_{label}", method, B)
                 call.site = node.meta.get("hfkern_site")
                 call.module_text = _capture.where(node.meta.get("hfkern_module"), model)
-                if node in aliasing:  # a view that in-place writes go through: a view, or an error
-                    module = _capture.where(node.meta.get("hfkern_module"), model)
-                    call.translate = partial(_strict_view, f"{node.meta.get('hfkern_line', '')} {module}")
+                if node in aliasing:
+                    line = node.meta.get("hfkern_line") or _capture._source_line(node)
+                    call.where = f"{line} {call.module_text}"
                 env[node] = out.call_function(call, args, kwargs)
                 array[node] = True
         if node.op != "output":

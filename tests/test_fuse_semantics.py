@@ -670,3 +670,89 @@ def test_bmm_of_arrays_that_are_not_per_model_batches_raises():
         fused(a, b)
     with pytest.raises(RuntimeError, match="3D"):
         Net()(a[0], b[0])
+
+
+# ---- writes through a reshaping call: torch's view semantics ---------------------------------------
+class _WriteThrough(nn.Module):
+    """A linear's output written in place through a reshaping call, then read as it is. On a
+    shared input the array linear returns a [B, N, 6] view of [N, B, 6] memory, where a model's
+    values cannot be flattened without a copy: `flatten`, `reshape(-1)`, `reshape_as`,
+    `unflatten` and `torch.flatten` copied and the write was lost (a silent error of 1.6),
+    `view_as` raised torch's own view error."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.kind = kind
+
+    def forward(self, x):
+        h = self.lin(x)
+        k = self.kind
+        if k == "flatten":
+            h.flatten().mul_(2)
+        elif k == "flatten_dims":
+            h.flatten(0, 1).mul_(2)
+        elif k == "torch.flatten":
+            torch.flatten(h).mul_(2)
+        elif k == "reshape":
+            h.reshape(-1).add_(1)
+        elif k == "torch.reshape":
+            torch.reshape(h, (-1,)).add_(1)
+        elif k == "reshape_as":
+            h.reshape_as(torch.empty(h.numel())).mul_(2)
+        elif k == "view_as":
+            h.view_as(torch.empty(h.numel())).mul_(2)
+        elif k == "unflatten":
+            h.flatten().unflatten(0, (2, -1)).mul_(2)
+        elif k == "write_source":  # into the source, read through the reshaped result
+            f = h.flatten()
+            h.mul_(2)
+            return f.view_as(h) + h
+        return h
+
+
+@pytest.mark.parametrize("kind", ["flatten", "flatten_dims", "torch.flatten", "reshape", "torch.reshape",
+                                  "reshape_as", "view_as", "unflatten", "write_source"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_writes_through_a_reshaping_call_reach_its_source(kind, shared):
+    torch.manual_seed(0)
+    models = [_WriteThrough(kind) for _ in range(B)]
+    fused = hfkern.fuse(models)
+    for _ in range(2):
+        x = torch.randn(4, 6) if shared else torch.randn(B, 4, 6)
+        want = torch.stack([m(x if shared else x[b]) for b, m in enumerate(models)])
+        got = fused(hfkern.broadcast(x, B) if shared else x)
+        assert_close(got, want, **TOL)
+        got.sum().backward()
+        want.sum().backward()
+        for b, m in enumerate(models):
+            assert_close(fused.lin.weight.grad[b], m.lin.weight.grad, **TOL)
+
+
+class _StridedWriteThrough(nn.Module):
+    def __init__(self, read_source):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.read_source = read_source
+
+    def forward(self, x):
+        t = self.lin(x).t()           # non-contiguous in torch: its reshape copies
+        f = t.reshape(-1)
+        f.add_(1)
+        return t + 1 if self.read_source else f
+
+
+def test_a_write_through_a_strided_views_reshape_is_kept_or_refused():
+    """Where the source is a transpose (or a slice), torch's reshape may copy or not, which the
+    fused graph cannot tell: a forward that reads the source after writing through the reshape
+    is refused, naming the call; one that does not read it runs, as nothing can see the
+    difference."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    models = [_StridedWriteThrough(False) for _ in range(B)]
+    got = hfkern.fuse(models)(hfkern.broadcast(x, B))
+    assert_close(got, torch.stack([m(x) for m in models]), **TOL)
+    models = [_StridedWriteThrough(True) for _ in range(B)]
+    with pytest.raises(hfkern.FuseError, match=r"`\.reshape\(-1\)` at test_fuse_semantics\.py:\d+: .* cannot be "
+                                               r"a view of its source"):
+        hfkern.fuse(models)(hfkern.broadcast(x, B))
