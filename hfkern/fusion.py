@@ -3149,9 +3149,9 @@ def _aliasing_views(graph: fx.Graph, model: nn.Module, array_classes: dict) -> d
             return any((isinstance(n.target, _capture.AssignState) or any(order[u] >= at for u in n.users))
                        for n in members if order[n] < at and n is not but)
 
-        if not any(isinstance(n.target, _capture.AssignState) or any(order[u] > order[view] for u in n.users)
-                   for n in members if order[n] < order[view]):
-            continue  # a copy is not seen: nothing made before the call is read after it
+        if not any(n.op in ("placeholder", "get_attr") or isinstance(n.target, _capture.AssignState)
+                   or any(order[u] > order[view] for u in n.users) for n in members if order[n] < order[view]):
+            continue  # a copy is not seen: nothing made before the call is read after it, or kept
         if any(n.op in ("placeholder", "get_attr") for n in members):
             found[view] = None
         elif view.target not in ("view", "view_as") and _strided_view(source):
