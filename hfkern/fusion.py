@@ -3067,10 +3067,11 @@ def _written(node: fx.Node, model: nn.Module, array_classes: dict) -> list[fx.No
     return []
 
 
-# Calls that torch makes views of their (contiguous) source, and that the array may have to copy:
+# Calls that torch makes views of their (contiguous) source (``contiguous``: the source itself),
+# and that the array may have to copy:
 # a model's tensor is contiguous where the array's per-model slice need not be (a linear on a
 # shared input returns a [B, N, ...] view of [N, B, ...] memory).
-_RESHAPING_METHODS = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten"}
+_RESHAPING_METHODS = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "contiguous"}
 _RESHAPING_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten}
 
 

@@ -677,8 +677,8 @@ class _WriteThrough(nn.Module):
     """A linear's output written in place through a reshaping call, then read as it is. On a
     shared input the array linear returns a [B, N, 6] view of [N, B, 6] memory, where a model's
     values cannot be flattened without a copy: `flatten`, `reshape(-1)`, `reshape_as`,
-    `unflatten` and `torch.flatten` copied and the write was lost (a silent error of 1.6),
-    `view_as` raised torch's own view error."""
+    `unflatten`, `torch.flatten` and `contiguous` copied and the write was lost (a silent error
+    of 1.6), `view_as` raised torch's own view error."""
 
     def __init__(self, kind):
         super().__init__()
@@ -704,6 +704,8 @@ class _WriteThrough(nn.Module):
             h.view_as(torch.empty(h.numel())).mul_(2)
         elif k == "unflatten":
             h.flatten().unflatten(0, (2, -1)).mul_(2)
+        elif k == "contiguous":  # itself, for a contiguous tensor
+            h.contiguous().mul_(2)
         elif k == "write_source":  # into the source, read through the reshaped result
             f = h.flatten()
             h.mul_(2)
@@ -712,7 +714,7 @@ class _WriteThrough(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["flatten", "flatten_dims", "torch.flatten", "reshape", "torch.reshape",
-                                  "reshape_as", "view_as", "unflatten", "write_source"])
+                                  "reshape_as", "view_as", "unflatten", "contiguous", "write_source"])
 @pytest.mark.parametrize("shared", [True, False])
 def test_writes_through_a_reshaping_call_reach_its_source(kind, shared):
     torch.manual_seed(0)
