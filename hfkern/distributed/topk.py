@@ -51,6 +51,14 @@ last bucket issues its own). Collectives go out only from hook calls, in
 bucket order, never from a future's callback, because every rank must issue
 the collectives of a group in the same order, with any number of buckets.
 
+A complex parameter's gradient is its real view in the bucket (DDP reduces
+complex gradients as real ones): it counts as ``2 * numel`` elements, real and
+imaginary parts are selected apart, and its residual is kept in that layout
+(:meth:`TopKState.state_dict` holds it as a complex tensor, like the parameter).
+A bucket of parameters with no elements passes through (nothing is sent).
+Sparse gradients (``nn.Embedding(sparse=True)``) are refused with a TypeError,
+as DDP's own communication hooks do not take them either.
+
 Arrays of models (``per_model=B``): every parameter is ``[B, ...]``, and model
 b's part of a bucket is ``param[b]`` of each of the bucket's parameters, wherever
 the parameter's strides put its elements there (DDP lays a gradient out with its
@@ -72,7 +80,9 @@ residuals per parameter, the step and the seed; every rank saves and loads its
 own (residuals differ between ranks).
 
 The step counter advances after the last bucket of a backward pass
-(``bucket.is_last()``); the selection's seed of a bucket is a function of
+(``bucket.is_last()``), and a hook call changes the state (step, residuals,
+statistics) only once its bucket's collective is issued: a call that raises
+before leaves it as it was. The selection's seed of a bucket is a function of
 ``(seed, step, bucket index)``, so a restart reproduces the same selections
 over the same buckets: a model whose gradients fit one bucket continues bit for
 bit; with several, the first step after a restart selects over DDP's initial
@@ -82,6 +92,7 @@ values that differ by that step.
 """
 
 import logging
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -137,8 +148,31 @@ def _check_int(value, name: str, minimum: int) -> int:
 
 
 def k_for(density: float, m: int) -> int:
-    """Entries a row of length ``m`` sends at ``density``: ``round(density * m)``, in [1, m]."""
-    return max(1, min(m, round(density * m)))
+    """Entries a row of length ``m`` sends at ``density``: ``round(density * m)``, in [1, m].
+
+    ``density`` is a real number in (0, 1], ``m`` an int >= 0. An empty row (``m = 0``)
+    sends nothing: 0 (:func:`topk_hook` passes a bucket of no elements through). Raises
+    TypeError / ValueError naming what was expected and what came.
+    """
+    if isinstance(density, bool) or not isinstance(density, numbers.Real):
+        raise TypeError(f"k_for: expected density to be a real number in (0, 1], got "
+                        f"{type(density).__name__} {density!r}")
+    d = float(density)
+    if not 0.0 < d <= 1.0:  # also NaN
+        raise ValueError(f"k_for: expected density in (0, 1], got {density!r}")
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+        raise TypeError(f"k_for: expected m (the row length) to be an int >= 0, got {type(m).__name__} {m!r}")
+    m = int(m)
+    if m < 0:
+        raise ValueError(f"k_for: expected m (the row length) to be an int >= 0, got {m}")
+    if m == 0:
+        return 0
+    return max(1, min(m, round(d * m)))
+
+
+def _real_numel(p: torch.Tensor) -> int:
+    """Elements of ``p`` in a DDP bucket: a complex parameter is its real view (2 per element)."""
+    return p.numel() * (2 if p.is_complex() else 1)
 
 
 @dataclass
@@ -175,7 +209,8 @@ class TopKState:
     Args:
         model: the module DDP wraps (or the DDP module itself); its parameter
             order names the residuals in :meth:`state_dict`.
-        process_group: the data-parallel group (None: the world).
+        process_group: the data-parallel group, a ``torch.distributed.ProcessGroup``
+            (None: the world).
         density: fraction of each row (each model's part of a bucket, or the
             whole bucket) that is sent, in (0, 1]. Default 0.01 unless
             ``density_schedule`` is given.
@@ -215,6 +250,9 @@ class TopKState:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TopKState: torch.distributed is not initialized; "
                                "call torch.distributed.init_process_group first")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"TopKState: expected process_group to be a torch.distributed.ProcessGroup or "
+                            f"None, got {type(process_group).__name__} {process_group!r}")
         self.process_group = dist.group.WORLD if process_group is None else process_group
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
@@ -266,9 +304,15 @@ class TopKState:
                                  f"group holds {pg_ranks}")
         self.nodes = nodes
 
-        params = list(model.parameters())
+        named = list(model.named_parameters())
+        params = [p for _, p in named]
         self._keys = {id(p): i for i, p in enumerate(params)}
-        self._numels = [p.numel() for p in params]
+        self._names = [name for name, _ in named]
+        # Elements in the buckets and residuals (a complex parameter counts as its real view);
+        # the parameters' own element counts and dtypes are what state_dict() holds.
+        self._numels = [_real_numel(p) for p in params]
+        self._param_numels = [p.numel() for p in params]
+        self._dtypes = [p.dtype for p in params]
         if per_model is not None:
             per_model = _check_int(per_model, "per_model", 1)
             for i, p in enumerate(params):
@@ -319,11 +363,14 @@ class TopKState:
         plan = self._plans.get(index)
         if plan is not None and plan.keys == keys and plan.n == buffer.numel():
             return plan
-        numels = tuple(p.numel() for p in params)
+        # A complex parameter's gradient is its real view in the bucket (DDP reduces complex
+        # gradients as real ones): 2 elements per entry, real and imaginary parts selected apart.
+        numels = tuple(_real_numel(p) for p in params)
         n = buffer.numel()
         if sum(numels) != n:
             raise ValueError(f"topk_hook: bucket {index} holds {n} elements but its parameters hold "
-                             f"{sum(numels)}; sparse buckets must be dense and unpadded")
+                             f"{sum(numels)} (complex ones counted as their real views); expected a "
+                             f"dense, unpadded bucket")
         if n >= 2 ** 31:
             raise ValueError(f"topk_hook: bucket {index} has {n} elements; int32 indices need fewer "
                              f"than 2**31 (lower bucket_cap_mb)")
@@ -367,41 +414,58 @@ class TopKState:
         return plan.shard_pos[L]
 
     def _residual(self, index: int, plan: _BucketPlan, like: torch.Tensor, create: bool):
-        """This bucket's flat residual ([n], bucket layout), taking over the segments of
-        its parameters from other layouts; None while there is none and not ``create``."""
+        """``(residual, take)``: this bucket's flat residual ([n], bucket layout), with the
+        segments of its parameters taken over from other layouts (None while there is none and
+        not ``create``), and a function that records the take-over. Nothing changes before
+        ``take()`` is called, so a hook call that raises first leaves the state as it was."""
         entry = self._residuals.get(index)
         if entry is not None and entry[0] == plan.keys:
-            return entry[2]
+            return entry[2], _nothing
         # The layout changed (DDP rebuilt its buckets, or the state was loaded):
         # release every stored bucket that holds one of these parameters, or this
         # index. None of them was touched in this step (buckets already handled
         # in this step have the new layout, whose parameters are disjoint from
         # this bucket's), so nothing in flight is affected.
         mine = set(plan.keys)
-        for j, (keys, numels, t) in list(self._residuals.items()):
-            if j == index or mine.intersection(keys):
-                del self._residuals[j]
+        released = [j for j, (keys, _, _) in self._residuals.items() if j == index or mine.intersection(keys)]
+        found = {key: self._loose[key] for key in plan.keys if key in self._loose}
+        for j in released:
+            keys, numels, t = self._residuals[j]
+            found.update((key, seg) for key, seg in zip(keys, t.split(list(numels))) if key in mine)
+        res = None
+        if create or found:
+            res = torch.zeros(plan.n, dtype=like.dtype, device=like.device)
+            off = 0
+            for key, numel in zip(plan.keys, plan.numels):
+                seg = found.get(key)
+                if seg is not None:
+                    if seg.numel() != numel:
+                        raise ValueError(f"TopKState: residual of parameter {key} has {seg.numel()} "
+                                         f"elements, the parameter {numel}")
+                    res[off:off + numel].copy_(seg)
+                off += numel
+
+        def take():
+            for j in released:
+                keys, numels, t = self._residuals.pop(j)
                 for key, seg in zip(keys, t.split(list(numels))):
                     self._loose[key] = seg
-        if not create and not any(k in self._loose for k in plan.keys):
-            return None
-        res = torch.zeros(plan.n, dtype=like.dtype, device=like.device)
-        off = 0
-        for key, numel in zip(plan.keys, plan.numels):
-            seg = self._loose.pop(key, None)
-            if seg is not None:
-                if seg.numel() != numel:
-                    raise ValueError(f"TopKState: residual of parameter {key} has {seg.numel()} "
-                                     f"elements, the parameter {numel}")
-                res[off:off + numel].copy_(seg)
-            off += numel
-        self._residuals[index] = (plan.keys, plan.numels, res)
-        return res
+            if res is not None:
+                for key in plan.keys:
+                    self._loose.pop(key, None)
+                self._residuals[index] = (plan.keys, plan.numels, res)
+
+        return res, take
+
+    def _param_name(self, key) -> str:
+        return "a parameter not in the model" if key is None else f"parameter {key} ({self._names[key]!r})"
 
     # ---- decisions ------------------------------------------------------------------------
     def _decide(self, step: int, plan: _BucketPlan, itemsize: int) -> tuple[str, float, int, int]:
         """(mode, density, k per row, capacity per row) of one bucket at ``step``."""
         density = self.density_at(step)
+        if plan.m == 0:  # nothing to send (topk_hook passes the bucket through)
+            return "dense", density, 0, 0
         if step < self.warmup_steps:
             return "dense", density, plan.m, plan.m
         if self.nodes is None:
@@ -427,17 +491,25 @@ class TopKState:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Step, seed and this rank's residuals per parameter (copies); what a restart needs."""
-        residuals = {key: seg.clone() for key, seg in self._loose.items()}
+        """Step, seed and this rank's residuals per parameter (copies, 1-D, in the parameter's
+        element count and dtype: a complex parameter's as a complex tensor); what a restart needs."""
+        segs = dict(self._loose)
         for keys, numels, t in self._residuals.values():
-            for key, seg in zip(keys, t.split(list(numels))):
-                residuals[key] = seg.clone()
+            segs.update(zip(keys, t.split(list(numels))))
+        residuals = {}
+        for key, seg in segs.items():
+            seg = seg.clone()
+            residuals[key] = torch.view_as_complex(seg.view(-1, 2)) if self._dtypes[key].is_complex else seg
         return {"step": self.step, "seed": self.seed, "world_size": self.world_size, "rank": self.rank,
                 "hierarchical": self.nodes is not None, "per_model": self.per_model,
                 "residuals": residuals}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` of this rank; the configuration must match."""
+        """Restore :meth:`state_dict` of this rank; the configuration must match. Raises
+        TypeError / ValueError, and changes nothing, when the state does not fit."""
+        if not isinstance(state, dict):
+            raise TypeError(f"TopKState.load_state_dict: expected a dict (from state_dict()), "
+                            f"got {type(state).__name__}")
         for name, mine in (("world_size", self.world_size), ("rank", self.rank),
                            ("hierarchical", self.nodes is not None), ("per_model", self.per_model)):
             if state.get(name) != mine:
@@ -455,14 +527,28 @@ class TopKState:
             if not (isinstance(key, int) and not isinstance(key, bool) and 0 <= key < n_params):
                 raise ValueError(f"TopKState.load_state_dict: residual key {key!r} is not a parameter "
                                  f"position in [0, {n_params})")
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != self._numels[key]:
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != self._param_numels[key]:
                 what = f"a {t.dim()}-D tensor of {t.numel()} elements" if isinstance(t, torch.Tensor) \
                     else type(t).__name__
                 raise ValueError(f"TopKState.load_state_dict: the residual of parameter {key} must be a 1-D "
-                                 f"tensor of its {self._numels[key]} elements, got {what}")
+                                 f"tensor of its {self._param_numels[key]} elements, got {what}")
+            if t.dtype != self._dtypes[key]:
+                raise ValueError(f"TopKState.load_state_dict: expected the residual of parameter {key} in "
+                                 f"the parameter's dtype {self._dtypes[key]}, got {t.dtype}")
         self.step, self.seed = step, seed
         self._residuals.clear()
-        self._loose = {key: t.detach().clone() for key, t in residuals.items()}
+        # Kept in the buckets' layout: a complex parameter's residual as its real view.
+        self._loose = {key: _as_real_flat(t.detach().clone(memory_format=torch.contiguous_format))
+                       for key, t in residuals.items()}
+
+
+def _nothing() -> None:
+    pass
+
+
+def _as_real_flat(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D tensor in the bucket layout: a complex one as its real view."""
+    return torch.view_as_real(t).reshape(-1) if t.is_complex() else t
 
 
 def _pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -479,7 +565,9 @@ def _bucket_positions(p: torch.Tensor) -> torch.Tensor:
     """Where each element of ``p`` (in row-major order, ``[p.numel()]``) sits in its segment of a
     DDP bucket: DDP lays a dense, non-overlapping parameter's gradient out with the parameter's
     strides (a transposed or channels-last parameter's model rows are not consecutive there),
-    any other one contiguously."""
+    any other one contiguously. A complex parameter is its real view there (``[2 * p.numel()]``)."""
+    if p.is_complex():
+        p = torch.view_as_real(p.detach())
     if p.numel() == 0:
         return torch.zeros(0, dtype=torch.int64)
     dims = sorted((d for d in range(p.dim()) if p.size(d) > 1), key=lambda d: p.stride(d))
@@ -536,50 +624,78 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     place), as torch's ``allreduce_hook`` does. What is computed: see the module
     docstring of :mod:`hfkern.distributed.topk`.
 
+    Raises TypeError for a sparse gradient or a bucket dtype it does not take, ValueError
+    for a bucket that does not match the model's parameters, before anything in ``state``
+    changes. A bucket of no elements is passed through (nothing is sent).
+
     In hierarchical mode the future of a bucket that is not the last one
     (``bucket.is_last()``) completes only after the hook has been called for the
     next bucket, which issues its last collective; DDP calls the hook for every
     bucket, in index order, before it waits on any of the futures.
     """
-    buf = bucket.buffer()
-    if buf.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"topk_hook: bucket dtype must be one of {_FLOAT_DTYPES}, got {buf.dtype}")
-    index = bucket.index()
-    plan = state._plan(index, list(bucket.parameters()), buf)
-    step = state.step
-    mode, density, k, cap = state._decide(step, plan, buf.element_size())  # raises before the step counts
-    if bucket.is_last():
-        state.step += 1
-    if state._last_mode.get(index) != mode:
-        logger.debug("topk_hook: bucket %d (%d elements) goes %s at step %d (density %g)",
-                     index, plan.n, mode, step, density)
-        state._last_mode[index] = mode
     # Every collective is issued here, on the thread that calls the hook, never
     # from a future's callback: Gloo and NCCL match collectives on a group by
     # the order they were issued in, and a callback runs when a collective
     # completes, which differs between ranks. Earlier buckets' deferred
-    # collectives go first, so every rank issues one sequence per group.
+    # collectives go first, so every rank issues one sequence per group (they
+    # belong to earlier calls, and go out even if this bucket is refused below).
     state._issue_pending()
 
+    buf = bucket.buffer()
+    index = bucket.index()
+    params = list(bucket.parameters())
+    if buf.layout != torch.strided:
+        who = ", ".join(state._param_name(state._keys.get(id(p))) for p in params)
+        raise TypeError(f"topk_hook: bucket {index} ({who}): expected a dense gradient, got a sparse one "
+                        f"({buf.layout}); the hook does not support sparse gradients (nn.Embedding / "
+                        f"nn.EmbeddingBag with sparse=True), as DDP's own communication hooks do not")
+    if buf.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"topk_hook: bucket dtype must be one of {_FLOAT_DTYPES}, got {buf.dtype}")
+    plan = state._plan(index, params, buf)
+    step = state.step
+    mode, density, k, cap = state._decide(step, plan, buf.element_size())
+    last = bucket.is_last()
+
+    def commit(stats: BucketStats, take: Callable[[], None]) -> None:
+        """Records this call in the state, once its collective is issued: nothing before
+        can have changed it, so a call that raises leaves the state as it was."""
+        take()
+        state.bucket_stats[index] = stats
+        state.payload_bytes += stats.payload_bytes
+        if last:
+            state.step += 1
+        if state._last_mode.get(index) != mode:
+            logger.debug("topk_hook: bucket %d (%d elements) goes %s at step %d (density %g)",
+                         index, plan.n, mode, step, density)
+            state._last_mode[index] = mode
+
+    if plan.n == 0:  # parameters of no elements: nothing to send, on any rank
+        _, take = state._residual(index, plan, buf, create=False)
+        commit(BucketStats(mode, density, k, cap, plan.rows, 0), take)
+        fut = _future_like(buf)
+        fut.set_result(buf)
+        return fut
+
     if mode == "dense":
-        res = state._residual(index, plan, buf, create=False)
+        res, take = state._residual(index, plan, buf, create=False)
         if res is not None:
             buf.add_(res)
-            res.zero_()
-        state.bucket_stats[index] = BucketStats(mode, density, k, cap, plan.rows, buf.numel() * buf.element_size())
-        state.payload_bytes += buf.numel() * buf.element_size()
+        nbytes = buf.numel() * buf.element_size()
         # DDP's own pre-division, bit for bit: a multiplication by the float reciprocal (a
         # division rounds differently where the world size is not a power of two)
         buf.mul_(1.0 / state.world_size)
         work = dist.all_reduce(buf, group=state.process_group, async_op=True)
+        if res is not None:
+            res.zero_()  # everything was sent
+        commit(BucketStats(mode, density, k, cap, plan.rows, nbytes), take)
         return work.get_future().then(lambda fut: fut.value()[0])
 
-    res = state._residual(index, plan, buf, create=True)
+    res, take = state._residual(index, plan, buf, create=True)
     buf.add_(res)
     seed = state.seed_for(step, index)
     if mode == "flat":
-        return _flat(state, index, plan, buf, res, k, cap, seed, density)
-    return _hierarchical(state, index, plan, buf, res, k, cap, seed, density, bucket.is_last())
+        return _flat(state, plan, buf, res, k, cap, seed, density, commit, take)
+    return _hierarchical(state, plan, buf, res, k, cap, seed, density, last, commit, take)
 
 
 def _rows(plan: _BucketPlan, flat: torch.Tensor) -> torch.Tensor:
@@ -594,21 +710,21 @@ def _unrows(plan: _BucketPlan, rows: torch.Tensor, out: torch.Tensor) -> torch.T
     return out.index_copy_(0, plan.perm, rows.reshape(-1).to(out.dtype))
 
 
-def _flat(state, index, plan, buf, res, k, cap, seed, density):
+def _flat(state, plan, buf, res, k, cap, seed, density, commit, take):
     R, m = plan.rows, plan.m
     acc = _rows(plan, buf)
     sel = _select(acc, k, state.exact, seed)
     base = torch.arange(R, device=buf.device, dtype=torch.int64)[:, None] * m
     flat_idx = (sel.indices.long() + base).to(torch.int32)
     kept = _selected_mask(flat_idx, sel.count, cap, R * m).view(R, m)
-    _unrows(plan, torch.where(kept, torch.zeros_like(acc), acc), res)
+    left = torch.where(kept, torch.zeros_like(acc), acc)
 
     packed = _pack(sel.values, flat_idx)
     W = state.world_size
     gathered = torch.empty(W * packed.numel(), dtype=torch.uint8, device=buf.device)
-    state.bucket_stats[index] = BucketStats("flat", density, k, cap, R, packed.numel())
-    state.payload_bytes += packed.numel()
     work = _all_gather(gathered, packed, state.process_group)
+    _unrows(plan, left, res)  # what was not sent
+    commit(BucketStats("flat", density, k, cap, R, packed.numel()), take)
 
     def finish(fut):  # local work only: no collective from a callback (see topk_hook)
         fut.value()  # raises if the all-gather failed (its buffer holds no messages)
@@ -625,7 +741,7 @@ def _future_like(t: torch.Tensor) -> torch.futures.Future:
     return torch.futures.Future(devices=[t.device]) if t.is_cuda else torch.futures.Future()
 
 
-def _hierarchical(state, index, plan, buf, res, k, cap, seed, density, last):
+def _hierarchical(state, plan, buf, res, k, cap, seed, density, last, commit, take):
     nodes: NodeGroups = state.nodes
     L, N = nodes.node_size, nodes.num_nodes
     R, m = plan.rows, plan.m
@@ -638,8 +754,6 @@ def _hierarchical(state, index, plan, buf, res, k, cap, seed, density, last):
     # Payload this rank hands to the three collectives (known before they run).
     itemsize = buf.element_size()
     payload = L * R * s * itemsize + R * cap * (itemsize + _INDEX_BYTES) + R * s * itemsize
-    state.bucket_stats[index] = BucketStats("hierarchical", density, k, cap, R, payload)
-    state.payload_bytes += payload
     # The selection needs the node's sum: wait for the reduce-scatter here. On
     # NCCL, wait() only orders the streams (the host goes on); Gloo's
     # reduce-scatter has no future to chain on.
@@ -649,14 +763,15 @@ def _hierarchical(state, index, plan, buf, res, k, cap, seed, density, last):
     base = torch.arange(R, device=buf.device, dtype=torch.int64)[:, None] * s
     flat_idx = (sel.indices.long() + base).to(torch.int32)
     kept = _selected_mask(flat_idx, sel.count, cap, R * s).view(R, s)
-    # The residual lives at this rank's shard positions only; the rest of the
-    # node's error was sent or is held by the other local ranks.
-    res.zero_()
     left = torch.where(kept, torch.zeros_like(shard_rows), shard_rows)
-    res.index_copy_(0, shard_pos, left.view(-1)[shard_where])
     packed = _pack(sel.values, flat_idx)
     gathered = torch.empty(N * packed.numel(), dtype=torch.uint8, device=buf.device)
     work = _all_gather(gathered, packed, nodes.inter)
+    # The residual lives at this rank's shard positions only; the rest of the
+    # node's error was sent or is held by the other local ranks.
+    res.zero_()
+    res.index_copy_(0, shard_pos, left.view(-1)[shard_where])
+    commit(BucketStats("hierarchical", density, k, cap, R, payload), take)
     full = torch.empty(L * R * s, dtype=buf.dtype, device=buf.device)
     out = _future_like(buf)
 
