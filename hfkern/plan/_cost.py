@@ -573,8 +573,8 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     interleaved rounds (:func:`profile_together`), and then the plain steps of
     all B together, to which each B's times are scaled (the device's drift
     between one B and the next does not bend the curves). Their arrays are
-    alive together: one B's plain array, one per block and one per array in
-    flight, then one plain array per B. ``interleave=False`` profiles one
+    alive together: one B's plain array, one per block, one with all blocks
+    recomputed and one per array in flight, then one plain array per B. ``interleave=False`` profiles one
     strategy at a time (one array alive; pass the result to
     ``hfkern.plan(..., cost_model=...)`` where the arrays of several together
     do not fit the device), and the drift goes into the fit.
