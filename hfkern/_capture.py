@@ -364,6 +364,8 @@ class _Tracer(fx.Tracer):
 
     # -- fx hooks
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if type(m) in _INLINED_MODULES:
+            return False
         return self._leaf(m) or super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
@@ -709,10 +711,9 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
                        ("the B models' values differ, so their results differ in size and are not one "
                         "array. Write it with ops whose result has a fixed size (torch.where(condition, x, "
                         "y), masked_fill, a sum of a masked product), or move it out of forward"))
-        elif _inplace(node) and node.args and isinstance(node.args[0], fx.Node) \
-                and node.args[0].op == "get_attr" and node.args[0].target in constants:
-            name = node.args[0].target
-            problem = (f"forward modifies the tensor {name!r} in place (`{node.target}`)",
+        elif (written := _written_constant(node, constants)) is not None:
+            name, how = written
+            problem = (f"forward modifies the tensor {name!r} in place ({how})",
                        "a tensor attribute that is neither a parameter nor a buffer is not per-model "
                        "state; register it as a buffer (self.register_buffer) so that each model keeps "
                        "its own" if not name.rpartition(".")[2].startswith("_tensor_constant") else
@@ -724,6 +725,28 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
             raise FuseError(f"fuse: cannot capture the model: {problem[0]}{_source_line(node)} "
                             f"{where(node.meta.get('hfkern_module'), model)}; {problem[1]}")
     return Captured(graph, constants)
+
+
+# torch modules captured as their forward's one call (``input.flatten(start_dim, end_dim)``):
+# the fused forward then treats them as torch treats that call (a write through the result
+# reaches the input, as through a view).
+_INLINED_MODULES = (nn.Flatten, nn.Unflatten)
+
+
+def _written_constant(node: fx.Node, constants: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+    """(name, how) of a constant that ``node`` writes: in place (its first argument), or as an
+    ``out=`` tensor (which torch also resizes: the B models' result would reshape the constant)."""
+    def constant(n: Any) -> str | None:
+        return n.target if isinstance(n, fx.Node) and n.op == "get_attr" and n.target in constants else None
+
+    if _inplace(node) and node.args and (name := constant(node.args[0])) is not None:
+        return name, f"`{node.target}`"
+    if node.op in ("call_function", "call_method"):
+        for n in tree_flatten(node.kwargs.get("out"))[0]:
+            if (name := constant(n)) is not None:
+                target = getattr(node.target, "__name__", node.target)
+                return name, f"`{target}(..., out=...)`"
+    return None
 
 
 def _trace(traced: nn.Module, model: nn.Module, leaf: Callable[[nn.Module], bool], stack_traces: bool,

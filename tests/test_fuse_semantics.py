@@ -758,3 +758,57 @@ def test_a_write_through_a_strided_views_reshape_is_kept_or_refused():
     with pytest.raises(hfkern.FuseError, match=r"`\.reshape\(-1\)` at test_fuse_semantics\.py:\d+: .* cannot be "
                                                r"a view of its source"):
         hfkern.fuse(models)(hfkern.broadcast(x, B))
+
+
+class _FlattenModuleWrite(nn.Module):
+    """A write through nn.Flatten's output (a view in torch) that must reach the linear's output:
+    the module was a layer of its own in the fused graph, outside the reshaping calls' analysis,
+    and on a shared input its result was a copy (an error of 1.07)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.fc = nn.Linear(5, 6)
+        self.flat = nn.Flatten(1) if module == "flatten" else nn.Unflatten(2, (2, 3))
+
+    def forward(self, x):  # x [N, T, 5]
+        y = self.fc(x)
+        f = self.flat(y)
+        f[:, :1] = 0
+        return y
+
+
+@pytest.mark.parametrize("module", ["flatten", "unflatten"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_writes_through_flatten_modules_reach_their_input(module, shared):
+    torch.manual_seed(0)
+    models = [_FlattenModuleWrite(module) for _ in range(B)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(4, 3, 5) if shared else torch.randn(B, 4, 3, 5)
+    want = torch.stack([m(x if shared else x[b]) for b, m in enumerate(models)])
+    got = fused(hfkern.broadcast(x, B) if shared else x)
+    assert_close(got, want, **TOL)
+    got.sum().backward()
+    want.sum().backward()
+    for b, m in enumerate(models):
+        assert_close(fused.fc.bias.grad[b], m.fc.bias.grad, **TOL)
+
+
+class _OutIntoConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x):
+        o = torch.zeros(4, 5)
+        with torch.no_grad():
+            torch.mul(self.fc(x), 2, out=o)
+        return o
+
+
+def test_out_into_a_constant_is_refused():
+    """``out=`` into a tensor made in forward from Python values (a constant of the captured
+    forward) resized the constant to the B models' result: the first call returned [B, B, ...],
+    and the model's constant stayed resized. Refused as an in-place write into it is."""
+    with pytest.raises(hfkern.FuseError, match=r"modifies the tensor '_tensor_constant0' in place "
+                                               r"\(`mul\(\.\.\., out=\.\.\.\)`\) at test_fuse_semantics\.py"):
+        hfkern.fuse([_OutIntoConstant() for _ in range(B)])
