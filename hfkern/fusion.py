@@ -915,6 +915,21 @@ class _ArrayCall(_CallsFunction):
         return self.fn(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._run(args, kwargs)
+        except RuntimeError as e:
+            if "single memory location" not in str(e) or not _broadcast_written(args):
+                raise
+            site = _capture.site_line(getattr(self, "site", None))
+            raise FuseError(
+                f"fused forward: `{self.method or getattr(self.fn, '__name__', self.fn)}`{site} "
+                f"{getattr(self, 'module_text', '')} writes in place into a tensor that is one tensor for "
+                "every model here: the forward's input given shared by the B models (hfkern.broadcast), or a "
+                "view of it (a layer that returns its input, as dropout in evaluation does), cannot hold B "
+                "models' values. Pass the input per model (x.expand(B, *x.shape).clone()), or write into a "
+                "copy (x = x.clone())") from e
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
         if self._arity is not None and self._arity == (len(args), tuple(kwargs)):
             out = self._direct(args, kwargs)
             if out is not _WALK:
@@ -3100,6 +3115,63 @@ def _reshaping(node: fx.Node) -> bool:
             or (node.op == "call_function" and node.target in _RESHAPING_FUNCTIONS))
 
 
+def _alias_groups(graph: fx.Graph, model: nn.Module, array_classes: dict
+                  ) -> tuple[dict[fx.Node, int], Callable[[fx.Node], fx.Node], list[tuple[int, fx.Node]]]:
+    """(each node's position, ``find``: a node's group of nodes that may share memory (its
+    root), the in-place writes as (position, group written))."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    parent: dict[fx.Node, fx.Node] = {}  # union-find of the nodes that may share memory
+
+    def find(n: fx.Node) -> fx.Node:
+        root = n
+        while root in parent:
+            root = parent[root]
+        while n is not root:
+            parent[n], n = root, parent[n]
+        return root
+
+    for node in nodes:
+        for src in _alias_sources(node, model, array_classes):
+            a, b = find(node), find(src)
+            if a is not b:
+                parent[a] = b
+    writes = [(order[w], find(t)) for w in nodes for t in _written(w, model, array_classes)]
+    return order, find, writes
+
+
+def _written_after(graph: fx.Graph, model: nn.Module, array_classes: dict) -> set[fx.Node]:
+    """The nodes whose memory (or memory they may share) is written in place after they are made."""
+    order, find, writes = _alias_groups(graph, model, array_classes)
+    last: dict[fx.Node, int] = {}
+    for at, group in writes:
+        last[group] = max(last.get(group, -1), at)
+    return {n for n in graph.nodes if last.get(find(n), -1) > order[n]}
+
+
+def _broadcast_written(args: tuple) -> bool:
+    """Whether an in-place call's first argument is one tensor broadcast to the B models."""
+    x = args[0] if args else None
+    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) > 1 and x.stride(0) == 0
+
+
+def _may_broadcast(module: nn.Module) -> bool:
+    """Whether a layer may return one tensor broadcast to the B models (on a shared input): one
+    without state (a pooling, a norm without affine parameters, an evaluation dropout), and not
+    an in-place one (which returns its input)."""
+    return (next(module.parameters(), None) is None and next(module.buffers(), None) is None
+            and getattr(module, "inplace", False) is not True)
+
+
+def _own_memory(x: Any) -> Any:
+    """A layer's result that the forward writes into: its own memory where it is one tensor
+    broadcast to the B models (a pooling or an evaluation dropout of a shared input), as each
+    model's layer returns a tensor of its own."""
+    if isinstance(x, torch.Tensor) and x.dim() and x.size(0) > 1 and x.stride(0) == 0:
+        return x.contiguous()
+    return x
+
+
 def _aliasing_views(graph: fx.Graph, model: nn.Module, array_classes: dict) -> dict[fx.Node, str | None]:
     """Reshaping calls (``x.view(...)``, ``reshape``, ``flatten``, ...) that must alias their
     source: something writes in place, after the call, into a tensor that may share its memory
@@ -3119,23 +3191,7 @@ def _aliasing_views(graph: fx.Graph, model: nn.Module, array_classes: dict) -> d
     views = [n for n in nodes if _reshaping(n)]
     if not views:
         return {}
-    order = {n: i for i, n in enumerate(nodes)}
-    parent: dict[fx.Node, fx.Node] = {}  # union-find of the nodes that may share memory
-
-    def find(n: fx.Node) -> fx.Node:
-        root = n
-        while root in parent:
-            root = parent[root]
-        while n is not root:
-            parent[n], n = root, parent[n]
-        return root
-
-    for node in nodes:
-        for src in _alias_sources(node, model, array_classes):
-            a, b = find(node), find(src)
-            if a is not b:
-                parent[a] = b
-    writes = [(order[w], find(t)) for w in nodes for t in _written(w, model, array_classes)]
+    order, find, writes = _alias_groups(graph, model, array_classes)
     found = {}
     for view in views:
         group = find(view)
@@ -3274,6 +3330,7 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
     conv_norms = _conv_norms(graph, leaves, array_classes)
     convs_in_norms = set(conv_norms.values())
     aliasing = _aliasing_views(graph, model, array_classes)
+    written_after = _written_after(graph, model, array_classes)
     sources = {view.args[0] for view, where in aliasing.items() if where == "source"}
     made = None  # the node made last
     for node in graph.nodes:
@@ -3440,6 +3497,10 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
                     call.where = f"{line} {call.module_text}"
                 env[node] = out.call_function(call, args, kwargs)
                 array[node] = True
+        if node.op == "call_module" and node in written_after and array.get(node) and env.get(node) is not None \
+                and _may_broadcast(leaves.get(node.target) or model.get_submodule(node.target)):
+            # a layer's result broadcast from a shared input, written into: its own memory
+            env[node] = out.call_function(_own_memory, (env[node],))
         if node.op != "output":
             env[node].meta.update(node.meta)
     _group_regions(out, model, B, array_classes)

@@ -812,3 +812,59 @@ def test_out_into_a_constant_is_refused():
     with pytest.raises(hfkern.FuseError, match=r"modifies the tensor '_tensor_constant0' in place "
                                                r"\(`mul\(\.\.\., out=\.\.\.\)`\) at test_fuse_semantics\.py"):
         hfkern.fuse([_OutIntoConstant() for _ in range(B)])
+
+
+class _WriteIntoLayerResult(nn.Module):
+    def __init__(self, first):
+        super().__init__()
+        self.first, self.fc = first, nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.first(x)
+        y[:, 0] = 0.0  # the layer's output is a tensor of the model's own in torch
+        return self.fc(y.flatten(1)[:, :4])
+
+
+@pytest.mark.parametrize("first, shape", [(lambda: nn.MaxPool2d(4), (2, 1, 8, 8)),
+                                          (lambda: nn.AdaptiveAvgPool2d(2), (2, 1, 8, 8)),
+                                          (lambda: nn.LayerNorm(4, elementwise_affine=False), (2, 4)),
+                                          (lambda: nn.Dropout(0.1), (2, 4))])
+def test_writes_into_a_layer_result_broadcast_from_a_shared_input(first, shape):
+    """On a shared input, these layers' results are one tensor broadcast to the B models (stride
+    0), and a write into them raised torch's "more than one element ... refers to a single memory
+    location": the result gets memory of its own where the forward writes into it."""
+    torch.manual_seed(0)
+    models = [_WriteIntoLayerResult(first()).eval() for _ in range(B)]
+    fused = hfkern.fuse(models).eval()
+    x = torch.randn(*shape)
+    want = torch.stack([m(x) for m in models])
+    assert_close(fused(hfkern.broadcast(x, B)), want, **TOL)
+    assert_close(fused(torch.stack([x] * B)), want, **TOL)
+
+
+class _WriteIntoInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x):
+        x = x.float()  # x itself, for a float32 input
+        x.mul_(2)
+        return self.fc(x)
+
+
+def test_a_write_into_a_shared_input_is_a_fuse_error():
+    """Per model, the write reaches the caller's tensor, as in torch; a shared input is one tensor
+    for the B models and cannot take their writes: a FuseError naming the statement (it was
+    torch's error about memory locations)."""
+    torch.manual_seed(0)
+    models = [_WriteIntoInput() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(4, 5)
+    mine = torch.stack([x] * B)
+    want = torch.stack([m(x.clone()) for m in models])
+    assert_close(fused(mine), want, **TOL)
+    assert_close(mine, torch.stack([2 * x] * B))
+    with pytest.raises(hfkern.FuseError, match=r"`mul_` at test_fuse_semantics\.py:\d+: `x\.mul_\(2\)` .*shared by "
+                                               r"the B models"):
+        fused(hfkern.broadcast(x, B))
