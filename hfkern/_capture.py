@@ -706,6 +706,10 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
         if node.op == "call_method" and node.target in _HOST_READS:
             problem = (f"`.{node.target}()` reads a tensor's values on the host", "the B models' values "
                        f"differ, so the result is not one Python value. {REMEDY}")
+        elif node.op == "call_method" and node.target == "set_":
+            problem = ("`.set_()` gives a tensor other memory", "the fused model keeps the B models' values in "
+                       "memory laid out for the array ops, which a tensor of one model's cannot replace. "
+                       "Assign the new tensor to the name instead (x = source)")
         elif (construct := _value_sized(node)) is not None:
             problem = (f"{construct} makes a tensor whose size depends on a tensor's values",
                        ("the B models' values differ, so their results differ in size and are not one "

@@ -868,3 +868,19 @@ def test_a_write_into_a_shared_input_is_a_fuse_error():
     with pytest.raises(hfkern.FuseError, match=r"`mul_` at test_fuse_semantics\.py:\d+: `x\.mul_\(2\)` .*shared by "
                                                r"the B models"):
         fused(hfkern.broadcast(x, B))
+
+
+class _SetMemory(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y.detach().clone().set_(torch.arange(3.0))
+
+
+def test_set_is_refused():
+    """``Tensor.set_`` was ignored: the result kept the tensor's own values and shape."""
+    with pytest.raises(hfkern.FuseError, match=r"`\.set_\(\)` gives a tensor other memory at test_fuse_semantics"):
+        hfkern.fuse([_SetMemory() for _ in range(B)])
