@@ -103,13 +103,25 @@ def array_embedding_torch(
     weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> Tensor:
-    """out[b, ...] = weight[b, indices[b, ...]]; the remaining arguments only shape the backward."""
+    """out[b, ...] = weight[b, indices[b, ...]]; the remaining arguments only shape the backward.
+
+    The result is a fresh tensor, not a view: the lookup writes through a flat view
+    into the ``[B, *, D]`` output it returns (``index_select(..., out=)``, no copy).
+    Returning ``index_select(...).view(...)`` instead gave a view of an intermediate,
+    which autograd marks as created inside a custom Function (``_EagerEmbedding``,
+    the op's autograd wrapper) and so refuses every in-place write into it
+    (``h[:, 0] = cls``, ``h.mul_(2)``) that ``torch.nn.Embedding``'s output takes.
+    """
     B, V, D = weight.shape
+    out = weight.new_empty((*indices.shape, D))  # contiguous
     if is_shared(indices):
         rows = indices[0].reshape(-1)
-        return weight.index_select(1, rows).view(B, *indices.shape[1:], D)
+        torch.index_select(weight, 1, rows, out=out.view(B, rows.numel(), D))
+        return out
     table = weight.reshape(B * V, D)
-    return table.index_select(0, _offset_indices(indices, V)).view(*indices.shape, D)
+    rows = _offset_indices(indices, V)
+    torch.index_select(table, 0, rows, out=out.view(rows.numel(), D))
+    return out
 
 
 @_backend.implements(_BWD, "torch")
