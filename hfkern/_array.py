@@ -66,12 +66,18 @@ def check_input(
     model_ndims: Sequence[int],
     param: torch.Tensor | None = None,
     name: str = "input",
+    *,
+    mixed_precision: bool = False,
 ) -> torch.Tensor:
     """Check an array input ``[B, *model_shape]`` before any kernel sees it.
 
     ``model_ndims`` lists the per-model ranks the torch namesake accepts (for
     Conv2d: ``(3, 4)``; for "any rank from k up": ``range(k, MAX_NDIM)``). With ``param`` given, dtype and device must match it
     (dtype is not checked under autocast, where torch mixes them on purpose).
+    ``mixed_precision``: a bfloat16 or float16 input with float32 parameters is
+    accepted outside autocast too, as torch's norms accept it (they compute in
+    float32 and return the input's dtype); torch's convolutions and linear layers
+    refuse it, and so do their arrays.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{module}: expected {name} to be a torch.Tensor, got {type(x).__name__}")
@@ -89,20 +95,35 @@ def check_input(
             f"{module}: expected {name} with leading (array) dim B={B}, got shape {list(x.shape)}"
         )
     if param is not None:
-        check_same_device_dtype(module, x, param, name)
+        check_same_device_dtype(module, x, param, name, mixed_precision=mixed_precision)
     return x
 
 
+# The mixed precision torch's norms take outside autocast: input dtype -> parameter dtype.
+_MIXED_PRECISION = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
+def is_mixed_precision(x: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``x`` and ``param`` are the mixed precision torch's norms compute: a
+    bfloat16 or float16 ``x`` with float32 parameters (and statistics)."""
+    return _MIXED_PRECISION.get(x.dtype) == param.dtype
+
+
 def check_same_device_dtype(
-    module: str, x: torch.Tensor, param: torch.Tensor, name: str = "input"
+    module: str, x: torch.Tensor, param: torch.Tensor, name: str = "input", *,
+    mixed_precision: bool = False,
 ) -> None:
+    """``x`` on ``param``'s device and of its dtype (any dtypes under autocast; with
+    ``mixed_precision``, also a bfloat16 or float16 ``x`` with float32 ``param``)."""
     if x.device != param.device:
         raise ValueError(
             f"{module}: {name} is on {x.device} but the parameters are on {param.device}"
         )
-    if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type):
+    if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type) and not (
+            mixed_precision and is_mixed_precision(x, param)):
+        also = ", or bfloat16 or float16" if mixed_precision and param.dtype == torch.float32 else ""
         raise TypeError(
-            f"{module}: expected {name} of dtype {param.dtype} (the parameters' dtype), "
+            f"{module}: expected {name} of dtype {param.dtype} (the parameters' dtype{also}), "
             f"got {x.dtype}"
         )
 

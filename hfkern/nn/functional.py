@@ -26,6 +26,17 @@ Weights
     weight has as many dims as ``input`` with ``B`` (or 1) in front: for
     ``input [B, N, C]`` a per-model ``pos_weight`` is ``[B, 1, C]``.
 
+Autocast
+    Inside a ``torch.autocast`` region for the input's device type every loss
+    here follows torch's autocast policy for it ("fp32"): bfloat16, float16 and
+    float32 tensors (input, floating targets, weights) are cast to float32, and
+    the loss is computed and returned in float32; float64 and integer tensors
+    are left as they are. So float32 class weights go with bfloat16 logits there,
+    as in torch, and the result is float32 whatever the logits' dtype. Outside
+    autocast the dtypes are torch's: class weights for class-index targets must
+    have the input's dtype (torch refuses others too); with class-probability
+    targets a floating weight of any dtype takes part by type promotion.
+
 Reductions
     ``'mean'`` and ``'sum'`` return ``[B]``: entry b is exactly torch's loss for
     model b alone (weighted-mean denominators, ``ignore_index``, label
@@ -42,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from .._array import is_shared, per_model_memory_first
+from ..ops._autocast import _cast as _autocast_cast
 from ..ops.embedding import embedding_checked_indices, raise_if_out_of_range
 
 __all__ = [
@@ -78,6 +90,17 @@ def _check_input(fn: str, input: object, min_dim: int, shapes: str) -> torch.Ten
     return x
 
 
+def _fp32_under_autocast(x: torch.Tensor, *tensors: object) -> tuple:
+    """``(x, *tensors)`` as torch's autocast hands them to its losses ("fp32" policy: every
+    loss of this module is on torch's float32 list): inside an autocast region for ``x``'s
+    device type, bfloat16, float16 and float32 tensors on that device type as float32
+    (float64, integer and other tensors unchanged); outside one, all unchanged."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return (x, *tensors)
+    return tuple(_autocast_cast(t, device_type, torch.float32) for t in (x, *tensors))
+
+
 def _check_device(fn: str, name: str, t: torch.Tensor, x: torch.Tensor) -> None:
     if t.device != x.device:
         raise ValueError(f"{fn}: expected {name} on the input's device {x.device}, got {t.device}")
@@ -102,7 +125,11 @@ def _array_target(fn: str, target: torch.Tensor, model_shape: Sequence[int], x: 
     )
 
 
-def _check_class_weight(fn: str, weight: object, x: torch.Tensor, C: int) -> torch.Tensor | None:
+def _check_class_weight(fn: str, weight: object, x: torch.Tensor, C: int,
+                        promotes: bool = False) -> torch.Tensor | None:
+    """``weight`` checked: ``[C]`` or ``[B, C]``, on the input's device, of its dtype
+    (``promotes``, for class-probability targets: any floating dtype, as torch's loss
+    multiplies it in with type promotion there)."""
     if weight is None:
         return None
     w = _check_tensor(fn, "weight", weight)
@@ -118,8 +145,9 @@ def _check_class_weight(fn: str, weight: object, x: torch.Tensor, C: int) -> tor
             f"got shape {list(w.shape)}"
         )
     _check_device(fn, "weight", w, x)
-    if w.dtype != x.dtype:
-        raise TypeError(f"{fn}: expected weight of the input's dtype {x.dtype}, got {w.dtype}")
+    if w.dtype != x.dtype and not (promotes and w.is_floating_point()):
+        expected = "a floating-point weight" if promotes else f"weight of the input's dtype {x.dtype}"
+        raise TypeError(f"{fn}: expected {expected}, got {w.dtype}")
     return w
 
 
@@ -300,8 +328,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     target = _check_tensor(fn, "target", target)
     ignore_index = _check_ignore_index(fn, ignore_index)
     label_smoothing = _check_smoothing(fn, label_smoothing)
+    x, target, weight = _fp32_under_autocast(x, target, weight)
     C = x.size(1 if x.dim() == 2 else 2)
-    weight = _check_class_weight(fn, weight, x, C)
+    weight = _check_class_weight(fn, weight, x, C, promotes=target.is_floating_point())
     if target.is_floating_point():
         if ignore_index >= 0:
             raise ValueError(
@@ -336,6 +365,7 @@ def nll_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | N
     x = _check_input(fn, input, 2, "[B, C] or [B, N, C, d1, ...]")
     target = _check_tensor(fn, "target", target)
     ignore_index = _check_ignore_index(fn, ignore_index)
+    x, weight = _fp32_under_autocast(x, weight)
     weight = _check_class_weight(fn, weight, x, x.size(1 if x.dim() == 2 else 2))
     if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
         raise TypeError(f"{fn}: expected an integer target (class indices), got {target.dtype}")
@@ -360,6 +390,7 @@ def mse_loss(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean")
     fn = "mse_loss"
     reduction = _check_reduction(fn, reduction)
     x = _check_input(fn, input, 1, "[B, ...]")
+    x, target = _fp32_under_autocast(x, target)
     t = _elementwise_target(fn, target, x)
     return _reduce_elementwise(F.mse_loss(x, t, reduction="none"), reduction)
 
@@ -373,6 +404,7 @@ def l1_loss(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean") 
     fn = "l1_loss"
     reduction = _check_reduction(fn, reduction)
     x = _check_input(fn, input, 1, "[B, ...]")
+    x, target = _fp32_under_autocast(x, target)
     t = _elementwise_target(fn, target, x)
     return _reduce_elementwise(F.l1_loss(x, t, reduction="none"), reduction)
 
@@ -392,6 +424,7 @@ def binary_cross_entropy_with_logits(input: torch.Tensor, target: torch.Tensor,
     fn = "binary_cross_entropy_with_logits"
     reduction = _check_reduction(fn, reduction)
     x = _check_input(fn, input, 1, "[B, ...]")
+    x, target, weight, pos_weight = _fp32_under_autocast(x, target, weight, pos_weight)
     t = _elementwise_target(fn, target, x)
     weight = _check_broadcast_weight(fn, "weight", weight, x)
     pos_weight = _check_broadcast_weight(fn, "pos_weight", pos_weight, x)

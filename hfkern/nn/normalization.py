@@ -9,6 +9,12 @@ that view is free for ``[N, B, C, *]`` memory. For ``[B, N, C, *]`` memory (a
 Linear output, or a user's stacked tensor) it folds the samples into the
 groups instead of copying the activation.
 
+Mixed precision: as torch's norms, every one takes a bfloat16 or float16 input
+with float32 parameters (and running statistics) outside autocast too (a norm in
+a ``torch.autocast(enabled=False)`` region reading a low-precision activation):
+computed in float32, the output in the input's dtype, parameter gradients and
+running statistics in float32. Other mixes raise TypeError there.
+
 An hfkern addition: LayerNorm and BatchNorm take a keyword-only
 ``activation`` (``"none"``, ``"relu"`` or ``"gelu"``, the exact
 ``torch.nn.GELU()``) and then compute ``act(norm(x))`` in one op, backward
@@ -27,8 +33,8 @@ from torch import Tensor, nn
 from torch.nn import init
 
 from .._array import (
-    array_memory_format, check_channels, check_input, from_grouped, per_model_memory_first, shares_work,
-    to_grouped,
+    array_memory_format, check_channels, check_input, from_grouped, is_mixed_precision, per_model_memory_first,
+    shares_work, to_grouped,
 )
 from .._dtypes import acc_dtype
 from ..ops.batch_norm import array_batch_norm, grouped_batch_norm, grouped_serves
@@ -51,7 +57,7 @@ def _check_trailing(
             f"{module}: expected input of shape [B, *, {', '.join(map(str, shape))}] "
             f"(array dim first, normalized_shape={list(shape)} last), got shape {list(input.shape)}"
         )
-    return check_input(module, input, B, (input.dim() - 1,), param)
+    return check_input(module, input, B, (input.dim() - 1,), param, mixed_precision=True)
 
 
 def _affine_parameters(module: nn.Module, shape: tuple[int, ...], affine: bool, bias: bool,
@@ -209,7 +215,8 @@ class GroupNorm(ArrayModule):
                 "GroupNorm: expected input of shape [B, N, C, *] (at least 3-D: torch reads "
                 f"every per-model input as (N, C, *)), got {input.dim()}-D shape {list(input.shape)}"
             )
-        x = check_input("GroupNorm", input, self.B, (getattr(input, "ndim", 0) - 1,), self.weight)
+        x = check_input("GroupNorm", input, self.B, (getattr(input, "ndim", 0) - 1,), self.weight,
+                        mixed_precision=True)
         check_channels("GroupNorm", x, 2, self.num_channels)
         B, N, C = x.shape[:3]
         rest = tuple(x.shape[3:])
@@ -222,16 +229,21 @@ class GroupNorm(ArrayModule):
             )
         w, b = self.weight, self.bias
         cudnn = torch.backends.cudnn.enabled
+        # torch's mixed precision (a bfloat16 or float16 input, float32 parameters; under
+        # autocast or not) computes in float32 and rounds once into the input's dtype; where
+        # the affine step is spelled out here it does the same (a low-precision xhat times the
+        # float32 weight would return float32, and round twice).
+        mixed = w is not None and is_mixed_precision(x, w)
         if shares_work(x):
             # One normalization serves every model; only the affine differs.
-            xhat = torch.group_norm(x[0], G, None, None, self.eps, cudnn)
+            xhat = torch.group_norm(x[0].to(w.dtype) if mixed else x[0], G, None, None, self.eps, cudnn)
             if w is None and b is None:
                 return xhat.expand(x.shape)
             shape = (1, B, C) + (1,) * len(rest)  # [N, B, C, *]: the memory a conv expects
             y = xhat.unsqueeze(1)
             y = y * w.view(shape) if w is not None else y
             y = y + b.view(shape) if b is not None else y
-            return y.transpose(0, 1)
+            return y.to(x.dtype).transpose(0, 1)
         memory_format = array_memory_format(x)
         if per_model_memory_first(x) or memory_format == torch.channels_last:
             # [N, B, C, *] or channels-last [N, H, W, B, C] memory: the grouped view is free
@@ -250,10 +262,11 @@ class GroupNorm(ArrayModule):
             # group_norm's group count is a plain int, which a trace specializes: B * N * G
             # would compile a graph per batch size. Normalized as B * N samples of G groups,
             # the per-model affine applied after (the compiler fuses it).
-            xhat = torch.group_norm(x.reshape(B * N, C, *rest), G, None, None, self.eps, cudnn).view(x.shape)
+            xs = x.reshape(B * N, C, *rest)
+            xhat = torch.group_norm(xs.to(w.dtype) if mixed else xs, G, None, None, self.eps, cudnn).view(x.shape)
             shape = (B, 1, C) + (1,) * len(rest)
             y = xhat * w.view(shape) if w is not None else xhat
-            return y + b.view(shape) if b is not None else y
+            return (y + b.view(shape) if b is not None else y).to(x.dtype)
         y = torch.group_norm(
             x.reshape(1, B * N * C, *rest), B * N * G, per_sample(w), per_sample(b), self.eps, cudnn
         )
@@ -318,7 +331,7 @@ class _BatchNorm(_FusedActivation, ArrayModule):
         """act(batch_norm(input)) for the given ``activation`` (hfkern.fuse calls it)."""
         name = type(self).__name__
         param = self.weight if self.weight is not None else self.running_mean
-        x = check_input(name, input, self.B, self._model_ndims, param)
+        x = check_input(name, input, self.B, self._model_ndims, param, mixed_precision=True)
         check_channels(name, x, 2, self.num_features)
         # As torch: batch statistics in training, and in eval when nothing is tracked.
         use_batch_stats = self.training or self.running_mean is None
@@ -368,7 +381,8 @@ class _BatchNorm(_FusedActivation, ArrayModule):
         if not (use_batch_stats and B == self.B and xg.dim() in self._model_ndims
                 and xg.shape[1] == B * self.num_features and self.eps > 0.0
                 and (param is None or (xg.device == param.device and (
-                    xg.dtype == param.dtype or torch.is_autocast_enabled(xg.device.type))))
+                    xg.dtype == param.dtype or is_mixed_precision(xg, param)
+                    or torch.is_autocast_enabled(xg.device.type))))
                 and grouped_serves(xg, B, self.weight, self.bias, self.running_mean, self.running_var,
                                    activation=activation)):
             return None
