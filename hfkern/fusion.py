@@ -174,7 +174,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_map, tree_unflatten
 
 from . import _backend, _capture
 from ._array import broadcast, check_B, fold_planes, is_shared
@@ -743,10 +743,36 @@ def _vmap_call(fn: Callable, dims: tuple, args: tuple, kwargs: dict) -> Any:
         layout[:] = [spec, [_OUT if isinstance(v, torch.Tensor) else v for v in leaves]]
         return tuple(v for v in leaves if isinstance(v, torch.Tensor))
 
-    tensors = torch.vmap(per_model, in_dims=dims, randomness="different")(args, kwargs)
+    if _cpu_autocast(args, kwargs):
+        tensors = _looped(per_model, dims, args, kwargs)
+    else:
+        tensors = torch.vmap(per_model, in_dims=dims, randomness="different")(args, kwargs)
     spec, leaves = layout
     it = iter(tensors)
     return tree_unflatten([next(it) if v is _OUT else v for v in leaves], spec)
+
+
+def _cpu_autocast(args: tuple, kwargs: dict) -> bool:
+    """Whether a CPU autocast region is active for a call on CPU tensors: torch.vmap does not
+    apply CPU autocast to the ops it batches (a linear stays float32 where each model's is
+    bfloat16), so such calls run once per model instead."""
+    if not torch.is_autocast_enabled("cpu"):
+        return False
+    return any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in tree_flatten((args, kwargs))[0])
+
+
+def _looped(per_model: Callable, dims: Any, args: tuple, kwargs: dict) -> tuple:
+    """``torch.vmap(per_model, in_dims=dims)((args, kwargs))`` as a loop over the models: each
+    model's slices (views: in-place writes reach the arrays), the results stacked."""
+    leaves, spec = tree_flatten((args, kwargs))
+    flat_dims = _broadcast_to_and_flatten(dims, spec)
+    B = next(v.size(d) for v, d in zip(leaves, flat_dims) if d is not None)
+    outs = []
+    for b in range(B):
+        mine = [v.select(d, b) if d is not None else v for v, d in zip(leaves, flat_dims)]
+        a, k = tree_unflatten(mine, spec)
+        outs.append(per_model(a, k))
+    return tuple(torch.stack(parts) for parts in zip(*outs))
 
 
 def _vmap_refused(e: Exception) -> bool:

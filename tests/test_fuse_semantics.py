@@ -16,11 +16,12 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from _util import CallCounter
 from torch import nn
 from torch.testing import assert_close
 
 import hfkern
-from _util import CallCounter
 
 B = 3
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -884,3 +885,50 @@ def test_set_is_refused():
     """``Tensor.set_`` was ignored: the result kept the tensor's own values and shape."""
     with pytest.raises(hfkern.FuseError, match=r"`\.set_\(\)` gives a tensor other memory at test_fuse_semantics"):
         hfkern.fuse([_SetMemory() for _ in range(B)])
+
+
+class _FunctionalUnderAutocast(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(6, 6)
+        self.w, self.b = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6))
+        self.g, self.a = nn.Parameter(torch.rand(6) + 0.5), nn.Parameter(torch.rand(1))
+
+    def forward(self, x):
+        h = self.fc(x)
+        k = self.kind
+        if k == "linear":
+            return F.linear(x, self.w, self.b)
+        if k == "layer_norm":
+            return F.layer_norm(h, (6,), self.g)
+        if k == "conv1d":
+            return F.conv1d(h.view(-1, 2, 3), self.w.view(6, 2, 3)[:4, :, :2], self.b[:4])
+        if k == "prelu":
+            return F.prelu(h, self.a)
+        return F.cross_entropy(h, torch.zeros(h.size(0), dtype=torch.long)).reshape(1)
+
+
+@pytest.mark.parametrize("kind", ["linear", "layer_norm", "conv1d", "prelu", "cross_entropy"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_calls_run_per_model_keep_the_cpu_autocast_of_each_model(kind, dtype):
+    """Calls on per-model tensors run under torch.vmap, which does not apply CPU autocast: a
+    linear of a parameter used directly stayed float32 (bfloat16 per model), a convolution raised
+    a dtype error, a cross entropy was computed in bfloat16. Under CPU autocast they run once per
+    model, as each model's call would."""
+    if dtype == torch.float16 and kind == "prelu":
+        pytest.skip("torch's CPU prelu has no float16 kernel")
+    torch.manual_seed(0)
+    models = [_FunctionalUnderAutocast(kind) for _ in range(B)]
+    fused = hfkern.fuse(copy.deepcopy(models))
+    x = torch.randn(4, 6)
+    with torch.autocast("cpu", dtype=dtype):
+        want = torch.stack([m(x) for m in models])
+        got = fused(hfkern.broadcast(x, B))
+    assert got.dtype == want.dtype
+    assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    got.float().sum().backward()
+    want.float().sum().backward()
+    for (name, p), theirs in zip(fused.named_parameters(), zip(*[m.parameters() for m in models])):
+        if p.grad is not None or theirs[0].grad is not None:
+            assert_close(p.grad, torch.stack([t.grad for t in theirs]), rtol=2e-2, atol=2e-2, msg=name)
