@@ -33,7 +33,10 @@ def test_smoke_run_and_its_profiles_refit_to_its_predictions(tmp_path):
     (w,) = record["workloads"]
     assert w["workload"] == "resnet18" and (tmp_path / "resnet18.png").stat().st_size > 0
     assert [a["strategy"] for a in w["accuracy"]][:1] == ["B=5 fp32"]
-    assert len(w["measured_front"]) == 3 and all(m["measured_step_s"] > 0 for m in w["measured_front"])
+    # (at most 3 plans measured; at this size, timed over one step on a busy machine, one plan can
+    # be both the fastest and the smallest, and the front that one plan)
+    assert len(w["measured_front"]) == min(3, len(w["front"])) >= 1
+    assert all(m["measured_step_s"] > 0 for m in w["measured_front"])
     more = w["more_models"]
     if more:  # plain fusion is the plan without its recomputation: the same precision and arrays
         assert more["plain"] == more["plan"].split(" rc=")[0].replace(f"B={more['plan_B']}", f"B={more['plain_B']}")
