@@ -434,8 +434,8 @@ class Runner:
             if self.B is None:
                 self.B = strategy.B
         if memory_budget is not None:
-            if not (memory_budget == "device" or (_is_number(memory_budget) and memory_budget > 0)):
-                raise ValueError(f"{who}: memory_budget must be a positive number of bytes or 'device', got "
+            if not (memory_budget == "device" or (_is_number(memory_budget) and 0 < memory_budget < math.inf)):
+                raise ValueError(f"{who}: memory_budget must be a positive, finite number of bytes or 'device', got "
                                  f"{memory_budget!r}")
             if B is not None or strategy is not None:
                 raise ValueError(f"{who}: memory_budget picks B and the strategy; pass it without B and strategy")
