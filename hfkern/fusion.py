@@ -281,14 +281,12 @@ def _flatten(x, start_dim=0, end_dim=-1):
 
 
 def _view(x, *shape, size=_UNSET):
-    shape = (x.size(0), *_shape(shape, size))
-    try:
-        return x.view(shape)
-    except RuntimeError:
-        # A view torch allows on one model's contiguous tensor can fail on the
-        # array, whose layout is the array ops' business (a linear on a shared
-        # input returns a [B, N, ...] view of [N, B, ...] memory): copy instead.
-        return x.reshape(shape)
+    # A view torch allows on one model's contiguous tensor can fail on the array, whose layout
+    # is the array ops' business (a linear on a shared input returns a [B, N, ...] view of
+    # [N, B, ...] memory): reshape views where it can and copies otherwise (where the forward
+    # writes through the view, the rewrite keeps it a view: _AliasingCall). Not a failed view
+    # caught: torch.compile cannot trace that.
+    return x.reshape(x.size(0), *_shape(shape, size))
 
 
 def _reshape(x, *sizes, shape=_UNSET):
@@ -1231,10 +1229,9 @@ def _detach_(x: torch.Tensor) -> torch.Tensor:
     """``Tensor.detach_()`` per model: in place where the array allows it, else (the array a view,
     as an array op's output may be where one model's tensor is not) a detached value, which the
     rewrite gives every later reader of the tensor."""
-    try:
-        return x.detach_()
-    except RuntimeError:
+    if x._base is not None:  # (a view cannot be detached in place; no failure caught: torch.compile)
         return x.detach()
+    return x.detach_()
 
 
 def _per_model_copies(value: Any, B: int) -> Any:

@@ -129,3 +129,27 @@ def test_compiled_group_norm_does_not_recompile_per_batch_size():
         torch.testing.assert_close(gx, wx)
         torch.testing.assert_close(gw, ww)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+class _FlatView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.fc(x).view(-1)  # per model a contiguous [N, 5]; on a shared input the array's is not
+
+
+def test_compiled_fused_view_where_the_arrays_layout_needs_a_copy():
+    """The fused forward's `.view` caught a failed view and copied: eager that worked, but dynamo
+    cannot trace a caught failure, and torch.compile(fused, fullgraph=True) raised (also for
+    the README's CNN in channels-last memory)."""
+    torch._dynamo.reset()
+    B = 3
+    torch.manual_seed(0)
+    models = [_FlatView() for _ in range(B)]
+    fused = hfkern.fuse(models)
+    x = torch.randn(6, 4)
+    want = torch.stack([m(x) for m in models])
+    got = torch.compile(fused, fullgraph=True, backend="aot_eager")(hfkern.broadcast(x, B))
+    torch.testing.assert_close(got, want)

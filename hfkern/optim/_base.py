@@ -121,8 +121,11 @@ class ArrayOptimizer(Optimizer):
     Under ``torch.compile`` (``torch.compile(opt.step, fullgraph=True)`` or a
     compiled training step) the step traces to its op calls; see
     :meth:`_init_group` for what makes it trace again. Two differences from an
-    eager step: a value the step rejects raises while dynamo traces, as
-    dynamo's own error type with the message kept; and once a step was
+    eager step: a value the step rejects (a hyperparameter, or a ``skip`` mask
+    of another dtype, shape or type) raises while dynamo traces, as dynamo's
+    own error type (``InternalTorchDynamoError``, or ``Unsupported: Observed
+    exception`` under ``fullgraph=True``) with the message kept in its
+    context; and once a step was
     compiled, ``last_skipped`` is one tensor that every step (compiled or not)
     writes in place (dynamo drops attribute assignments of an optimizer in a
     compiled step).
