@@ -191,6 +191,24 @@ def test_plan_checks_its_spaces_before_profiling(monkeypatch):
                           (dict(arrays=(0,)), "arrays must hold positive ints, got 0"),
                           (dict(precisions=("fp8",)), "precisions must hold choices"),
                           (dict(profile_B=(1, -2)), "profile_B must hold positive ints, got -2"),
+                          (dict(profile_B=(2, 2)), r"profile_B needs at least two distinct sizes to fit curves, "
+                                                   r"got \[2, 2\]"),
                           (dict(steps=0), "steps must be a positive int")]:
         with pytest.raises(ValueError, match="plan: " + match):
             hfkern.plan.plan(lambda: torch.nn.Linear(3, 2), batch, **{"trials": 4, "steps": 5, **kwargs})
+
+
+def test_micro_batches_on_batch_norm_are_refused_before_profiling(monkeypatch):
+    """make_step refuses micro-batches on batch norm: the fit raised that after profiling every
+    micro_batches=1 setting (minutes on a real model)."""
+    import hfkern.plan._cost as cost_module
+
+    def profiled(*args, **kwargs):
+        raise AssertionError("profiled before checking the micro-batches")
+
+    monkeypatch.setattr(cost_module, "profile_together", profiled)
+    monkeypatch.setattr(cost_module, "profile_step", profiled)
+    batch = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    net = lambda: torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # noqa: E731
+    with pytest.raises(ValueError, match=r"fit_cost_model: micro_batches=\[2\] on a model with batch norm \(1\)"):
+        hfkern.plan.plan(net, batch, trials=4, steps=5, micro_batches=(1, 2), device="cpu")

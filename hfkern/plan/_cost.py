@@ -602,6 +602,16 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     if len(set(B_values)) < 2:
         raise ValueError(f"fit_cost_model: B_values needs at least two distinct sizes to fit curves, got "
                          f"{list(B_values)}")
+    split = [m for m in micro_batches if m > 1]
+    if split:  # make_step refuses them on batch norm: say so before the profiling, which takes minutes
+        from ._strategy import _BATCH_NORMS
+
+        norms = [name for name, mod in factory().named_modules() if isinstance(mod, _BATCH_NORMS)]
+        if norms:
+            raise ValueError(
+                f"fit_cost_model: micro_batches={split} on a model with batch norm ({', '.join(norms)}), which "
+                "normalizes each micro-batch by its own statistics, not the full batch's; expected "
+                "micro_batches=(1,)")
     optimizer = optimizer or (lambda params: optim.Adam(params, lr=1e-3))
     loss_fn = loss_fn or cross_entropy
     profiles: list[Profile] = []

@@ -181,6 +181,8 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
                           micro_batches=micro_batches, arrays=arrays, memory_formats=memory_formats)
     if profile_B is not None:
         profile_B = check_spaces("plan", trials, steps, profile_B=profile_B)["profile_B"]
+        if len(set(profile_B)) < 2:
+            raise ValueError(f"plan: profile_B needs at least two distinct sizes to fit curves, got {list(profile_B)}")
     memory_budget = check_budget("plan", memory_budget)
     trials, steps = int(trials), int(steps)
     B_values, precisions, micro_batches = spaces["B_values"], spaces["precisions"], spaces["micro_batches"]
