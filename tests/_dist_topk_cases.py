@@ -23,6 +23,7 @@ import time
 import traceback
 
 import torch
+import torch.multiprocessing as mp
 import torch.distributed as dist
 from torch import nn
 
@@ -825,3 +826,28 @@ def worker(rank: int, world: int, out_dir: str, init_file: str, suite: str = "ma
     # No rank tears its groups down while another still has work in flight.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def join_records(ctx, out, world: int, deadline_s: float) -> dict:
+    """Wait for the processes of ``ctx`` (``mp.spawn(..., join=False)``) and read each rank's
+    record ``out/rank{r}.json``; rank -> record, with ``"_failure"``: None, or why the checks
+    that recorded nothing did not (a hang past the deadline, a dead process)."""
+    deadline = time.monotonic() + deadline_s
+    failure = None
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                failure = f"the {world} processes did not finish within {deadline_s} s"
+                break
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # an abort inside Gloo, say
+        failure = f"a process failed: {e}"
+    if failure is not None:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    recs = {}
+    for r in range(world):
+        path = out / f"rank{r}.json"
+        recs[r] = json.loads(path.read_text()) if path.exists() else {}
+        recs[r]["_failure"] = failure
+    return recs

@@ -6,10 +6,8 @@ DDP buckets, whose failure mode is a hang or an abort; each test below reports
 one check on every rank. The groups stand for two nodes of two ranks.
 """
 
-import json
 import os
 import tempfile
-import time
 
 import pytest
 import torch
@@ -38,25 +36,7 @@ def _spawn(out, suite, deadline_s, gloo_timeout_s, world=cases.WORLD):
     os.unlink(init_file)  # the file store creates it
     ctx = mp.spawn(cases.worker, args=(world, str(out), init_file, suite, gloo_timeout_s),
                    nprocs=world, join=False)
-    deadline = time.monotonic() + deadline_s
-    failure = None
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                failure = f"the {world} processes did not finish within {deadline_s} s"
-                break
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # an abort inside Gloo, say
-        failure = f"a process failed: {e}"
-    if failure is not None:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    recs = {}
-    for r in range(world):
-        path = out / f"rank{r}.json"
-        recs[r] = json.loads(path.read_text()) if path.exists() else {}
-        recs[r]["_failure"] = failure
-    return recs
+    return cases.join_records(ctx, out, world, deadline_s)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import tempfile
-import time
 import traceback
 
 import pytest
@@ -28,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from _dist_topk_cases import FakeBucket, join_records
 from hfkern.distributed import k_for
 
 WORLD = 2
@@ -38,25 +38,6 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 
 # ---- helpers (run in the worker processes) ---------------------------------------------------
-class FakeBucket:
-    """The part of torch.distributed.GradBucket a communication hook uses."""
-
-    def __init__(self, buffer, index, last, params):
-        self._buffer, self._index, self._last, self._params = buffer, index, last, params
-
-    def buffer(self):
-        return self._buffer
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._last
-
-    def parameters(self):
-        return self._params
-
-
 class Params(nn.Module):
     def __init__(self, tensors):
         super().__init__()
@@ -462,25 +443,7 @@ def records(tmp_path_factory):
     os.close(fd)
     os.unlink(init_file)  # the file store creates it
     ctx = mp.spawn(worker, args=(WORLD, str(out), init_file), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + _DEADLINE_S
-    failure = None
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                failure = f"the {WORLD} processes did not finish within {_DEADLINE_S} s"
-                break
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        failure = f"a process failed: {e}"
-    if failure is not None:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    recs = {}
-    for r in range(WORLD):
-        path = out / f"rank{r}.json"
-        recs[r] = json.loads(path.read_text()) if path.exists() else {}
-        recs[r]["_failure"] = failure
-    return recs
+    return join_records(ctx, out, WORLD, _DEADLINE_S)
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
