@@ -51,6 +51,15 @@ def _assert_as_torch(out: torch.Tensor, ref: torch.Tensor, tol: dict = FP32) -> 
     torch.testing.assert_close(out, ref, **tol, equal_nan=True)
 
 
+def _assert_grad_as_torch(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> None:
+    """The gradient reaches the low-precision input in its dtype, as torch's does, and agrees."""
+    cot = torch.rand_like(ref)
+    (g,) = torch.autograd.grad(out, x, cot)
+    (g_ref,) = torch.autograd.grad(ref, x, cot)
+    assert g.dtype == g_ref.dtype == dtype
+    torch.testing.assert_close(g.float(), g_ref.float(), rtol=1e-2, atol=1e-3)
+
+
 # ---- cross_entropy and nll_loss under autocast ---------------------------------------------
 
 def _logits(dtype, N=16, C=7, extra=()):
@@ -84,11 +93,7 @@ def test_class_weights_under_autocast(dtype, weight_kind, reduction, fn):
     assert ref.dtype == torch.float32
     _assert_as_torch(out, ref)
     # the gradient reaches the low-precision logits in their dtype, as torch's does
-    cot = torch.rand_like(ref)
-    (g,) = torch.autograd.grad(out, x, cot)
-    (g_ref,) = torch.autograd.grad(ref, x, cot)
-    assert g.dtype == g_ref.dtype == dtype
-    torch.testing.assert_close(g.float(), g_ref.float(), rtol=1e-2, atol=1e-3)
+    _assert_grad_as_torch(out, ref, x, dtype)
 
 
 @pytest.mark.parametrize("dtype", LOWP, ids=LOWP_IDS)
@@ -159,11 +164,7 @@ def test_probability_targets_under_autocast(dtype, target_dtype, target_kind, we
                 for b in range(B)])
         assert ref.dtype == torch.float32
         _assert_as_torch(out, ref)
-    cot = torch.rand_like(ref)
-    (g,) = torch.autograd.grad(out, x, cot)
-    (g_ref,) = torch.autograd.grad(ref, x, cot)
-    assert g.dtype == g_ref.dtype == dtype
-    torch.testing.assert_close(g.float(), g_ref.float(), rtol=1e-2, atol=1e-3)
+    _assert_grad_as_torch(out, ref, x, dtype)
 
 
 def test_probability_targets_under_autocast_are_float32_accurate():
@@ -196,11 +197,7 @@ def test_elementwise_losses_under_autocast(dtype, fn, target_dtype, target_kind)
             ref = torch.stack([torch_fn(x[b], _per_model(t, b, per_model), reduction=reduction) for b in range(B)])
         assert ref.dtype == torch.float32
         _assert_as_torch(out, ref)
-    cot = torch.rand_like(ref)
-    (g,) = torch.autograd.grad(out, x, cot)
-    (g_ref,) = torch.autograd.grad(ref, x, cot)
-    assert g.dtype == g_ref.dtype == dtype
-    torch.testing.assert_close(g.float(), g_ref.float(), rtol=1e-2, atol=1e-3)
+    _assert_grad_as_torch(out, ref, x, dtype)
 
 
 @pytest.mark.parametrize("dtype", LOWP, ids=LOWP_IDS)
