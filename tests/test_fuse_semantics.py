@@ -722,14 +722,20 @@ def test_writes_through_a_reshaping_call_reach_its_source(kind, shared):
     models = [_WriteThrough(kind) for _ in range(B)]
     fused = hfkern.fuse(models)
     for _ in range(2):
-        x = torch.randn(4, 6) if shared else torch.randn(B, 4, 6)
-        want = torch.stack([m(x if shared else x[b]) for b, m in enumerate(models)])
-        got = fused(hfkern.broadcast(x, B) if shared else x)
-        assert_close(got, want, **TOL)
-        got.sum().backward()
-        want.sum().backward()
-        for b, m in enumerate(models):
-            assert_close(fused.lin.weight.grad[b], m.lin.weight.grad, **TOL)
+        _assert_as_the_models(fused, models, (4, 6), shared, lambda m: m.lin.weight)
+
+
+def _assert_as_the_models(fused, models, shape, shared, param):
+    """A fresh batch of ``shape`` (shared, or one per model) through the fused model and the B
+    models: the outputs, and the gradient of ``param(model)`` after a backward of their sum."""
+    x = torch.randn(*shape) if shared else torch.randn(B, *shape)
+    want = torch.stack([m(x if shared else x[b]) for b, m in enumerate(models)])
+    got = fused(hfkern.broadcast(x, B) if shared else x)
+    assert_close(got, want, **TOL)
+    got.sum().backward()
+    want.sum().backward()
+    for b, m in enumerate(models):
+        assert_close(param(fused).grad[b], param(m).grad, **TOL)
 
 
 class _StridedWriteThrough(nn.Module):
@@ -783,15 +789,7 @@ class _FlattenModuleWrite(nn.Module):
 def test_writes_through_flatten_modules_reach_their_input(module, shared):
     torch.manual_seed(0)
     models = [_FlattenModuleWrite(module) for _ in range(B)]
-    fused = hfkern.fuse(models)
-    x = torch.randn(4, 3, 5) if shared else torch.randn(B, 4, 3, 5)
-    want = torch.stack([m(x if shared else x[b]) for b, m in enumerate(models)])
-    got = fused(hfkern.broadcast(x, B) if shared else x)
-    assert_close(got, want, **TOL)
-    got.sum().backward()
-    want.sum().backward()
-    for b, m in enumerate(models):
-        assert_close(fused.fc.bias.grad[b], m.fc.bias.grad, **TOL)
+    _assert_as_the_models(hfkern.fuse(models), models, (4, 3, 5), shared, lambda m: m.fc.bias)
 
 
 class _OutIntoConstant(nn.Module):
