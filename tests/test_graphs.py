@@ -232,12 +232,7 @@ def test_non_tensor_arguments_key_their_graphs_by_value(simulated):
 def test_new_grad_scaler_factors_force_a_new_capture(simulated):
     """The factors and the interval are host values the scaler's update computes with: a graph
     captured before set_growth_factor would grow the scales by the old factor."""
-    fused, opt, sched, scaler, step = _setup()
-    run = hfkern.capture_step(step, *_batches(1)[0], warmup=1)
-    batches = _batches(8)
-    for batch in batches[:2]:
-        run(*batch)
-    assert (run.eager_calls, run.graphs) == (1, 1)
+    opt, scaler, run, batches = _captured_after_two_steps()
     scaler.update(new_scale=4.0)  # written in place: the graph reads it
     run(*batches[2])
     assert (run.eager_calls, run.graphs) == (1, 1)
@@ -392,13 +387,19 @@ def test_gpu_captures_the_benchmarks_fused_step(workload, deterministic):
     assert captured[2].graphs == 1 and captured[2].eager_calls == 3
 
 
-def test_values_that_change_the_work_force_a_new_capture(simulated):
+def _captured_after_two_steps():
+    """(optimizer, scaler, captured step, 8 batches): one warm-up call, then a capture."""
     fused, opt, sched, scaler, step = _setup()
     run = hfkern.capture_step(step, *_batches(1)[0], warmup=1)
     batches = _batches(8)
     for batch in batches[:2]:
         run(*batch)
     assert (run.eager_calls, run.graphs) == (1, 1)
+    return opt, scaler, run, batches
+
+
+def test_values_that_change_the_work_force_a_new_capture(simulated):
+    opt, scaler, run, batches = _captured_after_two_steps()
     opt.set_hyperparameters(0, lr=0.2)  # written in place: the graph reads it
     run(*batches[2])
     assert (run.eager_calls, run.graphs) == (1, 1)
