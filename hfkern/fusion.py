@@ -939,48 +939,48 @@ class _ArrayCall(_CallsFunction):
         return self.fn(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._run(args, kwargs)
+        try:  # (one frame: this runs for every call of the fused forward)
+            if self._arity is not None and self._arity == (len(args), tuple(kwargs)):
+                out = self._direct(args, kwargs)
+                if out is not _WALK:
+                    return out
+            dims = _in_dims(self.marks, (args, kwargs))
+            arrays = _tensors(dims, (args, kwargs), True)
+            if not arrays:
+                return self._same_for_every_model(args, kwargs)  # its array arguments were shapes or flags
+            others = _tensors(dims, (args, kwargs), False)
+            if self.elementwise:
+                rank = max(a.dim() for a in arrays)
+                if all(o.dim() < rank for o in others):
+                    if any(a.dim() != rank for a in arrays):
+                        if self.method is not None and args[0].dim() != rank:
+                            return self._vmap(dims, args, kwargs)  # in place into a lower-rank tensor
+                        args, kwargs = _aligned(dims, (args, kwargs), rank)
+                    return self._call(args, kwargs)
+            elif self.translate is not None and (not others or self.translate in _SHARED_ARGUMENTS) and (
+                    self.translate in _ANY_ARGUMENT or self._first_holds_arrays(dims)):
+                try:
+                    if others:  # (a translation in _SHARED_ARGUMENTS)
+                        marked_args, marked_kwargs = _marked_shared(dims, args, kwargs)
+                        return self.translate(*marked_args, **marked_kwargs)
+                    return self.translate(*args, **kwargs)
+                except (_Fallback, TypeError):  # (TypeError: a spelling the translation does not take)
+                    pass
+            return self._vmap(dims, args, kwargs)
         except RuntimeError as e:
             if "single memory location" not in str(e) or not _broadcast_written(args):
                 raise
-            site = _capture.site_line(getattr(self, "site", None))
-            raise FuseError(
-                f"fused forward: `{self.method or getattr(self.fn, '__name__', self.fn)}`{site} "
-                f"{getattr(self, 'module_text', '')} writes in place into a tensor that is one tensor for "
-                "every model here: the forward's input given shared by the B models (hfkern.broadcast), or a "
-                "view of it (a layer that returns its input, as dropout in evaluation does), cannot hold B "
-                "models' values. Pass the input per model (x.expand(B, *x.shape).clone()), or write into a "
-                "copy (x = x.clone())") from e
+            raise self._shared_write_error() from e
 
-    def _run(self, args: tuple, kwargs: dict) -> Any:
-        if self._arity is not None and self._arity == (len(args), tuple(kwargs)):
-            out = self._direct(args, kwargs)
-            if out is not _WALK:
-                return out
-        dims = _in_dims(self.marks, (args, kwargs))
-        arrays = _tensors(dims, (args, kwargs), True)
-        if not arrays:
-            return self._same_for_every_model(args, kwargs)  # its array arguments were shapes or flags
-        others = _tensors(dims, (args, kwargs), False)
-        if self.elementwise:
-            rank = max(a.dim() for a in arrays)
-            if all(o.dim() < rank for o in others):
-                if any(a.dim() != rank for a in arrays):
-                    if self.method is not None and args[0].dim() != rank:
-                        return self._vmap(dims, args, kwargs)  # in place into a lower-rank tensor
-                    args, kwargs = _aligned(dims, (args, kwargs), rank)
-                return self._call(args, kwargs)
-        elif self.translate is not None and (not others or self.translate in _SHARED_ARGUMENTS) and (
-                self.translate in _ANY_ARGUMENT or self._first_holds_arrays(dims)):
-            try:
-                if others:  # (a translation in _SHARED_ARGUMENTS)
-                    marked_args, marked_kwargs = _marked_shared(dims, args, kwargs)
-                    return self.translate(*marked_args, **marked_kwargs)
-                return self.translate(*args, **kwargs)
-            except (_Fallback, TypeError):  # (TypeError: a spelling the translation does not take)
-                pass
-        return self._vmap(dims, args, kwargs)
+    def _shared_write_error(self) -> FuseError:
+        site = _capture.site_line(getattr(self, "site", None))
+        return FuseError(
+            f"fused forward: `{self.method or getattr(self.fn, '__name__', self.fn)}`{site} "
+            f"{getattr(self, 'module_text', '')} writes in place into a tensor that is one tensor for "
+            "every model here: the forward's input given shared by the B models (hfkern.broadcast), or a "
+            "view of it (a layer that returns its input, as dropout in evaluation does), cannot hold B "
+            "models' values. Pass the input per model (x.expand(B, *x.shape).clone()), or write into a "
+            "copy (x = x.clone())")
 
     def _direct(self, args: tuple, kwargs: dict) -> Any:
         """What the general path of ``__call__`` does with arguments that are array tensors
