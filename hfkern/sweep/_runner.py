@@ -59,7 +59,9 @@ from ._storage import COUNTED_ATTR, OUTCOME_ATTR, RUNNER_ATTR, SEED_ATTR, counts
 __all__ = ["Runner", "SweepSummary"]
 
 _log = logging.getLogger("hfkern.sweep")
-_CHECKPOINT_VERSION = 2  # 2: a list of arrays in flight (1: one array, still read)
+# 3: each array's strategy and each group's (B, strategy); 2: a list of arrays in flight; 1: one
+# array (1 and 2, still read, had one B and strategy for every group)
+_CHECKPOINT_VERSION = 3
 _MAX_B = 64  # the largest array the runner sizes itself; more trials per array rarely pay on one device
 
 Params = Mapping[str, Any]
@@ -113,6 +115,7 @@ class _Array:
     hp: dict[str, torch.Tensor]        # fusible parameter -> [B] values (the loss may read them)
     bad: torch.Tensor                  # [B] bool: a non-finite loss this round
     idle: torch.Tensor                 # [B] bool: slots without a trial (the optimizer skips them)
+    strategy: Any = None               # the hfkern.plan.Strategy it trains under (None: plain fusion)
     step: Callable = None              # the training step (Runner._step_fn)
 
     @property
@@ -131,7 +134,7 @@ class SweepSummary:
     pruned: int
     failed: int     # non-finite or, with on_nonfinite="prune", counted in pruned
     arrays: int     # arrays built
-    B: int          # slots per array
+    B: int          # slots per array (the largest, where groups were sized apart)
     seconds: float  # wall time of the run
     compactions: int = 0  # arrays rebuilt smaller around their remaining trials
     in_flight: int = 1    # arrays trained together (the strategy's ``arrays``)
@@ -140,6 +143,11 @@ class SweepSummary:
         together = f", {self.in_flight} in flight" if self.in_flight > 1 else ""
         return (f"{self.completed} complete, {self.pruned} pruned, {self.failed} failed in {self.arrays} "
                 f"array(s) of B = {self.B}{together} ({self.compactions} compacted), {self.seconds:.1f} s")
+
+
+def _arrays_of(strategy: Any) -> int:
+    """Arrays in flight under ``strategy`` (an hfkern.plan.Strategy or None: plain fusion, one)."""
+    return 1 if strategy is None else strategy.arrays
 
 
 def _is_number(v: Any) -> bool:
@@ -307,12 +315,18 @@ class Runner:
         memory_budget: bytes a device offers the sweep, or ``"device"``: what
             ``device`` offers (90% of its free memory, as
             :func:`hfkern.max_array_size` reads it). With ``B`` and ``strategy``
-            not given, :func:`hfkern.plan` (profiling the first trial's model)
-            picks the fastest strategy whose predicted peak fits, B up to 64
-            and ``n_trials``, one or two arrays in flight on CUDA: a user says
-            only which trials to run. ``runner.plans`` is then the Pareto set
-            it chose from. Without it (and without ``B``), B is the largest
-            array that fits, with no other strategy.
+            not given, :func:`hfkern.plan` picks, for each group of trials
+            (their grouped parameters: their model) when its first array
+            starts, the fastest strategy whose predicted peak fits (profiling
+            that array's first trial's model), B up to 64 and ``n_trials``,
+            one or two arrays in flight on CUDA: a user says only which
+            trials to run. Arrays of two groups train together only where
+            both groups' strategies plan that many arrays in flight.
+            ``runner.plans`` is then the Pareto set the first group chose
+            from, ``runner.group_plans`` each group's (keyed by the group's
+            sorted ``(name, value)`` pairs). Without it (and without ``B``),
+            each group's B is the largest array of its model that fits, with
+            no other strategy.
     """
 
     def __init__(
@@ -441,6 +455,10 @@ class Runner:
                 raise ValueError(f"{who}: memory_budget picks B and the strategy; pass it without B and strategy")
         self.strategy = strategy
         self.memory_budget = memory_budget
+        # B and strategy not given: each group (key) is sized for its own model, once.
+        self._sized_per_group = B is None and strategy is None
+        self._sizes: dict[tuple, tuple[int, Strategy | None]] = {}
+        self.group_plans: dict[tuple, Any] = {}  # a memory budget's Pareto set per group
 
         self._arrays: list[_Array] = []  # in flight: at most the strategy's ``arrays``
         self._streams = None             # Streams of the arrays in flight (made at the first round)
@@ -633,8 +651,11 @@ class Runner:
 
     @property
     def in_flight(self) -> int:
-        """Arrays trained together: the strategy's ``arrays`` (1 without a strategy)."""
-        return 1 if self.strategy is None else self.strategy.arrays
+        """Arrays trained together, at most: the strategy's ``arrays`` (1 without a strategy); where
+        each group is planned apart, the most any group's strategy has."""
+        if self._sized_per_group:
+            return max((_arrays_of(s) for _, s in self._sizes.values()), default=1)
+        return _arrays_of(self.strategy)
 
     def _held(self) -> list[_Entry]:
         return [s for a in self._arrays for s in a.slots if s is not None] + self._queue
@@ -739,7 +760,7 @@ class Runner:
         stacked, args = self._split_kwargs(per_slot, cls._model_args, _defaults(cls), "scheduler_kwargs", entries)
         return cls(optimizer, **args.shared, **stacked), args
 
-    def _new_array(self, entries: list[_Entry], B: int) -> _Array:
+    def _new_array(self, entries: list[_Entry], B: int, strategy: Any) -> _Array:
         """An array of B slots; ``entries`` fill the first ones, the rest are idle (copies of the first)."""
         models = [self._build_model(e) for e in entries]
         models += [copy.deepcopy(models[0]) for _ in range(B - len(entries))]
@@ -753,12 +774,12 @@ class Runner:
                 f"differ in architecture; fusible parameters that differ between them: {differ}; a parameter "
                 f"declared fusible changes the model, declare it grouped: {err}") from err
         model.to(self.device)
-        self._apply_strategy(model, B)
-        return self._assemble(model, list(entries) + [None] * (B - len(entries)))
+        self._apply_strategy(model, B, strategy)
+        return self._assemble(model, list(entries) + [None] * (B - len(entries)), strategy)
 
-    def _assemble(self, model: fusion.FusedModel, slots: list[_Entry | None],
+    def _assemble(self, model: fusion.FusedModel, slots: list[_Entry | None], strategy: Any,
                   saved: dict[str, Any] | None = None, hp_keys: Iterable[str] | None = None) -> _Array:
-        """The array of ``model`` (built, on the device, strategy applied) with trials in ``slots`` (None:
+        """The array of ``model`` (built, on the device, ``strategy`` applied) with trials in ``slots`` (None:
         idle; idle slots take the first trial's hyper-parameters): its optimizer and scheduler, with
         the ``saved`` state of both loaded when given (a checkpoint's, or a compacted array's), and
         the ``hp`` the loss reads (``hp_keys``: default, the first trial's fusible parameters)."""
@@ -780,7 +801,8 @@ class Runner:
         return self._finish_array(_Array(kept[0].key, settings, model, optimizer, scheduler, slots, optimizer_args,
                                          scheduler_args, hp, torch.zeros(len(slots), dtype=torch.bool,
                                                                          device=self.device),
-                                         torch.tensor([e is None for e in slots], device=self.device)))
+                                         torch.tensor([e is None for e in slots], device=self.device),
+                                         strategy))
 
     def _finish_array(self, a: _Array) -> _Array:
         a.model.train()
@@ -856,7 +878,8 @@ class Runner:
         return True, None
 
     def _start_array(self) -> _Array | None:
-        """Build the next array from the queue and new trials; None when nothing is left to run.
+        """Build the next array from the queue and new trials; None when nothing is left to run,
+        or when the next group's array cannot train together with those in flight yet.
 
         The trials it takes stay held whatever raises (the user's ``space``, ``model``, their
         checks): they go back to the front of the queue, and :meth:`run` fails them."""
@@ -868,20 +891,27 @@ class Runner:
         key = self._queue[0].key
         entries = []
         try:
-            while len(entries) < (self.B or 1) and (e := self._take_queued(key)) is not None:
+            entries.append(self._take_queued(key))
+            size, strategy = self._size_of(entries[0])
+            # Arrays train together only as many as every one's strategy plans in flight (each
+            # group's plan fits its memory with that many of its own arrays): else this group's
+            # array waits until those in flight have drained.
+            if self._arrays and len(self._arrays) >= min([_arrays_of(strategy)]
+                                                         + [_arrays_of(a.strategy) for a in self._arrays]):
+                self._queue[:0] = entries
+                return None
+            while len(entries) < size and (e := self._take_queued(key)) is not None:
                 entries.append(e)
-            if self.B is None:
-                self.B = self._choose_B(entries[0])
-            while len(entries) < self.B and len(self._queue) < 2 * self.B:
+            while len(entries) < size and len(self._queue) < 2 * size:
                 asked, e = self._ask_for(key)
                 if not asked:
                     break
                 if e is not None:
                     entries.append(e)
-            while len(entries) < self.B and (e := self._take_queued(key)) is not None:
+            while len(entries) < size and (e := self._take_queued(key)) is not None:
                 entries.append(e)
-            B = min(self.B, len(entries) + max(self._budget_left(), 0))
-            return self._new_array(entries, B)
+            B = min(size, len(entries) + max(self._budget_left(), 0))
+            return self._new_array(entries, B, strategy)
         except BaseException:
             self._queue[:0] = entries  # still held: run() fails them
             raise
@@ -921,17 +951,30 @@ class Runner:
             return a
         model = fusion.fuse([a.model.extract_model(b) for b in active])
         model.to(self.device)
-        self._apply_strategy(model, len(active))
+        self._apply_strategy(model, len(active), a.strategy)
         # The remaining trials' optimizer and scheduler state, loaded as a checkpoint's is. (Their
         # non-finite flags need no carrying: the round's report has just cleared them.)
         saved = {"optimizer": _select_models(a.optimizer.state_dict(), torch.tensor(active), a.B),
                  "scheduler": None if a.scheduler is None else a.scheduler.state_dict_of(active)}
-        smaller = self._assemble(model, [a.slots[b] for b in active], saved, hp_keys=list(a.hp))
+        smaller = self._assemble(model, [a.slots[b] for b in active], a.strategy, saved, hp_keys=list(a.hp))
         self._tally["arrays"] -= 1  # the same trials' array, smaller
         self._tally["compactions"] += 1
         return smaller
 
-    def _choose_B(self, entry: _Entry) -> int:
+    def _size_of(self, entry: _Entry) -> tuple[int, Any]:
+        """(B, strategy) of the arrays of ``entry``'s group: those given, or those chosen for the
+        group's model (:meth:`_choose_B`) when its first array starts."""
+        if not self._sized_per_group:
+            return self.B, self.strategy
+        if entry.key not in self._sizes:
+            self._sizes[entry.key] = self._choose_B(entry)
+            if self.B is None:  # the first group's, as runner.B and runner.strategy
+                self.B, self.strategy = self._sizes[entry.key]
+        return self._sizes[entry.key]
+
+    def _choose_B(self, entry: _Entry) -> tuple[int, Any]:
+        """(B, strategy) for the model of ``entry``'s group: planned within ``memory_budget``, else the
+        largest array that fits (no strategy)."""
         from ._memory import max_array_size
 
         if self.memory_budget is not None:
@@ -945,13 +988,19 @@ class Runner:
                                   device=self.device, optimizer=lambda params: cls(params, **kw),
                                   max_B=min(_MAX_B, self._n_trials))
         B = max(1, estimate.B)
-        _log.info("B = %d from %s", B, estimate)
+        _log.info("%sB = %d from %s", self._group_label(entry), B, estimate)
         if self.progress:
-            _report.note(f"hfkern.sweep: B = {B} ({estimate})")
-        return B
+            _report.note(f"hfkern.sweep: {self._group_label(entry)}B = {B} ({estimate})")
+        return B, None
 
-    def _plan(self, entry: _Entry) -> int:
-        """The fastest strategy within ``memory_budget`` for this sweep (:func:`hfkern.plan`)."""
+    def _group_label(self, entry: _Entry) -> str:
+        """``"group width=5: "`` where trials have grouped parameters, else nothing."""
+        group = ", ".join(f"{k}={entry.params[k]!r}" for k, _ in entry.key)
+        return f"group {group}: " if group else ""
+
+    def _plan(self, entry: _Entry) -> tuple[int, Any]:
+        """The fastest strategy within ``memory_budget`` for the model of ``entry``'s group
+        (:func:`hfkern.plan`)."""
         from .. import plan as hplan
 
         settings = self._settings_for(entry.params)
@@ -969,13 +1018,15 @@ class Runner:
                       loss_fn=loss, B_values=range(1, min(_MAX_B, self._n_trials) + 1),
                       memory_budget=None if self.memory_budget == "device" else self.memory_budget)
         chosen = plans.best()
-        self.strategy = chosen.strategy
-        self.plans = plans
-        _log.info("plan: %s", chosen.strategy.label)
+        self.group_plans[entry.key] = plans
+        if not hasattr(self, "plans"):  # the first group's
+            self.plans = plans
+        _log.info("%splan: %s", self._group_label(entry), chosen.strategy.label)
         if self.progress:
-            _report.note(f"hfkern.sweep: {chosen.strategy.label} (predicted {chosen.step_time * 1e3:.1f} ms a step, "
-                         f"{chosen.peak_memory / 2**20:.1f} MiB of {plans.memory_budget / 2**20:.1f} MiB)")
-        return chosen.B
+            _report.note(f"hfkern.sweep: {self._group_label(entry)}{chosen.strategy.label} (predicted "
+                         f"{chosen.step_time * 1e3:.1f} ms a step, {chosen.peak_memory / 2**20:.1f} MiB of "
+                         f"{plans.memory_budget / 2**20:.1f} MiB)")
+        return chosen.B, chosen.strategy
 
     # ---- training --------------------------------------------------------------------
     def _train_round(self) -> None:
@@ -1017,11 +1068,12 @@ class Runner:
                                         or a.slots[active[0]].step % a.settings.steps_per_epoch == 0):
             a.scheduler.step()
 
-    def _apply_strategy(self, model: nn.Module, B: int) -> None:
-        if self.strategy is not None:
+    @staticmethod
+    def _apply_strategy(model: nn.Module, B: int, strategy: Any) -> None:
+        if strategy is not None:
             from ..plan import apply
 
-            apply(model, dataclasses.replace(self.strategy, B=B))
+            apply(model, dataclasses.replace(strategy, B=B))
 
     def _step_fn(self, a: _Array) -> Callable:
         """One training step of array ``a`` (forward, per-model losses, backward, optimizer), replayed
@@ -1029,10 +1081,10 @@ class Runner:
         (surgery, hyper-parameters, the idle mask, schedules) is written in place, so a refill
         needs no new capture."""
         shared_dims = self._train[0].dim()
-        if self.strategy is not None:
+        if a.strategy is not None:
             from ..plan import make_step
 
-            strategy = dataclasses.replace(self.strategy, B=a.B)
+            strategy = dataclasses.replace(a.strategy, B=a.B)
             loss = lambda out, y: self._loss(out, y, a.hp)  # noqa: E731
             steps = {shared: make_step(a.model, a.optimizer, strategy, loss, shared=shared) for shared in (True, False)}
 
@@ -1204,8 +1256,14 @@ class Runner:
         if self.progress:
             _report.print_best_trials(self.study)
         return SweepSummary(self._tally["completed"], self._tally["pruned"], self._tally["failed"],
-                            self._tally["arrays"], self.B or 0, time.monotonic() - start,
+                            self._tally["arrays"], self._largest_B(), time.monotonic() - start,
                             self._tally["compactions"], self.in_flight)
+
+    def _largest_B(self) -> int:
+        """The summary's B: the given one, or the largest any group was sized to (0: none yet)."""
+        if self._sized_per_group:
+            return max((B for B, _ in self._sizes.values()), default=0)
+        return self.B or 0
 
     def _forget_old_epochs(self) -> None:
         """Drop the batch orders' permutations of epochs no held trial trains again (arrays of one
@@ -1224,12 +1282,13 @@ class Runner:
 
         state = {
             "version": _CHECKPOINT_VERSION, "study": self.study.study_name, "runner": self.name, "B": self.B,
-            "strategy": self.strategy,  # planned (memory_budget) or given: the resumed arrays train under it
+            "strategy": self.strategy,  # given, or the first group's
+            "sizes": self._sizes if self._sized_per_group else None,  # each group's (B, strategy), chosen once
             "queue": [entry(e) for e in self._queue],
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             "arrays": [{
-                "slots": [None if s is None else entry(s) for s in a.slots],
+                "slots": [None if s is None else entry(s) for s in a.slots], "strategy": a.strategy,
                 "model": a.model.state_dict(), "optimizer": a.optimizer.state_dict(),
                 "scheduler": None if a.scheduler is None else a.scheduler.state_dict(),
             } for a in self._arrays],
@@ -1301,7 +1360,7 @@ class Runner:
             # The checkpoint is this runner's own file; it holds optimizer and scheduler
             # state with Python objects (a LambdaLR's functions), so it is loaded whole.
             state = torch.load(self.checkpoint, map_location=self.device, weights_only=False)
-            if state.get("version") not in (1, _CHECKPOINT_VERSION) or state.get("study") != self.study.study_name:
+            if state.get("version") not in (1, 2, _CHECKPOINT_VERSION) or state.get("study") != self.study.study_name:
                 raise ValueError(f"Runner: checkpoint {self.checkpoint!r} belongs to study {state.get('study')!r} "
                                  f"(format {state.get('version')}), not to {self.study.study_name!r}")
             arrays = state["arrays"] if "arrays" in state else [a for a in (state["array"],) if a is not None]
@@ -1312,15 +1371,19 @@ class Runner:
         self._fail_stale()
         held: set[int] = {e.trial._trial_id for e in self._held()}
         if state is not None:
-            self.B = self.B or state["B"]
-            if self.strategy is None:  # the strategy a memory budget planned (a given one stays)
-                self.strategy = state.get("strategy")
+            if self._sized_per_group:  # the sizes chosen before stay (given ones stay as given)
+                self.B, self.strategy = state["B"], state.get("strategy")
+                if state.get("sizes") is not None:
+                    self._sizes.update(state["sizes"])
+                elif self.B is not None:  # formats 1 and 2: one B and strategy for every group
+                    self._sized_per_group = False
             self._queue = [e for e in map(self._entry_from, state["queue"]) if e is not None]
             for saved in arrays:
                 slots = [None if s is None else self._entry_from(s) for s in saved["slots"]]
                 if any(s is not None for s in slots):
                     try:
-                        self._arrays.append(self._resume_array(slots, saved))
+                        strategy = saved["strategy"] if "strategy" in saved else self.strategy
+                        self._arrays.append(self._resume_array(slots, saved, strategy))
                     except BaseException:  # the user's model, its checks: still held, run() fails them
                         self._queue[:0] = [e for e in slots if e is not None]
                         raise
@@ -1336,7 +1399,7 @@ class Runner:
             if self._fail(Trial(self.study, t._trial_id), "lost", counted=False):
                 _storage.retry(self.study, self.study._storage.get_trial(t._trial_id))
 
-    def _resume_array(self, slots: list[_Entry | None], saved: dict[str, Any]) -> _Array:
+    def _resume_array(self, slots: list[_Entry | None], saved: dict[str, Any], strategy: Any) -> _Array:
         """Rebuild the checkpointed array with the trials still running; the others' slots become idle."""
         kept = [s for s in slots if s is not None]
         B = len(slots)
@@ -1345,6 +1408,6 @@ class Runner:
         models = [self._build_model(e) for e in padded]
         model = fusion.fuse(models)
         model.to(self.device)
-        self._apply_strategy(model, B)
+        self._apply_strategy(model, B, strategy)
         model.load_state_dict(saved["model"])
-        return self._assemble(model, slots, saved)
+        return self._assemble(model, slots, strategy, saved)
