@@ -555,11 +555,37 @@ class ArrayOptimizer(Optimizer):
         return tuple(layout)
 
     def _state_of(self, p: torch.Tensor, group: dict[str, Any], keys: tuple[str, ...]) -> dict:
+        """``p``'s state with ``keys``, created where missing, and checked against ``p`` before
+        any group's update, so that a step is never applied half."""
         state = self.state[p]
+        checked = False
         for key in keys:
-            if key not in state:
+            value = state.get(key)
+            if value is None:
                 state[key] = self._init_state(key, p, group, state)
+            elif not checked and key != "step":
+                # One entry per parameter is compared (a step's host time counts): a parameter's
+                # entries are made, loaded and refit together.
+                checked = True
+                if value.dtype is not acc_dtype(p.dtype) or value.device != p.device or value.shape != p.shape:
+                    self._refit_state(p, state)
         return state
+
+    def _refit_state(self, p: torch.Tensor, state: dict) -> None:
+        """Follow a parameter that changed dtype or device after its state was made
+        (``module.double()``, ``module.to(device)``), as a loaded state does; a parameter
+        replaced by one of another shape raises."""
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.shape != ((p.size(0),) if key == "step" else p.shape):
+                raise ValueError(
+                    f"{type(self).__name__}: state {key!r} of shape {list(value.shape)} does not fit its parameter "
+                    f"of shape {list(p.shape)} (was the parameter replaced after the optimizer's first step?); "
+                    f"build the optimizer again or load a state that fits"
+                )
+            dtype = torch.float32 if key == "step" else acc_dtype(p.dtype)
+            state[key] = value.to(device=p.device, dtype=dtype)
 
     # ---- per-model surgery ------------------------------------------------------
     def _check_model(self, b: Any, who: str) -> int:

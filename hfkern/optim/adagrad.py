@@ -22,7 +22,11 @@ class Adagrad(ArrayOptimizer):
     ``param_groups`` as ``[B]`` tensors on the parameters' device. State per parameter: ``step``
     (``[B]`` float32, each model's own count, used for its learning-rate decay)
     and ``sum`` (``[B, ...]``, starting at each model's
-    ``initial_accumulator_value`` when the parameter first steps).
+    ``initial_accumulator_value`` when the parameter first steps). A parameter
+    group's own ``initial_accumulator_value`` (given in the group, or in
+    :meth:`add_param_group`) is its parameters' starting value;
+    ``torch.optim.Adagrad`` starts every group at its constructor's value
+    (later groups at its defaults) and ignores a group's.
     ``skip_nonfinite`` and ``step(skip=...)``, and torch's implementation keywords
     ``foreach``, ``differentiable`` and ``fused``: see :class:`~hfkern.optim.ArrayOptimizer`.
     """
