@@ -14,6 +14,8 @@ gather.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 __all__ = ["batch_indices", "BatchOrder"]
@@ -30,6 +32,11 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int = 0) -> torch.Te
     ``n`` samples, ``n // batch_size`` steps per epoch; use it to train a model
     alone on the batches a sweep runner with the same ``data_seed`` gives it.
     """
+    for label, value, least in (("n", n, 1), ("batch_size", batch_size, 1), ("step", step, 0), ("seed", seed, None)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"batch_indices: expected {label} as an int, got {type(value).__name__} {value!r}")
+        if least is not None and value < least:
+            raise ValueError(f"batch_indices: expected {label} >= {least}, got {value}")
     steps = n // batch_size
     if steps < 1:
         raise ValueError(f"batch_indices: expected batch_size <= n, got batch_size={batch_size} for n={n}")

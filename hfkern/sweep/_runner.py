@@ -266,8 +266,9 @@ class Runner:
         loss: ``loss(output, target, hp) -> [B]`` per-model losses of a step;
             ``output`` is the array's ``[B, N, ...]`` output, ``target`` ``[N, ...]``
             (one batch for all models) or ``[B, N, ...]``, ``hp`` maps every
-            fusible parameter to its ``[B]`` values on the device (loss
-            weights). Default: per-model mean cross entropy.
+            fusible parameter to its ``[B]`` float32 values on the device (loss
+            weights; NaN for a trial that does not give it, each trial's seed
+            for ``seed_param``). Default: per-model mean cross entropy.
         metric: the value reported to each trial: ``"accuracy"`` or ``"loss"``
             (on ``valid``, per-model mean cross entropy), or
             ``metric(model, hp) -> [B]`` (the fused model in eval mode, under
@@ -376,6 +377,12 @@ class Runner:
                           ("loss", loss)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{who}: {label} must be callable or None, got {type(fn).__name__}")
+        if not isinstance(seed_param, str):
+            raise TypeError(f"{who}: seed_param must be a parameter name (str), got {type(seed_param).__name__} "
+                            f"{seed_param!r}")
+        for label, value in (("seed", seed), ("data_seed", data_seed)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{who}: {label} must be an int, got {type(value).__name__} {value!r}")
         self.study = study
         self._space, self._model_factory = space, model
         self.fusible = self._names(fusible, "fusible") | {seed_param}
@@ -400,7 +407,12 @@ class Runner:
         self.scheduler_interval = scheduler_interval
         self._loss = loss or (lambda out, target, hp: cross_entropy(out, target))
 
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        except (RuntimeError, TypeError) as err:
+            raise TypeError(f"{who}: device must be a torch.device or a device string, got {device!r}") from err
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{who}: device {device!r} asked for, but CUDA is not available")
         self._train = self._pair(train, "train")
         self._valid = None if valid is None else self._pair(valid, "valid")
         if not callable(batch_size):
@@ -778,11 +790,11 @@ class Runner:
         return self._assemble(model, list(entries) + [None] * (B - len(entries)), strategy)
 
     def _assemble(self, model: fusion.FusedModel, slots: list[_Entry | None], strategy: Any,
-                  saved: dict[str, Any] | None = None, hp_keys: Iterable[str] | None = None) -> _Array:
+                  saved: dict[str, Any] | None = None) -> _Array:
         """The array of ``model`` (built, on the device, ``strategy`` applied) with trials in ``slots`` (None:
         idle; idle slots take the first trial's hyper-parameters): its optimizer and scheduler, with
         the ``saved`` state of both loaded when given (a checkpoint's, or a compacted array's), and
-        the ``hp`` the loss reads (``hp_keys``: default, the first trial's fusible parameters)."""
+        the ``hp`` the loss reads (:meth:`_hp_values`)."""
         kept = [e for e in slots if e is not None]
         padded = [e if e is not None else kept[0] for e in slots]
         settings = self._settings_of(kept)
@@ -794,10 +806,9 @@ class Runner:
             optimizer.load_state_dict(saved["optimizer"])
             if scheduler is not None:
                 scheduler.load_state_dict(saved["scheduler"])
-        if hp_keys is None:
-            hp_keys = [k for k in sorted(self.fusible) if k in kept[0].params]
-        hp = {k: torch.tensor([float(e.params.get(k, math.nan)) for e in padded], device=self.device)
-              for k in hp_keys}
+        values = [self._hp_values(e) for e in padded]
+        hp = {k: torch.tensor([v[k] for v in values], dtype=torch.float32, device=self.device)
+              for k in sorted(self.fusible)}
         return self._finish_array(_Array(kept[0].key, settings, model, optimizer, scheduler, slots, optimizer_args,
                                          scheduler_args, hp, torch.zeros(len(slots), dtype=torch.bool,
                                                                          device=self.device),
@@ -809,6 +820,14 @@ class Runner:
         a.step = self._step_fn(a)
         self._tally["arrays"] += 1
         return a
+
+    def _hp_values(self, entry: _Entry) -> dict[str, float]:
+        """What the loss and metric read of ``entry`` in ``hp``: every fusible parameter's value,
+        NaN where the trial does not give it (a conditional space), the trial's seed for
+        ``seed_param`` (given or not): the same keys in every array, whichever trial opened it."""
+        values = {k: float(entry.params.get(k, math.nan)) for k in self.fusible}
+        values[self.seed_param] = float(entry.seed)
+        return values
 
     def _settings_of(self, entries: list[_Entry]) -> _Settings:
         """The one settings of an array's trials; ValueError where a fusible parameter changes them."""
@@ -851,8 +870,9 @@ class Runner:
             a.scheduler.reset_model(b, **sched_kw)
             a.scheduler_args.given |= set(sched_kw)
         with torch.no_grad():
+            values = self._hp_values(entry)
             for k, t in a.hp.items():
-                t[b] = float(entry.params.get(k, math.nan))
+                t[b] = values[k]
         a.bad[b] = False
         a.idle[b] = False
         entry.step, entry.reported = 0, 0
@@ -956,7 +976,7 @@ class Runner:
         # non-finite flags need no carrying: the round's report has just cleared them.)
         saved = {"optimizer": _select_models(a.optimizer.state_dict(), torch.tensor(active), a.B),
                  "scheduler": None if a.scheduler is None else a.scheduler.state_dict_of(active)}
-        smaller = self._assemble(model, [a.slots[b] for b in active], a.strategy, saved, hp_keys=list(a.hp))
+        smaller = self._assemble(model, [a.slots[b] for b in active], a.strategy, saved)
         self._tally["arrays"] -= 1  # the same trials' array, smaller
         self._tally["compactions"] += 1
         return smaller
@@ -1006,7 +1026,7 @@ class Runner:
         settings = self._settings_for(entry.params)
         kw = self._optimizer_kwargs(entry.params)
         cls, bs = settings.optimizer_cls, settings.batch_size
-        values = {k: float(v) for k, v in entry.params.items() if k in self.fusible}
+        values = self._hp_values(entry)
 
         def loss(out, y):  # the runner's loss with the first trial's fusible values in every slot
             hp = {k: torch.full((out.shape[0],), v, device=out.device) for k, v in values.items()}
