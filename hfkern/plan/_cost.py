@@ -548,6 +548,23 @@ def default_profile_B(device: torch.device | str) -> tuple[int, ...]:
     return (1, 2, 4, 8, 16) if torch.device(device).type == "cuda" else (1, 2, 4, 8)
 
 
+def check_model_args(who: str, factory: Any, example_batch: Any) -> None:
+    """TypeError for a ``factory`` that is not callable, and for an ``example_batch`` that is not
+    ``(inputs, targets)``, two tensors with the samples in dim 0 (before any profiling)."""
+    if not callable(factory):
+        raise TypeError(f"{who}: factory must be a callable returning a torch model, got {type(factory).__name__}")
+    if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in example_batch)):
+        got = type(example_batch).__name__
+        if isinstance(example_batch, (tuple, list)):
+            got += " of " + ", ".join(type(t).__name__ for t in example_batch)
+        raise TypeError(f"{who}: example_batch must be (inputs, targets), two tensors, got {got}")
+    x, y = example_batch
+    if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"{who}: example_batch's inputs and targets must have the samples in dim 0, got shapes "
+                         f"{list(x.shape)} and {list(y.shape)}")
+
+
 def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, torch.Tensor], *,
                    optimizer: Callable | None = None, loss_fn: Callable | None = None,
                    device: torch.device | str | None = None, B_values: Sequence[int] | None = None,
@@ -591,6 +608,7 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
 
     if not isinstance(interleave, bool):
         raise TypeError(f"fit_cost_model: interleave must be a bool, got {type(interleave).__name__}")
+    check_model_args("fit_cost_model", factory, example_batch)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     by_default = B_values is None
     B_values = default_profile_B(device) if by_default else B_values

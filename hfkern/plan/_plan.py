@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ._cost import FittedCostModel, fit_cost_model
+from ._cost import FittedCostModel, check_model_args, fit_cost_model
 from ._search import Plan, check_budget, check_spaces, search
 
 __all__ = ["PlanSet", "plan"]
@@ -70,8 +70,10 @@ class PlanSet:
         fitting = [p for p in plans if budget is None or p.peak_memory <= budget]
         if not fitting:
             least = min(plans, key=lambda p: p.peak_memory)
-            raise ValueError(f"PlanSet.best: no plan fits {_fmt_bytes(budget)}; the smallest needs "
-                             f"{_fmt_bytes(least.peak_memory)} ({least.strategy.label})")
+            have, need = _fmt_bytes(budget), _fmt_bytes(least.peak_memory)
+            if have == need:  # rounded alike: the exact counts tell them apart
+                have, need = f"{have} ({int(budget)} bytes)", f"{need} ({int(least.peak_memory)} bytes)"
+            raise ValueError(f"PlanSet.best: no plan fits {have}; the smallest needs {need} ({least.strategy.label})")
         return min(fitting, key=lambda p: p.time)
 
     def table(self, chosen: Plan | None = None):
@@ -126,7 +128,11 @@ class PlanSet:
             ax.scatter([chosen.peak_memory / mib], [chosen.time], s=160, facecolors="none", edgecolors="tab:red",
                        label=f"chosen: {chosen.strategy.label}", zorder=5)
         if self.memory_budget is not None:
-            ax.axvline(self.memory_budget / mib, color="gray", ls="--", lw=1, label="memory budget")
+            shown = [p.peak_memory for p in self.front] + [m for _, _, m in measured]
+            if not shown or self.memory_budget <= 2 * max(shown):
+                ax.axvline(self.memory_budget / mib, color="gray", ls="--", lw=1, label="memory budget")
+            else:  # a line far right of the plans would squeeze them all against the axis
+                ax.plot([], [], " ", label=f"memory budget {_fmt_bytes(self.memory_budget)} (off the axis)")
         ax.set_xlabel("peak memory per device (MiB)")
         ax.set_ylabel(f"time to train {self.trials} trials (s)")
         ax.set_title(title or f"{self.trials} trials on {self.device}")
@@ -171,6 +177,10 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
     """
     from ..sweep._memory import _free_bytes
 
+    check_model_args("plan", factory, example_batch)
+    if cost_model is not None and not isinstance(cost_model, FittedCostModel):
+        raise TypeError(f"plan: cost_model must be a FittedCostModel (hfkern.plan.fit_cost_model) or None, got "
+                        f"{type(cost_model).__name__}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     precisions = (("fp32", "bf16") if cuda else ("fp32",)) if precisions is None else precisions

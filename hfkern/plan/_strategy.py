@@ -204,12 +204,13 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 class _Entry:
-    """One state tensor of a block as a forward found it: where it lives (``table[key]``, of the
-    module at ``path``), the tensor, its version, and a copy where one is kept."""
+    """One state tensor (or Python attribute) of a block as a forward found it: where it lives
+    (``table[key]``, of the module at ``path``), the value, a tensor's version, and a copy where
+    one is kept."""
 
     __slots__ = ("copy", "key", "kind", "path", "table", "tensor", "version")
 
-    def __init__(self, table: dict, key: str, path: str, kind: str, tensor: torch.Tensor, copy: bool):
+    def __init__(self, table: dict, key: str, path: str, kind: str, tensor: Any, copy: bool):
         self.table, self.key, self.path, self.kind, self.tensor = table, key, path, kind, tensor
         self.version = _version(tensor) if kind != "attribute" else None
         self.copy = _copied(tensor) if copy else None
@@ -232,11 +233,18 @@ def _copied(t: torch.Tensor) -> torch.Tensor:
         return nn.Parameter(t.clone(), False) if isinstance(t, nn.Parameter) else t.clone()
 
 
+# Python values a forward may assign to its module (``self.calls += 1``): held as found, put back
+# for the recomputation, as tensor attributes are. nn.Module's own entries are left out.
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
+_MODULE_ENTRIES = frozenset(vars(nn.Module()))
+
+
 def _state_of(block: nn.Module, writers: set[str] | None) -> list[_Entry]:
     """The block's state a forward may write: its buffers and parameters that do not require grad
     (a teacher's weights), copied where their module is among ``writers`` (all, for None), and its
-    tensor attributes, held by reference: a forward assigns them (``self.last = h``), it does not
-    write into them (:func:`hfkern.fuse` refuses that for non-buffers)."""
+    tensor and plain Python attributes (a counter), held by reference: a forward assigns them
+    (``self.last = h``, ``self.calls += 1``), it does not write into them (:func:`hfkern.fuse`
+    refuses that for non-buffers)."""
     entries = []
     for path, m in block.named_modules():
         copy = writers is None or path in writers
@@ -247,7 +255,7 @@ def _state_of(block: nn.Module, writers: set[str] | None) -> list[_Entry]:
             if p is not None and not p.requires_grad:  # a teacher's weights, written in place
                 entries.append(_Entry(m._parameters, key, path, "parameter", p, copy))
         for key, value in vars(m).items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) or (isinstance(value, _PLAIN_VALUES) and key not in _MODULE_ENTRIES):
                 entries.append(_Entry(vars(m), key, path, "attribute", value, False))
     return entries
 
