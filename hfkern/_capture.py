@@ -44,6 +44,16 @@ compute something else than its models. :func:`capture` closes those gaps:
   the call a graph is captured for can be passed to ``forward`` as those Python
   values (``concrete``), where torch.fx would trace every argument as a tensor
   (never None): ``if mask is None:`` then takes the branch such a call takes.
+* **Custom autograd Functions** (``Fn.apply(x)`` in the model's code) are one call,
+  not the ops their forward would be traced into, so that their own backward runs.
+* **Assignments to a traced tensor's attributes**: ``param.data = value`` on a
+  parameter (reached as an attribute or through ``parameters()``) or a buffer is
+  recorded; ``x.requires_grad = flag`` on a computed tensor or an input is
+  ``requires_grad_(flag)``; anything else (``.data`` or ``.grad`` of a computed
+  tensor, ``.requires_grad`` of a parameter) is refused, where fx would drop it.
+* **Hooks** of modules whose code is traced run once, here: one that returns None
+  and records no in-place write or assignment acts only through Python side
+  effects, and is refused.
 * **Tensor constants** (tensors made in ``forward`` from Python values, and
   tensor attributes that are neither parameters nor buffers) are returned
   with the graph; modifying one in place is refused (it is state: make it a
@@ -337,6 +347,24 @@ class SetData(GraphTarget):
         tensor.data = value
 
 
+class ApplyFunction(GraphTarget):
+    """Graph target of ``Fn.apply(...)`` for a custom ``torch.autograd.Function`` called in forward:
+    one call, so that the fused forward runs the Function itself (its own backward included)
+    rather than the ops its forward was traced into."""
+
+    def __init__(self, fn: type):
+        self.fn = fn
+        self._named(f"apply_{getattr(fn, '__name__', 'function')}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn.apply(*args, **kwargs)
+
+
+# Tensor attributes that an assignment on a traced value (`h.data = v`) changes in torch, where
+# fx alone would set a Python attribute on its proxy and drop the assignment.
+_TENSOR_SETTERS = ("data", "requires_grad", "grad")
+
+
 # ---- the tracer ----------------------------------------------------------------------------
 class _Tracer(fx.Tracer):
     """fx's tracer with hfkern's leaves, traced buffers, and the records described above."""
@@ -440,8 +468,49 @@ class _Tracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         self._traced = {id(m) for m in root.modules()}
+        self._parameter_names = {n for n, _ in root.named_parameters(remove_duplicate=False)}
+        _guard_hooks(self, root)
         with self._patched():
             return super().trace(root, concrete_args)
+
+    # -- assignments to a traced tensor's attributes
+    def _tensor_setattr(self, proxy: fx.Proxy, name: str, value: Any, original: Callable) -> None:
+        if name not in _TENSOR_SETTERS or self._internal:
+            return original(proxy, name, value)
+        node = proxy.node
+        if node.op == "get_attr" and node.target in self._parameter_names:
+            if name == "data":  # `self.fc.weight.data = value`: as through parameters() (_StateProxy)
+                self.create_proxy("call_function", SetData(), (proxy, value), {})
+                return None
+            self._refuse(f"forward assigns `.{name}` of parameter {node.target!r}",
+                         "a captured forward does not change its parameters' autograd state per call; set "
+                         f"`.{name}` before fusing, or on the fused model's parameters outside forward")
+        if name == "requires_grad":  # what `requires_grad_()` does, which the fused forward runs
+            self.create_proxy("call_method", "requires_grad_", (proxy, value), {})
+            return None
+        what = "the values" if name == "data" else "the gradient"
+        self._refuse(f"forward assigns `.{name}` of a tensor computed in forward",
+                     f"the fused model cannot replace {what} of one model's tensor behind autograd's back; "
+                     "compute the new value as a tensor of its own (`h = h + (value - h).detach()` keeps "
+                     "h's gradient path) or make the tensor a parameter or buffer")
+
+    # -- custom autograd Functions
+    def _apply_function(self, fn: type, args: tuple, kwargs: dict, original: Callable) -> Any:
+        if self._internal or not any(isinstance(v, fx.Proxy) for v in tree_flatten((args, kwargs))[0]):
+            return original(fn, *args, **kwargs)
+        caller = sys._getframe(1)
+        while caller is not None and caller.f_code.co_filename == __file__:
+            caller = caller.f_back  # past the patch's own frames
+        if caller is not None and _library_file(caller.f_code.co_filename):
+            return original(fn, *args, **kwargs)  # torch's own code: traced through, as fx does
+        try:
+            return self.create_proxy("call_function", ApplyFunction(fn), args, kwargs)
+        except FuseError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an argument a graph cannot hold
+            self._refuse(f"forward calls `{fn.__name__}.apply` with an argument the captured forward "
+                         f"cannot hold ({type(e).__name__}: {e})",
+                         "pass tensors and Python constants (numbers, strings, tuples of them) only")
 
     # -- refusals
     def _refuse(self, what: str, why: str, module: nn.Module | None = None) -> None:
@@ -600,6 +669,18 @@ class _Tracer(fx.Tracer):
         init, exit_ = sge.__init__, sge.__exit__
         patch(sge, "__init__", lambda c, mode, _o=init: tracer._set_grad_enabled_init(c, mode, _o))
         patch(sge, "__exit__", lambda c, *a, _o=exit_: tracer._exit(c, a, _o))
+        # A custom autograd Function is one call (its own backward), not the ops of its forward.
+        function = torch.autograd.function.Function
+        apply = vars(function)["apply"].__func__
+        saved.append((function, "apply", vars(function)["apply"]))
+
+        def apply_function(cls, *a, **k):
+            if threading.get_ident() != thread:
+                return apply(cls, *a, **k)
+            return tracer._apply_function(cls, a, k, apply)
+
+        function.apply = classmethod(apply_function)
+        patch(fx.Proxy, "__setattr__", lambda p, n, v, _o=object.__setattr__: tracer._tensor_setattr(p, n, v, _o))
         # fx's Proxy has no item assignment (`self.queue[:n] = keys`, `h[:, 0] = 0`): record it.
         patch(fx.Proxy, "__setitem__", lambda p, index, value: tracer.create_proxy(
             "call_function", operator.setitem, (p, index, value), {}))
@@ -633,6 +714,43 @@ class _Tracer(fx.Tracer):
 
 
 _MISSING = object()
+
+
+class _GuardedHook:
+    """A forward hook or pre-hook of a module whose code is captured, as it runs at capture: a hook
+    that returns None and records no in-place write or assignment can act only through Python side
+    effects (appending to a list, printing), which would happen once, on traced values, and never
+    when the fused model runs."""
+
+    def __init__(self, tracer: _Tracer, hook: Callable, path: str, module: nn.Module, kind: str):
+        self.tracer, self.hook, self.path, self.module, self.kind = tracer, hook, path, module, kind
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        graph = self.tracer.graph
+        before = len(graph.nodes)
+        result = self.hook(*args, **kwargs)
+        if result is None and not self.tracer._internal:
+            made = len(graph.nodes) - before
+            recorded = list(graph.nodes)[before:] if made > 0 else []
+            if not any(_inplace(n) or isinstance(n.target, (AssignState, SetData)) for n in recorded):
+                name = getattr(self.hook, "__qualname__", None) or type(self.hook).__name__
+                self.tracer._refuse(
+                    f"the {self.kind} {name!r} on module {self.path!r} returns None and changes no tensor "
+                    "in place", "it can only act through Python side effects (appending to a list, "
+                    "printing), and the hooks of a module whose code is captured run once, on traced "
+                    "values, when the model is fused, never when the fused model is called. Return the "
+                    "value from forward, or register such a hook on the fused model itself, which runs it "
+                    "at every call with the [B, ...] arrays", self.module)
+        return result
+
+
+def _guard_hooks(tracer: _Tracer, root: nn.Module) -> None:
+    """Wrap the forward hooks and pre-hooks of ``root`` (the copy being traced) in :class:`_GuardedHook`."""
+    for path, module in root.named_modules():
+        for attr, kind in (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook")):
+            hooks = module.__dict__.get(attr)
+            for key, hook in list((hooks or {}).items()):
+                hooks[key] = _GuardedHook(tracer, hook, path, module, kind)
 
 
 def _same(a: Any, b: Any) -> bool:

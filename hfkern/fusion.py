@@ -103,8 +103,9 @@ converted to an array value's dtype and device (``torch.arange(n).type_as(x)``,
 own ``[B, ...]`` copy where it is made. Every output has B first: a tensor that
 is not an array value is returned as each model's copy.
 
-Configuration: the models must agree on every module's plain attributes (numbers,
-strings, tuples of them) except the array modules', which keep them per model
+Configuration: the models must agree on every module's attributes (numbers, strings,
+functions, enum members, config objects, partials, tensors in containers, compared by
+value) except the array modules', which keep them per model
 (a dropout probability each); a module of an array class that the forward does
 not call (a dropout whose ``p`` it reads) is not an array module, so its
 attributes must agree too. :class:`FuseError` names the attribute.
@@ -121,12 +122,16 @@ load, and the factory given to :func:`fuse` travels where pickle can save it
 statistics per model, dropout draws per model; code that reads
 ``self.training`` in a ``forward`` is captured in both modes, and every module
 starts in the mode it has in the models. A module registered under two names
-is one module under both. The fused model can be compiled with ``torch.compile``
+is one module under both; models that share a parameter or buffer are refused. The
+fused model can be compiled with ``torch.compile``
 (a pattern of Python-valued arguments first met while dynamo traces is captured
 eagerly, a graph break: under ``fullgraph=True`` call the model once with it first).
 
 Module hooks registered before fusing: forward hooks of modules whose code is
-captured run in the captured call (model 0's, for every model); hooks the fused
+captured run in the captured call (model 0's, for every model: the models' must be
+the same in code, closure values and partial arguments; one that returns None and
+changes no tensor in place acts only through Python side effects, once at capture,
+and is refused); hooks the fused
 model could not call (backward hooks, forward hooks on the model itself or on a
 module that becomes an array module) raise :class:`FuseError`. Recurrent torch
 modules, which ``torch.vmap`` cannot batch, run once per model.
@@ -159,13 +164,17 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import dataclasses
 import enum
 import importlib
 import inspect
 import itertools
+import math
 import operator
 import pickle
 import sys
+import threading
+import types
 import warnings
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -177,7 +186,7 @@ from torch import nn
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_map, tree_unflatten
 
 from . import _backend, _capture
-from ._array import broadcast, check_B, fold_planes, is_shared
+from ._array import _dense_in, broadcast, check_B, fold_planes, is_shared
 from ._capture import FuseError
 from .nn._base import ArrayModule, _zero_slot_, seeded
 from .nn.normalization import LayerNorm as _ArrayLayerNorm
@@ -727,8 +736,9 @@ _OUT = object()  # marks a tensor output among vmap's non-tensor outputs
 _WALK = object()  # _ArrayCall._direct: the general path decides
 
 
-def _vmap_call(fn: Callable, dims: tuple, args: tuple, kwargs: dict) -> Any:
-    """``fn`` applied to each model's slice of the array arguments, under torch.vmap.
+def _vmap_call(fn: Callable, dims: tuple, args: tuple, kwargs: dict, loop: bool = False) -> Any:
+    """``fn`` applied to each model's slice of the array arguments, under torch.vmap (``loop``: in
+    a loop over the models).
 
     Non-tensor outputs (shapes, flags) are returned as the per-model function
     produced them; random ops draw independently for each model.
@@ -741,7 +751,7 @@ def _vmap_call(fn: Callable, dims: tuple, args: tuple, kwargs: dict) -> Any:
         layout[:] = [spec, [_OUT if isinstance(v, torch.Tensor) else v for v in leaves]]
         return tuple(v for v in leaves if isinstance(v, torch.Tensor))
 
-    if _cpu_autocast(args, kwargs):
+    if loop or _cpu_autocast(args, kwargs):
         tensors = _looped(per_model, dims, args, kwargs)
     else:
         tensors = torch.vmap(per_model, in_dims=dims, randomness="different")(args, kwargs)
@@ -765,12 +775,24 @@ def _looped(per_model: Callable, dims: Any, args: tuple, kwargs: dict) -> tuple:
     leaves, spec = tree_flatten((args, kwargs))
     flat_dims = _broadcast_to_and_flatten(dims, spec)
     B = next(v.size(d) for v, d in zip(leaves, flat_dims) if d is not None)
-    outs = []
+    outs, slices = [], []
     for b in range(B):
         mine = [v.select(d, b) if d is not None else v for v, d in zip(leaves, flat_dims)]
+        slices.append(mine)
         a, k = tree_unflatten(mine, spec)
         outs.append(per_model(a, k))
-    return tuple(torch.stack(parts) for parts in zip(*outs))
+    return tuple(_stacked_or_input(parts, slices, leaves, flat_dims) for parts in zip(*outs))
+
+
+def _stacked_or_input(parts: Sequence[torch.Tensor], slices: list[list], leaves: list, dims: list) -> torch.Tensor:
+    """The models' results ``parts`` as one array: the array argument itself where each model's
+    result is its own slice of it (an in-place call returns its input), as torch returns the
+    tensor it was given, else the results stacked (new memory)."""
+    first = parts[0]
+    for i, (v, d) in enumerate(zip(leaves, dims)):
+        if d == 0 and slices[0][i] is first and all(p is s[i] for p, s in zip(parts, slices)):
+            return v
+    return torch.stack(parts)
 
 
 def _vmap_refused(e: Exception) -> bool:
@@ -938,7 +960,13 @@ class _ArrayCall(_CallsFunction):
             return getattr(args[0], self.method)(*args[1:], **kwargs)
         return self.fn(*args, **kwargs)
 
+    # Whether the call writes its first argument in place and takes other array values (set by the
+    # rewrite): torch refuses a source that overlaps the written tensor in part.
+    overlap = False
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.overlap:
+            self._check_overlap(args, kwargs)
         try:  # (one frame: this runs for every call of the fused forward)
             if self._arity is not None and self._arity == (len(args), tuple(kwargs)):
                 out = self._direct(args, kwargs)
@@ -971,6 +999,25 @@ class _ArrayCall(_CallsFunction):
             if "single memory location" not in str(e) or not _broadcast_written(args):
                 raise
             raise self._shared_write_error() from e
+
+    def _check_overlap(self, args: tuple, kwargs: dict) -> None:
+        """torch's check that an in-place op's arguments do not overlap its written tensor in part
+        (``x[1:].copy_(x[:-1])``), on model 0's slices: the array op runs on whole arrays, whose
+        memory may be laid out so that torch's own check does not see it."""
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or not x.dim():
+            return
+        arg_marks, kwarg_marks = self.marks
+        others = [v for v, m in (*zip(args[1:], arg_marks[1:]), *((kwargs[k], kwarg_marks.get(k)) for k in kwargs))
+                  if m is True and isinstance(v, torch.Tensor) and v is not x and v.dim()]
+        for v in others:
+            if v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() and _partial_overlap(x[0], v[0]):
+                raise FuseError(
+                    f"fused forward: `{self._text()}`{_capture.site_line(self.site)} {self.module_text} writes into a "
+                    "tensor that overlaps one of its arguments in part (some elements of the written tensor are "
+                    "other elements of the argument), which torch refuses: 'unsupported operation: some elements of "
+                    "the input tensor and the written-to tensor refer to a single memory location'. Clone the "
+                    "argument first (`.clone()`)")
 
     def _shared_write_error(self) -> FuseError:
         site = _capture.site_line(getattr(self, "site", None))
@@ -1075,6 +1122,29 @@ class _ArrayCall(_CallsFunction):
             "run that module once per model")
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory span without gaps or repeats (torch's
+    ``is_non_overlapping_and_dense``), in any order of its dims."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _partial_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch's partial overlap of two tensors (``at::get_overlap_status``): both dense, their memory
+    spans intersect, and they are not one span of the same strides; not decided otherwise."""
+    if not a.numel() or not b.numel() or not (_dense(a) and _dense(b)):
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    if a0 == b0 and a1 == b1:
+        return a.stride() != b.stride()
+    return a0 < b1 and b0 < a1
+
+
 def _lifted(t: torch.Tensor, rank: int) -> torch.Tensor:
     """An array tensor ``[B, *s]`` viewed as ``[B, 1, ..., 1, *s]`` of ``rank`` dims."""
     missing = rank - t.dim()
@@ -1122,6 +1192,58 @@ class _FillCall(_ArrayCall):
                 return _WALK
             return x.copy_(filled)
         return filled
+
+
+# Memory formats of one model's tensor and its rank: an array value has one more dim (B), which
+# torch's own op refuses for them ("required rank 4 tensor to use channels_last format").
+_PER_MODEL_FORMATS = {torch.channels_last: 4, torch.channels_last_3d: 5}
+_FORMAT_FUNCTIONS = {torch.clone, torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
+                     torch.rand_like, torch.randn_like, torch.randint_like}
+
+
+def _memory_format_of(node: fx.Node) -> Any:
+    """The channels-last memory format a captured call asks its result to have (``memory_format=``
+    of ``contiguous``, ``to``, ``clone`` and the ``*_like`` factories), or None."""
+    if not (node.op == "call_method" and node.target in ("contiguous", "to", "clone")
+            or node.op == "call_function" and node.target in _FORMAT_FUNCTIONS):
+        return None
+    fmt = node.kwargs.get("memory_format")
+    return fmt if isinstance(fmt, torch.memory_format) and fmt in _PER_MODEL_FORMATS else None
+
+
+def _in_model_format(x: torch.Tensor, memory_format: torch.memory_format, copy: bool) -> torch.Tensor:
+    """The array ``x`` (``[B, N, C, *S]``) with every model's slice in ``memory_format`` (``[B, N, *S, C]``
+    memory): ``x`` itself where it is already (unless ``copy``), else a copy of its own."""
+    _, N, C, *S = x.shape
+    order = (0, 1, *range(3, x.dim()), 2)
+    if not copy and _dense_in(x.shape, x.stride(), order):
+        return x
+    inner = [C]
+    for n in reversed(S[1:]):
+        inner.insert(0, inner[0] * n)
+    strides = (N * math.prod(S) * C, math.prod(S) * C, 1, *inner)
+    return x.new_empty_strided(tuple(x.shape), strides).copy_(x)
+
+
+class _FormatCall(_ArrayCall):
+    """A call that asks for a channels-last result (``x.contiguous(memory_format=torch.channels_last)``,
+    ``.to(...)``, ``.clone(...)``, ``torch.zeros_like(...)``, ...) on an array value: torch's op takes
+    only one model's rank for that format, so the call runs without it and every model's slice of
+    the result gets the format's layout, as each model's tensor has it."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fmt = kwargs.get("memory_format")
+        x = args[0] if args else None
+        if not (isinstance(x, torch.Tensor) and self.marks[0] and self.marks[0][0] is True
+                and x.dim() == _PER_MODEL_FORMATS.get(fmt, -2) + 1):
+            return super().__call__(*args, **kwargs)  # (one model's rank is not the format's: torch's error)
+        rest = {k: v for k, v in kwargs.items() if k != "memory_format"}
+        if self.method == "clone" or self.fn is torch.clone:
+            return _in_model_format(x, fmt, copy=True)
+        if self.method == "contiguous":
+            return _in_model_format(x, fmt, copy=False)
+        y = super().__call__(*args, **rest)
+        return _in_model_format(y, fmt, copy=False) if isinstance(y, torch.Tensor) else y
 
 
 class _MaskSetItem(_ArrayCall):
@@ -1234,6 +1356,19 @@ def _detach_(x: torch.Tensor) -> torch.Tensor:
     return x.detach_()
 
 
+class _ApplyLoop(_CallsFunction):
+    """``Fn.apply(...)`` of a custom ``torch.autograd.Function`` with array arguments, once per model
+    on its slices, the results stacked: each model runs the Function's own forward and backward.
+    (torch.vmap would need the Function's own vmap rule, which few Functions define.)"""
+
+    def __init__(self, fn: type, marks: Any, label: str):
+        self.fn, self.marks = fn, marks
+        self._named(label)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _vmap_call(self.fn.apply, _in_dims(self.marks, (args, kwargs)), args, kwargs, loop=True)
+
+
 def _per_model_copies(value: Any, B: int) -> Any:
     """``value``, made of Python values and tensors that are not array values, with each tensor as
     the B models' own copies (``[B, *shape]``)."""
@@ -1312,6 +1447,67 @@ def _own_class(module: nn.Module) -> type:
     return cls.__bases__[0] if torch.nn.utils.parametrize.is_parametrized(module) else cls
 
 
+@contextlib.contextmanager
+def _without_fastpath(*values: Any) -> Iterator[None]:
+    """Under torch.vmap every tensor reads ``requires_grad == False``, so torch's attention layers
+    (``nn.MultiheadAttention`` in ``nn.TransformerDecoderLayer``, ...) in eval mode would take their
+    inference fast path, which has no backward, where a model alone trains through the slow path:
+    the fast path is off for the call wherever autograd records it."""
+    grad = torch.is_grad_enabled() and torch.backends.mha.get_fastpath_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(values)[0])
+    if not grad:
+        yield
+        return
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+
+
+_TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
+
+
+def _unwrapped_requires_grad(t: torch.Tensor) -> bool:
+    while torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return _TENSOR_REQUIRES_GRAD.__get__(t)
+
+
+# `requires_grad` answered, for a tensor batched by torch.vmap, by the tensor it batches: the
+# models' tensors, whose autograd records what each model's would.
+_PER_MODEL_REQUIRES_GRAD = property(_unwrapped_requires_grad, _TENSOR_REQUIRES_GRAD.__set__)
+_REQUIRES_GRAD_LOCK = threading.Lock()
+_requires_grad_depth = 0
+_OWN_REQUIRES_GRAD = vars(torch.Tensor).get("requires_grad")  # None: TensorBase's, inherited
+
+
+@contextlib.contextmanager
+def _requires_grad_per_model() -> Iterator[None]:
+    """A module's code under torch.vmap reads ``x.requires_grad`` as each model alone would
+    (``y * 2 if y.requires_grad else y``): torch.vmap's batched tensors read False whatever
+    autograd records. ``torch.Tensor.requires_grad`` is that reading for the call (in eager mode;
+    a compiler traces the call as it is)."""
+    global _requires_grad_depth
+    if torch.compiler.is_compiling():
+        yield
+        return
+    with _REQUIRES_GRAD_LOCK:
+        if not _requires_grad_depth:
+            torch.Tensor.requires_grad = _PER_MODEL_REQUIRES_GRAD
+        _requires_grad_depth += 1
+    try:
+        yield
+    finally:
+        with _REQUIRES_GRAD_LOCK:
+            _requires_grad_depth -= 1
+            if not _requires_grad_depth:
+                if _OWN_REQUIRES_GRAD is None:
+                    del torch.Tensor.requires_grad
+                else:
+                    torch.Tensor.requires_grad = _OWN_REQUIRES_GRAD
+
+
 class _ModuleCall(_capture.GraphTarget):
     """A leaf module without an array version, run per model over its stacked parameters.
 
@@ -1349,7 +1545,8 @@ class _ModuleCall(_capture.GraphTarget):
         state_dims = {k: 0 for k in state}
         arg_dims, kwarg_dims = dims
         try:
-            out, rebound = _vmap_call(per_model, ((state_dims, *arg_dims), kwarg_dims), (state, *args), kwargs)
+            with _without_fastpath(state, args, kwargs), _requires_grad_per_model():
+                out, rebound = _vmap_call(per_model, ((state_dims, *arg_dims), kwarg_dims), (state, *args), kwargs)
         except RuntimeError as e:
             if "atching rule" not in str(e) and "vmap" not in str(e):
                 raise
@@ -1363,19 +1560,13 @@ class _ModuleCall(_capture.GraphTarget):
         return out
 
     def _loop(self, module: nn.Module, state: dict, dims: Any, args: tuple, kwargs: dict) -> Any:
-        def select(d, v, b):
-            if d is None:
-                return v
-            if isinstance(d, int):
-                return v[b]
-            if isinstance(d, dict):
-                return {k: select(d[k], v[k], b) for k in v}
-            out = [select(dd, vv, b) for dd, vv in zip(d, v)]
-            return out if isinstance(v, list) else tuple(out)
-
-        outs, rebinds = [], []
+        leaves, spec = tree_flatten((args, kwargs))
+        flat_dims = _broadcast_to_and_flatten(dims, spec)
+        outs, rebinds, slices = [], [], []
         for b, template in enumerate(self.templates):
-            a, k = select(dims, (args, kwargs), b)
+            mine = [v[b] if d is not None else v for v, d in zip(leaves, flat_dims)]
+            slices.append(mine)
+            a, k = tree_unflatten(mine, spec)
             # Buffers are passed as views of model b's slice: in-place updates
             # (running statistics) land in the stacked buffer.
             with _reparametrized(template, {n: t[b] for n, t in state.items()}) as rebound:
@@ -1383,10 +1574,31 @@ class _ModuleCall(_capture.GraphTarget):
             rebinds.append(rebound)
         names = {n for r in rebinds for n in r}
         _rebind(module, {n: torch.stack([r.get(n, state[n][b]) for b, r in enumerate(rebinds)]) for n in names})
-        leaves = [tree_flatten(o)[0] for o in outs]
+        out_leaves = [tree_flatten(o)[0] for o in outs]
         spec = tree_flatten(outs[0])[1]
-        stacked = [torch.stack(vs) if isinstance(vs[0], torch.Tensor) else vs[0] for vs in zip(*leaves)]
+        stacked = [self._array_of(vs, slices, leaves, flat_dims) if isinstance(vs[0], torch.Tensor) else vs[0]
+                   for vs in zip(*out_leaves)]
         return tree_unflatten(stacked, spec)
+
+    # Whether the fused forward writes in place, after this call, into memory its result may share
+    # with its inputs (set by the rewrite): a stacked copy of views of the inputs would lose that.
+    aliased = False
+
+    def _array_of(self, parts: Sequence[torch.Tensor], slices: list[list], leaves: list, dims: list) -> torch.Tensor:
+        """The models' results as one array (:func:`_stacked_or_input`); where a later in-place write
+        could tell, results that are other views of the inputs (which a stacked copy is not) raise."""
+        array = _stacked_or_input(parts, slices, leaves, dims)
+        if self.aliased and not any(array is v for v in leaves) and any(
+                isinstance(x, torch.Tensor) and d is not None and _shares_memory(p, x)
+                for p, mine in zip(parts, slices) for x, d in zip(mine, dims)):
+            cls = _module_class(self.template)
+            raise FuseError(
+                f"fused forward: the {cls.__name__} module, run once per model (loop_modules), returns a view of "
+                "its input (a slice, a reshape, a transpose), and the forward writes in place through that result "
+                "or into the input later; the fused model stacks the B models' results into memory of its own, "
+                "where those writes would not reach the other tensor. Return a tensor of its own (`.clone()`) "
+                "or the input itself")
+        return array
 
 
 def _describe(value: Any) -> str:
@@ -1891,11 +2103,108 @@ def _is_plain(v: Any) -> bool:
     return False
 
 
-def _plain_attributes(module: nn.Module) -> dict[str, Any]:
-    """A module's own configuration values (numbers, strings, tuples, lists and dicts of them)
-    that forward may read: the captured code holds model 0's."""
+def _config_attributes(module: nn.Module) -> dict[str, Any]:
+    """A module's own configuration values that forward may read (numbers, strings, functions,
+    enum members, config objects, containers of them, ...): the captured code holds model 0's.
+    Not its tensors held directly, which are checked where forward reads or assigns them."""
     return {k: v for k, v in vars(module).items()
-            if not k.startswith("_") and k != "training" and _is_plain(v)}
+            if not k.startswith("_") and k != "training" and not isinstance(v, torch.Tensor)}
+
+
+def _registered(model: nn.Module) -> dict[int, str]:
+    """``id`` -> name of every parameter, buffer and module registered in ``model``."""
+    names = {id(t): n for n, t in reversed(_named_tensors(model))}
+    names.update((id(m), p) for p, m in reversed(list(model.named_modules(remove_duplicate=False))))
+    return names
+
+
+def _same_value(a: Any, b: Any, names: tuple[dict[int, str], dict[int, str]] = ({}, {}),
+                seen: set[tuple[int, int]] | None = None) -> bool:
+    """Whether two models' values (of an attribute, or two hooks) are the same for code that reads
+    them: functions by their code, defaults and closure values (two models' lambdas of one
+    ``__init__`` are the same), partials by function, arguments and keywords, containers item by
+    item, dataclasses, namespaces and other objects by their fields, tensors by their values,
+    anything else by ``==``. A model's own parameters, buffers and modules (``names``: each model's
+    :func:`_registered`) are the same where they are registered under the same name; other
+    modules where they are of one class."""
+    if a is b:
+        return True
+    seen = set() if seen is None else seen
+    pair = (id(a), id(b))
+    if pair in seen:
+        return True  # a cycle: what it holds is compared where it was first met
+    seen.add(pair)
+    if type(a) is not type(b):
+        return False
+    same = lambda x, y: _same_value(x, y, names, seen)  # noqa: E731
+    if id(a) in names[0] or id(b) in names[1]:
+        return names[0].get(id(a)) == names[1].get(id(b))
+    if isinstance(a, nn.Module):
+        return _module_class(a) == _module_class(b)
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and (
+            "meta" in (a.device.type, b.device.type) or bool(torch.equal(a, b.to(a.device))))
+    if isinstance(a, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, torch.Generator):  # each model's own, seeded alike
+        return a.device == b.device and bool(torch.equal(a.get_state(), b.get_state()))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, partial):
+        return same(a.func, b.func) and same(a.args, b.args) and same(a.keywords, b.keywords)
+    if isinstance(a, types.MethodType):
+        return same(a.__func__, b.__func__) and same(a.__self__, b.__self__)
+    if isinstance(a, types.FunctionType):
+        cells = lambda f: [_cell_value(c) for c in f.__closure__ or ()]  # noqa: E731
+        return (a.__code__ == b.__code__ and a.__globals__ is b.__globals__
+                and same(a.__defaults__, b.__defaults__) and same(a.__kwdefaults__, b.__kwdefaults__)
+                and same(cells(a), cells(b)))
+    if isinstance(a, (type, types.ModuleType)):
+        return False
+    if type(a).__module__ == "numpy" and hasattr(a, "shape") and getattr(a, "ndim", 0):
+        return a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all())
+    fields = _fields(a)
+    if fields is not None and (dataclasses.is_dataclass(a) or isinstance(a, types.SimpleNamespace)
+                               or type(a).__eq__ is object.__eq__):
+        other = _fields(b)
+        return other is not None and same(fields, other)
+    try:
+        result = a == b
+        return bool(result) if not hasattr(result, "all") else bool(result.all())
+    except Exception:  # noqa: BLE001 - an equality that cannot answer: compare the fields
+        other = _fields(b)
+        return fields is not None and other is not None and same(fields, other)
+
+
+_EMPTY_CELL = object()
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet assigned
+        return _EMPTY_CELL
+
+
+def _fields(v: Any) -> dict[str, Any] | None:
+    """An object's fields (its ``__dict__`` and ``__slots__``), or None where it has neither."""
+    out = dict(vars(v)) if hasattr(v, "__dict__") else None
+    slots = [n for cls in type(v).__mro__ for n in getattr(cls, "__slots__", ()) if isinstance(n, str)]
+    if slots:
+        out = out or {}
+        for n in slots:
+            if n not in ("__dict__", "__weakref__") and hasattr(v, n):
+                out[n] = getattr(v, n)
+    return out
+
+
+def _shown(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a tensor ({_describe(v)})"
+    text = repr(v)
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 class FusedModel(ArrayModule):
@@ -2307,15 +2616,17 @@ def _architecture_problem(ref: nn.Module, model: nn.Module, ref_name: str, name:
                 return (f"{attr} of {key!r} differs: {ref_name} has {show(getattr(r, attr))}, {name} has "
                         f"{show(getattr(t, attr))}")
     leaves = None if array_paths is None else tuple(array_paths)
+    names = (_registered(ref), _registered(model))
     for path, sub in model.named_modules():
         if type(sub) in array_classes and (
                 leaves is None or any(path == p or path.startswith(p + ".") for p in leaves)):
             continue
-        ours = _plain_attributes(ref.get_submodule(path))
-        theirs = _plain_attributes(sub)
+        ours = _config_attributes(ref.get_submodule(path))
+        theirs = _config_attributes(sub)
         for k in sorted(ours.keys() | theirs.keys()):
-            if ours.get(k, _MISSING) != theirs.get(k, _MISSING):
-                show = lambda v: "no such attribute" if v is _MISSING else repr(v)  # noqa: E731
+            mine, other = ours.get(k, _MISSING), theirs.get(k, _MISSING)
+            if mine is _MISSING or other is _MISSING or not _same_value(mine, other, names):
+                show = lambda v: "no such attribute" if v is _MISSING else _shown(v)  # noqa: E731
                 return (f"attribute {(path + '.' if path else '') + k!r} differs: {ref_name} has "
                         f"{show(ours.get(k, _MISSING))}, {name} has {show(theirs.get(k, _MISSING))}; the "
                         "forward code is captured from model 0, so its configuration must be every model's")
@@ -2345,6 +2656,7 @@ def _module_class(module: nn.Module) -> type | _ParametrizedClass:
 def _check_models(models: list[nn.Module]) -> None:
     first = models[0]
     cls = _module_class(first)
+    _check_unshared(models)
     for i, m in enumerate(models[1:], start=1):
         if _module_class(m) != cls:
             raise TypeError(f"fuse: expected models of one class, got {cls.__name__} at index 0 and "
@@ -2365,6 +2677,32 @@ def _check_models(models: list[nn.Module]) -> None:
                                 f"model and in eval mode in another (models 0 and {i})")
 
 
+def _check_unshared(models: list[nn.Module]) -> None:
+    """Refuse models that share a parameter or buffer (one submodule in two models, a model given
+    twice): the fused model holds each model's tensors as its own slice, so what one model's
+    training changes would no longer reach the other, as it does in torch."""
+    owners: dict[Any, tuple[int, str]] = {}
+    for i, model in enumerate(models):
+        for name, t in _named_tensors(model):
+            if t is None:
+                continue
+            keys = [id(t)]
+            if t.device.type != "meta" and t.untyped_storage().nbytes():
+                keys.append(("memory", t.device, t.untyped_storage().data_ptr()))
+            for key in keys:
+                j, theirs = owners.setdefault(key, (i, name))
+                if j != i:
+                    if model is models[j]:
+                        what = f"models {j} and {i} are one model object (sharing every tensor: {name!r}, ...)"
+                    else:
+                        how = "the parameter or buffer" if key == keys[0] else "the memory of"
+                        what = f"models {j} and {i} share {how} {theirs!r} (model {i}'s {name!r})"
+                    raise FuseError(
+                        f"fuse: {what}; a fused model holds each model's parameters and buffers as its own "
+                        "copy, so training would update them apart where torch updates one tensor. Give each "
+                        "model its own (copy.deepcopy(model))")
+
+
 _HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
                "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks"}
 _FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
@@ -2376,16 +2714,8 @@ _LEGACY_HOOKS = (("weight_norm", importlib.import_module("torch.nn.utils.weight_
                  ("spectral_norm", importlib.import_module("torch.nn.utils.spectral_norm").SpectralNorm))
 
 
-def _hook_code(fn: Any) -> Any:
-    """What a hook runs: its function's code (a method's, a partial's function's), else its class."""
-    while isinstance(fn, partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    return getattr(fn, "__code__", type(fn))
-
-
 def _forward_hooks(module: nn.Module) -> list[tuple[str, Any]]:
-    return [(k, _hook_code(h)) for k in _FORWARD_HOOKS for h in getattr(module, k, {}).values()]
+    return [(k, h) for k in _FORWARD_HOOKS for h in getattr(module, k, {}).values()]
 
 
 def _array_owner(model: nn.Module, path: str, array_classes: dict, opaque: tuple) -> str | None:
@@ -2413,6 +2743,7 @@ def _check_hooks(models: list[nn.Module], array_classes: dict, opaque: tuple) ->
     model's own ``__call__`` nor any model's module there)."""
     first = models[0]
     for i, model in enumerate(models):
+        names = None
         for path, module in model.named_modules():
             where = repr(path) if path else "the model itself"
             backward = [_HOOK_KINDS[k] for k in _HOOK_KINDS if k not in _FORWARD_HOOKS and getattr(module, k, None)]
@@ -2442,11 +2773,13 @@ def _check_hooks(models: list[nn.Module], array_classes: dict, opaque: tuple) ->
                     f"call: the B models' {cls.__name__} modules at {owner!r} run as one array module "
                     f"(hfkern.nn's {array_classes[cls].__name__}). Remove them before fusing and register "
                     f"them on fused.get_submodule({owner!r}), where they see the [B, ...] arrays")
-            if i and path and hooks != _forward_hooks(first.get_submodule(path)):
+            if i and path and hooks:
+                names = names or (_registered(model), _registered(first))
+            if i and path and not _same_value(hooks, _forward_hooks(first.get_submodule(path)), names or ({}, {})):
                 raise FuseError(
-                    f"fuse: the forward hooks on {where} differ between model 0 and model {i}; the fused "
-                    "forward runs model 0's hooks (captured with its code) for every model, so the "
-                    "models must have the same ones")
+                    f"fuse: the forward hooks on {where} differ between model 0 and model {i} (in their "
+                    "code, or the values they close over or are given); the fused forward runs model 0's "
+                    "hooks (captured with its code) for every model, so the models must have the same ones")
 
 
 def fuse(models: Sequence[nn.Module] | Callable[[], nn.Module], B: int | None = None, *,
@@ -3132,8 +3465,8 @@ def _strided_view(node: fx.Node) -> bool:
 
 
 def _reshaping(node: fx.Node) -> bool:
-    if not (node.args and isinstance(node.args[0], fx.Node)):
-        return False
+    if not (node.args and isinstance(node.args[0], fx.Node)) or _memory_format_of(node) is not None:
+        return False  # (a channels-last `contiguous` is its source or a copy: _FormatCall)
     return ((node.op == "call_method" and node.target in _RESHAPING_METHODS)
             or (node.op == "call_function" and node.target in _RESHAPING_FUNCTIONS))
 
@@ -3444,6 +3777,7 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
                     "loop" if isinstance(module, _LOOPED_BY_DEFAULT) else "vmap")
                 template = copy.deepcopy(module).to("meta")
                 call = _ModuleCall(template, marks, strategy, f"per_model_{cls.__name__}", B)
+                call.aliased = node in written_after
                 owner = out.get_attr(node.target)
                 env[node] = out.call_function(call, (owner, *args), kwargs)
         elif isinstance(node.target, _capture.AssignState):
@@ -3493,6 +3827,9 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
                 env[node] = out.call_function(_Metadata(fn, marks, f"one_model_{label}", method),
                                               args, kwargs)
                 array[node] = False
+            elif isinstance(fn, _capture.ApplyFunction):
+                env[node] = out.call_function(_ApplyLoop(fn.fn, marks, f"per_model_{fn.__name__}"), args, kwargs)
+                array[node] = True
             elif method == "detach_" or fn is torch.detach_:
                 env[node] = out.call_function(_detach_, args, kwargs)
                 array[node] = True
@@ -3510,9 +3847,14 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
                     cls = _MaskSetItem
                 elif fn is torch.autograd.grad:
                     cls = _GradCall
+                elif _memory_format_of(node) is not None:
+                    cls = _FormatCall
                 elif node in aliasing:  # a reshaping call that in-place writes go through: a view, or an error
                     cls = _AliasingCall
                 call = cls(fn, marks, f"per_model_{label}", method, B)
+                if _capture._inplace(node) and fn is not operator.setitem and method != "__setitem__" and any(
+                        array[n] for n in node.all_input_nodes if n is not first):
+                    call.overlap = True
                 call.site = node.meta.get("hfkern_site")
                 call.module_text = _capture.where(node.meta.get("hfkern_module"), model)
                 if node in aliasing:
