@@ -494,6 +494,38 @@ class _Tracer(fx.Tracer):
                      "compute the new value as a tensor of its own (`h = h + (value - h).detach()` keeps "
                      "h's gradient path) or make the tensor a parameter or buffer")
 
+    def _plain_tensor_setattr(self, tensor: torch.Tensor, name: str, value: Any, original: Callable) -> None:
+        """An assignment to an attribute of a tensor that is not a traced value.
+
+        ``self.const.data = value`` on a tensor attribute (neither a parameter nor a buffer, so
+        a constant of the captured forward) would run once, here, and never in the fused
+        forward: refused, as in-place writes to such a tensor are. Other tensors' (one made in
+        forward from Python values, also a constant, changes the same way at every call) are
+        assigned as usual.
+        """
+        if name == "data" and not self._internal:
+            found = self._tensor_attribute(tensor)
+            if found is not None:
+                module, label = found
+                self._refuse(f"forward assigns `.data` of the tensor attribute {label!r} (neither a parameter "
+                             "nor a buffer)", "such a tensor is a constant of the captured forward, so the "
+                             "assignment would run once, when the model is fused, not per model and per call; "
+                             "register it as a buffer (self.register_buffer) so that each model keeps its own",
+                             module)
+        return original(tensor, name, value)
+
+    def _tensor_attribute(self, tensor: torch.Tensor) -> tuple[nn.Module, str] | None:
+        """(module, name) of the traced model's plain attribute that holds ``tensor`` (directly or
+        in a list, tuple or dict), or None."""
+        with self._own_code():
+            for path, module in self.root.named_modules(remove_duplicate=False):
+                for attr, v in vars(module).items():
+                    if attr in ("_parameters", "_buffers", "_modules"):
+                        continue  # parameters and buffers are traced values; modules are searched themselves
+                    if any(t is tensor for t in tree_flatten(v)[0]):
+                        return module, f"{path}.{attr}" if path else attr
+        return None
+
     # -- custom autograd Functions
     def _apply_function(self, fn: type, args: tuple, kwargs: dict, original: Callable) -> Any:
         if self._internal or not any(isinstance(v, fx.Proxy) for v in tree_flatten((args, kwargs))[0]):
@@ -681,6 +713,9 @@ class _Tracer(fx.Tracer):
 
         function.apply = classmethod(apply_function)
         patch(fx.Proxy, "__setattr__", lambda p, n, v, _o=object.__setattr__: tracer._tensor_setattr(p, n, v, _o))
+        # A real tensor's attribute assignments (a tensor attribute's `.data`), which fx does not see.
+        patch(torch.Tensor, "__setattr__", lambda t, n, v, _o=torch.Tensor.__setattr__:
+              tracer._plain_tensor_setattr(t, n, v, _o))
         # fx's Proxy has no item assignment (`self.queue[:n] = keys`, `h[:, 0] = 0`): record it.
         patch(fx.Proxy, "__setitem__", lambda p, index, value: tracer.create_proxy(
             "call_function", operator.setitem, (p, index, value), {}))

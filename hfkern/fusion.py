@@ -188,7 +188,7 @@ from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_ma
 from . import _backend, _capture
 from ._array import _dense_in, broadcast, check_B, fold_planes, is_shared
 from ._capture import FuseError
-from .nn._base import ArrayModule, _zero_slot_, seeded
+from .nn._base import ArrayModule, _read_field, _submodule, _with_slot, _zero_slot_, seeded
 from .nn.normalization import LayerNorm as _ArrayLayerNorm
 from .nn.normalization import _BatchNorm as _ArrayBatchNorm
 from .nn.conv import _ArrayConvNd
@@ -2465,6 +2465,10 @@ class FusedModel(ArrayModule):
         got = dict(_named_tensors(model))
         loads = [self.get_submodule(path)._prepare_load(b, model.get_submodule(path), f"{who} ({path!r})")
                  for path in self._array_leaves]  # every layer checked before any is written
+        # A layer's load validates its per-model values (a dropout's p) only as it sets them, after
+        # the tensors before it were written: check them all here, so a refused one writes nothing.
+        for path in self._array_leaves:
+            _check_per_model_values(self.get_submodule(path), b, model.get_submodule(path), who, path)
         attributes = []
         for path, name in self._attribute_state:
             ours, theirs = getattr(self.get_submodule(path), name), getattr(model.get_submodule(path), name, None)
@@ -2493,7 +2497,8 @@ class FusedModel(ArrayModule):
         :func:`fuse`), called under ``torch.manual_seed(seed)`` in a forked RNG
         when ``seed`` is given (the global RNG is then untouched), else drawing
         from the global RNG as a new model would. Without a factory, a copy of
-        the architecture is re-initialized with each submodule's
+        the architecture with slot b's per-model values (the array layers' ones
+        that may differ between the models: a dropout's ``p``) is re-initialized with each submodule's
         ``reset_parameters()``, a module's after its submodules' (as its constructor
         runs after theirs: ``MultiheadAttention`` zeroes its output projection's
         bias), which is what the constructors of torch's layers draw, in torch's
@@ -2518,7 +2523,7 @@ class FusedModel(ArrayModule):
                 f"factory given to hfkern.fuse ({factory.description}: pickle saves module-level functions "
                 "and classes, not lambdas or local functions); pass factory=")
         with seeded(seed, self._factory_kwargs().get("device"), "reset_model"):
-            fresh = factory() if factory is not None else self._reinitialized()
+            fresh = factory() if factory is not None else self._reinitialized(b)
         if isinstance(fresh, nn.Module):
             self._follow_dtypes(fresh)
         self.load_model(b, fresh)
@@ -2539,11 +2544,22 @@ class FusedModel(ArrayModule):
                         else:
                             table[name] = t.to(ref.dtype)
 
-    def _reinitialized(self) -> nn.Module:
+    def _reinitialized(self, b: int) -> nn.Module:
+        """A copy of the architecture with slot b's configuration, every parameter and buffer
+        re-initialized by its module's ``reset_parameters()`` (drawing from the current RNG)."""
         device = self._factory_kwargs().get("device", torch.device("cpu"))
         # Drawn in torch's default dtype, as a constructor draws, then given the fused model's
         # dtypes by reset_model (_follow_dtypes): what `torch.manual_seed(s); Net().double()` gives.
         model = copy.deepcopy(self._template).to(torch.get_default_dtype()).to_empty(device=device)
+        # The template is model 0's: slot b keeps its own per-model values (a dropout's p in a
+        # sweep over p), as an array module's reset_model keeps model b's configuration. They are
+        # set on the template's modules rather than taken from the leaves' extract_model, whose
+        # constructors would draw from the RNG this initialization draws from.
+        for path in self._array_leaves:
+            for sub_path, sub, field in self.get_submodule(path)._held_per_model_fields():
+                value = getattr(sub, field)
+                setattr(model.get_submodule(".".join(filter(None, (path, sub_path)))), field,
+                        value[b] if isinstance(value, tuple) else value)
         self._retie(model)
         # A tensor registered under several names (an output head tied to the embedding) is
         # its first name's module's: torch's tying keeps that module's initialization.
@@ -2576,6 +2592,28 @@ class FusedModel(ArrayModule):
                 f"reset_model: {left} are not initialized by any submodule's reset_parameters(); "
                 "pass factory= (or fuse a factory: hfkern.fuse(factory, B)) to make fresh models")
         return model
+
+
+def _check_per_model_values(array: ArrayModule, b: int, module: nn.Module, who: str, path: str) -> None:
+    """Raise what loading ``module`` into slot b of ``array`` would raise for a per-model value
+    (a dropout probability torch took unchecked, ``drop.p = 1.5``), leaving ``array`` as it is.
+
+    ``array._prepare_load(b, module, ...)`` must have passed (the counterparts exist). Each
+    value goes through its field's own setter, the check the load runs, on a shallow stand-in
+    of the module that holds it: the setters only validate and store the value, so the
+    stand-in's store leaves the array untouched.
+    """
+    for sub_path, sub, field in array._held_per_model_fields():
+        counterpart = _submodule(module, sub_path)
+        new = _with_slot(getattr(sub, field), b, _read_field(counterpart, field), array.B)
+        stand_in = object.__new__(type(sub))
+        stand_in.__dict__.update(sub.__dict__)
+        try:
+            setattr(stand_in, field, new)
+        except (TypeError, ValueError) as e:
+            label = ".".join(filter(None, (path, sub_path, field)))
+            raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                f"{who}: the model's {label!r} is refused for slot {b}: {e}") from e
 
 
 # ---- fuse / unfuse ------------------------------------------------------------------------
