@@ -470,8 +470,19 @@ class _Tracer(fx.Tracer):
         self._traced = {id(m) for m in root.modules()}
         self._parameter_names = {n for n, _ in root.named_parameters(remove_duplicate=False)}
         _guard_hooks(self, root)
+        constants = [(label, t, _version_of(t)) for _, label, t in _plain_tensors(root)]
         with self._patched():
-            return super().trace(root, concrete_args)
+            graph = super().trace(root, concrete_args)
+        # A tensor attribute the forward writes in place without a traced operand (`self.const.mul_(2)`)
+        # is written here, once, and never when the fused model runs.
+        written = [label for label, t, version in constants if _version_of(t) != version]
+        if written:
+            raise FuseError(
+                f"fuse: forward writes the tensor attribute(s) {written} (neither parameters nor buffers) in "
+                "place; such a tensor is a constant of the captured forward, so the write would happen once, "
+                "when the call is captured, not per model and per call: register it as a buffer "
+                "(self.register_buffer) so that each model keeps its own")
+        return graph
 
     # -- assignments to a traced tensor's attributes
     def _tensor_setattr(self, proxy: fx.Proxy, name: str, value: Any, original: Callable) -> None:
@@ -518,13 +529,7 @@ class _Tracer(fx.Tracer):
         """(module, name) of the traced model's plain attribute that holds ``tensor`` (directly or
         in a list, tuple or dict), or None."""
         with self._own_code():
-            for path, module in self.root.named_modules(remove_duplicate=False):
-                for attr, v in vars(module).items():
-                    if attr in ("_parameters", "_buffers", "_modules"):
-                        continue  # parameters and buffers are traced values; modules are searched themselves
-                    if any(t is tensor for t in tree_flatten(v)[0]):
-                        return module, f"{path}.{attr}" if path else attr
-        return None
+            return next(((module, label) for module, label, t in _plain_tensors(self.root) if t is tensor), None)
 
     # -- custom autograd Functions
     def _apply_function(self, fn: type, args: tuple, kwargs: dict, original: Callable) -> Any:
@@ -749,6 +754,25 @@ class _Tracer(fx.Tracer):
 
 
 _MISSING = object()
+
+
+def _plain_tensors(root: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, name, tensor) of every tensor ``root``'s modules hold in plain attributes (directly
+    or in a list, tuple or dict): neither parameters nor buffers, which are traced values."""
+    for path, module in root.named_modules(remove_duplicate=False):
+        for attr, v in vars(module).items():
+            if attr in ("_parameters", "_buffers", "_modules"):
+                continue  # modules are searched themselves
+            for t in tree_flatten(v)[0]:
+                if isinstance(t, torch.Tensor):
+                    yield module, f"{path}.{attr}" if path else attr, t
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version
+        return None
 
 
 class _GuardedHook:

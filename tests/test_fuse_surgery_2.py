@@ -250,3 +250,25 @@ def test_assigning_data_of_a_tensor_made_in_forward_or_of_a_buffer_still_equals_
         x = torch.randn(2, 4, 3)
         assert_close(fused(x), torch.stack([r(x[b]) for b, r in enumerate(refs)]))
     assert_close(fused.avg, torch.stack([r.avg for r in refs]))
+
+
+class _WritesItsConstant(nn.Module):
+    """Writes a plain tensor attribute in place with no traced operand: a constant of the capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.const = torch.ones(3)
+
+    def forward(self, x):
+        self.const.mul_(2)
+        return self.fc(x) * self.const
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_an_in_place_write_to_a_tensor_attribute_is_refused_and_leaves_the_models_alone(B):
+    # It ran once, at capture: with B = 1 the fused model then scaled by 2 where torch scales by 2, 4, 8...
+    models = [_WritesItsConstant() for _ in range(B)]
+    with pytest.raises(hfkern.FuseError, match=r"writes the tensor attribute\(s\) \['const'\].*register it as a buffer"):
+        hfkern.fuse(models)
+    assert all(torch.equal(m.const, torch.ones(3)) for m in models)
