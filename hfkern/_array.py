@@ -419,6 +419,31 @@ def lookup_dims(t: torch.Tensor, n: int, trailing: int) -> tuple[torch.Tensor, i
 _CONV_ND = (1, 2)  # the spatial dims array convolutions support
 
 
+def refuse_forward_ad(op: str, *tensors: torch.Tensor | None) -> None:
+    """RuntimeError where forward-mode AD would run through the dispatched op ``op``:
+    ``torch.func.jvp``/``jacfwd`` (a functorch Jvp transform active) or ``torch.autograd.forward_ad``
+    (an input with a tangent). torch's custom ops have no forward-mode formula, and a custom op
+    with a registered backward gives zero tangents silently rather than raising. A few cheap
+    reads where neither is active (every call of a fused forward runs this)."""
+    from torch.autograd import forward_ad
+
+    if torch.compiler.is_compiling():  # (dynamo cannot trace functorch's stack; a graph has no tangents)
+        return
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        jvp = torch._C._functorch.TransformType.Jvp
+        active = any(i.key() == jvp for i in retrieve_all_functorch_interpreters())
+    elif forward_ad._current_level >= 0:
+        active = any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    else:
+        return
+    if active:
+        raise RuntimeError(
+            f"hfkern::{op}: forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) is not "
+            f"supported: the op has no forward-mode formula, and torch would give zero tangents")
+
+
 def check_conv_args(
     op: str, activation_dims: int, weight: torch.Tensor, stride: Sequence[int],
     padding: Sequence[int], dilation: Sequence[int], output_padding: Sequence[int], groups: int,
@@ -474,6 +499,14 @@ def check_conv_args(
         )
     if groups < 1:
         raise ValueError(f"hfkern::{op}: expected groups >= 1, got {groups}")
+    if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0 or min(output_padding) < 0:
+        raise ValueError(f"hfkern::{op}: expected stride >= 1, dilation >= 1, padding >= 0 and output_padding "
+                         f">= 0 in every dim, got stride {list(stride)}, dilation {list(dilation)}, padding "
+                         f"{list(padding)}, output_padding {list(output_padding)}")
+    if transposed and any(o >= max(st, d) for o, st, d in zip(output_padding, stride, dilation)):
+        raise ValueError(f"hfkern::{op}: expected output_padding smaller than stride or dilation in every dim (as "
+                         f"torch's transposed convolutions), got output_padding {list(output_padding)}, stride "
+                         f"{list(stride)}, dilation {list(dilation)}")
     if transposed is None:
         return
     # The operands against the weight [B, C_out, C_in/groups, *k] (transposed: [B, C_in,

@@ -211,9 +211,14 @@ def _pairs(x: Tensor, per_channel: tuple[Tensor | None, ...]) -> bool:
 def _grouped_params(xg: Tensor, weight: Tensor | None, bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
     """weight and bias flat ``[B*C]`` for torch's kernel on the grouped ``xg``. Without them,
     mixed precision gets float32 ones and zeros (the same math): without a float32
-    parameter torch's kernels take the reduced dtype for the statistics too."""
-    if weight is not None or xg.dtype == _PARAM_DTYPE[xg.dtype]:
+    parameter torch's kernels take the reduced dtype for the statistics too. A bias without a
+    weight gets ones for the weight (the same math)."""
+    if weight is not None:
         return _flat(weight), _flat(bias)
+    if bias is not None:  # torch's kernel has no double backward for a bias without a weight: ones
+        return xg.new_ones(xg.shape[1], dtype=bias.dtype), _flat(bias)
+    if xg.dtype == _PARAM_DTYPE[xg.dtype]:
+        return None, None
     n = xg.shape[1]
     return (xg.new_ones(n, dtype=torch.float32),
             _flat(bias) if bias is not None else xg.new_zeros(n, dtype=torch.float32))

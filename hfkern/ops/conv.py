@@ -46,7 +46,7 @@ from .. import _backend
 from . import _autocast
 from .._array import (
     array_memory_format, check_conv_args, conv_output_size, fresh_array, from_grouped, like_weight,
-    new_batch_major, op_result, per_model_memory_first, to_grouped,
+    new_batch_major, op_result, per_model_memory_first, refuse_forward_ad, to_grouped,
 )
 
 __all__ = ["array_conv", "array_conv_input_grad", "array_conv_weight_grad", "conv"]
@@ -131,7 +131,8 @@ def _pointwise(x: Tensor, weight: Tensor, stride, padding, dilation, transposed:
 def _pointwise_matmul(w: Tensor, x: Tensor) -> Tensor:
     """``[B, O, I] @ x [B, N, I, *s]`` -> ``[B, N, O, *s]``, a view of ``[N, B, O, *s]`` memory."""
     B, N, _, *s = x.shape
-    y = torch.matmul(w, x.transpose(0, 1).reshape(N, B, x.shape[2], -1))
+    # (the plane's size spelled out: -1 is ambiguous for an empty batch, N = 0)
+    y = torch.matmul(w, x.transpose(0, 1).reshape(N, B, x.shape[2], math.prod(s)))
     return y.view(N, B, w.shape[1], *s).transpose(0, 1)
 
 
@@ -145,8 +146,8 @@ def _pointwise_weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
     bench/bench_pointwise_wgrad.py). Float32 and float64 only: reduced-precision
     partial products would be rounded before they are summed."""
     B, N = x.shape[:2]
-    g = grad_out.transpose(0, 1).reshape(N, B, grad_out.shape[2], -1)
-    xs = x.transpose(0, 1).reshape(N, B, x.shape[2], -1)
+    g = grad_out.transpose(0, 1).reshape(N, B, grad_out.shape[2], math.prod(grad_out.shape[3:]))
+    xs = x.transpose(0, 1).reshape(N, B, x.shape[2], math.prod(x.shape[3:]))
     return torch.matmul(g, xs.transpose(-1, -2)).sum(0)
 
 
@@ -288,6 +289,7 @@ def conv(
     Otherwise (another backend, ``torch.compile``) the op.
     """
     if not _backend.eager_torch(_FWD, x.device):
+        refuse_forward_ad(_FWD, x, weight, bias)
         return array_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     x, weight, bias = _eager_inputs(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     if _pointwise(x, weight, stride, padding, dilation, transposed, groups):

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._array import is_shared
+from .._array import is_shared, refuse_forward_ad
 
 __all__ = [
     "array_embedding", "array_embedding_backward", "array_embedding_sparse_backward",
@@ -409,6 +409,7 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     backward that builds a graph (``create_graph=True``), or a sparse one, runs the op's
     formula."""
     if not _backend.eager_torch(_FWD, weight.device):
+        refuse_forward_ad(_FWD, weight)
         return array_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
     _check_lookup(_FWD, weight, indices, padding_idx)
     return _EagerEmbedding.apply(weight, indices, padding_idx, scale_grad_by_freq, sparse)

@@ -73,6 +73,7 @@ from ._norm import (
     activate_, activation_grad, backward_of_backward, backward_outputs, check_activation,
     check_mask, grad_mask, input_grads, save_forward,
 )
+from .._array import refuse_forward_ad
 from .._dtypes import acc_dtype
 
 __all__ = [
@@ -504,6 +505,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim:
     on the torch backend in eager mode."""
     x, weight, bias = _autocast.cast_inputs("hfkern::array_layer_norm", x.device.type, x, weight, bias)
     if not _backend.eager_torch(_LN_FWD, x.device, x.dtype):
+        refuse_forward_ad(_LN_FWD, x, weight, bias)
         return array_layer_norm(x, weight, bias, norm_ndim, eps, activation)
     _check(_LN_FWD, x, weight, bias, norm_ndim)
     check_activation(f"hfkern::{_LN_FWD}", activation)
@@ -658,6 +660,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, norm_ndim: int, eps: float) -> tu
     the torch backend in eager mode (see :func:`layer_norm`)."""
     x, weight = _autocast.cast_inputs("hfkern::array_rms_norm", x.device.type, x, weight)
     if not _backend.eager_torch(_RMS_FWD, x.device, x.dtype):
+        refuse_forward_ad(_RMS_FWD, x, weight)
         return array_rms_norm(x, weight, norm_ndim, eps)
     _check(_RMS_FWD, x, weight, None, norm_ndim)
     return _EagerRMSNorm.apply(x, weight, norm_ndim, eps)

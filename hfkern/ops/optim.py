@@ -967,12 +967,19 @@ def _check_grads(grads: Sequence[Tensor]) -> int:
     if not grads:
         raise ValueError("hfkern::nonfinite_models: expected at least one gradient")
     B = grads[0].size(0) if grads[0].dim() else 0
+    device = grads[0].device
     for i, g in enumerate(grads):
         if g.dim() == 0 or g.size(0) != B:
             raise ValueError(
                 f"hfkern::nonfinite_models: expected gradients of shape [B={B}, ...], "
                 f"got {list(g.shape)} at index {i}"
             )
+        if g.device != device:
+            raise ValueError(f"hfkern::nonfinite_models: expected every gradient on {device} (as grads[0]), got "
+                             f"grads[{i}] on {g.device}")
+        if not (g.is_floating_point() or g.is_complex()):
+            raise TypeError(f"hfkern::nonfinite_models: expected floating-point gradients, got grads[{i}] of "
+                            f"dtype {g.dtype}")
     return B
 
 
