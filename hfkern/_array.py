@@ -15,6 +15,7 @@ import math
 from typing import Callable, Sequence
 
 import torch
+from torch.autograd import forward_ad
 
 __all__ = ["broadcast", "is_shared"]
 
@@ -425,8 +426,6 @@ def refuse_forward_ad(op: str, *tensors: torch.Tensor | None) -> None:
     (an input with a tangent). torch's custom ops have no forward-mode formula, and a custom op
     with a registered backward gives zero tangents silently rather than raising. A few cheap
     reads where neither is active (every call of a fused forward runs this)."""
-    from torch.autograd import forward_ad
-
     if torch.compiler.is_compiling():  # (dynamo cannot trace functorch's stack; a graph has no tangents)
         return
     if torch._C._functorch.peek_interpreter_stack() is not None:
