@@ -56,6 +56,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _capture
+from .._capture import _version_of
 from .._array import broadcast
 from ..fusion import FusedModel, compiled_forward, graph_from_state, graph_state
 from ..nn._base import ArrayModule, set_memory_format
@@ -196,13 +197,6 @@ _WRITERS: weakref.WeakKeyDictionary[nn.Module, dict[bool, set[str]]] = weakref.W
 _LEARNED: weakref.WeakKeyDictionary[Any, set[bool]] = weakref.WeakKeyDictionary()  # call site -> its modes
 
 
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor keeps no version
-        return None
-
-
 class _Entry:
     """One state tensor (or Python attribute) of a block as a forward found it: where it lives
     (``table[key]``, of the module at ``path``), the value, a tensor's version, and a copy where
@@ -212,7 +206,7 @@ class _Entry:
 
     def __init__(self, table: dict, key: str, path: str, kind: str, tensor: Any, copy: bool):
         self.table, self.key, self.path, self.kind, self.tensor = table, key, path, kind, tensor
-        self.version = _version(tensor) if kind != "attribute" else None
+        self.version = _version_of(tensor) if kind != "attribute" else None
         self.copy = _copied(tensor) if copy else None
 
     @property
@@ -222,7 +216,7 @@ class _Entry:
     def changed(self) -> bool:
         """Written in place since (a version that moved; where the version misses a write, as a
         kernel writing through a pointer does, the copy differs from the tensor)."""
-        version = _version(self.tensor)
+        version = _version_of(self.tensor)
         if version is None or version != self.version:
             return True
         return self.copy is not None and not torch.equal(self.copy, self.tensor)
@@ -374,7 +368,7 @@ class _DuringRecomputation:
         for table, key, value in self.after:
             table[key] = value
         self.after = []
-        wrote = [e for e in self.kept if _version(e.tensor) != e.version]
+        wrote = [e for e in self.kept if _version_of(e.tensor) != e.version]
         self.kept = []
         if wrote:
             raise _unexpected_write(self.state, wrote, "recomputation")
