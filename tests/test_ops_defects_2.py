@@ -98,3 +98,30 @@ def test_conv_argument_values_are_checked_by_the_op_and_its_fake(stride, padding
         ops.array_conv(*args)
     with FakeTensorMode() as mode, pytest.raises(ValueError, match=match):
         ops.array_conv(mode.from_tensor(x), mode.from_tensor(w), *args[2:])
+
+
+def test_batch_norm_backward_on_a_layout_torchs_kernel_misreads_matches_the_formula():
+    # x's grouped view passes for channels-last-3d through its size-1 dims, grad_y is contiguous:
+    # torch's CPU kernel read grad_y in x's layout (grad_bias -3.24, 1.00 for -0.88, -1.36).
+    torch.manual_seed(0)
+    x = torch.empty_strided((1, 2, 2, 1, 2, 1), (2, 4, 1, 2, 2, 1)).copy_(torch.randn(1, 2, 2, 1, 2, 1))
+    gy = torch.randn(x.shape)
+    y, mean, rstd = ops.array_batch_norm(x, None, None, None, None, None, True, 0.1, 1e-5, "none")
+    gx, _, gb = ops.array_batch_norm_backward(gy, x, None, mean, rstd, True, [True, False, True], None, "none")
+    x64 = x.double().requires_grad_()
+    dims = (1, 3, 4, 5)
+    ref = (x64 - x64.mean(dims, keepdim=True)) / (x64.var(dims, unbiased=False, keepdim=True) + 1e-5).sqrt()
+    ref.backward(gy.double())
+    torch.testing.assert_close(gb, gy.double().sum(dims).float())
+    torch.testing.assert_close(gx, x64.grad.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dispatched", [False, True])
+def test_a_transposed_convolution_with_an_empty_output_has_zero_gradients(dispatched):
+    x = torch.randn(2, 2, 2, 1, requires_grad=True)
+    w = torch.randn(2, 2, 2, 2, requires_grad=True)
+    with _backend.dispatched_ops() if dispatched else torch.enable_grad():
+        y = ops.array_conv(x, w, None, [1], [1], [1], True, [0], 1)  # output length 0
+        assert y.shape == (2, 2, 2, 0)
+        y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))

@@ -437,7 +437,7 @@ def array_batch_norm_backward_torch(
             # g = grad_y * act'(z) in one pass, written in x's layout for the grouped view
             z = _affine(x - _channel_view(mean, x), x, rstd, weight, bias)
             grad_y = activation_grad(grad_y, z, activation, out=torch.empty_like(x))
-        elif not copied and _grouped_format(grad_y) != fmt:  # (copied: to_grouped copies grad_y as x)
+        elif not copied and _grouped_format(grad_y) != fmt:  # (copied: both given one layout below)
             # e.g. the gradient of a max over points (PointNet), in [B, N, ...]
             # memory: one copy into x's layout costs less than the strided
             # reductions of the general path (several passes over x and grad_y).
@@ -445,9 +445,13 @@ def array_batch_norm_backward_torch(
         # CUDA's kernel reads the weight's device even when it is undefined ("tensor does not
         # have a device"): a weight of ones is the same math on every device.
         w = _flat(weight) if weight is not None else x.new_ones(B * C, dtype=_PARAM_DTYPE[x.dtype])
+        gy_g, x_g = to_grouped(grad_y), to_grouped(x)
+        if copied and gy_g.stride() != x_g.stride():
+            # to_grouped is a view where one is possible (size-1 dims), and torch's CPU kernel reads
+            # grad_y in x's layout when x's strides also pass for channels-last: the same strides.
+            gy_g, x_g = (t.clone(memory_format=torch.contiguous_format) for t in (gy_g, x_g))
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            to_grouped(grad_y), to_grouped(x), w, None, None, mean.reshape(-1), rstd.reshape(-1),
-            True, 0.0, list(output_mask),
+            gy_g, x_g, w, None, None, mean.reshape(-1), rstd.reshape(-1), True, 0.0, list(output_mask),
         )
         if output_mask[0]:
             gx = torch.empty_like(x).copy_(from_grouped(gx, B)) if copied else _from_grouped_like(gx, x, fmt)

@@ -218,6 +218,10 @@ def array_conv_input_grad_torch(
     B = weight.shape[0]
     shared = len(input_size) == weight.dim() - 1
     fmt = array_memory_format(grad_out)
+    if 0 in grad_out.shape[3:]:  # an empty output reached no input: aten refuses an empty plane
+        zeros = (torch.zeros(input_size, dtype=grad_out.dtype, device=grad_out.device, memory_format=fmt) if shared
+                 else new_batch_major(grad_out, input_size, fmt).zero_())
+        return op_result(zeros)
     if not shared and _pointwise(grad_out, weight, stride, padding, dilation, transposed, groups):
         return op_result(_pointwise_matmul(weight.flatten(2).transpose(1, 2), grad_out))
     if shared:  # the sum over the B models falls out of the dense conv
@@ -249,6 +253,8 @@ def array_conv_weight_grad_torch(
 ) -> Tensor:
     """d(loss)/dweight (``weight`` is read for its shape only)."""
     B = weight.shape[0]
+    if 0 in grad_out.shape[3:]:  # an empty output: no product reached the weight
+        return like_weight(torch.zeros_like(weight), weight)
     if x.dtype in (torch.float32, torch.float64) and grad_out.dtype == x.dtype and \
             _pointwise(x, weight, stride, padding, dilation, transposed, groups):
         return like_weight(_pointwise_weight_grad(grad_out, x).view(weight.shape), weight)
