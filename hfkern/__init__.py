@@ -23,7 +23,7 @@ from .fusion import FusedModel, FuseError, fuse, unfuse  # noqa: E402
 from .graphs import CapturedStep, capture_step  # noqa: E402
 from .ops.topk import TopK, topk_capacity, topk_select  # noqa: E402
 from .sweep import ArraySize, max_array_size  # noqa: E402  (hfkern.sweep's runner needs the sweep extra)
-from . import plan  # noqa: E402  (hfkern.plan(...) is hfkern.plan.plan(...))
+from . import plan  # noqa: E402, F401  (hfkern.plan(...) is hfkern.plan.plan(...))
 
 __version__ = "0.1.0"
 
