@@ -482,7 +482,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list: no layer whose 'model.layer' contains any of these texts")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help=f"plan no case whose estimated memory ({MEMORY_FACTOR}x its fwd+bwd bytes) exceeds "
-                        f"this (default on CUDA: {MEMORY_FRACTION:.0%} of the device's memory)")
+                        f"this (default on CUDA: {MEMORY_FRACTION * 100:.0f}%% of the device's memory)")
     p.add_argument("--quick", action="store_true", help="only the quick subset (a few minutes)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU, perf_counter timing, torch backend only (seconds)")

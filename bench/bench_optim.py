@@ -3,7 +3,8 @@
 The workload is a hyper-parameter sweep of B ResNet-18 (CIFAR-10) models: 62
 parameter tensors, 11,173,962 parameters per model. Every case (optimizer, B)
 times one optimizer step over the B models' parameters, with each model's own
-learning rate, on fixed random gradients:
+learning rate, on random gradients (the same values at every step; new tensors
+by default, ``--grads`` below):
 
 * ``torch``, ``triton``, ``cuda``: ``hfkern.optim.Adam`` (``AdamW``, ``SGD``) on the
   ``[B, ...]`` array parameters under ``hfkern.use_backend(name)``.
@@ -666,6 +667,7 @@ def _ok(rows):
 
 def summarize(rows: list[dict], ceilings: dict | None = None) -> dict:
     """Per op and B: the faster hfkern backend, its bandwidth and its speedup over every baseline.
+    ``ceilings``: the copy bandwidth for rows without a fraction of their own.
 
     Returns ``{"cases": {"<op> B=<B>": {...}}, "max_rel_err": {...}, "rows", "ok", "errors",
     "error_impls", "targets"}``.
@@ -682,9 +684,11 @@ def summarize(rows: list[dict], ceilings: dict | None = None) -> dict:
         entry: dict = {"op": op, "B": B, "best": None}
         if backends:
             best = min(backends, key=lambda r: r["ms"])
-            entry.update(best=best["impl"], ms=best["ms"], gbps=best["gbps"],
-                         frac_copy_bw=best.get("frac_copy_bw"),
-                         floor_ms=best["bytes"] / (copy * 1e9) * 1e3 if copy else None)
+            frac = best.get("frac_copy_bw")
+            # The floor at the ceiling of the row's own run (its fraction was taken against it):
+            # rows of several result files each have their own.
+            floor_ms = best["ms"] * frac if frac is not None else best["bytes"] / (copy * 1e9) * 1e3 if copy else None
+            entry.update(best=best["impl"], ms=best["ms"], gbps=best["gbps"], frac_copy_bw=frac, floor_ms=floor_ms)
             entry["speedup"] = {i: r["ms"] / best["ms"] for i, r in by_impl.items() if i not in BACKENDS}
             entry["frac_target_met"] = (None if entry["frac_copy_bw"] is None
                                         else entry["frac_copy_bw"] >= TARGET_FRAC_COPY_BW)
@@ -717,8 +721,13 @@ def summary_lines(summary: dict, meta: dict | None = None) -> list[str]:
     lines = []
     dev = meta.get("device")
     if dev:
-        bw = (meta.get("ceilings") or {}).get("copy_gbps")
-        lines.append(f"device: {dev}; copy bandwidth ceiling: " + (f"{bw:.0f} GB/s" if bw else "not measured"))
+        ceilings = meta.get("ceilings") or {}
+        bw = ceilings.get("copy_gbps")
+        text = f"{bw:.0f} GB/s" if bw else "not measured"
+        if ceilings.get("per_file"):
+            text = "per file, " + ", ".join(f"{f}: {c:.0f} GB/s" if c else f"{f}: not measured"
+                                             for f, c in ceilings["per_file"].items())
+        lines.append(f"device: {dev}; copy bandwidth ceiling: {text}")
     lines.append(f"targets: >= {100 * TARGET_FRAC_COPY_BW:.0f}% of copy bandwidth, >= {TARGET_SPEEDUP:.1f}x "
                  f"the B fused torch optimizers (one per model); hfkern = the faster of its backends")
     if not summary["cases"]:
@@ -792,22 +801,7 @@ def table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def print_table(rows: list[dict], title: str = "hfkern optimizer step, ResNet-18 (CIFAR) x B (median ms)") -> None:
     header, lines = table(rows)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
-        print(title)
-        print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
-        for l in lines:
-            print("  ".join(c.rjust(w) for c, w in zip(l, widths)))
-        return
-    t = Table(title=title)
-    for i, h in enumerate(header):
-        t.add_column(h, justify="left" if i == 0 else "right")
-    for l in lines:
-        t.add_row(*l)
-    Console(width=max(160, sum(len(h) + 3 for h in header))).print(t)
+    report.print_cells(title, header, lines, min_width=160)
 
 
 # ---- command line ----------------------------------------------------------------
@@ -887,6 +881,10 @@ def _ceilings(args, device, timer, env) -> dict:
 
 def show(paths: list[str], with_table: bool = True) -> int:
     meta, rows = report.merge(paths)
+    per_file = {p["file"]: (p.get("ceilings") or {}).get("copy_gbps") for p in meta["parts"]}
+    if len(set(per_file.values())) > 1:
+        # Runs measured their own ceilings: no one of them stands for the others' rows.
+        meta["ceilings"] = {"copy_gbps": None, "per_file": per_file}
     if with_table:
         print_table(rows)
     print_summary(rows, meta)

@@ -32,7 +32,8 @@ few steps) slows all of them alike.
 
     python bench/bench_plan.py --size cpu --out bench/results/plan_cpu-2threads_DATE
 
-writes ``plan.json`` (every number, device, versions, date), a plot per
+writes ``plan.json`` (every number, device, versions, date, the backend each
+hfkern op resolved to), a plot per
 workload (``<workload>.png``: time for all trials against peak memory,
 predicted and measured) and prints a summary table.
 
@@ -230,6 +231,13 @@ def replot(directory: str) -> None:
              f"{r['workload']} ({a['size']} size) on {a['device']}")
 
 
+def resolved_backends(device: torch.device) -> dict:
+    """The backend each hfkern op resolves to on ``device`` and why (``auto`` picks per op by
+    hfkern/_evidence.py's records): the kernels the cost model's numbers hold for."""
+    info = hfkern.backend_info()
+    return {"requested": info["requested"], "ops": {op: row[device.type] for op, row in info["ops"].items()}}
+
+
 # Every allocation on the heap, nothing given back to the system while the benchmark runs.
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
 
@@ -283,6 +291,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+    backends = resolved_backends(device)
     results = []
     started = time.monotonic()
     for name in args.workloads:
@@ -303,7 +312,8 @@ def main(argv=None) -> None:
                           device=(torch.cuda.get_device_name(device) if device.type == "cuda"
                                   else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"),
                           python=platform.python_version(), torch=torch.__version__, hfkern=hfkern.__version__,
-                          malloc=malloc, args={**vars(args), "out": recorded_path(args.out)}, workloads=results)
+                          malloc=malloc, backends=backends, args={**vars(args), "out": recorded_path(args.out)},
+                          workloads=results)
             with open(os.path.join(args.out, "plan.json"), "w") as f:
                 json.dump(record, f, indent=1)
 

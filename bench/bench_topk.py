@@ -24,19 +24,22 @@ gradient); ``--input cauchy`` draws a heavy-tailed one. The copy time of x
 
 Timing: CUDA: ``triton.testing.do_bench`` medians (its warm-up and L2 flush);
 CPU: ``time.perf_counter`` around each call, median of ``--reps`` after one
-warm-up call. Results go to ``<out>/topk_<device>_<date>.json``.
+warm-up call. Results go to ``<out>/topk_<device>_<date>.json``, rewritten after
+every size (``report.run_cases``): a run stopped by a time limit's SIGINT keeps the
+sizes it finished, and ``meta`` says why it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hfkern  # noqa: E402
+from bench import report  # noqa: E402
 from hfkern import _backend, _topk  # noqa: E402
 
 
@@ -137,44 +141,49 @@ def make_input(n: int, kind: str, device: torch.device, dtype: torch.dtype) -> t
     return x.to(device=device, dtype=dtype)
 
 
-def run(args) -> dict:
-    device = torch.device(args.device)
+# A row's fields, in the order the JSON keeps them.
+COLUMNS = ["n", "density", "k", "dtype", "input", "copy_ms", "impl", "status", "ms", "min_ms", "count",
+           "count_over_k", "passes", "gbps"]
+
+
+@dataclass(frozen=True)
+class Size:
+    """One size n: every density and implementation (report.run_cases's case)."""
+
+    n: int
+
+    def label(self) -> str:
+        return f"n={self.n}"
+
+
+def run_size(n: int, args, device: torch.device, measure, backends: list[str]) -> list[dict]:
     dtype = getattr(torch, args.dtype)
-    measure = timer(device, args.reps)
-    env = environment(device)
-    backends = backends_for(device)
     rows = []
-    start = time.monotonic()
-    for n in args.sizes:
-        if args.time_budget and time.monotonic() - start > args.time_budget:
-            print(f"time budget of {args.time_budget} s spent; sizes from {n} on are not run", flush=True)
-            break
-        x = make_input(n, args.input, device, dtype)
-        copy_ms = measure(lambda: x.clone())[0]
-        gbps = lambda ms: n * x.element_size() / (ms * 1e-3) / 1e9  # noqa: E731
-        for density in args.densities:
-            k = max(1, round(density * n))
-            base = dict(n=n, density=density, k=k, dtype=args.dtype, input=args.input, copy_ms=copy_ms)
-            ms, min_ms = measure(lambda: torch.topk(x.abs(), k))
-            rows.append(dict(base, impl="torch.topk", ms=ms, min_ms=min_ms, count=k, count_over_k=1.0, passes=None,
-                             gbps=gbps(ms)))
-            print(f"n={n:>10} density={density:<6} k={k:>9} torch.topk        {ms:10.3f} ms", flush=True)
-            for backend in backends:
-                for exact in (False, True):
-                    with hfkern.use_backend(backend):
-                        with PassCounter() as counter:
-                            out = hfkern.topk_select(x, k, exact=exact, seed=0)
-                        count = int(out.count)
-                        ms, min_ms = measure(lambda: hfkern.topk_select(x, k, exact=exact, seed=0))
-                    impl = f"{backend}/{'exact' if exact else 'approx'}"
-                    # the torch path's exact mode uses torch.topk, not the search
-                    passes = None if (exact and backend == "torch") else counter.passes
-                    rows.append(dict(base, impl=impl, ms=ms, min_ms=min_ms, count=count, count_over_k=count / k,
-                                     passes=passes, gbps=gbps(ms)))
-                    print(f"n={n:>10} density={density:<6} k={k:>9} {impl:<17} {ms:10.3f} ms  "
-                          f"count/k={count / k:.4f} passes={passes}", flush=True)
-        del x
-    return {"meta": {**env, "settings": vars(args) | {"device": str(device)}}, "rows": rows}
+    x = make_input(n, args.input, device, dtype)
+    copy_ms = measure(lambda: x.clone())[0]
+    gbps = lambda ms: n * x.element_size() / (ms * 1e-3) / 1e9  # noqa: E731
+    for density in args.densities:
+        k = max(1, round(density * n))
+        base = dict(n=n, density=density, k=k, dtype=args.dtype, input=args.input, copy_ms=copy_ms, status="ok")
+        ms, min_ms = measure(lambda: torch.topk(x.abs(), k))
+        rows.append(dict(base, impl="torch.topk", ms=ms, min_ms=min_ms, count=k, count_over_k=1.0, passes=None,
+                         gbps=gbps(ms)))
+        print(f"n={n:>10} density={density:<6} k={k:>9} torch.topk        {ms:10.3f} ms", flush=True)
+        for backend in backends:
+            for exact in (False, True):
+                with hfkern.use_backend(backend):
+                    with PassCounter() as counter:
+                        out = hfkern.topk_select(x, k, exact=exact, seed=0)
+                    count = int(out.count)
+                    ms, min_ms = measure(lambda: hfkern.topk_select(x, k, exact=exact, seed=0))
+                impl = f"{backend}/{'exact' if exact else 'approx'}"
+                # the torch path's exact mode uses torch.topk, not the search
+                passes = None if (exact and backend == "torch") else counter.passes
+                rows.append(dict(base, impl=impl, ms=ms, min_ms=min_ms, count=count, count_over_k=count / k,
+                                 passes=passes, gbps=gbps(ms)))
+                print(f"n={n:>10} density={density:<6} k={k:>9} {impl:<17} {ms:10.3f} ms  "
+                      f"count/k={count / k:.4f} passes={passes}", flush=True)
+    return rows
 
 
 def parse_args(argv=None):
@@ -195,18 +204,24 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run(args)
-    meta = result["meta"]
+    # A time limit's SIGINT stops the run and writes what it has; a process started in the
+    # background by a shell inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    device = torch.device(args.device)
+    env = environment(device)
     if args.name is None:
         kind = "cpu-%dthreads" % torch.get_num_threads() if args.device == "cpu" else \
-            meta["device"].lower().replace("nvidia ", "").replace(" ", "-")
-        args.name = f"topk_{kind}_{meta['date']}"
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, args.name + ".json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
-    print(f"wrote {path}")
+            env["device"].lower().replace("nvidia ", "").replace(" ", "-")
+        args.name = f"topk_{kind}_{env['date']}"
+    meta = {**env, "settings": vars(args) | {"device": str(device)}, "skipped_cases": 0, "finished": False}
+    # The JSON is rewritten after every row: a run killed after its time limit keeps the sizes done.
+    writer = report.RowWriter(args.out, args.name, meta, columns=COLUMNS, with_csv=False)
+    writer.write_json(complete=False)
+    measure = timer(device, args.reps)
+    backends = backends_for(device)
+    report.run_cases([Size(n) for n in args.sizes], lambda size: run_size(size.n, args, device, measure, backends),
+                     writer, meta, args.time_budget, time.monotonic(), device, "{:.3f}")
+    print(f"wrote {writer.json_path}")
     return 0
 
 

@@ -70,7 +70,11 @@
 #                its plans measured; ResNet-18 first, then the transformer LM, PointNet,
 #                MobileNetV2, BERT-small and DCGAN, none started after HFKERN_PLAN_SECONDS
 #                (default 180; the workload running then finishes, killed at 150 s more).
-#                hfkern._C is not built: auto takes the torch path on CUDA.
+#                hfkern._C is not built (no cuda backend). auto serves each op as
+#                hfkern/_evidence.py's committed records say: Triton's adam_step_,
+#                sgd_step_ and array_layer_norm (and its backward) are auto-eligible,
+#                taken where a record names a result for this device, the torch path
+#                otherwise; plan.json records what each op resolved to (backends).
 #   Results in $OUT/plan: plan.json (written after every workload) and a plot per
 #   workload; gpu_run_plan.log.
 #

@@ -106,31 +106,41 @@ class RowWriter:
 
     The CSV is flushed after every row so a run that is killed keeps what it
     measured; :meth:`write_json` rewrites the JSON (call it at the start, and
-    at the end with ``complete=True``).
+    at the end with ``complete=True``). ``columns``: the keys of a row that are
+    kept (another benchmark's own); ``with_csv=False``: the JSON only,
+    rewritten after every row instead.
     """
 
-    def __init__(self, out_dir: str, stem: str, meta: dict):
+    def __init__(self, out_dir: str, stem: str, meta: dict, columns: list[str] = COLUMNS,
+                 with_csv: bool = True):
         os.makedirs(out_dir, exist_ok=True)
-        self.csv_path = os.path.join(out_dir, stem + ".csv")
+        self.csv_path = os.path.join(out_dir, stem + ".csv") if with_csv else None
         self.json_path = os.path.join(out_dir, stem + ".json")
         self.meta = meta
+        self.columns = columns
         self.rows: list[dict] = []
-        self._f = open(self.csv_path, "w", newline="")
-        self._csv = csv.DictWriter(self._f, fieldnames=COLUMNS, extrasaction="ignore")
-        self._csv.writeheader()
-        self._f.flush()
+        self._f = self._csv = None
+        if with_csv:
+            self._f = open(self.csv_path, "w", newline="")
+            self._csv = csv.DictWriter(self._f, fieldnames=columns, extrasaction="ignore")
+            self._csv.writeheader()
+            self._f.flush()
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
-        self._csv.writerow({k: _csv_value(row.get(k)) for k in COLUMNS})
+        if self._csv is None:
+            self.write_json(complete=False)
+            return
+        self._csv.writerow({k: _csv_value(row.get(k)) for k in self.columns})
         self._f.flush()
 
     def write_json(self, complete: bool) -> None:
         self.meta["complete"] = complete
-        write_json(self.json_path, self.meta, self.rows)
+        write_json(self.json_path, self.meta, self.rows, self.columns)
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
 
 def _csv_value(v):
@@ -141,10 +151,10 @@ def _csv_value(v):
     return v
 
 
-def write_json(path: str, meta: dict, rows: list[dict]) -> None:
+def write_json(path: str, meta: dict, rows: list[dict], columns: list[str] = COLUMNS) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"meta": meta, "rows": [{k: r.get(k) for k in COLUMNS} for r in rows]}, f, indent=1)
+        json.dump({"meta": meta, "rows": [{k: r.get(k) for k in columns} for r in rows]}, f, indent=1)
     os.replace(tmp, path)
 
 
@@ -444,11 +454,17 @@ def pivot(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def print_table(rows: list[dict], title: str = "hfkern kernel benchmark (median ms)") -> None:
     header, lines = pivot(rows)
+    print_cells(title, header, lines, left={0, 1, 4})
+
+
+def print_cells(title: str, header: list[str], lines: list[list[str]], left: set[int] = frozenset({0}),
+                min_width: int = 200) -> None:
+    """A table of text cells (``left``: the columns aligned left), every cell printed whole."""
+    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
         print(title)
         print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
         for l in lines:
@@ -456,11 +472,12 @@ def print_table(rows: list[dict], title: str = "hfkern kernel benchmark (median 
         return
     table = Table(title=title)
     for i, h in enumerate(header):
-        table.add_column(h, justify="left" if i < 2 or i == 4 else "right")
+        table.add_column(h, justify="left" if i in left else "right", no_wrap=True)
     for l in lines:
         table.add_row(*l)
-    # Logs are read wider than a terminal; never let rich fold the ms columns.
-    Console(width=max(200, sum(len(h) + 3 for h in header))).print(table)
+    # Logs are read wider than a terminal: a console as wide as the widest cells (a cell, its
+    # padding and a border: 3 more), so that rich neither folds nor cuts one, layer names included.
+    Console(width=max(min_width, sum(w + 3 for w in widths) + 1)).print(table)
 
 
 def print_summary(rows: list[dict], meta: dict | None = None) -> dict:

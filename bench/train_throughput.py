@@ -70,7 +70,10 @@ against the best mode.
 Outputs in ``--out`` (default bench/results), named ``train_<device>_<date>``:
 ``.json`` (rows: workload, mode, backend, B, precision, samples/s, step time,
 peak MB, speedups, device, versions, date; profiles; gaps), ``.md`` (the
-summary) and ``_<workload>.png`` (throughput against B; needs matplotlib).
+summary) and ``_<workload>.png`` (throughput against B; needs matplotlib). The
+``.json`` and ``.md`` are written after every cell; a SIGINT or SIGTERM (a time
+limit's) ends the cell that is running with each mode's complete rounds, stops
+its workers at once and writes the results.
 
     python bench/train_throughput.py --smoke                     # tiny, every mode, seconds
     python bench/train_throughput.py                             # CPU: size "cpu", B up to 16
@@ -389,8 +392,12 @@ class Group:
     times: list = field(default_factory=list)
     error: dict | None = None
     barrier: Any = None                        # kept alive until the processes have unpickled it
+    # Whether every process has answered its last command. A busy worker (building, warming
+    # up, timing, profiling) reads "stop" only after its task, which can take minutes.
+    idle: bool = False
 
     def send(self, cmd, arg=None) -> None:
+        self.idle = False
         for c in self.conns:
             c.send((cmd, arg))
 
@@ -403,14 +410,20 @@ class Group:
             if kind == "error":
                 raise _WorkerError(payload)
             out.append(payload)
+        self.idle = True
         return out
 
-    def close(self) -> None:
+    def close(self, wait: float = 30.0) -> None:
+        """Stop the processes: idle ones are asked to, busy ones are terminated at once; any
+        still alive after ``wait`` seconds is killed."""
         for c in self.conns:
             with contextlib.suppress(Exception):
                 c.send(("stop", None))
         for p in self.procs:
-            p.join(timeout=30)
+            if not self.idle and p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=wait)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -492,32 +505,37 @@ def run_cell(ctx, workload: str, precision: str, B: int, keys, s: Settings, prof
     """Time every mode of one (workload, precision, B) in interleaved rounds: (rows, profiles,
     interrupted). A SIGINT (the time limit's) ends the cell with the rounds already timed."""
     groups: list[Group] = []
+    interrupted = True                  # also when an exception leaves _run_cell
     try:
-        return _run_cell(ctx, workload, precision, B, keys, s, profile, progress, groups)
+        rows, profiles, interrupted = _run_cell(ctx, workload, precision, B, keys, s, profile, progress, groups)
+        return rows, profiles, interrupted
     finally:
+        # After the time limit's SIGINT its kill follows within seconds, and what has not been
+        # written by then is lost: no waiting for workers that are still building or timing.
         for g in groups:
-            g.close()
+            g.close(wait=5.0 if interrupted else 30.0)
 
 
 def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress, groups: list[Group]):
     from bench.models import hfta
 
-    for key, mode, backend in keys:
-        skip = None
-        if mode == "concurrent" and B > s.max_procs:
-            skip = f"skipped: B = {B} processes exceeds --max-procs {s.max_procs}"
-        elif mode == "hfta" and not hfta.supports(workload):
-            skip = f"skipped: hfta is not implemented for workload {workload!r}"
-        if skip:
-            g = Group(key, mode, backend)
-            g.error = {"error": skip, "oom": False}
-            groups.append(g)
-            continue
-        groups.append(start_group(ctx, key, mode, backend, workload, precision, B, s))
     live = []
     interrupted = False
-    started = time.perf_counter()
+    cell = f"{workload} {precision} B={B}"
     try:
+        for key, mode, backend in keys:
+            skip = None
+            if mode == "concurrent" and B > s.max_procs:
+                skip = f"skipped: B = {B} processes exceeds --max-procs {s.max_procs}"
+            elif mode == "hfta" and not hfta.supports(workload):
+                skip = f"skipped: hfta is not implemented for workload {workload!r}"
+            if skip:
+                g = Group(key, mode, backend)
+                g.error = {"error": skip, "oom": False}
+                groups.append(g)
+                continue
+            groups.append(start_group(ctx, key, mode, backend, workload, precision, B, s))
+        started = time.perf_counter()
         for g in groups:                # every group builds and warms up at once; gather in turn
             if g.error:
                 continue
@@ -526,11 +544,11 @@ def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress,
                 g.info = {"build_s": max(i["build_s"] for i in infos),
                           "warmup_s": max(i["warmup_s"] for i in infos)}
                 live.append(g)
-                _log(progress, f"{workload} {precision} B={B} {g.key}: ready after {time.perf_counter() - started:.0f} s "
+                _log(progress, f"{cell} {g.key}: ready after {time.perf_counter() - started:.0f} s "
                                f"(build {g.info['build_s']:.1f} s, warm-up {g.info['warmup_s']:.1f} s)")
             except (_WorkerError, TimeoutError, EOFError, OSError) as e:
                 g.error = _error_of(e)
-                _log(progress, f"{workload} {precision} B={B} {g.key}: failed ({g.error['error'][:120]})")
+                _log(progress, f"{cell} {g.key}: failed ({g.error['error'][:120]})")
                 g.close()
         for _ in range(s.rounds):
             for g in list(live):
@@ -547,25 +565,24 @@ def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress,
     except KeyboardInterrupt:
         # The time limit: keep each mode's complete rounds (a mode that has none reports so).
         interrupted = True
-        _log(progress, f"{workload} {precision} B={B}: interrupted; keeping the rounds already timed")
-    profiles = {}
+        _log(progress, f"{cell}: interrupted; keeping the rounds already timed")
     profiled = {g.key for g in live}
     if s.profile_modes == "slowest-array":
         timed = [g for g in live if g.mode in ARRAY_MODES and g.times]
         profiled = {max(timed, key=lambda g: statistics.median(g.times)).key} if timed else set()
-    for g in [] if interrupted else live:
-        with contextlib.suppress(_WorkerError, TimeoutError, EOFError, OSError):
-            g.send("memory")
-            peaks = g.gather(s.timeout)
-            g.info["peak_bytes"] = None if any(p is None for p in peaks) else sum(peaks)
-        if profile is not None and g.key in profiled:
-            try:
-                g.conns[0].send(("profile", profile))
-                kind, payload = g.conns[0].recv()
-                if kind == "ok":
-                    profiles[g.key] = payload
-            except (EOFError, OSError):
-                pass
+    if profile is None:
+        profiled = set()
+    profiles: dict = {}
+    if not interrupted:
+        if live:
+            _log(progress, f"{cell}: rounds done; reading peak memory" + (" and profiling" if profiled else ""))
+        try:
+            _measure_after_rounds(live, s, profile, profiled, profiles, progress, cell)
+        except KeyboardInterrupt:
+            # Every round is complete by now: the rows keep them, without what was not read yet.
+            interrupted = True
+            _log(progress, f"{cell}: interrupted after its rounds; keeping the rounds already timed "
+                           "(peak memory and profiles not read by then are not measured)")
     rows = []
     for g in groups:
         row = {"workload": workload, "mode": g.mode, "backend": g.backend, "key": g.key, "B": B,
@@ -578,8 +595,39 @@ def _run_cell(ctx, workload, precision, B, keys, s: Settings, profile, progress,
             row.update(step_ms=1e3 * med, min_step_ms=1e3 * min(g.times), rounds=len(g.times),
                        peak_mb=None if g.info.get("peak_bytes") is None else g.info["peak_bytes"] / 2**20,
                        build_s=g.info["build_s"], warmup_s=g.info["warmup_s"])
+            unmeasured = (["peak memory"] if "peak_bytes" not in g.info else []) + \
+                (["profile"] if g.key in profiled and g.key not in profiles else [])
+            if unmeasured:
+                row["unmeasured"] = unmeasured
         rows.append(row)
     return rows, profiles, interrupted
+
+
+def _measure_after_rounds(live: list[Group], s: Settings, profile, profiled: set, profiles: dict, progress,
+                          cell: str) -> None:
+    """Each timed mode's peak memory (into its ``info``) and the profiles of ``profiled``, kept as
+    they come in: an interrupt leaves what was read."""
+    # A profile runs its own number of steps under the profiler: its timeout grows with them (up
+    # to a day; a pipe's poll takes no more than about 24 days).
+    profile_timeout = min(s.timeout * max(1.0, (profile[0] + 1) / (s.steps + 1)), 86400.0) if profile \
+        else s.timeout
+    for g in live:
+        with contextlib.suppress(_WorkerError, TimeoutError, EOFError, OSError):
+            g.send("memory")
+            peaks = g.gather(s.timeout)
+            g.info["peak_bytes"] = None if any(p is None for p in peaks) else sum(peaks)
+        if g.key in profiled:
+            try:
+                g.idle = False
+                g.conns[0].send(("profile", profile))
+                if not g.conns[0].poll(profile_timeout):
+                    raise TimeoutError(f"no answer within {profile_timeout:.0f} s")
+                kind, payload = g.conns[0].recv()
+                if kind == "ok":
+                    profiles[g.key] = payload
+                    g.idle = True
+            except (TimeoutError, EOFError, OSError) as e:
+                _log(progress, f"{cell} {g.key}: profile not measured ({type(e).__name__}: {e})")
 
 
 def _error_of(e: BaseException) -> dict:
@@ -702,9 +750,8 @@ def summary(record: dict) -> str:
                         continue
                     extra = [f"x{r['vs_serial']:.2f}S" if r.get("vs_serial") and r["mode"] != "serial" else ""]
                     if r["mode"] in ARRAY_MODES:
-                        extra += [_fmt(r.get("vs_vmap"), ".2f") + "V" if r.get("vs_vmap") else "",
-                                  _fmt(r.get("vs_concurrent"), ".2f") + "C" if r.get("vs_concurrent") else "",
-                                  _fmt(r.get("vs_hfta"), ".2f") + "H" if r.get("vs_hfta") else ""]
+                        extra += [f"x{r[f'vs_{ref}']:.2f}{mark}" for ref, mark in
+                                  (("vmap", "V"), ("concurrent", "C"), ("hfta", "H")) if r.get(f"vs_{ref}")]
                     cells.append(f"{r['samples_per_s']:,.0f} {' '.join(x for x in extra if x)}"
                                  f" ({_fmt(r.get('peak_mb'), '.0f')} MB)")
                 lines.append(f"| {B} | " + " | ".join(cells) + " |")
@@ -714,11 +761,19 @@ def summary(record: dict) -> str:
                       + (f", {best['samples_per_s'] / serial_best:.2f}x the best serial rate" if serial_best else "")
                       + ".", ""]
             gs = [g for g in record.get("gaps", []) if g["workload"] == workload and g["precision"] == precision]
-            if gs:
-                lines.append(f"Profile at B = {gs[0]['B']} (best there: {gs[0]['best']}); the op that grows most "
-                             "in each slower mode, per step of all B models:")
+            for B in dict.fromkeys(g["B"] for g in gs):
+                at_B = [g for g in gs if g["B"] == B]
+                # A gap is taken against the fastest mode with a profile, which need not be the
+                # cell's fastest when only some modes were profiled.
+                fastest = max((r for r in mine if r["B"] == B), key=lambda r: r["samples_per_s"])["key"]
+                against = at_B[0]["best"]
+                where = (f"best there: {against}" if against == fastest else
+                         f"against the fastest profiled mode, {against}; the fastest there, {fastest}, "
+                         "was not profiled")
+                lines.append(f"Profile at B = {B} ({where}); the op that grows most in each slower mode, "
+                             "per step of all B models:")
                 lines.append("")
-                for g in gs:
+                for g in at_B:
                     lines.append(f"- {g['mode']}: {g['gap_ms']:.2f} ms/step slower; `{g['op']}` "
                                  f"{g['op_ms']:.2f} ms against {g['op_best_ms']:.2f} ms (+{g['op_delta_ms']:.2f} ms)")
                 lines.append("")
@@ -729,12 +784,21 @@ def summary(record: dict) -> str:
                           "launches, and the top ops by device (CPU) time:", ""]
                 for key, mode, p in cells:
                     top = ", ".join(f"`{o['op'][:60]}` {o[p['time']] / 1e3:.2f} ms" for o in p["ops"][:5])
-                    lines.append(f"- B = {key.split('|')[2]}, {mode}: wall {p['wall_us'] / 1e3:.2f} ms, host "
+                    B = int(key.split("|")[2])
+                    # concurrent's profile is one of its B processes: its own models, not all B
+                    n = p.get("models_in_process", B)
+                    if n < B:
+                        mode = f"{mode} (one process, {n} of the {B} models)"
+                    lines.append(f"- B = {B}, {mode}: wall {p['wall_us'] / 1e3:.2f} ms, host "
                                  f"{p['host_us'] / 1e3:.2f} ms, device {p['device_us'] / 1e3:.2f} ms, "
                                  f"{p['launches']:.0f} launches; {top}")
                 lines.append("")
-    if record.get("skipped"):
-        lines += ["## Not run (time budget or interrupted)", "", *[f"- {x}" for x in record["skipped"]], ""]
+    partial = [f"- {r['workload']} {r['precision']} B={r['B']} {r['key']}: {r['rounds']} of "
+               f"{record['settings']['rounds']} rounds; not measured: {', '.join(r['unmeasured'])}"
+               for r in rows if r.get("unmeasured")]
+    if record.get("skipped") or partial:
+        lines += ["## Not run (time budget or interrupted)", "", *[f"- {x}" for x in record.get("skipped", [])],
+                  *partial, ""]
     if errors:
         lines += ["## Failures", ""]
         for e in errors:
@@ -798,12 +862,11 @@ def merge(records: list[dict]) -> dict:
 
 
 def write_outputs(record: dict, stem: str, plots: bool = True) -> list[str]:
-    tmp = stem + ".json.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, stem + ".json")
-    with open(stem + ".md", "w") as f:
-        f.write(summary(record))
+    # Each file replaced whole: a run killed while writing keeps the previous cell's.
+    for path, text in ((stem + ".json", json.dumps(record, indent=1)), (stem + ".md", summary(record))):
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
     files = [stem + ".json", stem + ".md"]
     if plots:
         files += plot(record, stem)
@@ -847,52 +910,81 @@ class _Progress:
             self.bar.close()
 
 
-def sweep(args, s: Settings, keys, env: dict) -> dict:
+def profiled_B(requested: int, Bs: list[int]) -> int:
+    """The B that is profiled: ``requested`` where it is swept, else the largest swept B below it
+    (the smallest swept B where there is none)."""
+    return requested if requested in Bs else max((b for b in Bs if b <= requested), default=min(Bs))
+
+
+def sweep(args, s: Settings, keys, env: dict, save=None) -> dict:
+    """Every cell of the plan (``args.B`` and ``args.profile_B`` as used). ``save(result)`` is called
+    with the result so far after every cell: a run killed after its time limit's SIGINT keeps
+    the cells that finished."""
     ctx = _context()
     rows: list[dict] = []
     profiles: dict = {}
-    Bs = args.B or _powers(args.max_B)
-    profile_B = args.profile_B if args.profile_B in Bs else max((b for b in Bs if b <= args.profile_B), default=Bs[0])
+    skipped: list[str] = []
     plan = [(w, p) for w in args.workloads for p in args.precisions]
-    progress = _Progress(len(plan) * len(Bs) * s.rounds)
-    start = time.perf_counter()
-    skipped = []
+    progress = _Progress(len(plan) * len(args.B) * s.rounds)
+
+    def result() -> dict:
+        finish_rows(rows, args.workloads, s.size, env)
+        return {"rows": rows, "profiles": profiles, "gaps": gaps(rows, profiles), "skipped": skipped}
+
+    def cell_done() -> None:
+        if save is not None:
+            save(result())
+
     try:
-        _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, profiles, skipped)
+        _sweep_plan(ctx, args, s, keys, plan, progress, rows, profiles, skipped, cell_done)
     except KeyboardInterrupt:
         skipped.append("interrupted: the cells after the last one reported")
     progress.close()
-    finish_rows(rows, args.workloads, s.size, env)
-    return {"rows": rows, "profiles": profiles, "gaps": gaps(rows, profiles), "skipped": skipped}
+    return result()
 
 
-def _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, profiles, skipped) -> None:
+def _cell_keys(keys, args, workload: str, B: int, dropped) -> list:
+    """The modes a cell runs: those not dropped, the compiled ones only at --compile-B and on
+    --compile-workloads."""
+    compiled = ((not args.compile_B or B in args.compile_B)
+                and (not args.compile_workloads or workload in args.compile_workloads))
+    return [k for k in keys if k[0] not in dropped and (compiled or k[1] not in COMPILE_MODES)]
+
+
+def _sweep_plan(ctx, args, s, keys, plan, progress, rows, profiles, skipped, cell_done) -> None:
+    start = time.perf_counter()
+
+    def over_budget() -> bool:
+        return bool(args.time_budget) and time.perf_counter() - start > args.time_budget
+
     for workload, precision in plan:
         dropped: dict[str, str] = {}               # group key -> why it stopped
+        oom_at: dict[str, int] = {}                # group key -> the B it ran out of memory at
         last_fit = first_fail = None
-        for B in Bs:
-            if args.time_budget and time.perf_counter() - start > args.time_budget:
+        for B in args.B:
+            if over_budget():
                 skipped.append(f"{workload} {precision} B={B}")
                 progress(s.rounds)
                 continue
-            compiled = ((not args.compile_B or B in args.compile_B)
-                        and (not args.compile_workloads or workload in args.compile_workloads))
-            cell_keys = [k for k in keys if k[0] not in dropped and (compiled or k[1] not in COMPILE_MODES)]
+            cell_keys = _cell_keys(keys, args, workload, B, dropped)
             if not cell_keys:
                 progress(s.rounds)
                 continue
             progress.note(f"{workload} {precision} B={B}")
-            prof = (args.profile_steps, args.profile_top) if B == profile_B and precision in args.profile_precisions \
-                else None
+            prof = (args.profile_steps, args.profile_top) \
+                if B == args.profile_B and precision in args.profile_precisions else None
             cell_rows, cell_prof, interrupted = run_cell(ctx, workload, precision, B, cell_keys, s, prof, progress)
             rows += cell_rows
             if cell_prof:
                 profiles[f"{workload}|{precision}|{B}"] = cell_prof
             if interrupted:
                 raise KeyboardInterrupt
+            cell_done()
             for r in cell_rows:
                 if "error" in r and r["mode"] != "concurrent":
                     dropped[r["key"]] = r["error"]
+                    if r.get("oom"):
+                        oom_at[r["key"]] = B
                 elif r.get("step_ms", 0) / 1e3 > args.max_step_seconds:
                     dropped[r["key"]] = f"step over {args.max_step_seconds} s at B = {B}"
             arr = [r for r in cell_rows if r["mode"] == "array"]
@@ -901,15 +993,24 @@ def _sweep_plan(ctx, args, s, keys, plan, Bs, profile_B, progress, start, rows, 
             elif arr and any(r.get("oom") for r in arr) and first_fail is None:
                 first_fail = B
         if args.bisect and last_fit and first_fail:
-            akeys = [k for k in keys if k[1] in ARRAY_MODES or k[1] in ("serial", "hfta")]
+            # Between last_fit and first_fail, the modes still running and those that ran out of
+            # memory at first_fail or above (what the bisection is for); not those dropped for
+            # their step time, a failure, or memory at a B below first_fail.
+            still_out = {k: why for k, why in dropped.items() if oom_at.get(k, 0) < first_fail}
             lo, hi = last_fit, first_fail
             while hi - lo > max(1, lo // 8):
                 mid = (lo + hi) // 2
+                if over_budget():
+                    skipped.append(f"{workload} {precision} bisect B={mid}")
+                    break
+                bkeys = [k for k in _cell_keys(keys, args, workload, mid, still_out)
+                         if k[1] in ARRAY_MODES or k[1] in ("serial", "hfta")]
                 progress.note(f"{workload} {precision} bisect B={mid}")
-                cell_rows, _, interrupted = run_cell(ctx, workload, precision, mid, akeys, s, None)
+                cell_rows, _, interrupted = run_cell(ctx, workload, precision, mid, bkeys, s, None)
                 rows += cell_rows
                 if interrupted:
                     raise KeyboardInterrupt
+                cell_done()
                 arr = [r for r in cell_rows if r["mode"] == "array"]
                 lo, hi = (mid, hi) if all("error" not in r for r in arr) else (lo, mid)
 
@@ -930,15 +1031,17 @@ def main(argv=None) -> int:
     p.add_argument("--B", type=int, nargs="+", help="array sizes (default: 1, 2, 4, ... up to --max-B)")
     p.add_argument("--max-B", type=int, default=16)
     p.add_argument("--bisect", action="store_true", help="bisect for the largest B the array fits after an OOM")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after building (compiles, autotunes)")
+    p.add_argument("--steps", type=int, help="timed steps per round (default 3; --smoke: 1)")
+    p.add_argument("--rounds", type=int, help="interleaved rounds per cell (default 5; --smoke: 1)")
+    p.add_argument("--warmup", type=int,
+                   help="untimed steps after building (compiles, autotunes; default 2; --smoke: 1)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads per mode")
     p.add_argument("--max-procs", type=int, default=32, help="largest B the concurrent mode runs")
     p.add_argument("--max-step-seconds", type=float, default=30.0, help="drop a mode for larger B past this")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a mode may take for one round")
-    p.add_argument("--profile-B", type=int, default=16)
-    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--profile-B", type=int,
+                   help="the B profiled (default 16; --smoke: the largest B), else the largest swept B below it")
+    p.add_argument("--profile-steps", type=int, help="steps per profile (default 2; --smoke: 1)")
     p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--profile-precisions", nargs="+", default=["fp32"], choices=PRECISIONS)
     p.add_argument("--profile-modes", choices=("all", "slowest-array"), default="all",
@@ -951,10 +1054,13 @@ def main(argv=None) -> int:
                    help="the B values array+compile and array+compile-ro run at (default: all)")
     p.add_argument("--compile-workloads", nargs="+", choices=list(WORKLOADS),
                    help="the workloads array+compile and array+compile-ro run on (default: all)")
-    p.add_argument("--compile-backend", default="inductor",
-                   help="torch.compile backend of array+compile and array+compile-ro")
+    p.add_argument("--compile-backend",
+                   help="torch.compile backend of array+compile and array+compile-ro (default inductor; "
+                        "--smoke: aot_eager)")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes, B = 2, one round, compile with aot_eager: the harness's own check")
+                   help="the harness's own check: other defaults (size smoke, B = 2, one round of one step "
+                        "after one warm-up step, profiles of one step at the largest B, compile with "
+                        "aot_eager); options given explicitly win")
     p.add_argument("--report", metavar="JSON", nargs="+",
                    help="only write the summary and plots of saved results (several, or with --name: merged "
                         "into --out/--name, speedups taken across the runs)")
@@ -984,12 +1090,17 @@ def main(argv=None) -> int:
             f.write(summary(record))
         print("\n".join(files + ([] if args.no_plots else plot(record, stem))))
         return 0
+    # --smoke changes the defaults only: an option given explicitly wins.
+    defaults = {"steps": 3, "rounds": 5, "warmup": 2, "profile_steps": 2, "compile_backend": "inductor"}
     if args.smoke:
-        args.size = "smoke"
+        args.size = args.size or "smoke"
         args.B = args.B or [2]
-        args.compile_backend = "aot_eager"          # the compile path without inductor's C++ builds
-        args.rounds, args.steps, args.warmup, args.profile_steps = 1, 1, 1, 1
-        args.profile_B = max(args.B)
+        # the compile path without inductor's C++ builds
+        defaults = {"steps": 1, "rounds": 1, "warmup": 1, "profile_steps": 1, "compile_backend": "aot_eager"}
+        args.profile_B = max(args.B) if args.profile_B is None else args.profile_B
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     device = torch.device(args.device)
     size = args.size or ("full" if device.type == "cuda" else "cpu")
     for B in args.B or []:
@@ -997,6 +1108,13 @@ def main(argv=None) -> int:
             p.error(f"--B: expected array sizes >= 1, got {B}")
     if args.max_B < 1:
         p.error(f"--max-B: expected >= 1, got {args.max_B}")
+    # Step times are divided by the steps, medians taken over the rounds; the warm-up may be
+    # skipped (every round starts with an untimed step).
+    for name, least in (("steps", 1), ("rounds", 1), ("profile_steps", 1), ("threads", 1), ("warmup", 0)):
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')}: expected >= {least}, got {getattr(args, name)}")
+    args.B = args.B or _powers(args.max_B)
+    args.profile_B = profiled_B(16 if args.profile_B is None else args.profile_B, args.B)
     backends = args.backends or available_backends(device)
     import hfkern
 
@@ -1015,20 +1133,25 @@ def main(argv=None) -> int:
     from bench.report import recorded_argv
 
     env = environment(device, args.threads)
-    t0 = time.perf_counter()
-    result = sweep(args, s, keys, env)
-    record = {"benchmark": "bench/train_throughput.py", "environment": env,
-              "command": "python bench/train_throughput.py " + " ".join(
-                  recorded_argv(argv if argv is not None else sys.argv[1:])),
-              "settings": {"size": size, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
-                           "threads": args.threads, "modes": list(args.modes), "backends": backends,
-                           "precisions": list(args.precisions), "profile_B": args.profile_B,
-                           "compile_backend": args.compile_backend,
-                           "compile_workloads": args.compile_workloads or list(args.workloads)},
-              "seconds": time.perf_counter() - t0, **result}
     os.makedirs(args.out, exist_ok=True)
     dev = "cpu" if device.type != "cuda" else env["device"].replace("NVIDIA ", "").split()[0].lower()
     stem = os.path.join(args.out, args.name or f"train_{dev}_{env['date']}")
+    t0 = time.perf_counter()
+
+    def record_of(result: dict) -> dict:
+        return {"benchmark": "bench/train_throughput.py", "environment": env,
+                "command": "python bench/train_throughput.py " + " ".join(
+                    recorded_argv(argv if argv is not None else sys.argv[1:])),
+                "settings": {"size": size, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+                             "threads": args.threads, "modes": list(args.modes), "backends": backends,
+                             "precisions": list(args.precisions), "profile_B": args.profile_B,
+                             "compile_backend": args.compile_backend,
+                             "compile_workloads": args.compile_workloads or list(args.workloads)},
+                "seconds": time.perf_counter() - t0, **result}
+
+    # The JSON and summary after every cell (plots only at the end: matplotlib takes seconds).
+    record = record_of(sweep(args, s, keys, env, save=lambda result: write_outputs(record_of(result), stem,
+                                                                                     plots=False)))
     files = write_outputs(record, stem, plots=not args.no_plots)
     print(summary(record))
     print("written: " + ", ".join(files))
