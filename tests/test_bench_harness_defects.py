@@ -212,8 +212,9 @@ def test_bisect_starts_nothing_after_the_time_budget(monkeypatch):
 # ---- train_throughput.py: options and summary -------------------------------------------------
 
 @pytest.mark.parametrize("option, value", [("--steps", "0"), ("--rounds", "0"), ("--warmup", "-1")])
-def test_train_throughput_refuses_counts_it_cannot_use(option, value):
-    proc = _run("train_throughput.py", "--smoke", option, value, timeout=120)
+def test_train_throughput_refuses_counts_it_cannot_use(option, value, tmp_path):
+    # (--out: were the check to fail, the run must not write into the repository's results)
+    proc = _run("train_throughput.py", "--smoke", option, value, "--out", str(tmp_path), "--no-plots", timeout=120)
     least = 0 if option == "--warmup" else 1
     assert proc.returncode == 2 and f"{option}: expected >= {least}, got {value}" in proc.stderr, proc.stderr
 
