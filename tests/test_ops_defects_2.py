@@ -125,3 +125,17 @@ def test_a_transposed_convolution_with_an_empty_output_has_zero_gradients(dispat
         assert y.shape == (2, 2, 2, 0)
         y.sum().backward()
     assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("weight, error, match", [
+    (torch.randn(2, 1, 3).expand(2, 5, 3), ValueError, r"elements have memory of their own .* strides \[3, 0, 1\]"),
+    (torch.ones(2, 5, 3, dtype=torch.int64), TypeError, "expected a floating-point weight, got torch.int64"),
+])
+def test_embedding_renorm_refuses_a_weight_it_cannot_write_in_the_op_and_its_fake(weight, error, match):
+    idx = torch.tensor([[0, 1], [2, 3]])
+    before = weight.clone()
+    with torch.no_grad(), pytest.raises(error, match=match):
+        ops.array_embedding_renorm_(weight, idx, 1.0, 2.0)
+    assert torch.equal(weight, before)
+    with FakeTensorMode() as mode, pytest.raises(error, match=match):
+        ops.array_embedding_renorm_(mode.from_tensor(weight), mode.from_tensor(idx), 1.0, 2.0)

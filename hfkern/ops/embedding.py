@@ -350,16 +350,27 @@ def _(grad_out, indices, num_weights, padding_idx):
     )
 
 
+def _check_renorm(weight: Tensor, indices: Tensor) -> None:
+    """The lookup's checks, and a weight the renorm can write in place: floating point, each
+    element its own memory (an expanded table would be written through several rows at once)."""
+    _check_lookup(_RENORM, weight, indices)
+    if not weight.is_floating_point():
+        raise TypeError(f"hfkern::{_RENORM}: expected a floating-point weight, got {weight.dtype}")
+    if torch._debug_has_internal_overlap(weight) == 1:
+        raise ValueError(f"hfkern::{_RENORM}: expected a weight whose elements have memory of their own (it is "
+                         f"written in place), got one with strides {list(weight.stride())} (expanded?)")
+
+
 @torch.library.custom_op("hfkern::array_embedding_renorm_", mutates_args=("weight",))
 def array_embedding_renorm_(weight: Tensor, indices: Tensor, max_norm: float, norm_type: float) -> None:
-    _check_lookup(_RENORM, weight, indices)
+    _check_renorm(weight, indices)
     fn = _backend.resolve(_RENORM, weight.device)
     fn(weight, indices, max_norm, norm_type)
 
 
 @array_embedding_renorm_.register_fake
 def _(weight, indices, max_norm, norm_type):
-    _check_lookup(_RENORM, weight, indices)
+    _check_renorm(weight, indices)
 
 
 def _setup_context(ctx, inputs, output):
