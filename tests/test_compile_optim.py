@@ -220,3 +220,22 @@ def test_compiled_training_step_of_a_fused_model():
         want = train_step(twin, twin_opt, x, y)
         assert torch.equal(got, want)
         _assert_same(fused, twin)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_bad_value_in_a_compiled_step_raises_with_hfkerns_message(fullgraph):
+    torch._dynamo.reset()
+    model = hnn.Linear(3, 2, B=B)
+    opt = hoptim.SGD(model.parameters(), lr=0.1)
+    model(hfkern.broadcast(torch.randn(4, 3), B)).sum().backward()
+    step = torch.compile(opt.step, fullgraph=fullgraph, backend="eager")
+    step()
+    cases = [(dict(skip=torch.zeros(B + 1, dtype=torch.bool)), ValueError, r"skip must have shape \[B\]=\[3\]"),
+             (dict(skip=torch.zeros(B)), TypeError, "skip must be a bool tensor")]
+    for kwargs, error, match in cases:
+        # Without fullgraph the eager step's own error; with it, dynamo's, hfkern's message inside.
+        with pytest.raises(Exception if fullgraph else error, match=match):
+            step(**kwargs)
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(Exception if fullgraph else ValueError, match="lr must be >= 0"):
+        step()
