@@ -65,9 +65,38 @@ def _read_field(module: nn.Module, field: str) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+def _holds_state(value: Any) -> bool:
+    """Whether ``value`` is a torch module with parameters or buffers (a layer's activation given
+    as ``nn.PReLU()``): one such module cannot serve B models, each of which has its own."""
+    return (isinstance(value, nn.Module) and not isinstance(value, ArrayModule)
+            and (next(value.parameters(), None) is not None or next(value.buffers(), None) is not None))
+
+
+def _array_class(torch_cls: type) -> "type[ArrayModule] | None":
+    """The hfkern.nn array class that holds B ``torch_cls`` models, or None where there is none."""
+    pending = list(ArrayModule.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        # hfkern.nn's own classes only, not a subclass defined elsewhere (a fused model, a test's)
+        if cls.__dict__.get("_torch_cls") is torch_cls and cls.__module__.startswith(__package__ + "."):
+            return cls
+    return None
+
+
+def _array_child(module: "ArrayModule", field: str, value: Any) -> bool:
+    """Whether the configuration field ``field`` of ``module`` is one of its own array submodules
+    (a layer's activation given as ``hfkern.nn.PReLU(B=B)``). Such a field is not a setting the B
+    models share: model b's value is that submodule's model b, and the submodule's class,
+    configuration, parameters and buffers are checked, copied and extracted as the submodule's."""
+    return isinstance(value, ArrayModule) and module._modules.get(field) is value
+
+
 def _same_setting(a: Any, b: Any) -> bool:
     """Whether two configuration values agree. Stateless modules (a layer's activation given as
-    ``nn.GELU()``) agree when they are of one class with equal settings; other values by ``==``."""
+    ``nn.GELU()``) agree when they are of one class with equal settings; other values by ``==``.
+    Modules with parameters or buffers never agree: their state is per model (see
+    :meth:`ArrayModule.from_modules`, which makes them one array module)."""
     if isinstance(a, nn.Module) or isinstance(b, nn.Module):
         if a is b:
             return True
@@ -262,9 +291,14 @@ class ArrayModule(nn.Module):
         ref_cfg = dict(configs[0])
         ref_sd = modules[0].state_dict()
         ref_grad = {k: p.requires_grad for k, p in modules[0].named_parameters()}
+        # Fields holding a module with parameters or buffers (a layer's nn.PReLU activation) become
+        # one array module of the B models' modules, below; here they need only be of one class.
+        stateful = [f for f, v in configs[0].items() if _holds_state(v) and f not in cls._per_model_fields]
         for i, (m, cfg) in enumerate(zip(modules[1:], configs[1:]), start=1):
             for field, value in configs[0].items():
-                if not _same_setting(cfg[field], value) and field not in cls._per_model_fields:
+                same = (type(cfg[field]) is type(value) if field in stateful
+                        else _same_setting(cfg[field], value))
+                if not same and field not in cls._per_model_fields:
                     raise ValueError(
                         f"{name}.from_modules: field {field!r} differs: module 0 has {value!r}, "
                         f"module {i} has {cfg[field]!r}"
@@ -302,6 +336,8 @@ class ArrayModule(nn.Module):
             values = tuple(cfg[field] for cfg in configs)
             if any(v != values[0] for v in values):
                 ref_cfg[field] = values
+        for field in stateful:
+            ref_cfg[field] = cls._array_field(field, [cfg[field] for cfg in configs])
         factory = {}
         first = next(iter(ref_sd.values()), None)
         floats = [t for t in ref_sd.values() if t.is_floating_point()]
@@ -336,6 +372,28 @@ class ArrayModule(nn.Module):
                 sub.training = counterpart.training
         return array
 
+    @classmethod
+    def _array_field(cls, field: str, values: list[nn.Module]) -> "ArrayModule":
+        """The configuration field ``field`` of B models, each a module with parameters or buffers
+        (of one class), as one array module built by its ``from_modules`` (model b's state at b).
+
+        Raises TypeError where hfkern.nn has no array version of that class: the array module
+        would otherwise share model 0's module (and state) among the B models.
+        """
+        name, kind = cls.__name__, type(values[0])
+        array_cls = _array_class(kind)
+        if array_cls is None:
+            raise TypeError(
+                f"{name}.from_modules: field {field!r} holds a {kind.__module__}.{kind.__qualname__} "
+                "with parameters or buffers, one per model, and hfkern.nn has no array version of it "
+                f"to hold them; expected {field} to be a function, a module without parameters or "
+                "buffers, or a module hfkern.nn has an array version of, such as torch.nn.PReLU"
+            )
+        try:
+            return array_cls.from_modules(values)
+        except (TypeError, ValueError) as ex:
+            raise type(ex)(f"{name}.from_modules: in {field!r}: {ex}") from ex
+
     def to_modules(self) -> list[nn.Module]:
         """The B models as torch modules of the namesake class: ``extract_model(b)`` for every b.
 
@@ -360,7 +418,7 @@ class ArrayModule(nn.Module):
         return self._extract(self._check_slot(b, "extract_model"))
 
     def _extract(self, b: int) -> nn.Module:
-        module = torch_module(self._torch_cls, **self._model_config(b), **self._factory_kwargs())
+        module = torch_module(self._torch_cls, **self._model_config(b, fresh=False), **self._factory_kwargs())
         pairs = self._slot_pairs(module, f"{type(self).__name__}.extract_model", check_dtype=False)
         with torch.no_grad():
             for ours, theirs in pairs:
@@ -416,7 +474,14 @@ class ArrayModule(nn.Module):
                                 f"got {type(counterpart).__name__}")
             mine, given = sub._config_of(sub), sub._config_of(counterpart)
             for field, value in mine.items():
-                if field not in sub._per_model_fields and not _same_setting(given[field], value):
+                if field in sub._per_model_fields:
+                    continue
+                if _array_child(sub, field, value):
+                    # checked as its own path (a later one of this loop); here only its class
+                    same = isinstance(given[field], value._torch_cls)
+                else:
+                    same = _same_setting(given[field], value)
+                if not same:
                     where = f" of {path!r}" if path else ""
                     raise ValueError(f"{who}: field {field!r}{where} differs: the array has "
                                      f"{value!r}, the module has {given[field]!r}")
@@ -469,7 +534,7 @@ class ArrayModule(nn.Module):
 
     def _fresh_module(self, b: int) -> nn.Module:
         """A newly initialized torch module with model b's configuration (containers override it)."""
-        return torch_module(self._torch_cls, **self._model_config(b), **self._factory_kwargs())
+        return torch_module(self._torch_cls, **self._model_config(b, fresh=True), **self._factory_kwargs())
 
     # ---- surgery helpers -------------------------------------------------------
     def _check_sized(self, who: str) -> int:
@@ -490,13 +555,21 @@ class ArrayModule(nn.Module):
             raise ValueError(f"{type(self).__name__}.{who}: expected a model index b in [0, {B}), got {b}")
         return int(b)
 
-    def _model_config(self, b: int) -> dict[str, Any]:
-        """The namesake constructor's keyword arguments for model b."""
-        return {
-            k: (v[b] if k in self._per_model_fields and isinstance(v, tuple)
-                else copy.deepcopy(v) if isinstance(v, nn.Module) else v)  # a model of its own
-            for k, v in self._config_of(self).items()
-        }
+    def _model_config(self, b: int, *, fresh: bool) -> dict[str, Any]:
+        """The namesake constructor's keyword arguments for model b.
+
+        A field holding an array module (a layer's ``hfkern.nn.PReLU`` activation) gives model
+        b's torch module: newly initialized with ``fresh`` (as a new model would be built),
+        otherwise extracted (model b's state; the caller copies it again with its own).
+        """
+        def value(k: str, v: Any) -> Any:
+            if k in self._per_model_fields and isinstance(v, tuple):
+                return v[b]
+            if isinstance(v, ArrayModule):
+                return v._fresh_module(b) if fresh else v._extract(b)
+            return copy.deepcopy(v) if isinstance(v, nn.Module) else v  # a model of its own
+
+        return {k: value(k, v) for k, v in self._config_of(self).items()}
 
     def _held_per_model_fields(self) -> Iterable[tuple[str, "ArrayModule", str]]:
         """``(path, array module, field)`` for every per-model field stored by a module of this tree.

@@ -8,6 +8,7 @@ an explicit softmax when they are, as torch does.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -24,10 +25,19 @@ from .linear import Linear, array_linear
 __all__ = ["MultiheadAttention"]
 
 
-def _float_mask(module: str, mask: torch.Tensor | None, name: str, query: torch.Tensor) -> torch.Tensor | None:
+def _float_dtypes(query: torch.Tensor, need_weights: bool) -> str:
+    """The float mask dtypes torch's attention takes with ``query``, in words: the query's, and
+    also float32 where it calls scaled_dot_product_attention (no weights returned), which takes
+    a bool mask, a float32 mask or one of the query's dtype."""
+    also = "" if need_weights or query.dtype == torch.float32 else ", or torch.float32"
+    return f"({query.dtype}, the query's{also})"
+
+
+def _float_mask(module: str, mask: torch.Tensor | None, name: str, query: torch.Tensor,
+                need_weights: bool) -> torch.Tensor | None:
     """torch's canonical mask: bool (True = masked) becomes an additive -inf float mask of the
-    query's dtype; a float mask is kept as it is, of any float dtype, as torch's module passes it
-    to scaled_dot_product_attention (an explicit softmax adds it in the query's dtype)."""
+    query's dtype; a float mask is kept as it is (its dtype is checked, as torch's attention
+    checks it, by :func:`check_mask_dtypes` once the masks it uses are known)."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
@@ -38,9 +48,40 @@ def _float_mask(module: str, mask: torch.Tensor | None, name: str, query: torch.
         return torch.zeros_like(mask, dtype=query.dtype).masked_fill_(mask, float("-inf"))
     if not mask.is_floating_point():
         raise TypeError(
-            f"{module}: expected {name} of dtype torch.bool or a floating dtype ({query.dtype}, the "
-            f"query's), got {mask.dtype}")
+            f"{module}: expected {name} of dtype torch.bool or a floating dtype "
+            f"{_float_dtypes(query, need_weights)}, got {mask.dtype}")
     return mask
+
+
+def check_mask_dtypes(module: str, masks: list[tuple[str, torch.Tensor | None]], query: torch.Tensor,
+                      need_weights: bool) -> None:
+    """Refuse, as torch's attention does, float masks of a dtype it does not take, before any work.
+
+    ``masks``: ``(name, mask)`` for the attention mask and the key padding mask that the
+    attention uses (after :func:`_float_mask`; None for one not given, or not used: torch drops
+    the attention mask for the ``is_causal`` hint). torch adds the two, so their sum's dtype
+    (type promotion) is what must be the query's (with the weights: ``baddbmm``) or, without,
+    the query's or float32 (``scaled_dot_product_attention``). torch raises deep inside either;
+    this names the masks whose dtypes keep the sum from being one of those.
+    """
+    given = [(name, mask) for name, mask in masks if mask is not None]
+    if not given:
+        return
+    accepted = (query.dtype,) if need_weights else (query.dtype, torch.float32)
+    total = functools.reduce(torch.promote_types, (mask.dtype for _, mask in given))
+    if total in accepted:
+        return
+    bad = [(name, mask) for name, mask in given if mask.dtype not in accepted]
+    names = " and ".join(name for name, _ in bad)
+    dtypes = " and ".join(str(mask.dtype) for _, mask in bad)
+    summed = ""
+    if len(given) > 1:
+        summed = (f"; {' and '.join(name for name, _ in given)} are added, their sum ({total}) must "
+                  "have such a dtype")
+    raise TypeError(
+        f"{module}: expected {names} of dtype torch.bool or a floating dtype "
+        f"{_float_dtypes(query, need_weights)}, got {dtypes}{summed}"
+    )
 
 
 def key_padding_mask_5d(
@@ -126,6 +167,11 @@ class MultiheadAttention(ArrayModule):
       ``num_heads``). A 3-D mask with ``B == N*num_heads > 1`` could be either
       3-D form and raises ValueError: spell it ``[1, N*num_heads, L, S]`` or
       ``[B, 1, L, S]``.
+    - float masks take torch's dtypes: the query's, and without weights
+      (``need_weights=False``) also float32; where both masks are given, their
+      sum's (by type promotion). Others raise TypeError before any work, where
+      torch raises deep inside; not the ``attn_mask`` that the ``is_causal``
+      hint replaces (no weights, no ``key_padding_mask``), which torch ignores.
 
     ``dropout`` is one probability for all models or one per model (a length-B
     sequence, 1-D numpy array or ``[B]`` tensor): model b drops its attention
@@ -286,8 +332,8 @@ class MultiheadAttention(ArrayModule):
                 "Use same type for both instead.",
                 stacklevel=2,
             )
-        kpm = _float_mask(name, key_padding_mask, "key_padding_mask", query)
-        mask = _float_mask(name, attn_mask, "attn_mask", query)
+        kpm = _float_mask(name, key_padding_mask, "key_padding_mask", query, need_weights)
+        mask = _float_mask(name, attn_mask, "attn_mask", query, need_weights)
         kpm = key_padding_mask_5d(name, "key_padding_mask", kpm, B, N, S, batched)
         mask = attn_mask_5d(name, "attn_mask", mask, B, H, N, L, S)
         if is_causal and mask is None:
@@ -295,6 +341,11 @@ class MultiheadAttention(ArrayModule):
                 "MultiheadAttention: need attn_mask if specifying the is_causal hint "
                 "(torch.nn.Transformer.generate_square_subsequent_mask makes one)"
             )
+        # torch uses the is_causal hint in place of attn_mask (whatever its dtype) when it returns
+        # no weights and has no key padding mask; otherwise it adds the two masks.
+        hint_only = is_causal and kpm is None and not need_weights
+        check_mask_dtypes(name, [("attn_mask", None if hint_only else mask), ("key_padding_mask", kpm)],
+                          query, need_weights)
         p = uniform_p(self.dropout)
         # Per-model dropout probabilities need the weights explicitly: SDPA takes one.
         per_model_drop = self.training and p is None
@@ -331,6 +382,11 @@ class MultiheadAttention(ArrayModule):
             scores = torch.matmul(q4 * math.sqrt(1.0 / D), k4.transpose(-2, -1))
             empty = None
             if mask4 is not None:
+                # The mask's dtype is one torch takes (checked above): the query's, which autocast
+                # may have lowered in the projections (torch's baddbmm is cast the same way); or,
+                # without weights (per-model dropout), float32, which torch hands to
+                # scaled_dot_product_attention, or any float dtype of an is_causal hint's mask,
+                # which torch does not use (a causal mask's 0 and -inf are exact in any dtype).
                 scores = scores + mask4.to(scores.dtype)
                 if not need_weights:
                     # What scaled_dot_product_attention does, which torch's module calls here: a

@@ -12,7 +12,8 @@ from torch import nn
 
 from .._array import check_B, check_input
 from ._base import ArrayModule
-from .attention import MultiheadAttention, _float_mask, attn_mask_5d, key_padding_mask_5d
+from .attention import (MultiheadAttention, _float_mask, attn_mask_5d, check_mask_dtypes,
+                        key_padding_mask_5d)
 from .dropout import Dropout, dropout_probability
 from .linear import Linear
 from .normalization import LayerNorm, RMSNorm
@@ -58,8 +59,9 @@ def _prepare_src(name: str, layer: "TransformerEncoderLayer", src: torch.Tensor,
             "Use same type for both instead.",
             stacklevel=4,
         )
-    key_padding_mask = _float_mask(name, key_padding_mask, "src_key_padding_mask", x)
-    mask = _float_mask(name, mask, mask_name, x)
+    # self_attn returns no weights: scaled_dot_product_attention's dtype rules
+    key_padding_mask = _float_mask(name, key_padding_mask, "src_key_padding_mask", x, need_weights=False)
+    mask = _float_mask(name, mask, mask_name, x, need_weights=False)
     batched = x.dim() == 4
     batch_first = layer.self_attn.batch_first
     S = x.size(2 if batch_first and batched else 1)
@@ -69,6 +71,19 @@ def _prepare_src(name: str, layer: "TransformerEncoderLayer", src: torch.Tensor,
     if mask5 is not None:
         mask = mask5.reshape(mask5.size(0), mask5.size(1) * mask5.size(2), S, S)
     return x, mask, key_padding_mask, mask5
+
+
+def _check_src_mask_dtypes(name: str, x: torch.Tensor, mask: torch.Tensor | None, mask_name: str,
+                           key_padding_mask: torch.Tensor | None, is_causal: bool) -> None:
+    """Refuse float masks of a dtype torch's layers refuse, before any layer runs.
+
+    As self_attn (:func:`check_mask_dtypes` without weights): the masks' sum must be of the
+    src's dtype or float32, except that the mask is not used (nor checked) for the is_causal
+    hint without a key padding mask.
+    """
+    hint_only = is_causal and key_padding_mask is None
+    check_mask_dtypes(name, [(mask_name, None if hint_only else mask),
+                             ("src_key_padding_mask", key_padding_mask)], x, need_weights=False)
 
 
 class TransformerEncoderLayer(ArrayModule):
@@ -87,9 +102,20 @@ class TransformerEncoderLayer(ArrayModule):
     leading B (``[B, S, S]``; ``[B, N, S]``), or the 4-D ``[b, h, S, S]`` with
     ``b`` in (1, B) and ``h`` in (1, N*nhead). A 3-D ``src_mask`` with
     ``B == N*nhead > 1`` is ambiguous and raises ValueError naming the 4-D forms
-    ``[1, N*nhead, S, S]`` (shared) and ``[B, 1, S, S]`` (per model).
+    ``[1, N*nhead, S, S]`` (shared) and ``[B, 1, S, S]`` (per model). Float
+    masks must be of src's dtype or float32 (their sum, where both are given),
+    or raise TypeError before any work, as torch's ordinary path raises (not a
+    ``src_mask`` the ``is_causal`` hint replaces); torch's fused eval path
+    (batch_first, without grad) accepts other float dtypes.
     ``activation`` ("relu", "gelu" or a callable) must be element-wise: it is
-    applied to the array tensor ``[B, ..., dim_feedforward]``.
+    applied to the array tensor ``[B, ..., dim_feedforward]``. A module with
+    parameters (torch's ``nn.PReLU()``) would be shared by the B models and is
+    refused; give its array version (:class:`hfkern.nn.PReLU` with this B), one
+    activation per model: it is a submodule (``activation.weight`` in the
+    state_dict), model b of the array has model b's activation
+    (:meth:`extract_model`, :meth:`to_modules`, :meth:`load_model`; a new one
+    with :meth:`reset_model`), and :meth:`from_modules` builds it from the B
+    torch layers' ``nn.PReLU`` activations.
 
     ``dropout`` is one probability for all models or one per model (a length-B
     sequence, 1-D numpy array or ``[B]`` tensor), used by every dropout of the
@@ -118,6 +144,11 @@ class TransformerEncoderLayer(ArrayModule):
                 "TransformerEncoderLayer: an activation module with parameters or buffers would "
                 f"be shared by the B models; got {type(activation).__name__}, expected a function, "
                 "'relu'/'gelu', a stateless module or an hfkern array module"
+            )
+        if isinstance(activation, ArrayModule) and activation.B is not None and activation.B != self.B:
+            raise ValueError(
+                f"TransformerEncoderLayer: the activation {type(activation).__name__} holds "
+                f"B={activation.B} models, expected B={self.B} (the layer's)"
             )
         factory = {"device": device, "dtype": dtype}
         self.self_attn = MultiheadAttention(
@@ -159,6 +190,8 @@ class TransformerEncoderLayer(ArrayModule):
         """One encoder layer per model: ``[B, S, N, E]`` (or as in the class docstring) to the same shape."""
         x, src_mask, src_key_padding_mask, _ = _prepare_src(
             "TransformerEncoderLayer", self, src, src_mask, "src_mask", src_key_padding_mask)
+        _check_src_mask_dtypes("TransformerEncoderLayer", x, src_mask, "src_mask", src_key_padding_mask,
+                               is_causal)
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
             x = x + self._ff_block(self.norm2(x))
@@ -240,9 +273,10 @@ class TransformerEncoder(ArrayModule):
     ``[N*nhead, S, S]``; ``[N, S]``; one mask per model ``[B, S, S]``;
     ``[B, N, S]``; and the 4-D ``[b, h, S, S]`` with ``b`` in (1, B) and ``h``
     in (1, N*nhead). Bool masks (True = masked) become float masks once, as in
-    torch. ``is_causal=None`` detects a causal ``mask`` by torch's rule (every
-    model's mask equal to ``generate_square_subsequent_mask(S)``); True or False
-    is passed to every layer as torch passes it.
+    torch; float masks take the layer's dtypes. ``is_causal=None`` detects a
+    causal ``mask`` by torch's rule (every model's mask equal to
+    ``generate_square_subsequent_mask(S)``); True or False is passed to every
+    layer as torch passes it.
 
     ``enable_nested_tensor`` and ``mask_check`` are kept for :meth:`to_modules`.
     In eval mode without grad, torch runs a nested-tensor fast path (when
@@ -451,6 +485,7 @@ class TransformerEncoder(ArrayModule):
             "TransformerEncoder", self.layers[0], src, mask, "mask", src_key_padding_mask)
         S = x.size(2 if self.layers[0].self_attn.batch_first and x.dim() == 4 else 1)
         is_causal = _detect_is_causal(mask5, is_causal, S)
+        _check_src_mask_dtypes("TransformerEncoder", x, mask, "mask", src_key_padding_mask, is_causal)
         for layer in self.layers:
             x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
         if self.norm is not None:
