@@ -8,7 +8,8 @@ how hfkern's pieces already keep it: the optimizers' per-model
 hyper-parameters (``[H, B]`` device tensors, written in place by
 ``set_hyperparameters`` and by the schedulers), their state, the GradScaler's
 scales, the skip masks, the parameters written in place by per-slot surgery
-(``load_model``, ``reset_model``, ``reset_state``).
+(``load_model``, ``reset_model``, ``reset_state``), the per-model dropout
+probabilities of hfkern's dropout layers.
 
 Usage::
 
@@ -35,30 +36,71 @@ How a call runs:
 * The next call copies its arguments into the static buffers, captures
   ``step_fn`` on them into a graph and replays it once; every later call copies
   and replays. The outputs are returned as copies (a replay overwrites the
-  static ones).
+  static ones); an output that is an argument itself (or its ``.grad``) is
+  returned as the caller's tensor, as an eager call returns it. If what the
+  graph depends on (below) changed since the last eager call, the capture
+  waits for one more eager call, which validates it (a new hyperparameter is
+  checked and copied to the device, which a capture cannot do).
+* **Arguments.** Tensor arguments are copied into static tensors, which
+  ``step_fn`` gets in the graph. An argument that ``step_fn`` writes in place
+  (``acc.add_(x)``, seen by its version counter at capture) is copied back
+  into the caller's tensor after every replay. An argument that requires grad
+  is given to ``step_fn`` as a leaf that requires grad, with the caller's
+  ``.grad``: after a replay the caller's tensor has the ``.grad`` an eager call
+  would have left (set, accumulated in place, or cleared). Whether it had a
+  ``.grad`` is part of the graph's key. An argument that requires grad and is
+  not a leaf (it has a ``grad_fn``: a backward through it would reach the
+  caller's graph, which a replay cannot) raises a ValueError, on the CPU too.
+  Arguments that share memory are copied in as separate tensors.
 * **Host steps.** An hfkern LR scheduler's ``step()`` reached during capture
   does not run then: it computes the next learning rates on the host and
   copies them to the device, which a replay would not redo. It is recorded and
   runs after every replay instead, in call order, so schedulers inside
-  ``step_fn`` must be stepped after the optimizer (as torch asks anyway). Any
-  other host work inside ``step_fn`` (``print``, ``.item()``, Python counters)
-  runs at capture only: keep it out of ``step_fn``.
-* **What forces a new capture.** Arguments whose tensors differ in shape,
-  dtype, device or layout from the captured ones, or non-tensor arguments
-  that differ (each signature gets its own graph, after its own warm-up calls;
-  graphs share one memory pool), and a change in the parameter groups of an
-  hfkern optimizer that ``step_fn`` steps (a new group, parameters added or
-  removed, a hyperparameter assigned anew instead of written in place, a value
-  that switches optional work such as weight decay or momentum on for a group
-  that had none: the graph would run stale work), and a new growth factor,
-  backoff factor or growth interval of an hfkern GradScaler it updates
-  (``set_growth_factor``, ``load_state_dict``). Non-tensor arguments must be
-  hashable or numpy arrays (floats match by their bits: a NaN matches itself);
-  another raises a TypeError, on the CPU too. Everything else, written in
-  place into the tensors the graph reads, takes effect without one:
-  ``set_hyperparameters``, the schedulers' learning rates and momenta,
-  ``reset_state``, ``load_model``/``reset_model``, the GradScaler's resets, skip
-  masks passed as arguments.
+  ``step_fn`` must be stepped after the optimizer (as torch asks anyway).
+  What ``step_fn`` reads after ``sched.step()`` (the group's ``lr``) is
+  therefore the learning rate before that step in a replay, one step behind
+  an eager call: read it after the call instead. Any other host work inside
+  ``step_fn`` (``print``, ``.item()``, Python counters, a module's
+  ``train()``) runs at capture only: keep it out of ``step_fn``.
+* **What gets its own graph** (after its own warm-up calls; graphs share one
+  memory pool): arguments whose tensors differ in shape, dtype, device,
+  strides or ``requires_grad`` (or in having a ``.grad``) from the captured
+  ones; non-tensor arguments that differ; a call under another grad mode
+  (``torch.no_grad()``, inference mode) or autocast state. Non-tensor
+  arguments must be hashable or numpy arrays (floats, complex numbers and
+  numpy scalars match by their bits: a NaN matches itself, 0.0 and -0.0
+  differ); another raises a TypeError, on the CPU too. Keyword arguments
+  match in any order.
+* **What forces a new capture** (a stale graph is never replayed), checked at
+  every call:
+
+  - a change in the parameter groups of an hfkern optimizer that ``step_fn``
+    steps (a new group, parameters added or removed, a hyperparameter assigned
+    anew instead of written in place, a value that switches optional work such
+    as weight decay or momentum on for a group that had none), a parameter
+    given new memory (``module.half()``, ``module.double()``, ``.data = ...``)
+    or a changed ``requires_grad`` of one, and optimizer state replaced
+    (``opt.state.clear()``, ``load_state_dict``);
+  - a new growth factor, backoff factor or growth interval of an hfkern
+    GradScaler it updates (``set_growth_factor``, ``load_state_dict``);
+  - the train/eval mode of a module whose ``forward`` ran in the step, or of
+    any of its submodules (``model.train()``, ``model.eval()``), and a host
+    hyper-parameter of an hfkern array module the step ran: a dropout
+    probability that switches between one value for all models and one per
+    model, a new common value (``F.dropout`` takes it from the host), a
+    per-model attention dropout, ``inplace``. (The modules are the ones whose
+    ``forward`` ran, found while the step runs eagerly or is captured; under
+    another Python profiler, ``sys.setprofile``, they are not found and their
+    modes are not watched.)
+
+  Everything else, written in place into the tensors the graph reads, takes
+  effect without one: ``set_hyperparameters``, the schedulers' learning rates
+  and momenta, ``reset_state``, ``load_model``/``reset_model`` (with
+  per-model dropout probabilities: hfkern's dropout layers keep them in device
+  tensors), the GradScaler's resets, skip masks passed as arguments. Host state
+  that ``capture_step`` does not see (a Python attribute ``step_fn`` reads, a
+  buffer given new memory, ``torch.backends`` flags): call
+  :meth:`CapturedStep.reset` after changing it.
 
 Without CUDA (CPU tensors, or no CUDA device), or for arguments on a device
 other than CUDA, the callable runs ``step_fn`` eagerly, with identical
@@ -71,12 +113,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
+import sys
 import threading
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["capture_step", "CapturedStep", "host_step"]
 
@@ -88,7 +132,8 @@ class _Recording(threading.local):
         self.active: CapturedStep | None = None  # the step running now (eagerly or being captured)
         self.capturing = False  # inside a graph capture: host steps are recorded, not run
         self.host_steps: list[tuple[Callable, tuple, dict]] = []
-        self.optimizers: dict[int, Any] = {}
+        # the optimizers (and GradScalers) stepped, while a warm-up call runs or a graph is captured
+        self.optimizers: dict[int, Any] | None = None
 
 
 _recording = _Recording()
@@ -109,21 +154,113 @@ def host_step(method: Callable) -> Callable:
 
 
 def note_optimizer(optimizer: Any) -> None:
-    """Called by an hfkern optimizer's ``step``: a captured step watches its parameter groups."""
-    if _recording.capturing:
-        _recording.optimizers[id(optimizer)] = optimizer
+    """Called by an hfkern optimizer's ``step`` (and a GradScaler's ``update``): a captured step
+    watches its parameter groups (``_graph_structure``)."""
+    found = _recording.optimizers
+    if found is not None:
+        found[id(optimizer)] = optimizer
 
 
 def _structure(optimizers: dict[int, Any]) -> tuple:
     return tuple((key, opt._graph_structure()) for key, opt in sorted(optimizers.items()))
 
 
+# ---- the modules a step runs ----------------------------------------------------------------
+
+_training = operator.attrgetter("training")
+
+
+def _host_state_getter(module: torch.nn.Module) -> Callable[[torch.nn.Module], Any] | None:
+    """How to read the host values ``module``'s forward computes with, beyond its mode: its
+    ``_graph_state()`` where it has one (hfkern's dropout layers), else an hfkern array module's
+    per-model fields it stores (``MultiheadAttention.dropout``); None for any other module."""
+    method = getattr(type(module), "_graph_state", None)
+    if method is not None:
+        return method
+    fields = tuple(f for f in getattr(type(module), "_per_model_fields", ()) if f not in module._modules)
+    return operator.attrgetter(*fields) if fields else None
+
+
+class _Modules:
+    """What a graph depends on in the modules the step ran: their (and their submodules')
+    train/eval modes, and the host values of those that have some (:func:`_host_state_getter`),
+    with the values they had."""
+
+    __slots__ = ("modules", "modes", "getters", "values")
+
+    def __init__(self, modules: tuple, modes: tuple, getters: tuple, values: tuple):
+        self.modules, self.modes, self.getters, self.values = modules, modes, getters, values
+
+    def changed(self) -> bool:
+        if tuple(map(_training, self.modules)) != self.modes:
+            return True
+        for (module, get), value in zip(self.getters, self.values):
+            if get(module) != value:
+                return True
+        return False
+
+
+class _ModuleWatch:
+    """The modules the calls of one signature ran, found while a call runs eagerly or is captured
+    (a profile function sees every ``forward`` return; it changes nothing torch or hfkern do, where
+    a global module hook would make them take their hooked paths). Holds the modules (a module
+    made in the step lives as long as the graph anyway)."""
+
+    def __init__(self) -> None:
+        self.modules: list[torch.nn.Module] = []
+        self.getters: list[tuple[torch.nn.Module, Callable]] = []
+        self._ids: set[int] = set()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Callable[[], _Modules]]:
+        """Watch one call: yields the function that gives, after it, the modules known then with
+        the modes and values they had when the call began (first seen in it: when they were)."""
+        modes = list(map(_training, self.modules))
+        values = [get(m) for m, get in self.getters]
+
+        def found(module: torch.nn.Module) -> None:
+            for m in module.modules():
+                if id(m) not in self._ids:
+                    self._ids.add(id(m))
+                    self.modules.append(m)
+                    modes.append(m.training)
+                    get = _host_state_getter(m)
+                    if get is not None:
+                        self.getters.append((m, get))
+                        values.append(get(m))
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            # After the forward ran (its locals are complete), once per module.
+            if event == "return" and frame.f_code.co_name == "forward" and frame.f_code.co_argcount:
+                module = frame.f_locals.get(frame.f_code.co_varnames[0])
+                if isinstance(module, torch.nn.Module) and id(module) not in self._ids:
+                    found(module)
+
+        def snapshot() -> _Modules:
+            return _Modules(tuple(self.modules), tuple(modes), tuple(self.getters), tuple(values))
+
+        if sys.getprofile() is not None:  # another profiler (or an outer watch) runs
+            yield snapshot
+            return
+        sys.setprofile(profile)
+        try:
+            yield snapshot
+        finally:
+            sys.setprofile(None)
+
+
+# ---- keys -------------------------------------------------------------------------------------
+
 def _value_key(v: Any, where: int) -> tuple:
     """A non-tensor argument as a graph's key: the graph holds what the step computed from its
-    value. Floats by their bits (a NaN matches itself; 0.0 and -0.0 differ), numpy arrays by
-    their dtype, shape and bytes; anything else must be hashable."""
+    value. Floats, complex numbers and numpy scalars by their bits (a NaN matches itself; 0.0 and
+    -0.0 differ), numpy arrays by their dtype, shape and bytes; anything else must be hashable."""
+    if isinstance(v, np.generic) and v.dtype.kind in "fc":  # np.float32, np.float64, np.complex64...
+        return ("numpy", v.dtype.str, v.tobytes())
     if isinstance(v, float):
         return ("float", type(v), v.hex())
+    if isinstance(v, complex):
+        return ("complex", type(v), v.real.hex(), v.imag.hex())
     if isinstance(v, np.ndarray):
         return ("ndarray", v.dtype.str, v.shape, v.tobytes())
     try:
@@ -135,16 +272,38 @@ def _value_key(v: Any, where: int) -> tuple:
     return ("value", type(v), v)
 
 
+def _ordered(kwargs: dict) -> dict:
+    """Keyword arguments in one order (by name): the same call in another order is the same graph."""
+    return dict(sorted(kwargs.items())) if len(kwargs) > 1 else kwargs
+
+
 def _signature(args: tuple, kwargs: dict) -> tuple:
     """What a graph is specific to: tensors' metadata, other values as they are."""
     leaves, spec = tree_flatten((args, kwargs))
     sig = []
     for i, v in enumerate(leaves):
         if isinstance(v, torch.Tensor):
-            sig.append(("tensor", v.shape, v.dtype, v.device, v.stride(), v.requires_grad))
+            grad = False
+            if v.requires_grad:
+                if v.grad_fn is not None:
+                    raise ValueError(
+                        f"capture_step: argument leaf {i} requires grad and is not a leaf tensor (it has a "
+                        f"grad_fn, {type(v.grad_fn).__name__}): a graph's backward cannot reach the "
+                        f"caller's autograd graph; pass a leaf (x.detach().requires_grad_()) or compute it "
+                        f"in step_fn")
+                grad = v.grad is not None
+            sig.append(("tensor", v.shape, v.dtype, v.device, v.stride(), v.requires_grad, grad))
         else:
             sig.append(_value_key(v, i))
     return spec, tuple(sig)
+
+
+def _ambient() -> tuple:
+    """The modes a call runs under that change what a step records: grad mode, inference mode,
+    autocast (CUDA and CPU)."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_cache_enabled())
 
 
 def _on_cuda(args: tuple, kwargs: dict) -> bool:
@@ -152,21 +311,66 @@ def _on_cuda(args: tuple, kwargs: dict) -> bool:
     return bool(tensors) and all(t.device.type == "cuda" for t in tensors) and torch.cuda.is_available()
 
 
-class _Graph:
-    """One captured signature: static inputs, the graph, its outputs, its host steps, and the
-    optimizers it steps with the parameter groups they had at capture."""
+def _static_copy(v: Any) -> Any:
+    """A tensor argument's static copy: a new leaf (requiring grad as ``v`` does, with a copy of
+    its ``.grad``), not a node of the caller's autograd graph."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    with torch.no_grad():
+        s = v.detach().clone()
+        if v.requires_grad:
+            s.requires_grad_(True)
+            if v.grad is not None:
+                s.grad = v.grad.detach().clone()
+    return s
 
-    def __init__(self, static: tuple[tuple, dict], graph: Any, outputs: Any, host_steps: list,
-                 optimizers: dict[int, Any]):
-        self.static = static
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+# ---- graphs -----------------------------------------------------------------------------------
+
+class _Graph:
+    """One captured signature: static inputs, the graph, its outputs, its host steps, and what it
+    depends on: the optimizers it steps with the parameter groups they had at capture, the
+    modules it ran with their modes and host values."""
+
+    def __init__(self, static: list, graph: Any, outputs: Any, host_steps: list, optimizers: dict[int, Any],
+                 modules: _Modules, mutated: tuple[int, ...], grads: tuple, returned: list):
+        self.static = static  # the flat leaves of (args, kwargs)
+        self.tensors = tuple(i for i, s in enumerate(static) if isinstance(s, torch.Tensor))
         self.graph = graph
         self.outputs = outputs
         self.host_steps = host_steps
         self.optimizers = optimizers
         self.structure = _structure(optimizers)
+        self.modules = modules
+        self.mutated = mutated  # arguments the step writes in place: copied back after a replay
+        self.grads = grads  # (leaf, .grad when the capture began, .grad after it) for inputs requiring grad
+        self.grads_in = tuple((i, g0) for i, g0, _ in grads if g0 is not None)
+        self.returned = returned  # per output leaf: None, ("arg", i) or ("grad", i)
 
     def stale(self) -> bool:
-        return self.structure != _structure(self.optimizers)
+        return self.structure != _structure(self.optimizers) or self.modules.changed()
+
+
+class _EagerCall:
+    """What the last eager call of a signature depended on (:class:`_Graph`'s terms), to know
+    before a capture whether it changed since."""
+
+    __slots__ = ("optimizers", "structure", "modules")
+
+    def __init__(self, optimizers: dict[int, Any], modules: _Modules):
+        self.optimizers = optimizers
+        self.structure = _structure(optimizers)
+        self.modules = modules
+
+    def changed(self) -> bool:
+        return self.structure != _structure(self.optimizers) or self.modules.changed()
 
 
 class _CudaGraph:
@@ -199,7 +403,9 @@ class CapturedStep:
         self.warmup = warmup
         self.example = _signature(example_args, {})  # the signature the caller announced
         self._graphs: dict[tuple, _Graph] = {}
-        self._warm: dict[tuple, int] = {}  # signature -> eager calls since it last needed a capture
+        self._warm: dict[tuple, int] = {}  # key -> eager calls since it last needed a capture
+        self._last_eager: dict[tuple, _EagerCall] = {}  # key -> what its last eager call depended on
+        self._watches: dict[tuple, _ModuleWatch] = {}  # key -> the modules its calls ran
         self._pool = None
         self.graphs = 0
         self.eager_calls = 0
@@ -207,36 +413,60 @@ class CapturedStep:
         # another CapturedStep's) would overwrite this object's own
         functools.update_wrapper(self, step_fn, updated=())
 
+    def reset(self) -> None:
+        """Drop every graph: the next calls warm up and capture anew. For a change to host state
+        the graphs depend on that :func:`capture_step` does not watch (see :mod:`hfkern.graphs`)."""
+        self._graphs.clear()
+        self._warm.clear()
+        self._last_eager.clear()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key = _signature(args, kwargs)  # (on the CPU too: an argument no graph can key fails alike)
+        ordered = _ordered(kwargs)
+        sig = _signature(args, ordered)  # (on the CPU too: an argument no graph can key fails alike)
         if not _on_cuda(args, kwargs):
             return self._eager(args, kwargs)
+        key = (sig, _ambient())
         graph = self._graphs.get(key)
         if graph is not None and graph.stale():
-            del self._graphs[key]  # an optimizer's parameter groups changed: the graph is stale
+            del self._graphs[key]  # what the graph depends on changed: it would run stale work
             self._warm[key] = 0
             graph = None
         if graph is None:
-            if self._warm.get(key, 0) < self.warmup:
-                out = self._eager(args, kwargs, side_stream=True)
+            last = self._last_eager.get(key)
+            if self._warm.get(key, 0) < self.warmup or (last is not None and last.changed()):
+                # warm-up; or a change since the last eager call, validated eagerly before a capture
+                out = self._eager(args, kwargs, key)
                 self._warm[key] = self._warm.get(key, 0) + 1  # a warm-up call that raised does not count
                 return out
-            graph = self._graphs[key] = self._capture(args, kwargs)
+            graph = self._graphs[key] = self._capture(key, args, ordered)
             if graph.graph.runs_at_capture:
-                return self._after_replay(graph)
-        return self._replay(graph, args, kwargs)
+                return self._after_replay(graph, tree_flatten((args, ordered))[0])
+        return self._replay(graph, args, ordered)
 
     # ---- eager ----------------------------------------------------------------------------
-    def _eager(self, args: tuple, kwargs: dict, side_stream: bool = False) -> Any:
+    def _eager(self, args: tuple, kwargs: dict, key: tuple | None = None) -> Any:
+        """``step_fn`` eagerly; with ``key`` (a warm-up call on CUDA) on a side stream, watching
+        the optimizers it steps and the modules it runs."""
         self.eager_calls += 1
-        previous, _recording.active = _recording.active, self
+        rec = _recording
+        previous, rec.active = rec.active, self
+        if key is None:
+            try:
+                return self.step_fn(*args, **kwargs)
+            finally:
+                rec.active = previous
+        outer, rec.optimizers = rec.optimizers, {}
         try:
-            if not side_stream:
-                return self.step_fn(*args, **kwargs)
-            with self._warmup_stream():
-                return self.step_fn(*args, **kwargs)
+            watch = self._watches.setdefault(key, _ModuleWatch())
+            with self._warmup_stream(), watch.running() as modules:
+                out = self.step_fn(*args, **kwargs)
+            self._last_eager[key] = _EagerCall(rec.optimizers, modules())
+            return out
         finally:
-            _recording.active = previous
+            found = rec.optimizers
+            rec.active, rec.optimizers = previous, outer
+            if outer is not None:
+                outer.update(found)  # a captured step called inside another one's watched call
 
     @staticmethod
     @contextlib.contextmanager
@@ -255,36 +485,71 @@ class CapturedStep:
         return _CudaGraph(self._pool)
 
     # ---- capture and replay -----------------------------------------------------------------
-    def _capture(self, args: tuple, kwargs: dict) -> _Graph:
-        static = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    def _capture(self, key: tuple, args: tuple, kwargs: dict) -> _Graph:
+        leaves, spec = tree_flatten((args, kwargs))
+        static = [_static_copy(v) for v in leaves]
+        tensors = [i for i, s in enumerate(static) if isinstance(s, torch.Tensor)]
+        versions = {i: _version(static[i]) for i in tensors}
+        grads_before = {i: static[i].grad for i in tensors if static[i].requires_grad}
+        static_args, static_kwargs = tree_unflatten(static, spec)
         graph = self._new_graph()
-        previous = (_recording.active, _recording.capturing, _recording.host_steps, _recording.optimizers)
-        _recording.active, _recording.capturing, _recording.host_steps, _recording.optimizers = self, True, [], {}
+        watch = self._watches.setdefault(key, _ModuleWatch())
+        rec = _recording
+        previous = (rec.active, rec.capturing, rec.host_steps, rec.optimizers)
+        rec.active, rec.capturing, rec.host_steps, rec.optimizers = self, True, [], {}
         try:
-            outputs = graph.capture(lambda: self.step_fn(*static[0], **static[1]))
-            host_steps, optimizers = _recording.host_steps, _recording.optimizers
+            with watch.running() as modules:
+                outputs = graph.capture(lambda: self.step_fn(*static_args, **static_kwargs))
+            host_steps, optimizers = rec.host_steps, rec.optimizers
         finally:
-            (_recording.active, _recording.capturing, _recording.host_steps,
-             _recording.optimizers) = previous
+            rec.active, rec.capturing, rec.host_steps, rec.optimizers = previous
         self.graphs += 1
-        return _Graph(static, graph, outputs, host_steps, optimizers)
+        mutated = tuple(i for i in tensors if versions[i] is not None and _version(static[i]) != versions[i])
+        grads = tuple((i, g0, static[i].grad) for i, g0 in grads_before.items())
+        sources = {id(static[i]): ("arg", i) for i in tensors}
+        sources.update({id(g1): ("grad", i) for i, _, g1 in grads if g1 is not None})
+        returned = [sources.get(id(o)) if isinstance(o, torch.Tensor) else None for o in tree_flatten(outputs)[0]]
+        return _Graph(static, graph, outputs, host_steps, optimizers, modules(), mutated, grads, returned)
 
     def _replay(self, graph: _Graph, args: tuple, kwargs: dict) -> Any:
         leaves = tree_flatten((args, kwargs))[0]
-        static = tree_flatten(graph.static)[0]
+        static = graph.static
         with torch.no_grad():
-            for dst, src in zip(static, leaves):
-                if isinstance(dst, torch.Tensor):
-                    dst.copy_(src, non_blocking=True)
+            for i in graph.tensors:
+                static[i].copy_(leaves[i], non_blocking=True)
+            for i, g0 in graph.grads_in:
+                g0.copy_(leaves[i].grad, non_blocking=True)
         graph.graph.replay()
-        return self._after_replay(graph)
+        return self._after_replay(graph, leaves)
 
     @staticmethod
-    def _after_replay(graph: _Graph) -> Any:
+    def _after_replay(graph: _Graph, leaves: list) -> Any:
+        static = graph.static
+        if graph.mutated:
+            with torch.no_grad():
+                for i in graph.mutated:
+                    leaves[i].copy_(static[i])
+        for i, g0, g1 in graph.grads:  # the caller's .grad as an eager call leaves it
+            caller = leaves[i]
+            if g1 is None:
+                if g0 is not None:
+                    caller.grad = None
+            elif g1 is g0:
+                with torch.no_grad():
+                    caller.grad.copy_(g1)
+            else:
+                caller.grad = g1.detach().clone()
         for method, a, k in graph.host_steps:
             method(*a, **k)
         out, spec = tree_flatten(graph.outputs)
-        return tree_unflatten([o.clone() if isinstance(o, torch.Tensor) else o for o in out], spec)
+        result = []
+        for o, source in zip(out, graph.returned):
+            if source is not None:
+                kind, i = source
+                result.append(leaves[i] if kind == "arg" else leaves[i].grad)
+            else:
+                result.append(o.clone() if isinstance(o, torch.Tensor) else o)
+        return tree_unflatten(result, spec)
 
 
 def capture_step(step_fn: Callable, *example_args: Any, warmup: int = 3) -> CapturedStep:
@@ -302,7 +567,12 @@ def capture_step(step_fn: Callable, *example_args: Any, warmup: int = 3) -> Capt
 
     Returns a :class:`CapturedStep`; on CPU tensors (or without CUDA) it runs
     ``step_fn`` eagerly. See :mod:`hfkern.graphs` for what a replay reads and
-    what forces a new capture.
+    what forces a new capture. In a replay ``step_fn``'s Python does not run:
+    the schedulers' steps run after it, so a value ``step_fn`` reads after
+    ``sched.step()`` (a group's ``lr``) is the one before that step, where an
+    eager call reads the next one; writes to its tensor arguments are copied
+    back; other host work (a module's mode set in it, ``print``) happens at the
+    capture only.
     """
     if not callable(step_fn):
         raise TypeError(f"capture_step: expected step_fn to be callable, got {type(step_fn).__name__}")

@@ -105,24 +105,61 @@ def uniform_p(p: float | tuple[float, ...]) -> float | None:
     return p
 
 
-def _per_model_factors(p: tuple[float, ...], x: torch.Tensor, cache: dict | None):
-    """``(keep, scale)``: ``[B]`` keep probabilities and ``x.dtype`` scales ``1 / (1 - p[b])`` (0 for p = 1).
+def _factor_values(p: tuple[float, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keep, scale)`` on the CPU: ``[B]`` keep probabilities in ``dtype``'s accumulation dtype
+    and ``dtype`` scales ``1 / (1 - p[b])`` (0 for p = 1).
 
     The scale is computed as torch computes its ``noise.div_(1 - p)``: in
-    float32 (float64 for float64 inputs), rounded to the input's dtype. In eager
-    mode the pair is cached per device, dtype and ``p``, so a step does not copy
-    B floats to the device each time; a compiled graph holds them as constants.
+    float32 (float64 for float64 inputs), rounded to the input's dtype.
     """
-    key = (x.device, x.dtype, p)
-    if cache is not None and key in cache:
-        return cache[key]
-    acc = acc_dtype(x.dtype)
+    acc = acc_dtype(dtype)
     keep = 1 - torch.tensor(p, dtype=torch.float64)
-    scale = torch.where(keep > 0, 1 / keep.to(acc).clamp_min(torch.finfo(acc).tiny), 0).to(x.dtype)
-    pair = (keep.to(device=x.device, dtype=acc), scale.to(x.device))
-    if cache is not None:
-        cache[key] = pair
-    return pair
+    scale = torch.where(keep > 0, 1 / keep.to(acc).clamp_min(torch.finfo(acc).tiny), 0).to(dtype)
+    return keep.to(acc), scale
+
+
+def _per_model_factors(p: tuple[float, ...], x: torch.Tensor, cache: dict | None):
+    """``(keep, scale)``: ``[B]`` keep probabilities and ``x.dtype`` scales ``1 / (1 - p[b])`` on ``x``'s device.
+
+    In eager mode they are cached per device and dtype, so a step does not copy
+    B floats to the device each time, and kept there: another ``p`` is written
+    into the same tensors (:func:`refresh_factors`), so a CUDA graph that reads
+    them (:func:`hfkern.capture_step`) drops with the new probabilities. A
+    compiled graph holds them as constants.
+    """
+    key = (x.device, x.dtype)
+    entry = cache.get(key) if cache is not None else None
+    if entry is not None:
+        if entry[0] != p:
+            _write_factors(entry, p)
+        return entry[1], entry[2]
+    if cache is None:
+        keep, scale = _factor_values(p, x.dtype)
+        return keep.to(x.device), scale.to(x.device)
+    with torch.inference_mode(False):  # tensors written in place later, also outside inference mode
+        keep, scale = _factor_values(p, x.dtype)
+        keep, scale = keep.to(x.device), scale.to(x.device)
+    cache[key] = [p, keep, scale]
+    return keep, scale
+
+
+def _write_factors(entry: list, p: tuple[float, ...]) -> None:
+    keep, scale = _factor_values(p, entry[2].dtype)
+    with torch.no_grad():
+        entry[1].copy_(keep)
+        entry[2].copy_(scale)
+    entry[0] = p
+
+
+def refresh_factors(cache: dict, p: float | tuple[float, ...]) -> None:
+    """Write the per-model probabilities ``p`` into the device tensors of ``cache`` (a module's
+    :func:`per_model_dropout` cache) in place, as a module does when its ``p`` is set: a captured
+    graph that reads them drops with ``p`` from its next replay. A single ``p`` (the module then
+    calls ``F.dropout``) leaves them as they are."""
+    if isinstance(p, tuple):
+        for entry in cache.values():
+            if entry[0] != p:
+                _write_factors(entry, p)
 
 
 def per_model_dropout(
@@ -177,7 +214,21 @@ class _ArrayDropoutNd(ArrayModule):
 
     @p.setter
     def p(self, value: Any) -> None:
-        self._p = dropout_probability(value, self.B, type(self).__name__)
+        p = dropout_probability(value, self.B, type(self).__name__)
+        self._p, self._uniform = p, uniform_p(p)
+        refresh_factors(self._factors, p)  # per-model values live in device tensors a graph reads
+
+    def _graph_state(self) -> tuple:
+        """The host values this layer's forward computes with beyond its mode: a captured step
+        (:func:`hfkern.capture_step`) whose values differ is captured anew. A per-model ``p`` is
+        not one of them (device tensors, written in place when it changes); a single one is (the
+        value ``F.dropout`` gets), as is whether ``p`` is one value or one per model."""
+        return self.inplace, self._uniform
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._uniform = uniform_p(self._p)  # (pickled before it was kept)
+        self._factors = {}  # a cache, made again at the next call (older pickles hold another layout)
 
     def _drops(self) -> bool:
         """Whether a forward call would drop anything (training, and some model's p > 0)."""
@@ -215,7 +266,7 @@ class Dropout(_ArrayDropoutNd):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = self._check(input)
-        p = uniform_p(self.p)
+        p = self._uniform
         if p is None:
             if not self._drops():
                 return x
@@ -237,7 +288,7 @@ class _ArrayFeatureDropout(_ArrayDropoutNd):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = self._check(input)
         fn = type(self)._fn
-        p = uniform_p(self.p)
+        p = self._uniform
         if not self._drops() or p is None:
             # The call on an empty per-model tensor only issues the warnings
             # torch gives for this input rank.

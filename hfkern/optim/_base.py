@@ -28,9 +28,11 @@ it was.
 from __future__ import annotations
 
 import numbers
+import operator
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -90,6 +92,22 @@ def _place_state(optimizer: "ArrayOptimizer") -> None:
 _FOREACH_FUSED = ("foreach", "fused")
 _NOT_IMPLEMENTED = {"differentiable": "autograd through the optimizer step"}
 _COMPAT_DEFAULTS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
+
+
+_data_ptr = torch.Tensor.data_ptr
+_dtype_and_requires_grad = operator.attrgetter("dtype", "requires_grad")
+
+
+def _state_memory(state: dict) -> tuple:
+    """The addresses of the tensors of an optimizer's ``state`` (for
+    :meth:`ArrayOptimizer._graph_structure`). It runs before every graph replay, so it loops in
+    C and hashes no parameter (a tensor's ``__hash__`` is Python)."""
+    try:
+        return tuple(map(_data_ptr, chain.from_iterable(map(dict.values, state.values()))))
+    except TypeError:  # an entry that is not a dict of tensors (the state of no parameter, kept as loaded)
+        return tuple(v.data_ptr() if isinstance(v, torch.Tensor) else id(v)
+                     for entries in state.values()
+                     for v in (entries.values() if isinstance(entries, dict) else (entries,)))
 
 
 def _dynamo_tracing() -> bool:
@@ -423,15 +441,21 @@ class ArrayOptimizer(Optimizer):
 
     def _graph_structure(self) -> tuple:
         """What a captured step (:func:`hfkern.capture_step`) is specific to: each group's
-        parameters, its hyperparameter and flag objects (a value assigned anew is validated and
-        stored in a new tensor at the next eager step) and the optional work its values switch on
-        (weight decay, momentum). Values written in place into the stored tensors are not in it."""
+        parameters (the objects, their memory, dtype and ``requires_grad``), their state tensors'
+        memory (a graph holds the addresses: ``module.half()`` or ``.data = ...`` gives a
+        parameter new memory, ``state.clear()`` or ``load_state_dict`` new state), its
+        hyperparameter and flag objects (a value assigned anew is validated and stored in a new
+        tensor at the next eager step) and the optional work its values switch on (weight decay,
+        momentum). Values written in place into the stored tensors are not in it."""
         keys = self._hypers + self._init_hypers + self._flags + self._compat
-        out = []
+        out = [_state_memory(self.state)]
         for group in self.param_groups:
+            params = group["params"]
             cached = self._checked.get(id(group))
             nonzero = tuple(sorted(cached[1].nonzero.items())) if cached is not None else None
-            out.append((tuple(id(p) for p in group["params"]), tuple(id(group[k]) for k in keys), nonzero))
+            out.append((tuple(map(id, params)), tuple(map(_data_ptr, params)),
+                        tuple(map(_dtype_and_requires_grad, params)),
+                        tuple(map(id, map(group.__getitem__, keys))), nonzero))
         return tuple(out)
 
     def _check_skip(self, skip: Any) -> None:
