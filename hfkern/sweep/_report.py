@@ -57,7 +57,8 @@ class Progress:
 
 
 def best_trials_table(study: optuna.Study, top: int = 10):
-    """A ``rich.table.Table`` of the study's ``top`` best complete trials: number, value, parameters, steps."""
+    """A ``rich.table.Table`` of the study's ``top`` best complete trials: number, value, parameters (one
+    column each, ``-`` where a trial has none); its title counts the complete, pruned and failed trials."""
     from rich.table import Table
 
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))

@@ -45,6 +45,7 @@ import optuna
 import torch
 from optuna.trial import FrozenTrial, Trial, TrialState
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .. import fusion
 from .._array import broadcast
@@ -59,10 +60,16 @@ from ._storage import COUNTED_ATTR, OUTCOME_ATTR, RUNNER_ATTR, SEED_ATTR, counts
 __all__ = ["Runner", "SweepSummary"]
 
 _log = logging.getLogger("hfkern.sweep")
-# 3: each array's strategy and each group's (B, strategy); 2: a list of arrays in flight; 1: one
-# array (1 and 2, still read, had one B and strategy for every group)
-_CHECKPOINT_VERSION = 3
+# 4: each array's given per-model optimizer and scheduler arguments (_Args.given); 3: each array's
+# strategy and each group's (B, strategy); 2: a list of arrays in flight; 1: one array (1 and 2, still
+# read, had one B and strategy for every group; 1 to 3, still read, no given arguments: _saved_given)
+_CHECKPOINT_VERSION = 4
 _MAX_B = 64  # the largest array the runner sizes itself; more trials per array rarely pay on one device
+# A trial's seed is torch's seed of its model, and ``hp[seed_param]`` holds it exactly as an int64:
+# seeds lie in [-2**63, 2**63) (torch.manual_seed's seeds from 2**63 on are those 2**64 lower).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+# ``seed + trial.number`` is a trial's seed: ``seed`` leaves room for this many trial numbers.
+_SEED_TRIALS = 2**32
 
 Params = Mapping[str, Any]
 
@@ -192,6 +199,22 @@ def _select_models(state: Any, rows: torch.Tensor, B: int) -> Any:
     return state
 
 
+def _trial_seed(value: Any, what: str, number: int) -> int:
+    """A trial's seed from ``value`` (its seed parameter, or the runner's ``seed + number``): an
+    integer in [-2**63, 2**63), torch's seed of its model that ``hp`` holds exactly (int64)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        seed = int(value)
+    elif _is_number(value) and math.isfinite(value) and float(value).is_integer():
+        seed = int(value)
+    else:
+        raise ValueError(f"Runner: trial {number}'s {what} must be an integer seed, got {value!r}")
+    if not _SEED_MIN <= seed <= _SEED_MAX:
+        same = f" ({seed - 2**64} is torch's same seed)" if _SEED_MAX < seed < 2**64 else ""
+        raise ValueError(f"Runner: trial {number}'s {what} must be in [-2**63, 2**63) (torch's seed of its model, "
+                         f"held exactly in hp as an int64), got {seed}{same}")
+    return seed
+
+
 _NO_DEFAULT = object()
 
 
@@ -267,8 +290,9 @@ class Runner:
             ``output`` is the array's ``[B, N, ...]`` output, ``target`` ``[N, ...]``
             (one batch for all models) or ``[B, N, ...]``, ``hp`` maps every
             fusible parameter to its ``[B]`` float32 values on the device (loss
-            weights; NaN for a trial that does not give it, each trial's seed
-            for ``seed_param``). Default: per-model mean cross entropy.
+            weights; NaN for a trial that does not give it), and ``seed_param``
+            to each trial's seed, exactly, as ``[B]`` int64 values. Default:
+            per-model mean cross entropy.
         metric: the value reported to each trial: ``"accuracy"`` or ``"loss"``
             (on ``valid``, per-model mean cross entropy), or
             ``metric(model, hp) -> [B]`` (the fused model in eval mode, under
@@ -279,17 +303,22 @@ class Runner:
             A trial is evaluated, reported, and may be pruned every
             ``report_every`` steps; report ``r`` (1, 2, ...) is Optuna's step.
         B: trials per array (default: :func:`hfkern.max_array_size` of the
-            first trial's model, capped at 64 and at ``n_trials``; on a GPU it is
+            first trial's model, measuring a training step with ``loss`` as
+            the trials train, capped at 64 and at ``n_trials``; on a GPU it is
             confirmed by a step).
-        device: where the arrays train (default: CUDA if available, else CPU).
+        device: where the arrays train, a ``"cpu"`` or ``"cuda"`` device
+            (default: CUDA if available, else CPU).
         seed: a trial's init seed is its ``seed_param`` value when it has one,
-            else ``seed + trial.number``.
+            else ``seed + trial.number``. Seeds are torch's, held exactly in
+            ``hp``: a ``seed_param`` value must be an integer in [-2**63, 2**63),
+            and ``seed`` in [-2**63, 2**63 - 2**32] (room for 2**32 trials).
         seed_param: the parameter that holds a trial's init seed (fusible).
         data_seed: seed of the training batches' order (the same for every trial).
         on_nonfinite: ``"fail"`` (tell the trial failed) or ``"prune"``, for a
             trial whose loss or value becomes NaN or infinite; its array goes on.
-        checkpoint: a file the runner saves its arrays and held trials to (at
-            every ``checkpoint_every``-th report). A runner started again with
+        checkpoint: a file (a str or ``os.PathLike`` path) the runner saves
+            its arrays and held trials to (at every ``checkpoint_every``-th
+            report). A runner started again with
             the same checkpoint resumes the trials it held, also after their
             heartbeat expired (those another runner failed as lost meanwhile
             are retried instead); without it, a killed runner's trials are
@@ -298,7 +327,7 @@ class Runner:
         checkpoint_every: reports between two checkpoints.
         name: the runner's name in its trials' user attributes (default: host
             and checkpoint path, or host and process id without a checkpoint).
-        progress: show a progress bar while running and the best trials at the end.
+        progress: (a bool) show a progress bar while running and the best trials at the end.
         eval_batch_size: samples per forward pass of the built-in metrics.
         capture: on a CUDA device, replay each training step as one CUDA graph
             (:func:`hfkern.capture_step`: a fused step is host-bound without
@@ -383,6 +412,21 @@ class Runner:
         for label, value in (("seed", seed), ("data_seed", data_seed)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{who}: {label} must be an int, got {type(value).__name__} {value!r}")
+        if not _SEED_MIN <= seed <= _SEED_MAX + 1 - _SEED_TRIALS:
+            raise ValueError(f"{who}: seed must be in [-2**63, 2**63 - 2**32], got {seed}: trial n's seed is "
+                             f"seed + n, torch's seed of its model, held exactly in hp as an int64, so it must "
+                             f"stay in [-2**63, 2**63) for trial numbers up to 2**32")
+        if checkpoint is not None:
+            if not isinstance(checkpoint, (str, os.PathLike)) or not isinstance(os.fspath(checkpoint), str):
+                raise TypeError(f"{who}: checkpoint must be a file path (a str or os.PathLike of a str) or None, "
+                                f"got {type(checkpoint).__name__} {checkpoint!r}")
+            if not os.fspath(checkpoint):
+                raise ValueError(f"{who}: checkpoint must be a file path or None, got an empty path {checkpoint!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{who}: name must be a str or None, got {type(name).__name__} {name!r}")
+        for label, value in (("progress", progress), ("capture", capture)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{who}: {label} must be a bool, got {type(value).__name__} {value!r}")
         self.study = study
         self._space, self._model_factory = space, model
         self.fusible = self._names(fusible, "fusible") | {seed_param}
@@ -411,8 +455,14 @@ class Runner:
             self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         except (RuntimeError, TypeError) as err:
             raise TypeError(f"{who}: device must be a torch.device or a device string, got {device!r}") from err
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{who}: device must be a 'cpu' or 'cuda' device (where the runner trains, sizes and "
+                             f"plans its arrays), got {self.device}")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"{who}: device {device!r} asked for, but CUDA is not available")
+        if self.device.type == "cuda" and self.device.index is not None and self.device.index >= torch.cuda.device_count():
+            raise ValueError(f"{who}: device {self.device} asked for, but CUDA has {torch.cuda.device_count()} "
+                             f"device(s): expected an index in [0, {torch.cuda.device_count()})")
         self._train = self._pair(train, "train")
         self._valid = None if valid is None else self._pair(valid, "valid")
         if not callable(batch_size):
@@ -444,10 +494,8 @@ class Runner:
         host = socket.gethostname()
         self.name = name if name is not None else (
             f"{host}:{os.path.abspath(self.checkpoint)}" if self.checkpoint else f"{host}:{os.getpid()}")
-        self.progress = bool(progress)
+        self.progress = progress
         self.eval_batch_size = self._positive(eval_batch_size, "eval_batch_size")
-        if not isinstance(capture, bool):
-            raise TypeError(f"{who}: capture must be a bool, got {type(capture).__name__}")
         self.capture = capture
         from ..plan import Plan, Strategy
 
@@ -618,11 +666,11 @@ class Runner:
                     raise ValueError(f"Runner: parameter {k!r} is neither fusible {sorted(self.fusible)} nor "
                                      f"grouped {sorted(self.grouped)}; declare it")
             if self.seed_param in params:
-                seed = int(params[self.seed_param])
+                seed = _trial_seed(params[self.seed_param], f"seed parameter {self.seed_param!r}", trial.number)
             elif SEED_ATTR in trial.user_attrs:  # a retry of a lost trial keeps its seed
-                seed = int(trial.user_attrs[SEED_ATTR])
+                seed = _trial_seed(trial.user_attrs[SEED_ATTR], "seed", trial.number)
             else:
-                seed = self.seed + trial.number
+                seed = _trial_seed(self.seed + trial.number, "seed (the runner's seed + its number)", trial.number)
             trial.set_user_attr(RUNNER_ATTR, self.name)
             trial.set_user_attr(SEED_ATTR, seed)
             # At once: a trial with no heartbeat is never taken as stale, and this
@@ -806,14 +854,41 @@ class Runner:
             optimizer.load_state_dict(saved["optimizer"])
             if scheduler is not None:
                 scheduler.load_state_dict(saved["scheduler"])
-        values = [self._hp_values(e) for e in padded]
-        hp = {k: torch.tensor([v[k] for v in values], dtype=torch.float32, device=self.device)
-              for k in sorted(self.fusible)}
+            # The loaded rows hold the arguments every trial the array had gave, also trials that
+            # have left it (idle slots): a refill resets those to their defaults (_slot_kwargs).
+            cls = settings.optimizer_cls
+            optimizer_args.given |= self._saved_given(saved, "optimizer", cls._hypers + cls._init_hypers,
+                                                      optimizer_args.defaults)
+            if scheduler is not None:
+                scheduler_args.given |= self._saved_given(saved, "scheduler", type(scheduler)._model_args,
+                                                          scheduler_args.defaults)
+        hp = self._hp_tensors([self._hp_values(e) for e in padded], self.device)
         return self._finish_array(_Array(kept[0].key, settings, model, optimizer, scheduler, slots, optimizer_args,
                                          scheduler_args, hp, torch.zeros(len(slots), dtype=torch.bool,
                                                                          device=self.device),
                                          torch.tensor([e is None for e in slots], device=self.device),
                                          strategy))
+
+    @staticmethod
+    def _saved_given(saved: Mapping[str, Any], what: str, per_model: Sequence[str],
+                     defaults: Mapping[str, Any]) -> set[str]:
+        """The per-model arguments of the ``saved`` optimizer (``what``: "optimizer") or scheduler
+        that some trial of its array gave. A checkpoint before format 4 does not say: there, every
+        per-model argument its state holds that has a default to take counts as given (a refill
+        then sets the default where its trial gives none, which is what its own optimizer would
+        take; an argument without a default was given by every trial that trained with it)."""
+        given = saved.get(f"{what}_given")
+        if given is not None:
+            return set(given)
+        state = saved.get(what)
+        if not isinstance(state, Mapping):
+            return set()
+        if what == "optimizer":
+            present = {k for group in state.get("param_groups", ()) if isinstance(group, Mapping) for k in group}
+        else:
+            present = set(state)
+        return {k for k in per_model
+                if k in present and _given_or_default({}, k, defaults, True) is not _NO_DEFAULT}
 
     def _finish_array(self, a: _Array) -> _Array:
         a.model.train()
@@ -821,13 +896,20 @@ class Runner:
         self._tally["arrays"] += 1
         return a
 
-    def _hp_values(self, entry: _Entry) -> dict[str, float]:
+    def _hp_values(self, entry: _Entry) -> dict[str, float | int]:
         """What the loss and metric read of ``entry`` in ``hp``: every fusible parameter's value,
-        NaN where the trial does not give it (a conditional space), the trial's seed for
+        NaN where the trial does not give it (a conditional space), the trial's seed (an int) for
         ``seed_param`` (given or not): the same keys in every array, whichever trial opened it."""
-        values = {k: float(entry.params.get(k, math.nan)) for k in self.fusible}
-        values[self.seed_param] = float(entry.seed)
+        values: dict[str, float | int] = {k: float(entry.params.get(k, math.nan)) for k in self.fusible}
+        values[self.seed_param] = int(entry.seed)
         return values
+
+    def _hp_tensors(self, values: list[Mapping[str, float | int]], device: torch.device) -> dict[str, torch.Tensor]:
+        """``hp`` of slots with ``values`` (:meth:`_hp_values`): ``[B]`` float32 values of each fusible
+        parameter, and the seeds as ``[B]`` int64 (exact: a float32 rounds seeds above 2**24)."""
+        return {k: torch.tensor([v[k] for v in values], device=device,
+                                dtype=torch.int64 if k == self.seed_param else torch.float32)
+                for k in sorted(self.fusible)}
 
     def _settings_of(self, entries: list[_Entry]) -> _Settings:
         """The one settings of an array's trials; ValueError where a fusible parameter changes them."""
@@ -975,7 +1057,9 @@ class Runner:
         # The remaining trials' optimizer and scheduler state, loaded as a checkpoint's is. (Their
         # non-finite flags need no carrying: the round's report has just cleared them.)
         saved = {"optimizer": _select_models(a.optimizer.state_dict(), torch.tensor(active), a.B),
-                 "scheduler": None if a.scheduler is None else a.scheduler.state_dict_of(active)}
+                 "scheduler": None if a.scheduler is None else a.scheduler.state_dict_of(active),
+                 "optimizer_given": sorted(a.optimizer_args.given),
+                 "scheduler_given": sorted(a.scheduler_args.given)}
         smaller = self._assemble(model, [a.slots[b] for b in active], a.strategy, saved)
         self._tally["arrays"] -= 1  # the same trials' array, smaller
         self._tally["compactions"] += 1
@@ -1003,8 +1087,21 @@ class Runner:
         kw = self._optimizer_kwargs(entry.params)
         settings = self._settings_for(entry.params)
         cls, bs = settings.optimizer_cls, settings.batch_size
+        values = self._hp_values(entry)
+
+        def step(model: fusion.FusedModel, optimizer: ArrayOptimizer, batch: tuple) -> None:
+            # A training step as the trials train (_step_fn): the runner's loss, with the first
+            # trial's fusible values in every slot, on one batch shared by the B models.
+            x, y = batch
+            out = model(broadcast(x, model.B))
+            losses = self._check_losses(self._loss(out, y, self._hp_tensors([values] * model.B, x.device)),
+                                        model.B)
+            optimizer.zero_grad()
+            losses.sum().backward()
+            optimizer.step()
+
         x, y = self._train
-        estimate = max_array_size(lambda: self._build_model(entry), (x[:bs], y[:bs]),
+        estimate = max_array_size(lambda: self._build_model(entry), (x[:bs], y[:bs]), step,
                                   device=self.device, optimizer=lambda params: cls(params, **kw),
                                   max_B=min(_MAX_B, self._n_trials))
         B = max(1, estimate.B)
@@ -1029,8 +1126,8 @@ class Runner:
         values = self._hp_values(entry)
 
         def loss(out, y):  # the runner's loss with the first trial's fusible values in every slot
-            hp = {k: torch.full((out.shape[0],), v, device=out.device) for k, v in values.items()}
-            return self._loss(out, y, hp)
+            first = tree_leaves(out)[0]  # the output, or its first tensor (a model returning a tuple)
+            return self._loss(out, y, self._hp_tensors([values] * first.shape[0], first.device))
 
         x, y = self._train
         plans = hplan(lambda: self._build_model(entry), (x[:bs], y[:bs]), trials=self._n_trials,
@@ -1118,10 +1215,7 @@ class Runner:
 
         def step(x: torch.Tensor, y: torch.Tensor, idle: torch.Tensor) -> torch.Tensor:
             out = a.model(broadcast(x, a.B) if x.dim() == shared_dims else x)
-            losses = self._loss(out, y, a.hp)
-            if not (isinstance(losses, torch.Tensor) and losses.shape == (a.B,)):
-                raise ValueError(f"Runner: loss(output, target, hp) must return the [B] = [{a.B}] per-model "
-                                 f"losses, got {type(losses).__name__} {list(getattr(losses, 'shape', []))}")
+            losses = self._check_losses(self._loss(out, y, a.hp), a.B)
             a.optimizer.zero_grad()
             losses.sum().backward()
             a.optimizer.step(skip=idle)
@@ -1131,6 +1225,13 @@ class Runner:
             return step
         bs = a.settings.batch_size
         return capture_step(step, self._train[0][:bs], self._train[1][:bs], a.idle)
+
+    @staticmethod
+    def _check_losses(losses: Any, B: int) -> torch.Tensor:
+        if not (isinstance(losses, torch.Tensor) and losses.shape == (B,)):
+            raise ValueError(f"Runner: loss(output, target, hp) must return the [B] = [{B}] per-model "
+                             f"losses, got {type(losses).__name__} {list(getattr(losses, 'shape', []))}")
+        return losses
 
     @torch.no_grad()
     def _evaluate(self, a: _Array) -> list[float]:
@@ -1311,6 +1412,10 @@ class Runner:
                 "slots": [None if s is None else entry(s) for s in a.slots], "strategy": a.strategy,
                 "model": a.model.state_dict(), "optimizer": a.optimizer.state_dict(),
                 "scheduler": None if a.scheduler is None else a.scheduler.state_dict(),
+                # The per-model arguments some trial of the array gave (also trials that have left it:
+                # their rows stay until a refill sets the default, _slot_kwargs).
+                "optimizer_given": sorted(a.optimizer_args.given),
+                "scheduler_given": sorted(a.scheduler_args.given),
             } for a in self._arrays],
         }
         # Written whole, then renamed over the old one: a kill mid-write leaves the previous checkpoint.
@@ -1380,7 +1485,7 @@ class Runner:
             # The checkpoint is this runner's own file; it holds optimizer and scheduler
             # state with Python objects (a LambdaLR's functions), so it is loaded whole.
             state = torch.load(self.checkpoint, map_location=self.device, weights_only=False)
-            if state.get("version") not in (1, 2, _CHECKPOINT_VERSION) or state.get("study") != self.study.study_name:
+            if state.get("version") not in (1, 2, 3, _CHECKPOINT_VERSION) or state.get("study") != self.study.study_name:
                 raise ValueError(f"Runner: checkpoint {self.checkpoint!r} belongs to study {state.get('study')!r} "
                                  f"(format {state.get('version')}), not to {self.study.study_name!r}")
             arrays = state["arrays"] if "arrays" in state else [a for a in (state["array"],) if a is not None]
