@@ -322,6 +322,12 @@ def _step_op(spec: OptimizerSpec) -> Callable[[Callable], Any]:
     return define
 
 
+def check_step(spec: OptimizerSpec, *args: Any) -> None:
+    """The checks the op ``spec.op`` makes of its arguments, without running it (an optimizer
+    checks every group's arguments before the first group steps)."""
+    _check(spec, args)
+
+
 def run_step(spec: OptimizerSpec, *args: Any) -> None:
     """Check the arguments and run the implementation the registry picks: the op's body,
     which the array optimizers call directly on the torch backend outside

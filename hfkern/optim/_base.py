@@ -264,7 +264,7 @@ class ArrayOptimizer(Optimizer):
         keys = ("step",) if self._holds(spec.steps_when, group, checked) else ()
         return keys + tuple(key for _, key, when in spec.states if self._holds(when, group, checked))
 
-    def _update(
+    def _step_args(
         self,
         kept: tuple[str, ...],
         flags: tuple[bool, ...],
@@ -273,17 +273,21 @@ class ArrayOptimizer(Optimizer):
         hypers: torch.Tensor,
         states: list[torch.Tensor],
         skip: torch.Tensor | None,
-    ) -> None:
-        """Call the op on one group's parameters that have gradients: ``states`` holds their
-        state tensors key by key in the order of ``kept`` (as :meth:`_init_group` gathers them)."""
+    ) -> tuple:
+        """The op's arguments for one group's parameters that have gradients: ``states`` holds
+        their state tensors key by key in the order of ``kept`` (as :meth:`_init_group` gathers them)."""
         spec = self._spec
         n = len(params)
         by_key = {key: states[i * n:(i + 1) * n] for i, key in enumerate(kept)}
         lists = [by_key.get(key, []) for _, key, _ in spec.states]
-        args = (params, grads, *lists, by_key.get("step", []), hypers, *flags, skip)
+        return (params, grads, *lists, by_key.get("step", []), hypers, *flags, skip)
+
+    def _update(self, args: tuple) -> None:
+        """Call the op on one group's arguments (:meth:`_step_args`)."""
+        spec = self._spec
         # The torch implementation's in-place ops bump the version counters themselves, which
         # the op does for a kernel backend's writes (autograd's check for saved tensors).
-        if _backend.eager_torch(spec.op, params[0].device):
+        if _backend.eager_torch(spec.op, args[0][0].device):
             ops.run_step(spec, *args)
         else:
             getattr(ops, spec.op)(*args)
@@ -318,6 +322,12 @@ class ArrayOptimizer(Optimizer):
             if p.dim() == 0:
                 raise ValueError(
                     f"{name}: expected array parameters of shape [B, ...], got a 0-d tensor at index {i}"
+                )
+            if any(stride == 0 and size > 1 for size, stride in zip(p.shape, p.stride())):
+                raise ValueError(
+                    f"{name}: expected parameters in dense memory (each is updated in place: no element "
+                    f"stored twice), got shape {list(p.shape)} with strides {list(p.stride())} at index {i} "
+                    "(an expanded tensor; pass a copy, e.g. .clone())"
                 )
             if self.B is None:
                 self.B, self._device = p.size(0), p.device
@@ -502,12 +512,22 @@ class ArrayOptimizer(Optimizer):
         if self.skip_nonfinite and grads:
             bad = ops.nonfinite_models(grads)
             mask = bad if skip is None else skip | bad
+        calls = []
         i = j = 0
         for table, (n, kept, flags) in zip(hypers, layout):
             if n:
                 m = n * len(kept)
-                self._update(kept, flags, params[i:i + n], grads[i:i + n], table, states[j:j + m], mask)
+                calls.append(self._step_args(kept, flags, params[i:i + n], grads[i:i + n], table,
+                                             states[j:j + m], mask))
                 i, j = i + n, j + m
+        # Each call checks its own arguments before it writes anything; a later group's are checked
+        # before the first group steps too, so that a step that raises changes no model. (A traced
+        # step's ops check their arguments at the trace, where nothing is written yet.)
+        if len(calls) > 1 and not _dynamo_tracing():
+            for args in calls[1:]:
+                ops.check_step(self._spec, *args)
+        for args in calls:
+            self._update(args)
         if skipped:
             # Once a step was compiled, every step writes one tensor in place (dynamo drops
             # an optimizer's attribute assignments in a compiled step: pytorch/pytorch#171590).
