@@ -120,7 +120,12 @@ def check_same_device_dtype(
         raise ValueError(
             f"{module}: {name} is on {x.device} but the parameters are on {param.device}"
         )
-    if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type) and not (
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if autocast and x.dtype != param.dtype and not x.is_floating_point():
+        # autocast mixes floating-point dtypes only: an integer input is refused under it too
+        raise TypeError(f"{module}: expected {name} of a floating-point dtype under autocast (the parameters' "
+                        f"dtype is {param.dtype}), got {x.dtype}")
+    if x.dtype != param.dtype and not autocast and not (
             mixed_precision and is_mixed_precision(x, param)):
         also = ", or bfloat16 or float16" if mixed_precision and param.dtype == torch.float32 else ""
         raise TypeError(

@@ -346,19 +346,26 @@ class _BatchNorm(_FusedActivation, ArrayModule):
                 raise ValueError(f"{name}: batch_norm eps must be positive during training, got {self.eps}")
         elif self.eps < 0.0:
             raise ValueError(f"{name}: batch_norm eps must be non-negative, got {self.eps}")
-        if self.training and self.track_running_stats:
-            # counted before the op runs: momentum=None averages over each model's
-            # own count (the B counts may differ after from_modules)
-            self.num_batches_tracked.add_(1)
         if shares_work(x) and self.weight is None and self.bias is None and self.running_mean is None:
             # One shared batch, its own statistics, no per-model state: the B
             # models compute the same thing, once.
             y = array_batch_norm(x[:1], None, None, None, None, None, True, None, self.eps, activation)[0]
             return y.expand(x.shape)
-        return array_batch_norm(
-            x, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
-            use_batch_stats, self.momentum, self.eps, activation,
-        )[0]
+        # Counted before the op runs: momentum=None averages over each model's own count (the B
+        # counts may differ after from_modules). The op checks its arguments before it writes the
+        # running statistics: a call it refuses is uncounted, and changes nothing.
+        counted = self.training and self.track_running_stats
+        if counted:
+            self.num_batches_tracked.add_(1)
+        try:
+            return array_batch_norm(
+                x, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
+                use_batch_stats, self.momentum, self.eps, activation,
+            )[0]
+        except BaseException:
+            if counted:
+                self.num_batches_tracked.sub_(1)
+            raise
 
     def _normalize_grouped(self, xg: Tensor, B: int, fmt: torch.memory_format, activation: str, *,
                            checked: bool = False, grouped: bool = False) -> Tensor | None:
@@ -386,10 +393,17 @@ class _BatchNorm(_FusedActivation, ArrayModule):
                 and grouped_serves(xg, B, self.weight, self.bias, self.running_mean, self.running_var,
                                    activation=activation)):
             return None
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)  # as _normalize: counted before the op runs
-        return grouped_batch_norm(xg, B, fmt, self.weight, self.bias, self.running_mean, self.running_var,
-                                  self.num_batches_tracked, self.momentum, self.eps, activation, grouped=grouped)
+        counted = self.training and self.track_running_stats
+        if counted:
+            self.num_batches_tracked.add_(1)  # as _normalize: counted before the op runs, uncounted if it raises
+        try:
+            return grouped_batch_norm(xg, B, fmt, self.weight, self.bias, self.running_mean, self.running_var,
+                                      self.num_batches_tracked, self.momentum, self.eps, activation,
+                                      grouped=grouped)
+        except BaseException:
+            if counted:
+                self.num_batches_tracked.sub_(1)
+            raise
 
 
 class BatchNorm1d(_BatchNorm):

@@ -99,7 +99,7 @@ from torch import Tensor
 from .. import _backend
 from .._array import (
     array_memory_format, fresh_array, from_grouped, grouped_in_format, is_shared, op_result, per_model_memory_first,
-    to_grouped,
+    refuse_forward_ad, to_grouped,
 )
 from .._dtypes import acc_dtype
 from ._norm import (
@@ -808,6 +808,8 @@ def array_batch_norm(
                                        eps, activation)
             return _grouped_forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum,
                                     eps, activation, fmt, op=False)
+    # The autograd Function has no forward-mode formula: refused before the running statistics change.
+    refuse_forward_ad(_FWD, x, weight, bias)
     return _ArrayBatchNorm.apply(
         x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation, eager
     )
