@@ -28,7 +28,22 @@ compute something else than its models. :func:`capture` closes those gaps:
   ``torch.set_grad_enabled`` (as a context or a call), ``torch.inference_mode``
   and ``torch.autocast`` (and its device-specific subclasses), as contexts or
   decorators, are recorded where they are entered and left, and the fused
-  forward enters and leaves them at the same points.
+  forward enters and leaves them at the same points (``torch.set_grad_enabled(mode)``
+  called as a function sets the mode and leaves it set, as torch's does).
+* **The grad mode read in forward** (``torch.is_grad_enabled()`` in the model's
+  code) is recorded as a read when the fused forward runs, where torch.fx would
+  freeze the mode of the capture: ``prev = torch.is_grad_enabled(); ...;
+  torch.set_grad_enabled(prev)`` restores the caller's mode. Python control flow
+  on it (``if torch.is_grad_enabled():``) cannot be one graph for both modes and
+  is refused (:class:`GradModeBranch`), unless the capture is for one grad mode
+  (``capture(..., grad_mode=...)``: the read is then that Python value).
+* **Train/eval mode changes in forward** (``self.bn.eval()``, ``module.train(mode)``,
+  ``module.training = mode``) are recorded: the fused model's module (its array
+  module, for a layer) changes mode at the same point, and keeps it after the
+  call, as torch's does. A change of a module inside a layer called as a whole
+  is refused, as is one that leaves the modules whose code is captured in
+  different modes where forward's code depends on the mode (the fused model
+  runs a forward captured with all of them in train mode, or all in eval mode).
 * **Random draws without a traced argument** (``torch.randn(3)``,
   ``torch.rand(2, 5)``, ``torch.randint``, ``torch.randperm``, ``torch.normal``,
   ``torch.bernoulli``, ``torch.multinomial``, ``torch.poisson`` and the
@@ -81,8 +96,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["FuseError", "Captured", "capture", "AssignState", "RandomDraw", "SetData", "open_regions",
-           "changes_mode"]
+__all__ = ["FuseError", "GradModeBranch", "Captured", "capture", "AssignState", "RandomDraw", "SetData",
+           "SetMode", "open_regions", "changes_mode"]
 
 
 class FuseError(ValueError):
@@ -254,10 +269,48 @@ class EnterRegion(GraphTarget):
 
 
 def set_grad_enabled_call(mode: bool) -> Any:
-    """Graph target of ``torch.set_grad_enabled(mode)``: it sets the mode when made, as torch's does."""
+    """Graph target of ``with torch.set_grad_enabled(mode):``: it sets the mode when made, as torch's
+    does, and :func:`exit_region` restores the mode it found."""
     ctx = torch.set_grad_enabled(mode)
     open_regions().append(ctx)
     return ctx
+
+
+def set_grad_mode(mode: bool) -> None:
+    """Graph target of ``torch.set_grad_enabled(mode)`` called as a function (not a ``with``): it sets
+    the mode and leaves it set, as torch's does (no region to leave: nothing kept per call)."""
+    torch._C._set_grad_enabled(mode)
+
+
+def grad_mode() -> bool:
+    """Graph target of ``torch.is_grad_enabled()`` read in forward: the mode when the fused model runs
+    it (``prev = torch.is_grad_enabled(); ...; torch.set_grad_enabled(prev)`` restores the caller's)."""
+    return torch.is_grad_enabled()
+
+
+class GradModeBranch(FuseError):
+    """A forward's Python control flow on ``torch.is_grad_enabled()``: one captured graph takes one
+    branch. (Captured per grad mode, ``capture(..., grad_mode=...)``, it is a Python value.)"""
+
+
+# torch's own, for the fused forward's mode changes (the capture patches it while it runs).
+_MODULE_TRAIN = nn.Module.train
+
+
+class SetMode(GraphTarget):
+    """Graph target of ``module.train(mode)`` / ``module.eval()`` (``recurse``: the module and its
+    submodules, as torch's ``nn.Module.train``) or ``module.training = mode`` (the module alone) in
+    forward: the fused model's module (its array module, for a layer) changes mode at that point."""
+
+    def __init__(self, mode: bool, recurse: bool):
+        self.mode, self.recurse = mode, recurse
+        self._named(f"{'train' if mode else 'eval'}_mode" if recurse else f"set_training_{str(mode).lower()}")
+
+    def __call__(self, module: nn.Module) -> None:
+        if self.recurse:
+            _MODULE_TRAIN(module, self.mode)  # (torch's base: an override of train() in forward is traced)
+        else:
+            module.training = self.mode
 
 
 def exit_region(ctx: Any) -> None:
@@ -272,7 +325,7 @@ def changes_mode(node: fx.Node) -> bool:
     """Whether a captured node enters or leaves a grad-mode or autocast region: code on either
     side of it runs in different modes (a rewrite must not move work across it)."""
     t = node.target
-    return isinstance(t, EnterRegion) or t is exit_region or t is set_grad_enabled_call
+    return isinstance(t, EnterRegion) or t is exit_region or t is set_grad_enabled_call or t is set_grad_mode
 
 
 def leave_open_regions(depth: int) -> None:
@@ -370,8 +423,16 @@ class _Tracer(fx.Tracer):
     """fx's tracer with hfkern's leaves, traced buffers, and the records described above."""
 
     def __init__(self, leaf: Callable[[nn.Module], bool], stack_traces: bool = False,
-                 settled: set[tuple[str, str]] | None = None, concrete: dict[str, Any] | None = None):
+                 settled: set[tuple[str, str]] | None = None, concrete: dict[str, Any] | None = None,
+                 grad_mode: bool | None = None):
         super().__init__()
+        # None: `torch.is_grad_enabled()` in forward is read when the fused model runs (a recorded
+        # call; a branch on it is refused); a bool: the grad mode this capture is for, the read
+        # then a Python value (the capture is right for calls in that mode only).
+        self._grad_mode = grad_mode
+        self._grad_reads: dict[fx.Node, bool] = {}  # recorded reads -> their value here
+        self.reads_grad_mode = False
+        self.mixed_modes: str | None = None  # why the forward's mode changes leave mixed modes
         # Arguments of forward traced as the Python values they have in the call being captured
         # (None, a bool, an int, a string, ...), not as traced values: their placeholders stay, unused.
         self._concrete = concrete or {}
@@ -473,6 +534,12 @@ class _Tracer(fx.Tracer):
         constants = [(label, t, _version_of(t)) for _, label, t in _plain_tensors(root)]
         with self._patched():
             graph = super().trace(root, concrete_args)
+        for node in graph.nodes:
+            # `torch.set_grad_enabled(mode)` as a call (no `with` leaves it): the mode stays set, as
+            # torch's does, and no region is kept open past the call
+            if node.target is set_grad_enabled_call and not any(u.target is exit_region for u in node.users):
+                node.target = set_grad_mode
+        self.mixed_modes = _check_mode_changes(graph, root)
         # A tensor attribute the forward writes in place without a traced operand (`self.const.mul_(2)`)
         # is written here, once, and never when the fused model runs.
         written = [label for label, t, version in constants if _version_of(t) != version]
@@ -550,15 +617,18 @@ class _Tracer(fx.Tracer):
                          "pass tensors and Python constants (numbers, strings, tuples of them) only")
 
     # -- refusals
-    def _refuse(self, what: str, why: str, module: nn.Module | None = None) -> None:
+    def _refuse(self, what: str, why: str, module: nn.Module | None = None, error: type = FuseError) -> None:
         line = _user_line(traceback.extract_stack()[:-2])
         here = ((self.path_of_module(module), type(module).__name__) if module is not None
                 else (self._modules_entered[-1] if self._modules_entered else None))
-        raise FuseError(f"{what}{line} {where(here, self.root)}; {why}")
+        raise error(f"{what}{line} {where(here, self.root)}; {why}")
 
     # -- attribute assignments
     def _setattr(self, module: nn.Module, name: str, value: Any, original: Callable) -> None:
-        if self._internal or id(module) not in self._traced or name == "training":
+        if self._internal or id(module) not in self._traced:
+            return original(module, name, value)
+        if name == "training":  # `module.training = False`: this module's mode alone, as in torch
+            self._set_mode(module, value, recurse=False)
             return original(module, name, value)
         traced = any(isinstance(v, fx.Proxy) for v in tree_flatten(value)[0])
         path = self.path_of_module(module)
@@ -634,13 +704,69 @@ class _Tracer(fx.Tracer):
             return original(ctx, *args)
 
     def _set_grad_enabled_init(self, ctx: Any, mode: bool, original: Callable) -> None:
+        value = mode
+        if isinstance(mode, fx.Proxy) and not self._internal:
+            if mode.node not in self._grad_reads:
+                self._refuse("forward calls `torch.set_grad_enabled` with a traced value",
+                             "the grad mode is one Python value for every model; pass True or False, "
+                             "or what `torch.is_grad_enabled()` read")
+            value = self._grad_reads[mode.node]  # a mode read earlier: the fused model reads it anew
         with self._own_code():
-            original(ctx, mode)
+            original(ctx, value)
         if self._internal:
             return
         # The mode is set when the object is made, as torch's is; __exit__ (the `with` form) restores.
-        proxy = self.create_proxy("call_function", set_grad_enabled_call, (bool(mode),), {})
+        arg = mode if isinstance(mode, fx.Proxy) else bool(mode)
+        proxy = self.create_proxy("call_function", set_grad_enabled_call, (arg,), {})
         self._regions.setdefault(id(ctx), []).append(proxy)
+
+    # -- train/eval mode changes in forward
+    def _train(self, module: nn.Module, mode: Any, original: Callable) -> Any:
+        """``module.train(mode)`` / ``module.eval()`` in forward: recorded, so that the fused model's
+        module (and its submodules) change mode where torch's do, at every call."""
+        if self._internal or id(module) not in self._traced or not isinstance(mode, (bool, fx.Proxy)):
+            return original(module, mode)  # (torch's own error for a mode that is not a bool)
+        self._set_mode(module, mode, recurse=True)
+        with self._own_code():  # its own setattr calls (an override's code before it is traced)
+            return original(module, mode)
+
+    def _set_mode(self, module: nn.Module, mode: Any, recurse: bool) -> None:
+        if isinstance(mode, fx.Proxy):
+            self._refuse("forward sets a module's train/eval mode to a traced value",
+                         "a module's mode is one Python value for every model; set it to True or False",
+                         module)
+        if not isinstance(mode, bool):
+            self._refuse(f"forward sets a module's `training` to a {type(mode).__name__}",
+                         "a captured forward records a module's mode as True or False", module)
+        path = self.path_of_module(module)
+        with self._own_code():
+            owner = self.create_proxy("get_attr", path or "_fused_self", (), {})
+        self.create_proxy("call_function", SetMode(mode, recurse), (owner,), {})
+
+    # -- grad mode read in forward
+    def _is_grad_enabled(self, original: Callable) -> Any:
+        value = original()
+        if self._internal or _called_from_library():
+            return value  # torch's own code (a grad-mode context saving the mode), fx's, hfkern's
+        self.reads_grad_mode = True
+        if self._grad_mode is not None:
+            return value  # a capture for calls in this grad mode
+        proxy = self.create_proxy("call_function", grad_mode, (), {})
+        self._grad_reads[proxy.node] = value
+        return proxy
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        if self._grad_reads and _reads_any(obj.node, self._grad_reads):
+            self._refuse(
+                "forward branches on `torch.is_grad_enabled()` (Python control flow on the grad mode)",
+                "the fused model runs one captured forward whatever the grad mode of the call (no_grad, "
+                "inference_mode or not), so the branch taken at capture would run in every mode. Pass "
+                "the mode as forward's own bool argument (a Python value, captured per value), branch "
+                "on `self.training`, or name the module's class in fuse(..., loop_modules=(Cls,)) to "
+                "run its code per call. (Used as a value, as in `prev = torch.is_grad_enabled(); ...; "
+                "torch.set_grad_enabled(prev)`, the grad mode is read when the fused model runs.)",
+                error=GradModeBranch)
+        return super().to_bool(obj)
 
     # -- random draws
     def _draw(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -702,6 +828,10 @@ class _Tracer(fx.Tracer):
             enter, exit_ = cls.__enter__, cls.__exit__
             patch(cls, "__enter__", lambda c, _o=enter: tracer._enter(c, _o))
             patch(cls, "__exit__", lambda c, *a, _o=exit_: tracer._exit(c, a, _o))
+        train = nn.Module.train
+        patch(nn.Module, "train", lambda m, mode=True, _o=train: tracer._train(m, mode, _o))
+        is_grad_enabled = torch.is_grad_enabled
+        patch(torch, "is_grad_enabled", lambda _o=is_grad_enabled: tracer._is_grad_enabled(_o))
         sge = torch.autograd.grad_mode.set_grad_enabled
         init, exit_ = sge.__init__, sge.__exit__
         patch(sge, "__init__", lambda c, mode, _o=init: tracer._set_grad_enabled_init(c, mode, _o))
@@ -756,6 +886,73 @@ class _Tracer(fx.Tracer):
 _MISSING = object()
 
 
+def _called_from_library() -> bool:
+    """Whether the code calling a patched function (past this file's frames) is torch's or hfkern's."""
+    caller = sys._getframe(1)
+    while caller is not None and caller.f_code.co_filename == __file__:
+        caller = caller.f_back
+    return caller is not None and _library_file(caller.f_code.co_filename)
+
+
+def _reads_any(node: fx.Node, sources: dict[fx.Node, Any]) -> bool:
+    """Whether ``node``'s value is computed from any of ``sources``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in sources:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
+
+
+def _check_mode_changes(graph: fx.Graph, root: nn.Module) -> str | None:
+    """Refuse the train/eval mode changes (:class:`SetMode`) of a module inside a layer called as a
+    whole (an array module has its own submodules), which the fused model cannot make as torch
+    does. Returns why, where the changes leave the modules whose code is captured in different
+    modes (then the fused model, which runs a forward captured with all of them in train mode or
+    all in eval mode, can run it only if it is one forward for both: :func:`capture` checks), else None."""
+    changes = [n for n in graph.nodes if isinstance(n.target, SetMode)]
+    if not changes:
+        return None
+    leaves = {n.target for n in graph.nodes if n.op == "call_module"}
+
+    def path(node: fx.Node) -> str:
+        target = node.args[0].target
+        return "" if target == "_fused_self" else target
+
+    def refuse(node: fx.Node, what: str, why: str) -> str:
+        call = (".train()" if node.target.mode else ".eval()") if node.target.recurse else \
+            f".training = {node.target.mode}"
+        message = (f"forward sets module {path(node) or '(the model)'!r} to "
+                   f"{'train' if node.target.mode else 'eval'} mode (`{call}`)"
+                   f"{site_line(node.meta.get('hfkern_site'))} {where(node.meta.get('hfkern_module'), root)}"
+                   f"; {what}: {why}")
+        if what.startswith("it is inside"):
+            raise FuseError(message)
+        return message
+
+    for node in changes:
+        inside = next((leaf for leaf in leaves if path(node).startswith(leaf + ".")), None)
+        if inside is not None:
+            refuse(node, f"it is inside module {inside!r}, which the fused model calls as a whole",
+                   f"set the mode of module {inside!r} itself")
+    modes: dict[bool, list[str]] = {}
+    for p, module in root.named_modules():
+        if p not in leaves and not any(p.startswith(leaf + ".") for leaf in leaves):
+            modes.setdefault(module.training, []).append(p or "(the model)")
+    if len(modes) < 2:
+        return None
+    node = next((n for n in changes if path(n) not in leaves), changes[-1])
+    return refuse(node, f"that leaves the modules whose code is captured in different modes (train: "
+                  f"{modes[True]}, eval: {modes[False]}), and forward runs other code in train mode than in "
+                  "eval mode (it reads `self.training`)", "the fused model runs a forward captured with "
+                  "all of them in train mode or all in eval mode. Set the mode of the layers themselves "
+                  "(`self.block.bn.eval()`: a layer such as BatchNorm or Dropout reads its own mode when it "
+                  "runs), or of the whole model")
+
+
 def _plain_tensors(root: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
     """(module, name, tensor) of every tensor ``root``'s modules hold in plain attributes (directly
     or in a list, tuple or dict): neither parameters nor buffers, which are traced values."""
@@ -791,7 +988,7 @@ class _GuardedHook:
         if result is None and not self.tracer._internal:
             made = len(graph.nodes) - before
             recorded = list(graph.nodes)[before:] if made > 0 else []
-            if not any(_inplace(n) or isinstance(n.target, (AssignState, SetData)) for n in recorded):
+            if not any(_inplace(n) or isinstance(n.target, (AssignState, SetData, SetMode)) for n in recorded):
                 name = getattr(self.hook, "__qualname__", None) or type(self.hook).__name__
                 self.tracer._refuse(
                     f"the {self.kind} {name!r} on module {self.path!r} returns None and changes no tensor "
@@ -826,6 +1023,9 @@ class Captured:
 
     graph: fx.Graph
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Whether forward's own code reads `torch.is_grad_enabled()` (recorded as a read when the fused
+    # model runs; a capture for one grad mode, `capture(..., grad_mode=...)`, is right in that mode only).
+    reads_grad_mode: bool = False
 
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -841,7 +1041,8 @@ def _inplace(node: fx.Node) -> bool:
 
 
 def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
-            stack_traces: bool = False, concrete: dict[str, Any] | None = None) -> Captured:
+            stack_traces: bool = False, concrete: dict[str, Any] | None = None,
+            grad_mode: bool | None = None, check_modes: bool = True) -> Captured:
     """Capture ``model.forward`` in train (``mode`` True) or eval mode; the model is not touched.
 
     ``leaf(module)``: whether a submodule is called as a whole (not traced into).
@@ -849,12 +1050,17 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
     values (None, bools): forward runs on the values themselves, so that ``if mask is None:``
     takes the branch such a call takes (torch.fx would trace them as tensors); the graph keeps
     their placeholders, unused, and is right only for calls that pass those values.
+    ``grad_mode``: None, ``torch.is_grad_enabled()`` in forward is read when the captured
+    forward runs, and a branch on it raises :class:`GradModeBranch` (a FuseError); True or
+    False, forward runs in that grad mode and the read is that Python value (branches taken
+    as such a call takes them), and the graph is right only for calls in that grad mode
+    (``Captured.reads_grad_mode`` says whether forward read it).
     Raises :class:`FuseError` naming the construct, the source line and the module.
     """
     traced = copy.deepcopy(model).train(mode)
     stateful = {n for n, _ in traced.named_parameters(remove_duplicate=False)}
     stateful |= {n for n, _ in traced.named_buffers(remove_duplicate=False)}
-    tracer, graph = _trace(traced, model, leaf, stack_traces, concrete=concrete)
+    tracer, graph = _trace(traced, model, leaf, stack_traces, concrete=concrete, grad_mode=grad_mode)
     if tracer.python_assignments:
         # Python attributes set in forward: the captured forward sets the same values at every
         # call, which is right only if a second call, from the state the first left, sets those
@@ -863,7 +1069,7 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
         for path, name, value in tracer.python_assignments:
             object.__setattr__(again.get_submodule(path), name, value)
         settled = {(path, name) for path, name, _ in tracer.python_assignments}
-        _, second = _trace(again, model, leaf, stack_traces, settled, concrete)
+        _, second = _trace(again, model, leaf, stack_traces, settled, concrete, grad_mode)
         if second.python_code("self").src != graph.python_code("self").src:
             names = sorted({".".join(filter(None, (p, n))) for p, n, _ in tracer.python_assignments})
             raise FuseError(
@@ -872,7 +1078,7 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
                 "one code at every call. Keep such state in buffers, or move it out of forward")
     constants: dict[str, torch.Tensor] = {}
     for node in graph.nodes:
-        if node.op == "get_attr" and node.target not in stateful:
+        if node.op == "get_attr" and node.target not in stateful and node.target != "_fused_self":
             value: Any = traced
             for atom in node.target.split("."):
                 value = getattr(value, atom)
@@ -902,10 +1108,25 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
                        "forward; make it from the input (x.new_tensor(...)) or keep it in a buffer")
         if problem is not None:
             if not stack_traces:  # trace again, recording where each op comes from
-                return capture(model, leaf, mode, stack_traces=True, concrete=concrete)
+                return capture(model, leaf, mode, True, concrete, grad_mode, check_modes)
             raise FuseError(f"fuse: cannot capture the model: {problem[0]}{_source_line(node)} "
                             f"{where(node.meta.get('hfkern_module'), model)}; {problem[1]}")
-    return Captured(graph, constants)
+    captured = Captured(graph, constants, tracer.reads_grad_mode)
+    if check_modes and tracer.mixed_modes is not None:
+        # `self.backbone.eval()` in forward leaves the fused model in mixed modes: right only where
+        # forward is one code in both modes (a frozen backbone whose code reads no mode).
+        other = capture(model, leaf, not mode, stack_traces, concrete, grad_mode, check_modes=False)
+        if not _same_captured(captured, other):
+            raise FuseError(f"fuse: cannot capture the model: {tracer.mixed_modes}")
+    return captured
+
+
+def _same_captured(a: Captured, b: Captured) -> bool:
+    """Whether two captures are one forward (the same code and constants)."""
+    return a.graph.python_code("self").src == b.graph.python_code("self").src \
+        and a.constants.keys() == b.constants.keys() \
+        and all(x.dtype == y.dtype and x.shape == y.shape and x.device == y.device and bool(torch.equal(x, y))
+                for x, y in ((a.constants[k], b.constants[k]) for k in a.constants))
 
 
 # torch modules captured as their forward's one call (``input.flatten(start_dim, end_dim)``):
@@ -931,13 +1152,14 @@ def _written_constant(node: fx.Node, constants: dict[str, torch.Tensor]) -> tupl
 
 
 def _trace(traced: nn.Module, model: nn.Module, leaf: Callable[[nn.Module], bool], stack_traces: bool,
-           settled: set[tuple[str, str]] | None = None, concrete: dict[str, Any] | None = None
-           ) -> tuple[_Tracer, fx.Graph]:
-    tracer = _Tracer(leaf, stack_traces, settled, concrete)
+           settled: set[tuple[str, str]] | None = None, concrete: dict[str, Any] | None = None,
+           grad_mode: bool | None = None) -> tuple[_Tracer, fx.Graph]:
+    tracer = _Tracer(leaf, stack_traces, settled, concrete, grad_mode)
     try:
-        return tracer, tracer.trace(traced)
+        with contextlib.nullcontext() if grad_mode is None else torch.set_grad_enabled(grad_mode):
+            return tracer, tracer.trace(traced)
     except FuseError as e:
-        raise FuseError(f"fuse: cannot capture the model: {e}") from None
+        raise type(e)(f"fuse: cannot capture the model: {e}") from None
     except Exception as e:  # noqa: BLE001 - every capture failure is reported the same way
         line = _user_line(traceback.extract_tb(e.__traceback__))
         raise FuseError(

@@ -105,9 +105,11 @@ is not an array value is returned as each model's copy.
 
 Configuration: the models must agree on every module's attributes (numbers, strings,
 functions, enum members, config objects, partials, tensors in containers, compared by
-value) except the array modules', which keep them per model
-(a dropout probability each); a module of an array class that the forward does
-not call (a dropout whose ``p`` it reads) is not an array module, so its
+value; floats as values: ``0.0`` and ``-0.0`` differ, NaN is NaN; names starting with
+``_`` included, torch's own bookkeeping not) except the array modules' own configuration,
+which they keep per model (a dropout probability each): attributes added to such a
+layer (``self.fc.scale = s``) must agree too. A module of an array class that the
+forward does not call (a dropout whose ``p`` it reads) is not an array module, so its
 attributes must agree too. :class:`FuseError` names the attribute.
 
 State: the fused model keeps model 0's module hierarchy, so ``state_dict()``
@@ -119,11 +121,16 @@ rewritten graphs travel as lists of nodes and their code is compiled again on
 load, and the factory given to :func:`fuse` travels where pickle can save it
 (else :meth:`FusedModel.reset_model` of the loaded model asks for ``factory=``).
 ``train()``/``eval()`` work as usual: BatchNorm keeps running
-statistics per model, dropout draws per model; code that reads
-``self.training`` in a ``forward`` is captured in both modes, and every module
-starts in the mode it has in the models. A module registered under two names
-is one module under both; models that share a parameter or buffer are refused. The
-fused model can be compiled with ``torch.compile``
+statistics per model, dropout draws per model; every module starts in the mode it
+has in the models. Code that reads a module's ``training`` in a ``forward`` (its
+own, a submodule's, a layer's) is captured with every module in train mode, with
+every module in eval mode, and, where neither serves, in the modes the modules have
+when fused (a block that reads its own mode kept in eval mode in a model that
+trains); each call runs the capture made for the modes of the modules whose mode
+the forward read (others, a frozen backbone whose code reads no mode, may be in
+any mode). Modes no capture serves (set after fusing) raise ValueError naming them.
+A module registered under two names is one module under both; models that share a
+parameter or buffer are refused. The fused model can be compiled with ``torch.compile``
 (a pattern of Python-valued arguments first met while dynamo traces is captured
 eagerly, a graph break: under ``fullgraph=True`` call the model once with it first).
 
@@ -133,15 +140,17 @@ the same in code, closure values and partial arguments; one that returns None an
 changes no tensor in place acts only through Python side effects, once at capture,
 and is refused); hooks the fused
 model could not call (backward hooks, forward hooks on the model itself or on a
-module that becomes an array module) raise :class:`FuseError`. Recurrent torch
-modules, which ``torch.vmap`` cannot batch, run once per model.
+module that becomes an array module, gradient hooks on parameters) raise
+:class:`FuseError`; so does :meth:`FusedModel.load_model` for a model with them.
+Recurrent torch modules, which ``torch.vmap`` cannot batch, run once per model.
 
 What ``forward`` does besides computing its output is kept per model, and
 fusing never changes the given models (:mod:`hfkern._capture` says how):
 buffers updated in place or assigned (counters, running averages, momentum
 encoders), tensor attributes assigned, grad-mode and autocast regions, and
 random draws. What one captured graph cannot reproduce per model (Python
-values changed from call to call, parameters or submodules made in forward,
+values changed from call to call, parameters, buffers or submodules made in forward
+(``self.register_buffer(...)`` in forward included),
 in-place writes to tensors that are neither parameters nor buffers) raises
 :class:`FuseError` naming the statement and the module.
 
@@ -171,6 +180,7 @@ import inspect
 import itertools
 import math
 import operator
+import os
 import pickle
 import sys
 import threading
@@ -2103,12 +2113,75 @@ def _is_plain(v: Any) -> bool:
     return False
 
 
-def _config_attributes(module: nn.Module) -> dict[str, Any]:
+def _config_attributes(module: nn.Module, added_only: bool = False) -> dict[str, Any]:
     """A module's own configuration values that forward may read (numbers, strings, functions,
     enum members, config objects, containers of them, ...): the captured code holds model 0's.
+    Names starting with ``_`` included (``self._scale``), except the bookkeeping of torch's own
+    classes (:func:`_torch_names`: hook tables, ``_reversed_padding_repeated_twice``, ...).
+    ``added_only``: only attributes that torch's code for the module's class does not set (a
+    layer that becomes an array module keeps its torch configuration per model, but not an
+    attribute its user added, ``self.fc.scale = s``, which forward reads as model 0's).
     Not its tensors held directly, which are checked where forward reads or assigns them."""
+    torch_names = _torch_names(type(module))
     return {k: v for k, v in vars(module).items()
-            if not k.startswith("_") and k != "training" and not isinstance(v, torch.Tensor)}
+            if k != "training" and not isinstance(v, torch.Tensor)
+            and not (k in torch_names and (added_only or k.startswith("_")))}
+
+
+_MODULE_NAMES = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping (hook tables, ...)
+_torch_names_of: dict[type, frozenset[str]] = {}
+
+
+def _torch_names(cls: type) -> frozenset[str]:
+    """The attribute names torch's own code for ``cls`` uses: every name in the methods and class
+    attributes of the classes in its MRO that torch defines (``nn.Linear``'s ``in_features``,
+    ``_ConvNd``'s ``_reversed_padding_repeated_twice``, ``nn.Module``'s hook tables), as opposed
+    to attributes a model's own code gives a module. Cached per class."""
+    found = _torch_names_of.get(cls)
+    if found is not None:
+        return found
+    names = set(_MODULE_NAMES)
+    for c in cls.__mro__:
+        module = getattr(c, "__module__", None) or ""
+        if c is not object and (module == "torch" or module.startswith("torch.")):
+            names |= _torch_class_names(c)
+    if len(_torch_names_of) > 4096:  # (a parametrized module's class is made per module: keep it bounded)
+        _torch_names_of.clear()
+    found = _torch_names_of[cls] = frozenset(names)
+    return found
+
+
+_torch_class_names_of: dict[type, frozenset[str]] = {}
+
+
+def _torch_class_names(c: type) -> frozenset[str]:
+    """The names one torch class's own dict and code use (see :func:`_torch_names`)."""
+    found = _torch_class_names_of.get(c)
+    if found is None:
+        names = set()
+        for name, value in vars(c).items():
+            names.add(name)
+            for fn in (value, getattr(value, "__func__", None), getattr(value, "fget", None),
+                       getattr(value, "fset", None), getattr(value, "fdel", None)):
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    names |= _code_names(code)
+        if len(_torch_class_names_of) > 4096:
+            _torch_class_names_of.clear()
+        found = _torch_class_names_of[c] = frozenset(names)
+    return found
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The attribute and global names a code object (and the code nested in it) uses, and its
+    string constants that are identifiers (``setattr(self, "_name", ...)``)."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+        elif isinstance(c, str) and c.isidentifier():
+            names.add(c)
+    return names
 
 
 def _registered(model: nn.Module) -> dict[int, str]:
@@ -2143,9 +2216,11 @@ def _same_value(a: Any, b: Any, names: tuple[dict[int, str], dict[int, str]] = (
         return _module_class(a) == _module_class(b)
     if isinstance(a, torch.Tensor):
         return a.shape == b.shape and a.dtype == b.dtype and (
-            "meta" in (a.device.type, b.device.type) or bool(torch.equal(a, b.to(a.device))))
+            "meta" in (a.device.type, b.device.type) or _same_tensor_values(a, b.to(a.device)))
     if isinstance(a, float):
-        return a == b or (math.isnan(a) and math.isnan(b))
+        return _same_float(a, b)
+    if isinstance(a, complex):
+        return _same_float(a.real, b.real) and _same_float(a.imag, b.imag)
     if isinstance(a, torch.Generator):  # each model's own, seeded alike
         return a.device == b.device and bool(torch.equal(a.get_state(), b.get_state()))
     if isinstance(a, (tuple, list)):
@@ -2176,6 +2251,27 @@ def _same_value(a: Any, b: Any, names: tuple[dict[int, str], dict[int, str]] = (
     except Exception:  # noqa: BLE001 - an equality that cannot answer: compare the fields
         other = _fields(b)
         return fields is not None and other is not None and same(fields, other)
+
+
+def _same_float(a: float, b: float) -> bool:
+    """Two floats are the same value for code that reads them: 0.0 and -0.0 differ (``copysign``,
+    ``1 / x``, ``atan2`` tell them apart), NaN is NaN."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+def _same_tensor_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape, dtype and device hold the same values as
+    :func:`_same_float` compares floats (signed zeros differ, NaN is NaN)."""
+    if not (a.is_floating_point() or a.is_complex()) or a.layout != torch.strided:
+        return bool(torch.equal(a, b))
+    if a.is_complex():
+        a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
+    if torch.equal(a, b) and bool(torch.equal(a.signbit(), b.signbit())):
+        return True
+    same = (a == b) & (a.signbit() == b.signbit())
+    return bool((same | (a.isnan() & b.isnan())).all())
 
 
 _EMPTY_CELL = object()
@@ -2271,28 +2367,43 @@ class FusedModel(ArrayModule):
         return tuple(key)
 
     def _forward_for(self, key: tuple) -> Callable:
-        """The forward for a call of ``key`` (:meth:`_call_key`) in the current mode."""
+        """The forward for a call of ``key`` (:meth:`_call_key`) in the modules' current modes."""
         forwards = self._forwards
         forward = forwards.get((None, key))
         if forward is not None:
             return forward
-        if (True, key) not in forwards:
+        moded = self._moded.get(key)
+        if moded is None:
             if "torch._dynamo" in sys.modules:  # (maybe called from a frame dynamo runs)
                 _capture_new_pattern_eagerly(self, key)
             else:
                 self._capture_call(key)
-            forwards = self._forwards
-            forward = forwards.get((None, key))
+            forward = self._forwards.get((None, key))
             if forward is not None:
                 return forward
-        modes = {self.get_submodule(p).training for p in self._mode_paths}
-        if len(modes) > 1:
-            raise ValueError(
-                f"{self.model_class.__name__} (fused): its forward reads `self.training` of modules "
-                "that are now in different modes (some train, some eval); the captured graph exists "
-                "for all-train and all-eval. Call train() or eval() on the whole model."
-            )
-        return forwards[(modes.pop(), key)]
+            moded = self._moded[key]
+        get = self.get_submodule
+        for paths, modes, forward, _ in moded:
+            for p, m in zip(paths, modes):
+                if get(p).training != m:
+                    break
+            else:
+                return forward
+        raise ValueError(self._modes_error(moded))
+
+    def _modes_error(self, moded: list) -> str:
+        def shown(paths: tuple, modes: tuple) -> str:
+            return ", ".join(f"{p or '(the model)'} {'train' if m else 'eval'}" for p, m in zip(paths, modes))
+
+        read = sorted({p for paths, *_ in moded for p in paths})
+        now = shown(tuple(read), tuple(self.get_submodule(p).training for p in read))
+        served = "; ".join(f"[{shown(paths, modes)}]" for paths, modes, *_ in moded)
+        return (
+            f"{self.model_class.__name__} (fused): its forward reads `self.training` of modules that are now "
+            f"in different modes than any captured forward serves (now: {now}; captured: {served}); the "
+            "forward is captured with every module in train mode, every module in eval mode, and the modes "
+            "the modules had when fused (or when a call first gave that pattern of Python-valued arguments). "
+            "Call train() or eval() on the whole model, or set these modes on the models before fusing them.")
 
     def _capture_call(self, key: tuple) -> None:
         """Capture and rewrite forward for calls whose Python-valued arguments are ``key``'s (the
@@ -2310,6 +2421,8 @@ class FusedModel(ArrayModule):
                 f"with {pattern}: {e}") from e
         for name, value in constants.values():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "_read_attributes",
+                           getattr(self, "_read_attributes", frozenset()) | _read_attributes(constants))
         object.__setattr__(self, "_root_assigned", self._root_assigned | root_assigned)
         own = {**self._own_graphs, **rewritten}
         planned = self._graphs is not self._own_graphs
@@ -2333,14 +2446,36 @@ class FusedModel(ArrayModule):
                 f"(traced, one capture for all values).", UserWarning, stacklevel=6)
 
     def _run_graphs(self, graphs: dict[tuple, fx.Graph]) -> None:
-        """Run ``graphs`` (as ``_own_graphs``: one per train/eval mode, or None for both, and
-        pattern of None and bool arguments, keyed ``(mode, pattern)``) as the forward:
+        """Run ``graphs`` (as ``_own_graphs``: one per train/eval modes served, :func:`_mode_spec`,
+        or None for all, and pattern of Python-valued arguments, keyed ``(modes, pattern)``) as the forward:
         ``_own_graphs`` (what :func:`fuse` made) or a transformation of them (hfkern.plan's
         recomputation)."""
         forwards = {mode: compiled_forward(g, f"<hfkern.fuse {self.model_class.__name__}>")
                     for mode, g in graphs.items()}
+        # Per pattern, the forwards captured for some modes (:func:`_mode_spec`), each with the
+        # modules whose mode it depends on (found in the fused model) and their modes.
+        moded: dict[tuple, list] = {}
+        for (spec, key), forward in forwards.items():
+            if spec is None:
+                continue
+            if isinstance(spec, bool):  # (a model saved when a capture served all-train or all-eval)
+                spec = tuple((p, spec) for p in getattr(self, "_mode_paths", ("",)))
+            paths = tuple(self._mode_holder(p) for p, _ in spec)
+            moded.setdefault(key, []).append((paths, tuple(m for _, m in spec), forward, (spec, key)))
         object.__setattr__(self, "_graphs", graphs)
         object.__setattr__(self, "_forwards", forwards)
+        object.__setattr__(self, "_moded", moded)
+
+    def _mode_holder(self, path: str) -> str:
+        """The fused model's module that holds the mode of the original module at ``path``: that
+        module, or where the array module it is inside keeps no such submodule, that array module."""
+        while path:
+            try:
+                self.get_submodule(path)
+                return path
+            except AttributeError:
+                path = path.rpartition(".")[0]
+        return path
 
     @property
     def graph(self) -> fx.Graph:
@@ -2348,7 +2483,16 @@ class FusedModel(ArrayModule):
         arguments with their defaults) as a ``torch.fx.Graph``."""
         key = self._default_key
         graph = self._graphs.get((None, key))
-        return graph if graph is not None else self._graphs[(self.training, key)]
+        if graph is not None:
+            return graph
+        moded = self._moded[key]
+        for paths, modes, _, graph_key in moded:  # the one the modules' modes now select
+            if tuple(self.get_submodule(p).training for p in paths) == modes:
+                return self._graphs[graph_key]
+        for paths, modes, _, graph_key in moded:  # else the one of the whole model's mode
+            if all(m == self.training for m in modes):
+                return self._graphs[graph_key]
+        return self._graphs[moded[0][3]]
 
     @property
     def code(self) -> str:
@@ -2361,7 +2505,7 @@ class FusedModel(ArrayModule):
     # travels where pickle can save it (_SavedFactory).
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        del state["_forwards"]
+        del state["_forwards"], state["_moded"]
         state["_graphs"] = {mode: graph_state(g) for mode, g in self._graphs.items()}
         state["_own_graphs"] = None if self._own_graphs is self._graphs else {
             mode: graph_state(g) for mode, g in self._own_graphs.items()}
@@ -2449,7 +2593,9 @@ class FusedModel(ArrayModule):
 
         ``model`` must have the fused architecture as :func:`fuse` requires of
         its models (the same class, module tree, parameter and buffer names and
-        shapes, configuration attributes; :class:`FuseError` otherwise), with the
+        shapes, configuration attributes, forward hooks of captured modules, the
+        tensor attributes the captured forward reads; no hooks :func:`fuse` refuses:
+        :class:`FuseError` otherwise, the one :func:`fuse` raises), with the
         fused model's current dtypes (after ``fused.double()``, a float64 model);
         it may be on any device. Every check runs before anything is written.
         """
@@ -2460,6 +2606,27 @@ class FusedModel(ArrayModule):
                 f"{who}: expected a {self.model_class.__name__} model, got {type(model).__name__}")
         problem = _architecture_problem(self._template, model, "the fused architecture", "the model",
                                         self._current_tensors(), self._array_paths)
+        if problem is None:  # what fuse checks besides the architecture, as fuse checks it
+            problem = _hooks_problem(model, self._template, "the fused architecture", "the model",
+                                     _array_classes(), tuple(self._opaque), getattr(self, "_hook_refs", None))
+        differing = set()
+        state = {".".join(filter(None, pn)) for pn in self._attribute_state}
+        read = getattr(self, "_read_attributes", frozenset())
+        for path, module in self._template.named_modules() if problem is None else ():
+            for attr, ref in vars(module).items():
+                target = f"{path}.{attr}" if path else attr
+                if not isinstance(ref, torch.Tensor) or target in state:
+                    continue
+                theirs = vars(model.get_submodule(path)).get(attr)
+                if target in read:
+                    problem = _tensor_attribute_problem(target, ref, theirs, "the fused models and the model")
+                    if problem is not None:
+                        break
+                elif not (isinstance(theirs, torch.Tensor) and theirs.shape == ref.shape and theirs.dtype == ref.dtype
+                          and _same_tensor_values(ref, theirs.to(ref.device))):
+                    differing.add(target)  # read by no captured forward yet: refused if one reads it
+            if problem is not None:
+                break
         if problem is not None:
             raise FuseError(f"{who}: {problem}")
         got = dict(_named_tensors(model))
@@ -2477,6 +2644,8 @@ class FusedModel(ArrayModule):
                                 f"{_describe(theirs)} in the model, the fused model holds "
                                 f"{ours.dtype} {list(ours.shape[1:])}")
             attributes.append((ours, theirs))
+        if differing - self._differing_attributes:
+            object.__setattr__(self, "_differing_attributes", self._differing_attributes | differing)
         with torch.no_grad():
             for path, name in self._stacked:
                 full = f"{path}.{name}" if path else name
@@ -2623,10 +2792,11 @@ def _architecture_problem(ref: nn.Module, model: nn.Module, ref_name: str, name:
     """How ``model`` differs from ``ref`` in what the captured forward depends on, or None.
 
     Module tree (classes), parameter and buffer names, shapes and dtypes, and the
-    plain configuration attributes of every module except the array leaves
-    (``array_paths``: every name of a module that becomes an array module, which holds
-    per-model values of its configuration and checks them itself, and modules of an array
-    class inside one; None, before capture has found them: every module of an array class).
+    plain configuration attributes of every module (``_``-prefixed ones included), of the
+    array leaves only those torch's class does not set (``array_paths``: every name of a
+    module that becomes an array module, which holds per-model values of its configuration
+    and checks them itself, and modules of an array class inside one; None, before capture
+    has found them: every module of an array class).
     A module of an array class that the forward does not call (a dropout whose ``p`` it
     reads) stays model 0's module, so its configuration must be every model's.
     ``ref_tensors`` (name -> tensor, shapes and dtypes to compare with) defaults to ``ref``'s own.
@@ -2656,11 +2826,12 @@ def _architecture_problem(ref: nn.Module, model: nn.Module, ref_name: str, name:
     leaves = None if array_paths is None else tuple(array_paths)
     names = (_registered(ref), _registered(model))
     for path, sub in model.named_modules():
-        if type(sub) in array_classes and (
-                leaves is None or any(path == p or path.startswith(p + ".") for p in leaves)):
-            continue
-        ours = _config_attributes(ref.get_submodule(path))
-        theirs = _config_attributes(sub)
+        # An array module keeps its torch configuration per model (and checks it); attributes
+        # added to it (`self.fc.scale = s`) are read by forward as model 0's.
+        added_only = type(sub) in array_classes and (
+            leaves is None or any(path == p or path.startswith(p + ".") for p in leaves))
+        ours = _config_attributes(ref.get_submodule(path), added_only)
+        theirs = _config_attributes(sub, added_only)
         for k in sorted(ours.keys() | theirs.keys()):
             mine, other = ours.get(k, _MISSING), theirs.get(k, _MISSING)
             if mine is _MISSING or other is _MISSING or not _same_value(mine, other, names):
@@ -2771,53 +2942,124 @@ def _array_owner(model: nn.Module, path: str, array_classes: dict, opaque: tuple
 
 
 def _check_hooks(models: list[nn.Module], array_classes: dict, opaque: tuple) -> None:
-    """Refuse module hooks the fused model would not run as the models do.
+    """Refuse hooks the fused model would not run as the models do (:func:`_hooks_problem`)."""
+    first = models[0]
+    for i, model in enumerate(models):
+        problem = _hooks_problem(model, first if i else None, "model 0", f"model {i}", array_classes, opaque)
+        if problem is not None:
+            raise FuseError(f"fuse: {problem}")
+
+
+_TENSOR_HOOK_KINDS = (("_backward_hooks", "gradient hooks (Tensor.register_hook)"),
+                      ("_post_accumulate_grad_hooks",
+                       "post-accumulate-grad hooks (Tensor.register_post_accumulate_grad_hook)"))
+
+
+def _hooks_problem(model: nn.Module, ref: nn.Module | None, ref_name: str, name: str, array_classes: dict,
+                   opaque: tuple, ref_names: dict[int, str] | None = None) -> str | None:
+    """What :func:`fuse` refuses of ``model``'s hooks (and :meth:`FusedModel.load_model`, the same),
+    or None.
 
     Kept: forward hooks of the modules whose code is captured, or that run per model (vmap
     and loop modules): model 0's run for every model, like its forward code, so every model
-    must have the same ones. Refused: backward hooks (the captured forward has no module call
-    for them to wrap), and forward hooks on the model itself and on the modules that become
+    must have the same ones as ``ref`` (model 0, or the fused model's template of it; None:
+    ``model`` is model 0). Refused: backward hooks (the captured forward has no module call
+    for them to wrap), forward hooks on the model itself and on the modules that become
     one array module for the B models, or inside one (the fused forward calls neither the
-    model's own ``__call__`` nor any model's module there)."""
-    first = models[0]
-    for i, model in enumerate(models):
-        names = None
-        for path, module in model.named_modules():
-            where = repr(path) if path else "the model itself"
-            backward = [_HOOK_KINDS[k] for k in _HOOK_KINDS if k not in _FORWARD_HOOKS and getattr(module, k, None)]
-            if backward:
-                raise FuseError(
-                    f"fuse: model {i} has {' and '.join(backward)} on {where}, which a fused model cannot run "
+    model's own ``__call__`` nor any model's module there), and gradient hooks on parameters
+    and buffers (``Tensor.register_hook``, ``register_post_accumulate_grad_hook``: the fused
+    model holds the B models' tensors as one ``[B, ...]`` tensor, whose hooks are its own).
+    ``ref_names``: more ``id -> name`` entries of ``ref``'s registered objects (model 0's
+    own, which the template's hooks may still close over)."""
+    names = None
+    for path, module in model.named_modules():
+        where = repr(path) if path else "the model itself"
+        backward = [_HOOK_KINDS[k] for k in _HOOK_KINDS if k not in _FORWARD_HOOKS and getattr(module, k, None)]
+        if backward:
+            return (f"{name} has {' and '.join(backward)} on {where}, which a fused model cannot run "
                     "per model (its captured forward has no call of the module to wrap). Remove them before "
                     "fusing and register them on the fused model's modules, whose gradients are the B "
                     "models' [B, ...] arrays")
-            hooks = _forward_hooks(module)
-            kinds = " and ".join(_HOOK_KINDS[k] for k in _FORWARD_HOOKS if getattr(module, k, None))
-            if hooks and not path:
-                raise FuseError(
-                    f"fuse: model {i} has {kinds} on the model itself, which the fused model would not "
+        hooks = _forward_hooks(module)
+        kinds = " and ".join(_HOOK_KINDS[k] for k in _FORWARD_HOOKS if getattr(module, k, None))
+        if hooks and not path:
+            return (f"{name} has {kinds} on the model itself, which the fused model would not "
                     "call (its forward runs the model's forward code, not its __call__). Remove them "
                     "before fusing and register them on the fused model, where they see the [B, ...] arrays")
-            owner = _array_owner(model, path, array_classes, opaque) if hooks else None
-            if owner is not None:
-                cls = type(model.get_submodule(owner))
-                inside = "" if owner == path else f" inside {owner!r}"
-                legacy = [f"torch.nn.utils.{name}'s" for name, hook in _LEGACY_HOOKS
-                          if any(isinstance(h, hook) for h in module._forward_pre_hooks.values())]
-                hint = (f" ({' and '.join(legacy)}: torch.nn.utils.parametrizations' versions, which fuse "
-                        "supports, do the same)") if legacy else ""
-                raise FuseError(
-                    f"fuse: model {i} has {kinds} on {where}{inside}{hint}, which the fused model would not "
+        owner = _array_owner(model, path, array_classes, opaque) if hooks else None
+        if owner is not None:
+            cls = type(model.get_submodule(owner))
+            inside = "" if owner == path else f" inside {owner!r}"
+            legacy = [f"torch.nn.utils.{name}'s" for name, hook in _LEGACY_HOOKS
+                      if any(isinstance(h, hook) for h in module._forward_pre_hooks.values())]
+            hint = (f" ({' and '.join(legacy)}: torch.nn.utils.parametrizations' versions, which fuse "
+                    "supports, do the same)") if legacy else ""
+            return (f"{name} has {kinds} on {where}{inside}{hint}, which the fused model would not "
                     f"call: the B models' {cls.__name__} modules at {owner!r} run as one array module "
                     f"(hfkern.nn's {array_classes[cls].__name__}). Remove them before fusing and register "
                     f"them on fused.get_submodule({owner!r}), where they see the [B, ...] arrays")
-            if i and path and hooks:
-                names = names or (_registered(model), _registered(first))
-            if i and path and not _same_value(hooks, _forward_hooks(first.get_submodule(path)), names or ({}, {})):
-                raise FuseError(
-                    f"fuse: the forward hooks on {where} differ between model 0 and model {i} (in their "
-                    "code, or the values they close over or are given); the fused forward runs model 0's "
-                    "hooks (captured with its code) for every model, so the models must have the same ones")
+        if ref is not None and path:
+            theirs = _forward_hooks(ref.get_submodule(path))
+            if hooks or theirs:
+                if names is None:
+                    names = (_registered(model), {**_registered(ref), **(ref_names or {})})
+                if not _same_value(hooks, theirs, names):
+                    return (f"the forward hooks on {where} differ between {ref_name} and {name} (in their "
+                            "code, or the values they close over or are given); the fused forward runs model "
+                            "0's hooks (captured with its code) for every model, so the models must have the "
+                            "same ones")
+    for key, t in _named_tensors(model):
+        kinds = [what for attr, what in _TENSOR_HOOK_KINDS if getattr(t, attr, None)]
+        if kinds:
+            what = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+            return (f"{name}'s {what} {key!r} has {' and '.join(kinds)}, which the fused model would not "
+                    f"call: it holds the B models' {key!r} as one [B, ...] tensor, whose hooks are its own. "
+                    f"Remove them before fusing and register them on fused.get_parameter({key!r}) (or "
+                    "get_buffer), where they see the [B, ...] gradient")
+    return None
+
+
+def _hook_references(model: nn.Module) -> dict[int, str]:
+    """``id -> name`` of ``model``'s registered objects (modules, parameters, buffers) that its
+    forward hooks hold (in closures, defaults, partial arguments, bound methods, containers):
+    a fused model's template deep-copies the hooks' tables but shares their functions, which
+    still hold model 0's own objects, so :meth:`FusedModel.load_model` compares a model's hooks
+    with them by these names (they stay alive as long as those functions)."""
+    registered = _registered(model)
+    found: dict[int, str] = {}
+    seen: set[int] = set()
+
+    def walk(v: Any, depth: int) -> None:
+        if id(v) in seen or depth > 8:
+            return
+        seen.add(id(v))
+        if id(v) in registered:
+            found[id(v)] = registered[id(v)]
+            return
+        if isinstance(v, (nn.Module, torch.Tensor)):
+            return
+        if isinstance(v, (tuple, list, set, frozenset)):
+            for x in v:
+                walk(x, depth + 1)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x, depth + 1)
+        elif isinstance(v, partial):
+            for x in (v.func, v.args, v.keywords):
+                walk(x, depth + 1)
+        elif isinstance(v, types.MethodType):
+            walk(v.__self__, depth + 1)
+            walk(v.__func__, depth + 1)
+        elif isinstance(v, types.FunctionType):
+            for x in (v.__defaults__, v.__kwdefaults__, [_cell_value(c) for c in v.__closure__ or ()]):
+                walk(x, depth + 1)
+        elif dataclasses.is_dataclass(v) or isinstance(v, types.SimpleNamespace):
+            walk(_fields(v), depth + 1)
+
+    for module in model.modules():
+        for _, hook in _forward_hooks(module):
+            walk(hook, 0)
+    return found
 
 
 def fuse(models: Sequence[nn.Module] | Callable[[], nn.Module], B: int | None = None, *,
@@ -2990,16 +3232,225 @@ def _forward_arguments(model: nn.Module) -> tuple[tuple[str, ...], int, tuple]:
 
 
 def _captured(model: nn.Module, array_classes: dict, opaque: dict[type, str], key: tuple,
-              arguments: tuple) -> dict[bool | None, _capture.Captured]:
-    """``model``'s forward captured in train and eval mode (forward code may read ``self.training``;
-    None: one capture serves both) for calls whose None and bool arguments are ``key``'s."""
+              arguments: tuple) -> dict[tuple | None, _capture.Captured]:
+    """``model``'s forward captured for calls whose Python-valued arguments are ``key``'s, keyed by
+    the train/eval modes each capture serves (:func:`_mode_spec`: the modules whose ``training``
+    forward read, with the values read). None: one capture serves every mode (forward reads no
+    module's mode, or one module's and takes the same code in both). Else captured with every
+    module in train mode and every module in eval mode, and where neither serves the modes
+    ``model``'s modules have (a block that reads its own mode in eval in a model that trains),
+    with those modes too."""
     opaque_types = tuple(opaque)
     leaf = lambda m: type(m) in array_classes or isinstance(m, opaque_types)  # noqa: E731
     concrete = {name: _key_value(v) for name, v in zip(arguments[0], key) if v is not ...}
-    captured = {mode: _capture.capture(model, leaf, mode, concrete=concrete) for mode in (True, False)}
-    if _same_capture(captured[True], captured[False]):
-        captured = {None: captured[True]}
+    source = _capture_source(model)
+    (train, train_reads), (evaluated, eval_reads) = (
+        _watched_capture(source, leaf, mode, concrete) for mode in (True, False))
+    seen = train_reads is not None and eval_reads is not None
+    if _same_capture(train, evaluated) and (not seen or _either_mode(train_reads, eval_reads)):
+        return {None: train}
+    every = None
+    if not seen or not (train_reads or eval_reads):
+        # The graphs differ where no read of `.training` was seen (a class's own `training`
+        # property, or the capture did not start from its copy's train()): every module whose
+        # code is captured may have been read.
+        called = {n.target for c in (train, evaluated) for n in c.graph.nodes if n.op == "call_module"}
+        every = [p for p, _ in model.named_modules()
+                 if not any(p == leaf_path or p.startswith(leaf_path + ".") for leaf_path in called)]
+        train_reads, eval_reads = dict.fromkeys(every, True), dict.fromkeys(every, False)
+    captured = {_mode_spec(train_reads): train, _mode_spec(eval_reads): evaluated}
+    now = {p: m.training for p, m in model.named_modules(remove_duplicate=False)}
+    if seen and not any(_serves(spec, now) for spec in captured):
+        as_is, reads = _watched_capture(source, leaf, True, concrete, as_is=True)
+        if reads is not None:
+            captured.setdefault(_mode_spec({p: now[p] for p in every} if every is not None else reads), as_is)
     return captured
+
+
+def _either_mode(train_reads: dict[str, Any], eval_reads: dict[str, Any]) -> bool:
+    """Whether two captures that made the same graph, one with every module in train mode and
+    one in eval mode, show that the graph is the same whatever the modes: forward read no
+    module's mode, or one module's, in the two captures in both modes (a model whose own
+    ``train()`` keeps a layer in eval mode reads that layer's mode only as eval)."""
+    if not train_reads and not eval_reads:
+        return True
+    return len(train_reads) == len(eval_reads) == 1 and train_reads.keys() == eval_reads.keys() \
+        and {*train_reads.values(), *eval_reads.values()} == {True, False}
+
+
+def _mode_spec(reads: dict[str, Any]) -> tuple:
+    """The modes a capture serves, as a graph's key holds them: ``((path, training), ...)`` of the
+    modules whose ``training`` its forward read (sorted by path)."""
+    return tuple(sorted(reads.items()))
+
+
+def _serves(spec: tuple, modes: dict[str, Any]) -> bool:
+    """Whether a capture of ``spec`` (:func:`_mode_spec`) is right for modules in ``modes``."""
+    return all(p in modes and modes[p] == v for p, v in spec)
+
+
+# ---- what a capture's forward does that its graph does not show -----------------------------
+# Which modules' train/eval mode a forward reads decides which modes its capture serves. While
+# _watched_capture runs, nn.Module's `training` is a property that records reads of the traced
+# copy's modules (the value stays in each module's __dict__, as torch keeps it); torch.fx and
+# hfkern patch torch's classes while they trace in the same way.
+class _CaptureWatch:
+    """One capture's record (:func:`_watched_capture`): the traced copy (``root``, from its
+    ``train()``: :func:`_capture_root`), its modules' paths, the ``training`` values its forward
+    read (path -> value; not of a module whose mode forward set before), and each module's
+    registered parameters, buffers and submodules before the trace."""
+
+    def __init__(self, as_is: bool):
+        self.as_is = as_is  # keep the copy's modes as they are (else the capture's train(mode))
+        self.root: nn.Module | None = None
+        self.paths: dict[int, str] = {}
+        self.reads: dict[str, Any] = {}
+        self.written: set[int] = set()
+        self.registered: dict[str, tuple[dict, dict, frozenset]] = {}
+
+    def begin(self, root: nn.Module) -> None:
+        self.root = root
+        self.paths = {}
+        for path, module in root.named_modules(remove_duplicate=False):
+            self.paths.setdefault(id(module), path)
+        self.written = set()
+        self.registered = {path: (dict(m._parameters), dict(m._buffers), frozenset(m._modules))
+                           for path, m in root.named_modules()}
+
+
+_WATCH = threading.local()
+_WATCH_LOCK = threading.Lock()
+_watchers = 0
+_HFKERN_DIR = os.path.dirname(__file__) + os.sep  # (hfkern's own files, as their code objects name them)
+
+
+def _read_training(module: nn.Module) -> Any:
+    try:
+        value = module.__dict__["training"]
+    except KeyError:
+        raise AttributeError("training") from None  # (nn.Module.__getattr__ says it, as without the watch)
+    watch = getattr(_WATCH, "current", None)
+    if watch is not None:
+        path = watch.paths.get(id(module))
+        # (hfkern's own reads, its capture checking the modes, are not the forward's)
+        if path is not None and id(module) not in watch.written \
+                and not sys._getframe(1).f_code.co_filename.startswith(_HFKERN_DIR):
+            watch.reads.setdefault(path, value)
+    return value
+
+
+def _write_training(module: nn.Module, value: Any) -> None:
+    module.__dict__["training"] = value
+    watch = getattr(_WATCH, "current", None)
+    if watch is not None and id(module) in watch.paths:
+        watch.written.add(id(module))  # what forward reads after this is what it set
+
+
+def _delete_training(module: nn.Module) -> None:
+    del module.__dict__["training"]
+
+
+_TRAINING = property(_read_training, _write_training, _delete_training)
+
+
+@contextlib.contextmanager
+def _watching(watch: _CaptureWatch) -> Iterator[None]:
+    global _watchers
+    with _WATCH_LOCK:
+        if _watchers == 0 and "training" not in vars(nn.Module):
+            nn.Module.training = _TRAINING
+        _watchers += 1
+    previous = getattr(_WATCH, "current", None)
+    _WATCH.current = watch
+    try:
+        yield
+    finally:
+        _WATCH.current = previous
+        with _WATCH_LOCK:
+            _watchers -= 1
+            if _watchers == 0 and vars(nn.Module).get("training") is _TRAINING:
+                del nn.Module.training
+
+
+def _capture_root(self: nn.Module, mode: bool = True) -> nn.Module:
+    """``train`` of the model :func:`_watched_capture` gives ``_capture.capture``, which calls it
+    on its copy (``copy.deepcopy(model).train(mode)``; the bound method follows the copy): it
+    puts the copy's modules in ``mode`` (or leaves them as they are) and starts watching it."""
+    self.__dict__.pop("train", None)
+    watch = getattr(_WATCH, "current", None)
+    if watch is None or not watch.as_is:
+        self.train(mode)
+    if watch is not None:
+        watch.begin(self)
+    return self
+
+
+def _capture_source(model: nn.Module) -> nn.Module:
+    """``model`` for ``_capture.capture`` (which copies it and leaves it untouched): a shallow copy
+    of its root (its submodules and tensors shared) whose ``train()`` is :func:`_capture_root`."""
+    try:
+        source = copy.copy(model)
+    except Exception:  # noqa: BLE001 - a root that copy.copy refuses (a parametrized model): its modules copied
+        memo: dict[int, Any] = {}
+        for module in model.modules():
+            for t in itertools.chain(module._parameters.values(), module._buffers.values(), vars(module).values()):
+                if isinstance(t, torch.Tensor):
+                    memo[id(t)] = t
+        source = copy.deepcopy(model, memo)
+    source.__dict__["train"] = types.MethodType(_capture_root, source)
+    return source
+
+
+def _watched_capture(source: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool, concrete: dict,
+                     as_is: bool = False) -> tuple[_capture.Captured, dict[str, Any] | None]:
+    """``_capture.capture`` of ``source`` (:func:`_capture_source`) in ``mode`` (``as_is``: in the
+    modes its modules have), and the modules whose ``training`` its forward read (None: unknown,
+    the capture did not start from its copy's ``train()``). Refuses parameters, buffers and
+    submodules registered in forward (``self.register_buffer(...)``), which the graph does not show."""
+    watch = _CaptureWatch(as_is)
+    with _watching(watch):
+        captured = _capture.capture(source, leaf, mode, concrete=concrete)
+    if watch.root is None:
+        return captured, None
+    problem = _registration_problem(watch, captured.graph)
+    if problem is not None:
+        raise FuseError(f"fuse: cannot capture the model: {problem}")
+    return captured, watch.reads
+
+
+def _registration_problem(watch: _CaptureWatch, graph: fx.Graph) -> str | None:
+    """A parameter, buffer or submodule that the traced forward registered (``register_buffer``,
+    ``register_parameter``, ``add_module``; assignments are recorded or refused by the capture
+    itself), or None."""
+    root = watch.root
+    assigned = {(t.path, t.name) for node in graph.nodes
+                if isinstance(t := node.target, _capture.AssignState) and t.kind == "buffer"}
+    for path, (parameters, buffers, modules) in watch.registered.items():
+        try:
+            module = root.get_submodule(path)
+        except AttributeError:
+            continue
+        here = _capture.where((path, type(module).__name__), root)
+        fixed = ("a fused model's parameters, buffers and submodules are fixed when it is made (its "
+                 "state_dict holds them from the start)")
+        for kind, before, now, how in (("parameter", parameters, module._parameters, "register_parameter"),
+                                       ("buffer", buffers, module._buffers, "register_buffer")):
+            for name, value in now.items():
+                label = f"{path}.{name}" if path else name
+                if name not in before:
+                    return (f"forward registers the new {kind} {label!r} (`{how}` in forward) {here}; {fixed}. "
+                            f"Register it in __init__ (with its initial value) and assign it in forward "
+                            f"(self.{name} = value)")
+                if value is not before[name] and (kind == "parameter" or (path, name) not in assigned):
+                    return (f"forward registers {kind} {label!r} again (`{how}` in forward) {here}, which the "
+                            f"captured forward would not do per model and per call; assign it instead "
+                            f"(self.{name} = value)")
+        for name in module._modules:
+            if name not in modules:
+                label = f"{path}.{name}" if path else name
+                return (f"forward registers the new submodule {label!r} (`add_module`/`register_module` in "
+                        f"forward) {here}; {fixed}. Create submodules in __init__")
+    return None
 
 
 def _capture_and_rewrite(model: nn.Module, B: int, opaque: dict[type, str], key: tuple, arguments: tuple,
@@ -3196,13 +3647,10 @@ def _build(models: list[nn.Module], B: int, factory, opaque: dict[type, str]) ->
                              {target: name for (m, target), (name, _) in constants.items() if m == k},
                              attribute_state)
                  for k, g in graphs.items()}
+    object.__setattr__(fused, "_read_attributes", _read_attributes(constants))
+    object.__setattr__(fused, "_hook_refs", _hook_references(first))
     object.__setattr__(fused, "_own_graphs", rewritten)
     fused._run_graphs(rewritten)
-    # The modules whose `self.training` the captured code may have read: not the
-    # leaves (they read their own mode when they run) nor anything inside them.
-    object.__setattr__(fused, "_mode_paths", tuple(
-        p for p, _ in first.named_modules()
-        if not any(p == leaf or p.startswith(leaf + ".") for leaf in leaves)))
     # Each module in the mode it has in the models (a batch norm kept in eval mode in a model
     # that trains), the array modules' own submodules in their owner's.
     # (named_modules lists a module before its submodules: each ends in its own mode)
@@ -3219,7 +3667,7 @@ def _same_capture(a: _capture.Captured, b: _capture.Captured) -> bool:
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and _same_tensor_values(a, b)
 
 
 def _attribute_state(graphs: dict, models: list[nn.Module]) -> list[tuple[str, str]]:
@@ -3261,14 +3709,31 @@ def _constants(captured: dict, models: list[nn.Module], attribute_state: list[tu
             path, _, name = target.rpartition(".")
             if not name.startswith("_tensor_constant"):
                 for i, m in enumerate(models[1:], start=1):
-                    theirs = getattr(m.get_submodule(path), name, None)
-                    if not isinstance(theirs, torch.Tensor) or not _equal(theirs, value):
-                        raise FuseError(
-                            f"fuse: tensor attribute {target!r} (neither a parameter nor a buffer) differs "
-                            f"between models 0 and {i}; forward reads it as one value for every model. "
-                            "Register it as a buffer (self.register_buffer) so that each model has its own")
+                    problem = _tensor_attribute_problem(target, value, getattr(m.get_submodule(path), name, None),
+                                                        f"models 0 and {i}")
+                    if problem is not None:
+                        raise FuseError(f"fuse: {problem}")
             out[(mode, target)] = (f"_hfkern_constant_{len(out)}", value)
     return out
+
+
+def _read_attributes(constants: dict[tuple, tuple[str, torch.Tensor]]) -> frozenset[str]:
+    """The tensor attributes (neither parameters nor buffers) that captured forwards read as
+    constants, of :func:`_constants`' (or a later capture's) entries."""
+    return frozenset(target for _, target in constants if not target.rpartition(".")[2].startswith("_tensor_constant"))
+
+
+def _tensor_attribute_problem(target: str, ref: torch.Tensor, theirs: Any, between: str) -> str | None:
+    """Why a model whose tensor attribute ``target`` (neither a parameter nor a buffer, read by
+    the captured forward as one constant) is ``theirs`` cannot be fused with one where it is
+    ``ref`` (or loaded into such a fused model), or None. A model on another device compares
+    its values (:meth:`FusedModel.load_model` takes models on any device)."""
+    if isinstance(theirs, torch.Tensor) and theirs.shape == ref.shape and theirs.dtype == ref.dtype and (
+            _same_tensor_values(ref, theirs.to(ref.device))):
+        return None
+    return (f"tensor attribute {target!r} (neither a parameter nor a buffer) differs between {between}; "
+            "forward reads it as one value for every model. Register it as a buffer "
+            "(self.register_buffer) so that each model has its own")
 
 
 def _every_model(value: torch.Tensor, B: int, copy: bool) -> torch.Tensor:
