@@ -114,6 +114,26 @@ def assert_state_equal(array: nn.Module, modules: Sequence[nn.Module]) -> None:
             assert torch.equal(v, sd[k][b])
 
 
+def assert_fused_matches(fused: nn.Module, models: Sequence[nn.Module], *, requires_grad: bool = False,
+                         **tol) -> None:
+    """A fused model's parameter gradients and state entries at index b equal torch model b's (a
+    gradient torch leaves None may be None or zero); ``requires_grad``: each state entry's
+    ``requires_grad`` too."""
+    for b, m in enumerate(models):
+        for name, p in m.named_parameters():
+            got = fused.get_parameter(name).grad
+            if p.grad is None:
+                assert got is None or not got[b].any(), f"{name}: torch has no gradient"
+            else:
+                torch.testing.assert_close(got[b], p.grad, **tol, msg=lambda s: f"{name}.grad[{b}]: {s}")
+    state = fused.state_dict()
+    for b, m in enumerate(models):
+        for k, v in m.state_dict().items():
+            torch.testing.assert_close(state[k][b], v, **tol, msg=lambda s: f"{k}[{b}]: {s}")
+            if requires_grad:
+                assert state[k].requires_grad == v.requires_grad, k
+
+
 def check_against_modules(array, modules, x, xs, leaf, akw, mkws, *, shared=False, grads=True, fwd_tol=None):
     """Forward, input and per-parameter (by name) gradients of ``array(x, **akw)`` against the B
     torch modules' ``modules[b](xs[b], **mkws[b])`` (``leaf``: the tensor ``x`` was made from, as

@@ -30,6 +30,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from _util import assert_fused_matches
 from torch.testing import assert_close
 
 import hfkern
@@ -81,17 +82,7 @@ def _compare(make, x_shape=(5, 4), outer="grad", calls=3, train=None):
                 assert xf.grad is None or not xf.grad.any(), "fused input gradient where torch has none"
             else:
                 assert_close(xf.grad, torch.stack([t.grad for t in xs]), **TOL)
-        for b, m in enumerate(refs):
-            for name, p in m.named_parameters():
-                got = fused.get_parameter(name).grad
-                if p.grad is None:
-                    assert got is None or not got[b].any(), f"{name}: torch has no gradient"
-                else:
-                    assert_close(got[b], p.grad, **TOL, msg=lambda s: f"{name}.grad[{b}]: {s}")
-        state = fused.state_dict()
-        for b, m in enumerate(refs):
-            for k, v in m.state_dict().items():
-                assert_close(state[k][b], v, **TOL, msg=lambda s: f"{k}[{b}]: {s}")
+        assert_fused_matches(fused, refs, **TOL)
         theirs = _modes(refs[0])
         assert {k: v for k, v in _modes(fused).items() if k in theirs} == \
             {k: v for k, v in theirs.items() if k in _modes(fused)}, "train/eval modes after the call"

@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _util import CallCounter
+from _util import CallCounter, assert_fused_matches
 from torch import nn
 from torch.testing import assert_close
 
@@ -57,18 +57,7 @@ def _run(make, x_shape=(5, 4), calls=3, backward=True, outer=None, opaque=None):
         if backward and ref.requires_grad:
             ref.square().sum().backward()
             out.square().sum().backward()
-        for b, m in enumerate(models):
-            for name, p in m.named_parameters():
-                got = fused.get_parameter(name).grad
-                if p.grad is None:
-                    assert got is None or not got[b].any(), f"{name}: torch has no gradient"
-                else:
-                    assert_close(got[b], p.grad, **TOL, msg=lambda s: f"{name}.grad[{b}]: {s}")
-        state = fused.state_dict()
-        for b, m in enumerate(models):
-            for k, v in m.state_dict().items():
-                assert_close(state[k][b], v, **TOL, msg=lambda s: f"{k}[{b}]: {s}")
-                assert state[k].requires_grad == v.requires_grad, k
+        assert_fused_matches(fused, models, requires_grad=True, **TOL)
     return fused, models
 
 
