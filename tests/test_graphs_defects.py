@@ -411,3 +411,50 @@ def simulated_or_recorded(request, monkeypatch):
             yield
 
     return simulated
+
+
+# ---- attention dropout, per model: the same device tensors as Dropout's ------------------------
+
+class _AttnNet(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(6, 2, dropout=p, batch_first=True)
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.out(self.attn(x, x, x, need_weights=False)[0])
+
+
+def _train_attention(captured: bool, changes=None, steps=6):
+    torch.manual_seed(0)
+    fused = hfkern.fuse([_AttnNet(p) for p in (0.5, 0.1, 0.2)])
+    opt = hfkern.optim.SGD(fused.parameters(), lr=0.1)
+
+    def step(x):
+        losses = fused(hfkern.broadcast(x, B)).pow(2).mean(dim=(1, 2, 3))
+        opt.zero_grad()
+        losses.sum().backward()
+        opt.step()
+        return losses.detach()
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(2, 4, 6, generator=g) for _ in range(steps)]
+    with recorded() if captured else contextlib.nullcontext():
+        run = hfkern.capture_step(step, batches[0], warmup=1) if captured else step
+        losses = []
+        for i, x in enumerate(batches):
+            if changes and i in changes:
+                changes[i](fused)
+            losses.append(run(x))
+    return torch.stack(losses), fused, run
+
+
+def test_a_per_model_attention_dropout_loaded_after_capture_takes_effect_without_a_capture(torch_backend):
+    def load(fused):
+        torch.manual_seed(5)
+        fused.load_model(1, _AttnNet(0.0))
+
+    captured = _train_attention(True, changes={3: load})
+    _assert_same(captured, _train_attention(False, changes={3: load}))
+    assert captured[2].graphs == 1 and captured[2].eager_calls == 1
+    assert captured[1].attn.dropout == (0.5, 0.0, 0.2)

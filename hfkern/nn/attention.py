@@ -19,7 +19,7 @@ from torch.nn import init
 
 from .._array import check_input
 from ._base import ArrayModule, stack_init
-from .dropout import dropout_probability, per_model_dropout, uniform_p
+from .dropout import dropout_probability, per_model_dropout, refresh_factors, uniform_p
 from .linear import Linear, array_linear
 
 __all__ = ["MultiheadAttention"]
@@ -249,7 +249,20 @@ class MultiheadAttention(ArrayModule):
 
     @dropout.setter
     def dropout(self, value) -> None:
-        self._dropout = dropout_probability(value, self.B, "MultiheadAttention", "dropout")
+        d = dropout_probability(value, self.B, "MultiheadAttention", "dropout")
+        self._dropout, self._dropout_uniform = d, uniform_p(d)
+        # per-model values live in device tensors a captured graph reads: written in place
+        refresh_factors(self._dropout_factors, d)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._dropout_uniform = uniform_p(self._dropout)  # (pickled before it was kept)
+
+    def _graph_state(self) -> float | None:
+        """The host value this layer's forward computes with beyond its mode (see
+        :func:`hfkern.capture_step`): the common dropout probability, None where it is one per
+        model (device tensors, written in place when it changes)."""
+        return self._dropout_uniform
 
     @classmethod
     def _config_of(cls, module: nn.Module) -> dict:
@@ -346,7 +359,7 @@ class MultiheadAttention(ArrayModule):
         hint_only = is_causal and kpm is None and not need_weights
         check_mask_dtypes(name, [("attn_mask", None if hint_only else mask), ("key_padding_mask", kpm)],
                           query, need_weights)
-        p = uniform_p(self.dropout)
+        p = self._dropout_uniform
         # Per-model dropout probabilities need the weights explicitly: SDPA takes one.
         per_model_drop = self.training and p is None
         explicit = need_weights or per_model_drop
