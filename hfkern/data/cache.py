@@ -54,6 +54,7 @@ import secrets
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -77,8 +78,9 @@ _USAGE_NAME = ".hfc-usage"
 _SUBDIR_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,39}-[0-9a-f]{16}")
 _ENTRY_RE = re.compile(r"[0-9a-f]{12}-[0-9]+\.hfc")
 
-# Counter columns; one row per process (row 0: the process that built the
-# dataset, row 1 + w: its DataLoader worker w).
+# Counter columns. Every process that uses a wrapper (other than as a DataLoader worker) has a
+# table of its own in shared memory: row 0 its own counters, row 1 + w those of its DataLoader
+# worker w (see CachedDataset._ensure_process).
 _FIELDS = (
     "memory_hits", "memory_misses", "memory_evictions", "memory_too_large",
     "disk_hits", "disk_misses", "disk_writes", "disk_evictions", "disk_too_large", "disk_corrupt",
@@ -378,6 +380,31 @@ def _remove_if_dead(path: str) -> None:
         os.close(fd)
 
 
+# Every live wrapper of this process, and the lock under which a process chooses its counters.
+_instances: weakref.WeakSet = weakref.WeakSet()
+_setup_lock = threading.RLock()
+
+
+def _before_fork() -> None:
+    """Before this process forks: every wrapper settles its counters here first, so that a
+    process that received a wrapper (a sweep trial) has its own table before its DataLoader
+    workers fork from it, and those workers count into it (not into the creator's)."""
+    with _setup_lock:
+        live = list(_instances)
+    for ds in live:
+        with contextlib.suppress(Exception):  # a fork hook must not raise; the child checks again
+            ds._ensure_process()
+
+
+def _after_fork_in_child() -> None:
+    global _setup_lock
+    _setup_lock = threading.RLock()  # the parent's may have been held by a thread that is not here
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
 class CachedDataset(torch.utils.data.Dataset):
     """``dataset`` with its samples cached in memory and on a local disk shared by processes.
 
@@ -401,8 +428,8 @@ class CachedDataset(torch.utils.data.Dataset):
         version: int or str stored with each entry; bump it when the code that
             makes samples changes. Entries of other versions are never read and
             age out of the disk tier (or go with :meth:`clear`).
-        max_workers: DataLoader workers whose counters :meth:`stats` adds up
-            (a worker with a higher id keeps them to itself).
+        max_workers: DataLoader workers per process whose counters :meth:`stats`
+            adds up (a worker with a higher id keeps them to itself).
 
     Samples may be: ``torch.Tensor`` (CPU, dense, any dtype, not requiring
     grad), ``numpy.ndarray`` and numpy scalars (dtypes without Python objects
@@ -415,9 +442,14 @@ class CachedDataset(torch.utils.data.Dataset):
     so modifying a sample never changes the cache. A miss returns the wrapped
     dataset's own object.
 
-    The wrapper pickles (DataLoader workers by ``fork`` or ``spawn``, sweep
-    trials in other processes): the memory tier stays behind, the disk tier
-    and the counters (shared memory) travel.
+    The wrapper pickles (DataLoader workers by ``fork``, ``spawn`` or
+    ``forkserver``, sweep trials in other processes): the memory tier stays
+    behind, the disk tier travels. Counters are per process, in shared memory:
+    a DataLoader worker counts into a row of its parent's table (the process
+    that iterates the DataLoader), and any other process that uses the wrapper
+    (one it was pickled or forked to) counts into a table of its own, which its
+    own workers join; so :meth:`stats` and :meth:`reset_stats` of each process
+    cover that process and its workers, never another process's counters.
     """
 
     def __init__(self, dataset, *, memory_bytes: int = 0, disk_dir: str | os.PathLike | None = None,
@@ -468,40 +500,72 @@ class CachedDataset(torch.utils.data.Dataset):
             os.makedirs(self.disk_dir, exist_ok=True)
             self._disk = _DiskTier(self.disk_dir, disk_bytes, key, version)
             self._disk.cleanup()
-        # One row of counters per process, in shared memory so that the workers' rows are
-        # readable here (fork keeps the shared mapping; spawn pickles it by handle).
+        # This process's table of counters (row 0: this process, row 1 + w: its DataLoader worker
+        # w), in shared memory so that the workers' rows are readable here (fork keeps the shared
+        # mapping; spawn pickles it by handle). _home_pid: the process the table belongs to.
         self._counts_shared = torch.zeros(1 + max_workers, len(_FIELDS), dtype=torch.int64).share_memory_()
-        self._creator_pid = os.getpid()
+        self._home_pid = os.getpid()
+        self._unpickled_pid = None  # the process this copy was unpickled in (None: built here)
         self._pid = None
         self._lock = threading.Lock()
+        with _setup_lock:
+            _instances.add(self)
         self._ensure_process()
 
     # -- per-process state ----------------------------------------------------------------
 
     def _ensure_process(self) -> None:
         """Choose this process's counter row and lock, once per process: at its first use,
-        since a DataLoader worker learns its id only after it unpickled the dataset."""
+        since a DataLoader worker learns its id only after it unpickled the dataset.
+
+        * A DataLoader worker (``get_worker_info()`` set) counts into row ``1 + id`` of its
+          parent's table: the table this copy came with when it was unpickled here (``spawn``,
+          ``forkserver``: the parent settled its own table before pickling, in
+          :meth:`__getstate__`), or, for a forked copy, the table of the process it was forked
+          from (the parent settles it before forking, in a fork hook). A worker whose parent's
+          table cannot be found, or whose id has no row, keeps private counters.
+        * Any other process counts into row 0 of its own table: the process that built the
+          wrapper (and copies made in it) into the table made in ``__init__``; a process the
+          wrapper was pickled or forked to into a new table, which its own workers then join.
+        """
         pid = os.getpid()
         if self._pid == pid:
             return
-        self._lock = threading.Lock()  # a forked copy of a lock may be held by a thread that is not here
-        table = self._counts_shared.numpy()
-        info = torch.utils.data.get_worker_info()
-        self._private = False
-        if pid == self._creator_pid:
-            self._row = table[0]
-        elif info is not None and info.id + 1 < table.shape[0]:
-            self._row = table[1 + info.id]
-        else:
-            self._row = np.zeros(len(_FIELDS), dtype=np.int64)
-            self._private = True
-        self._pid = pid
+        with _setup_lock:
+            if self._pid == pid:
+                return
+            info = torch.utils.data.get_worker_info()
+            if info is not None:
+                if self._unpickled_pid == pid or self._home_pid == os.getppid():
+                    parent = self._counts_shared.numpy()
+                else:
+                    parent = None  # forked from a process whose table is not in this copy
+                if parent is not None and 1 + info.id < parent.shape[0]:
+                    row = parent[1 + info.id]
+                else:
+                    row = np.zeros(len(_FIELDS), dtype=np.int64)
+                table = None  # a worker's stats() and reset_stats(): its own row
+            else:
+                if self._home_pid != pid:
+                    # Not the creator's table: this process gets one of its own.
+                    self._counts_shared = torch.zeros(tuple(self._counts_shared.shape),
+                                                      dtype=torch.int64).share_memory_()
+                    self._home_pid = pid
+                table = self._counts_shared.numpy()
+                row = table[0]
+            self._lock = threading.Lock()  # a forked copy of a lock may be held by a thread that is not here
+            self._row, self._table = row, table
+            self._pid = pid
 
     def __getstate__(self) -> dict:
+        # Settle this process's own table first: the copy carries it, and the DataLoader workers
+        # this process starts by spawn or forkserver count into it.
+        self._ensure_process()
         state = self.__dict__.copy()
-        for name in ("_lock", "_row", "_private"):
+        for name in ("_lock", "_row", "_table"):
             state.pop(name, None)
         state["_pid"] = None
+        state["_unpickled_pid"] = None
         if self._memory is not None:
             state["_memory"] = _MemoryTier(self.memory_bytes)
         return state
@@ -509,6 +573,9 @@ class CachedDataset(torch.utils.data.Dataset):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._unpickled_pid = os.getpid()
+        with _setup_lock:
+            _instances.add(self)
 
     # -- the dataset ----------------------------------------------------------------------
 
@@ -616,7 +683,10 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def stats(self, *, per_process: bool = False) -> dict | list[dict]:
         """Counters, summed over this process and its DataLoader workers (those with
-        ``id < max_workers``), as ``{"memory": {...}, "disk": {...}, "loads": n}``:
+        ``id < max_workers``), as ``{"memory": {...}, "disk": {...}, "loads": n}``. Each process
+        has counters of its own: the process that built the wrapper and a process it was pickled
+        to (a sweep trial) count apart, each with its own workers; in a DataLoader worker, the
+        worker's own counters alone.
 
         * memory: ``hits``, ``misses`` (an entry that cannot be decoded, which would be a bug of
           the cache, is dropped with a RuntimeWarning and counted as a miss), ``evictions``,
@@ -627,11 +697,11 @@ class CachedDataset(torch.utils.data.Dataset):
         * ``loads``: calls of the wrapped dataset.
 
         A tier that is off counts nothing. ``per_process=True`` returns one such dict per row
-        instead: ``[creating process, worker 0, worker 1, ...]`` (a process that is neither
-        reports its own counters here, in row 0).
+        instead: ``[this process, its worker 0, its worker 1, ...]`` (in a DataLoader worker: a
+        list of one, the worker's own).
         """
         self._ensure_process()
-        table = self._row[None] if self._private else self._counts_shared.numpy()
+        table = self._row[None] if self._table is None else self._table
         rows = [self._format(r) for r in table] if per_process else [self._format(table.sum(0))]
         return rows if per_process else rows[0]
 
@@ -647,10 +717,14 @@ class CachedDataset(torch.utils.data.Dataset):
         return out
 
     def reset_stats(self) -> None:
-        """Zero the counters of this process and its workers."""
+        """Zero the counters of this process and its DataLoader workers: those :meth:`stats`
+        reports here. Another process's counters (the creator's, a sweep trial's) stay; in a
+        DataLoader worker, only the worker's own row is zeroed."""
         self._ensure_process()
-        self._counts_shared.zero_()
-        self._row[:] = 0
+        if self._table is not None:
+            self._table[:] = 0  # row 0 (this process) and its workers' rows
+        else:
+            self._row[:] = 0
 
     def memory_usage(self) -> dict:
         """This process's memory tier: ``{"entries": n, "bytes": b}`` (b <= memory_bytes)."""

@@ -131,20 +131,31 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work:
 
 
 def _check_density(value, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: density must be a float in (0, 1], got {type(value).__name__}")
-    value = float(value)
-    if not (0.0 < value <= 1.0):
-        raise ValueError(f"{where}: density must be in (0, 1], got {value}")
-    return value
+    """``value`` as a plain float in (0, 1]: any real number (int, float, numpy scalar, Fraction;
+    not a bool), as :func:`k_for` takes it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: density must be a real number in (0, 1], got "
+                        f"{type(value).__name__} {value!r}")
+    d = float(value)
+    if not (0.0 < d <= 1.0):  # also NaN
+        raise ValueError(f"{where}: density must be in (0, 1], got {value!r}")
+    return d
 
 
 def _check_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"TopKState: {name} must be an int, got {type(value).__name__}")
+    """``value`` as a plain int >= ``minimum``: any integral number (int, numpy integer; not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"TopKState: {name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    value = int(value)
     if value < minimum:
         raise ValueError(f"TopKState: {name} must be >= {minimum}, got {value}")
     return value
+
+
+def _is_non_member(group) -> bool:
+    """Whether ``group`` is torch's placeholder for a group this rank is not in (an int, -100)."""
+    placeholder = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    return placeholder is not None and type(group) is type(placeholder) and group == placeholder
 
 
 def k_for(density: float, m: int) -> int:
@@ -210,10 +221,14 @@ class TopKState:
         model: the module DDP wraps (or the DDP module itself); its parameter
             order names the residuals in :meth:`state_dict`.
         process_group: the data-parallel group, a ``torch.distributed.ProcessGroup``
-            (None: the world).
+            this rank is in (None: the world); the placeholder ``new_group`` returns
+            to other ranks raises a ValueError.
         density: fraction of each row (each model's part of a bucket, or the
-            whole bucket) that is sent, in (0, 1]. Default 0.01 unless
-            ``density_schedule`` is given.
+            whole bucket) that is sent, a real number in (0, 1] (as :func:`k_for`
+            takes it: int, float, numpy scalar, Fraction; stored as a float).
+            Default 0.01 unless ``density_schedule`` is given. The int arguments
+            (``warmup_steps``, ``seed``, ``per_model``, schedule steps) take any
+            integral number (numpy integers too), not bools.
         density_schedule: instead of ``density``: a callable ``step -> density``,
             or a list of ``(step, density)`` pairs with increasing steps, the first
             at step 0; the density at step t is the last pair's with ``step <= t``.
@@ -251,6 +266,12 @@ class TopKState:
             raise RuntimeError("TopKState: torch.distributed is not initialized; "
                                "call torch.distributed.init_process_group first")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            if _is_non_member(process_group):
+                raise ValueError(f"TopKState: this rank ({dist.get_rank()} of the world) is not in the process "
+                                 f"group: torch.distributed.new_group returns the placeholder "
+                                 f"GroupMember.NON_GROUP_MEMBER ({process_group!r}) to ranks outside the group; "
+                                 f"expected a ProcessGroup this rank belongs to (build the TopKState on its "
+                                 f"members only)")
             raise TypeError(f"TopKState: expected process_group to be a torch.distributed.ProcessGroup or "
                             f"None, got {type(process_group).__name__} {process_group!r}")
         self.process_group = dist.group.WORLD if process_group is None else process_group
