@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import numbers
 import statistics
 import time
 import warnings
@@ -51,7 +52,7 @@ from torch import nn
 
 from ..fusion import FusedModel, fuse
 from ._search import BlockCost, SharedBytes, StepCost, check_spaces, held_bytes, step_costs
-from ._strategy import InFlight, Strategy, _marked, _not_recomputable, apply, blocks, make_step
+from ._strategy import InFlight, Strategy, _known_mean, _marked, _not_recomputable, apply, blocks, make_step
 
 __all__ = ["FittedCostModel", "Profile", "fit_cost_model", "fit_profiles", "profile_step", "profile_together"]
 
@@ -291,6 +292,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _samples(y: torch.Tensor) -> int:
+    return y.size(0)
+
+
 class _Run:
     """One strategy's arrays built on the device and warmed up: its steps are timed one at a time
     (:meth:`time`), then :meth:`finish` measures the blocks and the peak and gives the Profile."""
@@ -306,7 +311,13 @@ class _Run:
         for m in self.models:
             apply(m, strategy)
             self.opts.append(optimizer(m.parameters()))
-        steps_of = [make_step(m, o, strategy, loss_fn) for m, o in zip(self.models, self.opts)]
+        # A loss whose mean make_step cannot see is weighted by samples here: the profile times the
+        # step, whatever the weights (make_step refuses ignored targets for it without a
+        # loss_denominator, which training passes).
+        kw = {}
+        if strategy.micro_batches > 1 and _known_mean(loss_fn, strategy.B, True) is None:
+            kw["loss_denominator"] = _samples
+        steps_of = [make_step(m, o, strategy, loss_fn, **kw) for m, o in zip(self.models, self.opts)]
         self.step = steps_of[0] if len(steps_of) == 1 else InFlight(steps_of, device)
         self.clock = _Clock(device)
         opt, self.opt_marks = self.opts[0], []
@@ -386,9 +397,25 @@ def _scaled(p: Profile, factor: float) -> Profile:
                                other_forward_time=p.other_forward_time * factor)
 
 
+def check_run_args(who: str, optimizer: Any, loss_fn: Any, steps: Any, warmup: Any, *,
+                   defaults: bool = False) -> None:
+    """TypeError/ValueError, before any profiling, for an ``optimizer`` or ``loss_fn`` that is
+    not callable (None allowed where ``defaults``), ``steps`` that is not a positive int and
+    ``warmup`` that is not a non-negative int."""
+    for name, fn in (("optimizer", optimizer), ("loss_fn", loss_fn)):
+        if not (callable(fn) or defaults and fn is None):
+            expected = "a callable or None" if defaults else "a callable"
+            raise TypeError(f"{who}: expected {name} to be {expected}, got {type(fn).__name__} {fn!r}")
+    check_spaces(who, None, steps)
+    if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral):
+        raise TypeError(f"{who}: expected warmup to be an int >= 0, got {type(warmup).__name__} {warmup!r}")
+    if warmup < 0:
+        raise ValueError(f"{who}: expected warmup to be an int >= 0, got {warmup!r}")
+
+
 def profile_together(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
                      strategies: Sequence[Strategy], *, optimizer: Callable, loss_fn: Callable,
-                     device: torch.device, steps: int = 3, warmup: int = 2,
+                     device: torch.device | str, steps: int = 3, warmup: int = 2,
                      measure_blocks: bool | Sequence[bool] = True) -> list[Profile]:
     """Profiles of several strategies whose step times are measured in interleaved rounds.
 
@@ -400,11 +427,41 @@ def profile_together(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor
     keep their sign and size; timed one after another, one strategy may see a
     fast spell and the next a slow one. Blocks and peaks are measured after
     the rounds, one strategy at a time, whose arrays are freed once measured.
-    ``measure_blocks``: one for all or one per strategy.
+    ``measure_blocks``: one bool for all or a sequence of one per strategy.
+    ``device``: a torch.device or its name (``"cpu"``, ``"cuda"``; None: CUDA
+    where available). ``steps`` >= 1, ``warmup`` >= 0.
+
+    Raises TypeError/ValueError, before building anything, for arguments
+    outside these (a ``measure_blocks`` of another length than ``strategies``,
+    a strategy that is not a :class:`Strategy`, an unavailable device).
     """
+    from ..sweep._memory import _check_device
+
+    who = "profile_together"
+    check_model_args(who, factory, batch)
+    if isinstance(strategies, (str, bytes)) or not isinstance(strategies, Sequence):
+        raise TypeError(f"{who}: expected strategies to be a sequence of Strategy, got "
+                        f"{type(strategies).__name__} {strategies!r}")
     strategies = list(strategies)
+    bad = [s for s in strategies if not isinstance(s, Strategy)]
+    if bad:
+        raise TypeError(f"{who}: expected strategies to hold hfkern.plan Strategy objects, got "
+                        f"{type(bad[0]).__name__} {bad[0]!r}")
     if isinstance(measure_blocks, bool):
         measure_blocks = [measure_blocks] * len(strategies)
+    elif isinstance(measure_blocks, (str, bytes)) or not isinstance(measure_blocks, Sequence):
+        raise TypeError(f"{who}: expected measure_blocks to be a bool or a sequence of bools (one per strategy), "
+                        f"got {type(measure_blocks).__name__} {measure_blocks!r}")
+    else:
+        measure_blocks = list(measure_blocks)
+        if not all(isinstance(b, bool) for b in measure_blocks):
+            raise TypeError(f"{who}: expected measure_blocks to hold bools, got {measure_blocks!r}")
+        if len(measure_blocks) != len(strategies):
+            raise ValueError(f"{who}: expected one measure_blocks entry per strategy ({len(strategies)}), got "
+                             f"{len(measure_blocks)}")
+    check_run_args(who, optimizer, loss_fn, steps, warmup)
+    device = _check_device(who, device)
+    steps, warmup = int(steps), int(warmup)
     runs: list[_Run | None] = [_Run(factory, batch, s, optimizer, loss_fn, device, warmup) for s in strategies]
     _time_in_rounds(runs, steps)
     out = []
@@ -415,9 +472,16 @@ def profile_together(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor
 
 
 def profile_step(factory: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor], strategy: Strategy,
-                 *, optimizer: Callable, loss_fn: Callable, device: torch.device, steps: int = 3,
+                 *, optimizer: Callable, loss_fn: Callable, device: torch.device | str, steps: int = 3,
                  warmup: int = 2, measure_blocks: bool = True) -> Profile:
-    """Build ``hfkern.fuse(factory, strategy.B)`` under ``strategy`` and measure its steps (medians)."""
+    """Build ``hfkern.fuse(factory, strategy.B)`` under ``strategy`` and measure its steps (medians).
+
+    The arguments as :func:`profile_together` takes them (one strategy, one bool), checked alike."""
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"profile_step: expected a hfkern.plan Strategy, got {type(strategy).__name__} {strategy!r}")
+    if not isinstance(measure_blocks, bool):
+        raise TypeError(f"profile_step: expected measure_blocks to be a bool, got {type(measure_blocks).__name__} "
+                        f"{measure_blocks!r}")
     return profile_together(factory, batch, [strategy], optimizer=optimizer, loss_fn=loss_fn, device=device,
                             steps=steps, warmup=warmup, measure_blocks=measure_blocks)[0]
 
@@ -606,17 +670,20 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     from .. import optim
     from ..nn.functional import cross_entropy
 
+    from ..sweep._memory import _check_device
+
     if not isinstance(interleave, bool):
         raise TypeError(f"fit_cost_model: interleave must be a bool, got {type(interleave).__name__}")
     check_model_args("fit_cost_model", factory, example_batch)
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_run_args("fit_cost_model", optimizer, loss_fn, steps, warmup, defaults=True)
+    device = _check_device("fit_cost_model", device)
     by_default = B_values is None
     B_values = default_profile_B(device) if by_default else B_values
     # (numpy ints as ints; TypeError for values of another type, ValueError for those out of range)
     spaces = check_spaces("fit_cost_model", None, steps, B_values=B_values, precisions=precisions,
                           micro_batches=micro_batches, memory_formats=memory_formats, arrays=arrays)
     B_values, precisions, micro_batches = spaces["B_values"], spaces["precisions"], spaces["micro_batches"]
-    memory_formats, arrays, steps = spaces["memory_formats"], list(spaces["arrays"]), int(steps)
+    memory_formats, arrays, steps, warmup = spaces["memory_formats"], list(spaces["arrays"]), int(steps), int(warmup)
     if len(set(B_values)) < 2:
         raise ValueError(f"fit_cost_model: B_values needs at least two distinct sizes to fit curves, got "
                          f"{list(B_values)}")

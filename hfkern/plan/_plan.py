@@ -175,13 +175,16 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
             :func:`hfkern.plan.default_profile_B`: 1, 2, 4, 8, and 16 on CUDA).
         cost_model: a fitted model to reuse instead of profiling again.
     """
-    from ..sweep._memory import _free_bytes
+    from ..sweep._memory import _check_device, _free_bytes
 
     check_model_args("plan", factory, example_batch)
     if cost_model is not None and not isinstance(cost_model, FittedCostModel):
         raise TypeError(f"plan: cost_model must be a FittedCostModel (hfkern.plan.fit_cost_model) or None, got "
                         f"{type(cost_model).__name__}")
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    for name, fn in (("optimizer", optimizer), ("loss_fn", loss_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"plan: expected {name} to be a callable or None, got {type(fn).__name__} {fn!r}")
+    device = _check_device("plan", device)
     cuda = device.type == "cuda"
     precisions = (("fp32", "bf16") if cuda else ("fp32",)) if precisions is None else precisions
     arrays = ((1, 2) if cuda else (1,)) if arrays is None else arrays

@@ -287,7 +287,8 @@ def _plans(model: CostModel, trials: int, steps: int, settings, front_of) -> lis
 
 def pareto_front(plans: Iterable[Plan], memory_budget: float | None = None) -> list[Plan]:
     """The plans no other is at least as good as in both time and memory (and better in one),
-    within ``memory_budget`` bytes if given, by increasing memory."""
+    within ``memory_budget`` bytes if given, by increasing memory. Of plans with equal time and
+    memory only the first (in the order given) is kept: the front holds one plan per point."""
     memory_budget = check_budget("pareto_front", memory_budget)
     plans = [p for p in plans if memory_budget is None or p.peak_memory <= memory_budget]
     plans.sort(key=lambda p: (p.peak_memory, p.time))

@@ -37,7 +37,13 @@ forward, by other code before the recomputation, or by the recomputation)
 raises RuntimeError rather than recompute from other values; later forwards
 then copy it. A parameter that requires grad cannot be swapped for a copy (its
 gradient would go to the copy), so a block whose forward writes one in place
-raises RuntimeError: leave it out of :attr:`Strategy.recompute`. Random draws (dropout) repeat the forward's masks:
+raises RuntimeError: leave it out of :attr:`Strategy.recompute`. Tensor and plain
+Python attributes (numbers, strings, flags) the forward assigns are put back as
+the forward found them for the recomputation, and as it left them after; one the
+forward created (a lazy initialization's ``self.initialized = True``) is absent
+for the recomputation, as it was for the forward. The recomputation runs in the
+train/eval mode of its forward, whatever the block's mode is by backward.
+Random draws (dropout) repeat the forward's masks:
 ``torch.utils.checkpoint`` restores the RNG state before the recomputation.
 """
 
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import numbers
 import operator
 import weakref
@@ -52,6 +59,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.nn.utils.parametrize
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -231,6 +239,13 @@ def _copied(t: torch.Tensor) -> torch.Tensor:
 # for the recomputation, as tensor attributes are. nn.Module's own entries are left out.
 _PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 _MODULE_ENTRIES = frozenset(vars(nn.Module()))
+_MISSING = object()  # where an attribute is not (deleted by a forward)
+
+
+def _tracked(key: str, value: Any) -> bool:
+    """An attribute of a module that a recomputation sees as its forward found it: a tensor or a
+    plain Python value, not one of nn.Module's own entries (``training`` is put back on its own)."""
+    return isinstance(value, torch.Tensor) or (isinstance(value, _PLAIN_VALUES) and key not in _MODULE_ENTRIES)
 
 
 def _state_of(block: nn.Module, writers: set[str] | None) -> list[_Entry]:
@@ -238,7 +253,8 @@ def _state_of(block: nn.Module, writers: set[str] | None) -> list[_Entry]:
     (a teacher's weights), copied where their module is among ``writers`` (all, for None), and its
     tensor and plain Python attributes (a counter), held by reference: a forward assigns them
     (``self.last = h``, ``self.calls += 1``), it does not write into them (:func:`hfkern.fuse`
-    refuses that for non-buffers)."""
+    refuses that for non-buffers). Attributes a forward creates (a lazy initialization's flag,
+    ``self.initialized = True``) are those missing from :func:`_found_of`'s record."""
     entries = []
     for path, m in block.named_modules():
         copy = writers is None or path in writers
@@ -249,9 +265,17 @@ def _state_of(block: nn.Module, writers: set[str] | None) -> list[_Entry]:
             if p is not None and not p.requires_grad:  # a teacher's weights, written in place
                 entries.append(_Entry(m._parameters, key, path, "parameter", p, copy))
         for key, value in vars(m).items():
-            if isinstance(value, torch.Tensor) or (isinstance(value, _PLAIN_VALUES) and key not in _MODULE_ENTRIES):
+            if _tracked(key, value):
                 entries.append(_Entry(vars(m), key, path, "attribute", value, False))
     return entries
+
+
+def _found_of(block: nn.Module) -> tuple[list[tuple[dict, frozenset]], list[tuple[nn.Module, bool]]]:
+    """What a forward found besides the state :func:`_state_of` notes: each module's attribute
+    names (a forward may add one: its recomputation runs without it, as the forward did) and
+    each module's train/eval mode (the recomputation runs in it, whatever the mode is in backward)."""
+    modules = [m for _, m in block.named_modules()]
+    return [(vars(m), frozenset(vars(m))) for m in modules], [(m, m.training) for m in modules]
 
 
 def _trained_parameters(block: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
@@ -279,6 +303,8 @@ class _BlockState:
         self.mode = block.training  # of its forward
         self.before: list[_Entry] = []
         self.trained: list = []
+        self.names: list[tuple[dict, frozenset]] = []  # each module's attribute names before the forward
+        self.modes: list[tuple[nn.Module, bool]] = []  # each module's training flag in the forward
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         return _BeforeForward(self), _DuringRecomputation(self)
@@ -309,6 +335,7 @@ class _BeforeForward:
         self.state.mode = mode = block.training
         self.first = mode not in _LEARNED.get(site, ())  # the call site's first forward in this mode
         self.state.before = _state_of(block, None if self.first else _WRITERS.get(block, {}).get(mode, set()))
+        self.state.names, self.state.modes = _found_of(block)
         self.state.trained = _trained_parameters(block)
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
@@ -345,28 +372,47 @@ class _DuringRecomputation:
         self.state = state
         self.after: list[tuple[dict, str, Any]] = []
         self.kept: list[_Entry] = []
+        self.modes: list[tuple[nn.Module, bool]] = []
 
     def __enter__(self) -> None:
-        self.after, self.kept = [], []
+        self.after, self.kept, self.modes = [], [], []
         moved = [e for e in self.state.before if e.kind != "attribute" and e.copy is None and e.changed()]
         if moved:  # written since the forward (by other code): the recomputation would see it written
             raise _unexpected_write(self.state, moved, "between")
         with torch.no_grad():
             for e in self.state.before:
-                current = e.table.get(e.key)
+                current = e.table.get(e.key, _MISSING)
                 if e.copy is not None:     # written by the forward: a fresh copy of it as it was
                     self.after.append((e.table, e.key, current))
                     e.table[e.key] = _copied(e.copy)
                     continue
                 if e.kind != "attribute":  # not written: the tensor itself, checked after
                     self.kept.append(e)
-                if current is not e.tensor:  # replaced by the forward: the one it found
+                if current is not e.tensor:  # replaced (or deleted) by the forward: the one it found
                     self.after.append((e.table, e.key, current))
                     e.table[e.key] = e.tensor
+        # Attributes the forward created (``self.initialized = True``): missing, as it found them.
+        for table, names in self.state.names:
+            for key in [k for k, v in table.items() if k not in names and _tracked(k, v)]:
+                self.after.append((table, key, table.pop(key)))
+        # The forward's train/eval modes (the mode may have changed since: an evaluation before backward).
+        for m, mode in self.state.modes:
+            if m.training != mode:
+                self.modes.append((m, m.training))
+                m.training = mode
 
     def __exit__(self, *exc: object) -> None:
+        for m, mode in self.modes:
+            m.training = mode
+        self.modes = []
+        for table, names in self.state.names:  # what the recomputation created goes (the forward's comes back)
+            for key in [k for k, v in table.items() if k not in names and _tracked(k, v)]:
+                del table[key]
         for table, key, value in self.after:
-            table[key] = value
+            if value is _MISSING:
+                table.pop(key, None)
+            else:
+                table[key] = value
         self.after = []
         wrote = [e for e in self.kept if _version_of(e.tensor) != e.version]
         self.kept = []
@@ -374,13 +420,17 @@ class _DuringRecomputation:
             raise _unexpected_write(self.state, wrote, "recomputation")
 
 
-def _checkpoint_block(fn: Callable, block: nn.Module, site: Any, *args: Any, **kwargs: Any) -> Any:
+def _checkpoint_block(fn: Callable, block: nn.Module, site: Any, args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)``, its activations recomputed in backward, ``block``'s state kept
-    (``site``: the call, what the state its forward writes is learned for)."""
+    (``site``: the call, what the state its forward writes is learned for). The keyword
+    arguments are bound to ``fn`` here: checkpoint would take those it has itself (``debug``,
+    ``preserve_rng_state``, ...) as its own. The positional ones go through checkpoint, which
+    finds the devices whose RNG state it keeps from their tensors."""
     if not torch.is_grad_enabled():  # nothing will be backpropagated: no need to snapshot or stash RNG
         return fn(*args, **kwargs)
     state = _BlockState(block, site)
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=state.contexts, **kwargs)
+    call = functools.partial(fn, **kwargs) if kwargs else fn
+    return checkpoint(call, *args, use_reentrant=False, context_fn=state.contexts)
 
 
 # Under torch.compile the call runs eagerly (a graph break): dynamo takes no context_fn but
@@ -397,10 +447,10 @@ def _prepare_checkpoint() -> None:
         _EAGER_CHECKPOINT = torch.compiler.disable(_checkpoint_block)
 
 
-def _checkpointed(fn: Callable, block: nn.Module, site: Any, *args: Any, **kwargs: Any) -> Any:
+def _checkpointed(fn: Callable, block: nn.Module, site: Any, args: tuple, kwargs: dict) -> Any:
     if _EAGER_CHECKPOINT is None:
         _prepare_checkpoint()
-    return _EAGER_CHECKPOINT(fn, block, site, *args, **kwargs)
+    return _EAGER_CHECKPOINT(fn, block, site, args, kwargs)
 
 
 # ---- recomputation of a hand-written array's blocks: a class swap -------------------------
@@ -414,22 +464,28 @@ class Recompute(nn.Module):
     identity, parameters, buffers, hooks, ``state_dict`` keys, per-slot
     surgery and the name of its class; ``isinstance(block, Recompute)`` tells
     that it recomputes, and its ``forward`` runs the original one under
-    ``torch.utils.checkpoint``. Blocks of an :func:`hfkern.fuse` model are not
+    ``torch.utils.checkpoint`` (its arguments as given: keywords go to the block,
+    none to checkpoint). A class ``torch.nn.utils.parametrize`` gave the block stays
+    on top of the swapped one, so parametrizations are added and removed before or
+    after :func:`apply` and :func:`unapply` alike. Pickling (``torch.save``,
+    ``copy.deepcopy``) goes through the original class's ``__getstate__`` and
+    ``__setstate__``. Blocks of an :func:`hfkern.fuse` model are not
     swapped: their code lives in the fused model's captured graph (see :func:`apply`).
     """
 
     _recompute_base: type[nn.Module]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _checkpointed(super().forward, self, self, *args, **kwargs)
+        return _checkpointed(super().forward, self, self, args, kwargs)
 
     def extra_repr(self) -> str:
         return ", ".join(filter(None, (super().extra_repr(), "recompute")))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The swapped class is made at run time and cannot be pickled by name:
-        # pickle (and deepcopy) rebuild it from the original class instead.
-        return _new_recompute, (self._recompute_base,), self.__dict__
+        # pickle (and deepcopy) rebuild it from the original class instead, with the state
+        # the original class's own __getstate__ gives (and its __setstate__ takes).
+        return _new_recompute, (self._recompute_base,), self.__getstate__()
 
 
 _RECOMPUTE_CLASSES: dict[type, type] = {}
@@ -450,12 +506,38 @@ def _new_recompute(base: type[nn.Module]) -> nn.Module:
     return object.__new__(_recompute_class(base))
 
 
+_PARAMETRIZE_MODULE = torch.nn.utils.parametrize.__name__  # where its classes are made
+
+
+def _parametrize_class(cls: type) -> bool:
+    """A class ``torch.nn.utils.parametrize`` made for a module (``Parametrized<its class>``, one
+    base, holding the parametrized tensors' properties): it stays on top of the block's class,
+    so that removing the last parametrization (which sets the class to its base) keeps the
+    recomputation, and removing the recomputation keeps the parametrization."""
+    return (len(cls.__bases__) == 1 and cls.__name__ == f"Parametrized{cls.__bases__[0].__name__}"
+            and "__getstate__" in cls.__dict__ and cls.__module__ == _PARAMETRIZE_MODULE)
+
+
+def _rebased(cls: type, base: type) -> type:
+    """``cls`` (a parametrize class) made again on ``base``: its properties and methods kept."""
+    body = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    return type(cls.__name__, (base,), body)
+
+
 def _swap_in(block: nn.Module) -> None:
-    block.__class__ = _recompute_class(type(block))
+    cls = type(block)
+    if _parametrize_class(cls):  # Parametrized<base>: Parametrized<Recompute of base>
+        block.__class__ = _rebased(cls, _recompute_class(cls.__bases__[0]))
+    else:
+        block.__class__ = _recompute_class(cls)
 
 
 def _swap_out(block: nn.Module) -> None:
-    block.__class__ = block._recompute_base
+    cls = type(block)
+    if _parametrize_class(cls) and cls.__bases__[0] is _RECOMPUTE_CLASSES.get(block._recompute_base):
+        block.__class__ = _rebased(cls, block._recompute_base)  # parametrized after apply()
+    else:
+        block.__class__ = block._recompute_base
 
 
 # ---- recomputation of a fused model's blocks: segments of its captured graph ---------------
@@ -474,7 +556,7 @@ class _RecomputeSegment(_capture.GraphTarget):
         self._named(f"recompute_{block}")
 
     def __call__(self, fused: nn.Module, *inputs: Any) -> tuple:
-        return _checkpointed(self.fn, fused.get_submodule(self.block), self, fused, *inputs)
+        return _checkpointed(self.fn, fused.get_submodule(self.block), self, (fused, *inputs), {})
 
     # Pickled (torch.save of a fused model with a plan applied) as its graph's nodes.
     def __getstate__(self) -> dict[str, Any]:
@@ -747,8 +829,70 @@ def _model_side(strategy: Strategy) -> tuple:
     return strategy.B, frozenset(strategy.recompute), strategy.memory_format
 
 
+def _capturing() -> bool:
+    """A CUDA graph capture is under way: nothing may wait for the device (no host checks)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _known_mean(loss_fn: Callable, B: int, shared: bool) -> Callable | str | None:
+    """For :func:`hfkern.nn.functional.cross_entropy` or ``nll_loss`` (itself, or a
+    ``functools.partial`` of it with keyword arguments only): the denominator of its mean over a
+    chunk's targets (what :func:`make_step`'s ``loss_denominator`` gives), computed as it
+    computes it: the summed class weights of the targets not ignored, their count without
+    weights; the element count for class-probability targets. ``"sum"`` where it sums
+    (``reduction='sum'``), None for any other loss (whose mean is not known)."""
+    from ..nn import functional as AF
+
+    func, kw = loss_fn, {}
+    if isinstance(loss_fn, functools.partial) and not loss_fn.args:
+        func, kw = loss_fn.func, dict(loss_fn.keywords)
+    if func is not AF.cross_entropy and func is not AF.nll_loss:
+        return None
+    reduction, weight, ignore_index = kw.get("reduction", "mean"), kw.get("weight"), kw.get("ignore_index", -100)
+    if reduction == "sum":
+        return "sum"
+    if reduction != "mean" or not isinstance(ignore_index, int) or not (
+            weight is None or isinstance(weight, torch.Tensor) and weight.dim() in (1, 2)):
+        return None  # the loss refuses these itself
+
+    def denominator(y: torch.Tensor) -> Any:
+        if y.is_floating_point():  # class probabilities: the mean is over the elements
+            return y.numel() // (1 if shared else max(y.size(0), 1))
+        valid = y != ignore_index
+        if weight is None:
+            counted = valid
+        else:
+            t = y.long().masked_fill(~valid, 0)
+            w = weight.to(y.device)
+            if w.dim() == 1:
+                counted = w[t] * valid
+            elif shared:  # [B, C] weights of one shared target: [B, N, ...]
+                counted = w[:, t] * valid
+            else:
+                counted = w.gather(1, t.reshape(t.size(0), -1)).view(t.shape) * valid
+        per_model = not shared or counted.dim() == y.dim() + 1
+        return counted.flatten(1).sum(1) if per_model else counted.sum()
+
+    return denominator
+
+
+def _counts(who: str, value: Any, B: int, k: int) -> torch.Tensor:
+    """A ``loss_denominator`` result as a float tensor, ``[]`` or ``[B]``; TypeError/ValueError
+    for another."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"{who}: expected loss_denominator to return a number or a tensor ([] or [B={B}]), got "
+                        f"{type(value).__name__} for micro-batch {k}")
+    if isinstance(value, torch.Tensor):
+        if value.shape not in ((), (B,)) or value.is_complex():
+            raise ValueError(f"{who}: expected loss_denominator to return a real number or a [] or [B={B}] "
+                             f"tensor, got a {value.dtype} tensor of shape {list(value.shape)} for micro-batch {k}")
+        return value.detach().to(torch.float64 if value.device.type != "mps" else torch.float32)
+    return torch.tensor(float(value), dtype=torch.float64)
+
+
 def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Callable, *,
-              shared: bool = True, allow_batch_statistics: bool = False) -> Callable:
+              shared: bool = True, allow_batch_statistics: bool = False,
+              loss_denominator: Callable | None = None) -> Callable:
     """The training step of ``model`` under ``strategy``: ``step(x, y, **step_kwargs) -> losses [B]``
     (``step_kwargs`` go to ``optimizer.step``, e.g. an hfkern optimizer's ``skip`` mask).
 
@@ -758,10 +902,34 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
     ``[B]`` per-model mean losses, e.g. :func:`hfkern.nn.functional.cross_entropy`)
     under ``torch.autocast(device_type, dtype=torch.bfloat16)`` when
     ``strategy.precision`` is ``"bf16"``, and backward of the chunk's losses
-    weighted by its share of the batch, so that the gradients are those of the
-    full batch's mean loss; then ``optimizer.step()``. It returns the full
-    batch's per-model losses (the weighted mean of the chunks', in float32 or
-    the losses' dtype if wider, detached), ``[B]``.
+    weighted by its share of the batch's denominator (below), so that the
+    gradients are those of the full batch's mean loss; then
+    ``optimizer.step()``. It returns the full batch's per-model losses (the
+    weighted sum of the chunks', in float32 or the losses' dtype if wider,
+    detached), ``[B]``.
+
+    Micro-batches and the mean. A chunk's mean loss weighs ``d_k / D``: what
+    its mean divides by (``d_k``) over what the full batch's divides by
+    (``D``, the sum of them), which gives the full batch's mean exactly. By
+    default ``d_k`` is the chunk's number of samples: right for a mean in
+    which every sample counts the same (``mse_loss``, ``l1_loss``,
+    ``binary_cross_entropy_with_logits``, ``cross_entropy`` without class
+    weights or ignored targets), and not for others: ``cross_entropy`` with
+    ``ignore_index`` targets or class ``weight`` divides by the summed
+    weights of the targets it does not ignore, so a chunk with more padding
+    would count as much as one with less. For such a loss, pass
+    ``loss_denominator``. :func:`hfkern.nn.functional.cross_entropy` and
+    ``nll_loss`` given as ``loss_fn`` themselves (or as a ``functools.partial``
+    with keyword arguments: ``partial(cross_entropy, weight=w,
+    ignore_index=0)``) are recognized and weighted by their own denominator.
+    For any other ``loss_fn`` (a wrapper, a lambda) with
+    ``micro_batches > 1``, a batch whose targets are integers with negative
+    entries (ignored targets: ``ignore_index=-100``) is refused with
+    ValueError unless ``loss_denominator`` is given (the check reads the
+    targets: a device sync per step for CUDA targets; under CUDA graph
+    capture nothing is checked); class weights, or an ``ignore_index`` that is
+    not negative, inside a wrapper cannot be seen: pass ``loss_denominator``
+    for them.
 
     Args:
         model: an array model that :func:`apply` gave this strategy (same B,
@@ -781,10 +949,25 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
             ``micro_batches > 1`` on a model with batch norm unless this is True.
             Dropout draws its masks per micro-batch: the same distribution, not
             the same numbers as one full-batch step.
+        loss_denominator: ``loss_denominator(y_chunk)``: what ``loss_fn``'s mean
+            over the chunk's targets divides by, a number or a tensor, ``[]``
+            (for every model) or ``[B]`` (per model), e.g. ``lambda y: (y !=
+            -100).sum()`` for padded targets (``shared=False``: ``lambda y: (y
+            != -100).flatten(1).sum(1)``). Called on every chunk before the
+            step changes anything; a chunk it counts nothing in (for every
+            model) is skipped, and ValueError is raised for a negative or
+            non-finite count, for a chunk that counts nothing for some models
+            only (their mean loss would be 0/0, NaN in their gradients, where
+            the full batch's is not) and for a batch that counts nothing for a
+            model. Its values are read on the host (a device sync for device
+            tensors; under CUDA graph capture nothing is checked nor skipped).
+            Used only where ``micro_batches > 1``.
 
-    Raises TypeError/ValueError for arguments outside these; ``step`` raises
-    ValueError for a batch of other shapes or with fewer than
-    ``micro_batches`` samples, before it changes anything.
+    Raises TypeError/ValueError for arguments outside these (ValueError for
+    ``micro_batches > 1`` with a recognized loss given ``reduction='sum'``:
+    the chunks' weights are for means); ``step`` raises ValueError for a batch
+    of other shapes, with fewer than ``micro_batches`` samples, or refused as
+    above, before it changes anything.
     """
     if not isinstance(strategy, Strategy):
         raise TypeError(f"make_step: expected a hfkern.plan Strategy, got {type(strategy).__name__}")
@@ -798,6 +981,9 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
     for name, flag in (("shared", shared), ("allow_batch_statistics", allow_batch_statistics)):
         if not isinstance(flag, bool):
             raise TypeError(f"make_step: expected {name} to be a bool, got {type(flag).__name__} {flag!r}")
+    if loss_denominator is not None and not callable(loss_denominator):
+        raise TypeError(f"make_step: expected loss_denominator to be callable or None, got "
+                        f"{type(loss_denominator).__name__}")
     done = applied(model)
     if done is None or _model_side(done) != _model_side(strategy):
         raise ValueError(
@@ -822,11 +1008,59 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
                          f"got {device_type!r}, where torch has none")
     B = strategy.B
     dim = 0 if shared else 1  # the batch dim of x and y
+    known = (loss_denominator or _known_mean(loss_fn, B, shared)) if m > 1 else None
+    if known == "sum":
+        raise ValueError(f"make_step: micro_batches={m} weighs each micro-batch's per-model mean loss; expected "
+                         f"a loss_fn returning means, got {getattr(loss_fn, 'func', loss_fn).__name__} with "
+                         "reduction='sum'")
+    denominator = known  # None: the chunks' sample counts
 
     def autocast() -> contextlib.AbstractContextManager:
         if strategy.precision == "bf16":
             return torch.autocast(device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def weights(y: torch.Tensor, ys: tuple, N: int) -> list:
+        """Each chunk's weight (a float, a [B] tensor, or None: skipped), before anything changes."""
+        if denominator is None:
+            if (not (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool) and not _capturing()
+                    and bool((y < 0).any())):
+                raise ValueError(
+                    f"step: micro_batches={m} weighs each micro-batch's mean loss by its share of the samples, "
+                    "the full batch's mean only where every sample counts the same; expected targets a mean over "
+                    "samples takes, got integer targets with negative entries (ignored targets: ignore_index), "
+                    "whose mean divides by the targets not ignored. Pass make_step(..., loss_denominator=...) "
+                    "(e.g. lambda y: (y != -100).sum()), or loss_fn=hfkern.nn.functional.cross_entropy itself")
+            return [yk.size(dim) / N for yk in ys]
+        counts = [_counts("step", denominator(yk), B, k) for k, yk in enumerate(ys)]
+        per_model = any(c.dim() == 1 for c in counts)
+        table = torch.stack([c.to(counts[0].device).expand(B) for c in counts])  # [m, B]
+        if _capturing():  # no host checks: device weights
+            return list(table / table.sum(0))
+        table = table.cpu()
+        if not bool(torch.isfinite(table).all()) or bool((table < 0).any()):
+            raise ValueError(f"step: expected loss_denominator to count finite, non-negative amounts, got "
+                             f"{table.tolist()} (per micro-batch, per model)")
+        total = table.sum(0)
+        empty = (total == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"step: loss_denominator counts nothing in the batch for models {empty}: their mean "
+                             "loss is 0/0; expected a batch with targets the loss counts")
+        out = []
+        for k, row in enumerate(table):
+            zero = (row == 0).nonzero().flatten().tolist()
+            if len(zero) == B:
+                out.append(None)  # nothing counted: its mean is 0/0 and its weight 0
+            elif zero:
+                raise ValueError(
+                    f"step: micro-batch {k} of {m} holds nothing loss_denominator counts for models {zero} (and "
+                    "something for others): their mean loss over it is 0/0, NaN in their gradients, where the "
+                    "full batch's is not; expected fewer micro_batches or batches with counted targets in "
+                    "every micro-batch")
+            else:
+                w = row / total
+                out.append(w if per_model else float(w[0]))
+        return out
 
     def step(x: torch.Tensor, y: torch.Tensor, **step_kwargs: Any) -> torch.Tensor:
         for name, t in (("x", x), ("y", y)):
@@ -842,10 +1076,13 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
         N = x.size(dim)
         if N < m:
             raise ValueError(f"step: expected a batch of at least micro_batches={m} samples, got N={N}")
+        xs, ys = torch.tensor_split(x, m, dim), torch.tensor_split(y, m, dim)
+        shares = weights(y, ys, N) if m > 1 else [1.0]
         optimizer.zero_grad()
         total = None
-        for xk, yk in zip(torch.tensor_split(x, m, dim), torch.tensor_split(y, m, dim)):
-            share = xk.size(dim) / N
+        for xk, yk, share in zip(xs, ys, shares):
+            if share is None:
+                continue
             with autocast():
                 out = model(broadcast(xk, B) if shared else xk)
                 losses = loss_fn(out, yk)
@@ -854,7 +1091,9 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
                                  f"{type(losses).__name__} {list(getattr(losses, 'shape', []))}")
             # float32 at least (bf16 losses under autocast); float64 models' stay float64
             losses = losses.to(torch.promote_types(losses.dtype, torch.float32))
-            # Chunk k's mean loss weighted by n_k / N: the gradients sum to the full batch mean's.
+            if isinstance(share, torch.Tensor):
+                share = share.to(losses.device, losses.dtype)
+            # Chunk k's mean loss weighted by d_k / D: the gradients sum to the full batch mean's.
             (losses * share).sum().backward()
             part = losses.detach() * share
             total = part if total is None else total + part
