@@ -15,6 +15,7 @@ import math
 from typing import Callable, Sequence
 
 import torch
+from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
 from torch.autograd import forward_ad
 
 __all__ = ["broadcast", "is_shared"]
@@ -197,14 +198,120 @@ def new_batch_major(
     Allocated with those strides rather than as a permuted view, so that an op
     returning it returns a tensor of its own (see :func:`op_result`).
     """
+    return like.new_empty_strided(tuple(shape), batch_major_strides(shape, memory_format))
+
+
+def batch_major_strides(
+    shape: Sequence[int], memory_format: torch.memory_format = torch.contiguous_format
+) -> tuple[int, ...]:
+    """The strides :func:`new_batch_major` gives ``shape``: those of a contiguous
+    ``[N, B, *rest]`` (channels-last: ``[N, H, W, B, C]``) permuted to ``[B, N, ...]``,
+    dims of size one included."""
     if memory_format == torch.channels_last:
         B, N, C, H, W = shape
-        strides = [C, H * W * B * C, 1, W * B * C, B * C]
-    else:
-        B, N, *rest = shape
-        inner = math.prod(rest)
-        strides = [inner, B * inner] + [math.prod(rest[i + 1:]) for i in range(len(rest))]
-    return like.new_empty_strided(tuple(shape), tuple(strides))
+        return (C, H * W * B * C, 1, W * B * C, B * C)
+    B, N, *rest = shape
+    inner = math.prod(rest)
+    return (inner, B * inner, *(math.prod(rest[i + 1:]) for i in range(len(rest))))
+
+
+def exact_batch_major(y: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """An op's array result ``y`` (``[B, N, *rest]`` in ``memory_format``'s array memory,
+    e.g. :func:`from_grouped`'s view) with exactly :func:`new_batch_major`'s strides, the
+    ones its fake gives, also on dims of size one. A view sets those from its own rule:
+    with one channel, or one model, memory that is both formats then reads as the other
+    one (:func:`array_memory_format`), and the next op's layout would differ from the
+    compiled graph's. The same elements, so a free ``as_strided`` (a copy only if the
+    memory is not ``memory_format``'s at all). For an op kernel's output (below autograd)."""
+    shape = y.shape
+    if 1 not in shape and 0 not in shape:  # no dim of size one: the memory fixes the strides
+        return y
+    strides = batch_major_strides(shape, memory_format)
+    if y.stride() == strides:
+        return y
+    if y.numel() == 0 or all(n == 1 or a == b for n, a, b in zip(shape, y.stride(), strides)):
+        return y.as_strided(shape, strides, y.storage_offset())
+    return new_batch_major(y, shape, memory_format).copy_(y)
+
+
+def exact_empty_strides(y: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """``y`` with exactly the strides ``torch.empty(y.shape, memory_format=memory_format)``
+    gives (dims of size one included; ``y.contiguous(memory_format=...)`` keeps ``y``'s
+    there): a free ``as_strided`` where only those differ, else a copy. For an op
+    kernel's output whose fake is that ``torch.empty``."""
+    shape = y.shape
+    strides = tuple(make_channels_last_strides_for(shape) if memory_format == torch.channels_last
+                    else make_contiguous_strides_for(shape))
+    if y.stride() == strides:
+        return y
+    if y.numel() == 0 or all(n == 1 or a == b for n, a, b in zip(shape, y.stride(), strides)):
+        return y.as_strided(shape, strides, y.storage_offset())
+    return torch.empty_like(y, memory_format=memory_format).copy_(y)
+
+
+def eager_empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.empty_like(x)`` with the strides eager torch gives it, also under
+    ``FakeTensorMode``: what a fake returns for an output the op gives the layout of
+    ``torch.empty_like(x)``. Eager torch keeps ``x``'s strides where ``x`` is
+    non-overlapping and dense (and else infers dense ones keeping its dim order);
+    the fake's ``empty_like`` derives them from a dim order, which differs on dims of
+    size one (x ``[1, 2, 4, 1, 1]`` with strides ``(4, 4, 1, 4, 4)``: eager keeps
+    them, channels-last for :func:`array_memory_format`; a fake gets
+    ``(8, 4, 1, 1, 1)``, contiguous). Symbolic sizes: ``torch.empty_like(x)``."""
+    sizes, strides = tuple(x.shape), tuple(x.stride())
+    if x.layout != torch.strided or not all(type(v) is int for v in (*sizes, *strides)):
+        return torch.empty_like(x, dtype=dtype)
+    if not _non_overlapping_and_dense(sizes, strides):
+        strides = _infer_dense_strides(sizes, strides)
+    return x.new_empty_strided(sizes, strides, dtype=dtype)
+
+
+def _non_overlapping_and_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """ATen's ``is_non_overlapping_and_dense`` (dims of size < 2 place no condition; an
+    empty tensor is dense)."""
+    if 0 in sizes:
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(sizes, strides) if n >= 2):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _infer_dense_strides(sizes: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
+    """ATen's ``infer_dense_strides`` (what eager ``empty_like`` gives a tensor that is not
+    dense): dense strides in the dim order of ``strides``, found by its stable insertion
+    sort (a stride of 0 compares as ambiguous; equal strides put the smaller size inner)."""
+    ndim = len(sizes)
+    if ndim < 2:
+        return (1,) * ndim
+    perm = list(range(ndim - 1, -1, -1))  # innermost first
+
+    def order(d0: int, d1: int) -> int:
+        s0, s1 = strides[d0], strides[d1]
+        if s0 == 0 or s1 == 0:
+            return 0
+        if s0 != s1:
+            return -1 if s0 < s1 else 1
+        return 1 if sizes[d0] > sizes[d1] else 0
+
+    for i in range(1, ndim):
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            c = order(perm[d0], perm[d1])
+            if c > 0:
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+                d1 = d0
+            elif c < 0:
+                break
+    out = [0] * ndim
+    step = 1
+    for d in perm:
+        out[d] = step
+        if sizes[d] > 1:
+            step *= sizes[d]
+    return tuple(out)
 
 
 # ---- memory formats of array images --------------------------------------------

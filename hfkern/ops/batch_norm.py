@@ -98,8 +98,8 @@ from torch import Tensor
 
 from .. import _backend
 from .._array import (
-    array_memory_format, fresh_array, from_grouped, grouped_in_format, is_shared, op_result, per_model_memory_first,
-    refuse_forward_ad, to_grouped,
+    array_memory_format, eager_empty_like, fresh_array, from_grouped, grouped_in_format, is_shared, op_result,
+    per_model_memory_first, refuse_forward_ad, to_grouped,
 )
 from .._dtypes import acc_dtype
 from ._norm import (
@@ -682,7 +682,8 @@ def _(x, weight, bias, running_mean, running_var, num_batches_tracked, training,
                    activation)
     stats = (x.shape[0], x.shape[2])
     acc = acc_dtype(x.dtype)
-    return torch.empty_like(x), x.new_empty(stats, dtype=acc), x.new_empty(stats, dtype=acc)
+    # empty_like(x) as eager torch lays it out (a fake's own differs on dims of size one)
+    return eager_empty_like(x), x.new_empty(stats, dtype=acc), x.new_empty(stats, dtype=acc)
 
 
 @torch.library.custom_op("hfkern::array_batch_norm_backward", mutates_args=())
@@ -705,7 +706,9 @@ def array_batch_norm_backward(
 @array_batch_norm_backward.register_fake
 def _(grad_y, x, weight, mean, rstd, training, output_mask, bias=None, activation="none"):
     _check_backward(grad_y, x, weight, mean, rstd, output_mask, bias, activation)
-    return backward_outputs(x, weight, output_mask, (x.shape[0], x.shape[2]))
+    grad_x, grad_weight, grad_bias = backward_outputs(x, weight, output_mask, (x.shape[0], x.shape[2]))
+    # grad_x: empty_like(x) as eager torch lays it out (a fake's own differs on dims of size one)
+    return eager_empty_like(x) if output_mask[0] else grad_x, grad_weight, grad_bias
 
 
 class _ArrayBatchNorm(torch.autograd.Function):

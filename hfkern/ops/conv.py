@@ -45,8 +45,9 @@ from torch import Tensor
 from .. import _backend
 from . import _autocast
 from .._array import (
-    array_memory_format, check_conv_args, conv_output_size, fresh_array, from_grouped, like_weight,
-    new_batch_major, op_result, per_model_memory_first, refuse_forward_ad, to_grouped,
+    array_memory_format, check_conv_args, conv_output_size, eager_empty_like, exact_batch_major,
+    exact_empty_strides, fresh_array, from_grouped, like_weight, new_batch_major, op_result,
+    per_model_memory_first, refuse_forward_ad, to_grouped,
 )
 
 __all__ = ["array_conv", "array_conv_input_grad", "array_conv_weight_grad", "conv"]
@@ -157,15 +158,17 @@ def _conv_torch(
 ) -> Tensor:
     """The torch path's forward in differentiable torch ops: a view of the grouped result,
     or with ``fresh`` (under autograd) a tensor of its own (:func:`fresh_array`); the
-    CPU's 1x1 matmul path gives a view either way (:func:`conv` leaves it to the op)."""
+    CPU's 1x1 matmul path gives a view either way (:func:`conv` leaves it to the op).
+    Without ``fresh`` (the op's kernel), with exactly the strides of the op's fake
+    (:func:`hfkern._array.exact_batch_major`)."""
     B = weight.shape[0]
     fmt = array_memory_format(x, shared=x.dim() != weight.dim())
-    to_array = fresh_array if fresh else from_grouped
+    to_array = fresh_array if fresh else _from_grouped_exact
     if _pointwise(x, weight, stride, padding, dilation, transposed, groups):
         y = _pointwise_matmul(weight.flatten(2), x)
         if bias is not None:
             y = y.add_(bias.view(B, 1, -1, *([1] * (x.dim() - 3))))
-        return y
+        return y if fresh else exact_batch_major(y, fmt)
     if x.dim() == weight.dim():  # per-model input
         return to_array(_grouped_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding,
                                       groups), B, fmt)
@@ -178,6 +181,13 @@ def _conv_torch(
         stride, padding, dilation, transposed, output_padding, groups,
     )
     return to_array(_swap_channel_blocks(y, groups, B), B, fmt)
+
+
+def _from_grouped_exact(y: Tensor, B: int, fmt: torch.memory_format) -> Tensor:
+    """:func:`hfkern._array.from_grouped` with the strides of :func:`new_batch_major` (the
+    fakes') on dims of size one too: one channel or one model in channels-last memory
+    then reads as channels-last, as the fake does, not as the view's contiguous strides."""
+    return exact_batch_major(from_grouped(y, B, fmt), fmt)
 
 
 def _grouped_conv(
@@ -219,11 +229,11 @@ def array_conv_input_grad_torch(
     shared = len(input_size) == weight.dim() - 1
     fmt = array_memory_format(grad_out)
     if 0 in grad_out.shape[3:]:  # an empty output reached no input: aten refuses an empty plane
-        zeros = (torch.zeros(input_size, dtype=grad_out.dtype, device=grad_out.device, memory_format=fmt) if shared
-                 else new_batch_major(grad_out, input_size, fmt).zero_())
+        zeros = (torch.empty(input_size, dtype=grad_out.dtype, device=grad_out.device, memory_format=fmt)
+                 if shared else new_batch_major(grad_out, input_size, fmt)).zero_()  # (zeros takes no memory_format)
         return op_result(zeros)
     if not shared and _pointwise(grad_out, weight, stride, padding, dilation, transposed, groups):
-        return op_result(_pointwise_matmul(weight.flatten(2).transpose(1, 2), grad_out))
+        return op_result(exact_batch_major(_pointwise_matmul(weight.flatten(2).transpose(1, 2), grad_out), fmt))
     if shared:  # the sum over the B models falls out of the dense conv
         gy = _swap_channel_blocks(to_grouped(grad_out), B, groups)
         w, g = _dense_weight(weight, transposed, groups), groups
@@ -243,7 +253,8 @@ def array_conv_input_grad_torch(
         # (output_padding < dilation) they give rows past the input's, which no input
         # element reached. (At stride > 1 the plain conv's floor drops them.)
         gx = gx[(slice(None), slice(None), *(slice(0, n) for n in input_size[-nd:]))]
-    return gx.contiguous(memory_format=fmt) if shared else op_result(from_grouped(gx, B, fmt))
+    # the fake's strides exactly, dims of size one included (:func:`exact_empty_strides`)
+    return op_result(exact_empty_strides(gx, fmt) if shared else _from_grouped_exact(gx, B, fmt))
 
 
 @_backend.implements(_WGRAD, "torch")
@@ -492,7 +503,7 @@ def array_conv_weight_grad(
 def _(grad_out, x, weight, stride, padding, dilation, transposed, output_padding, groups):
     check_conv_args(_WGRAD, x.dim(), weight, stride, padding, dilation, output_padding, groups,
                     grad_out=grad_out, transposed=transposed, x=x)
-    return torch.empty_like(weight)
+    return eager_empty_like(weight)  # (a fake's own empty_like differs on dims of size one)
 
 
 # Every formula runs its ops pinned to the backend that served the op it

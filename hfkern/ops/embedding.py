@@ -89,7 +89,10 @@ def _offset_indices(indices: Tensor, num_weights: int) -> Tensor:
     """
     B = indices.shape[0]
     dtype = torch.int64 if B * num_weights > _INT32_MAX else indices.dtype
-    offsets = torch.arange(0, B * num_weights, num_weights, device=indices.device, dtype=dtype)
+    if num_weights == 0:  # empty tables (no valid index, as torch's): torch.arange takes no step 0
+        offsets = torch.zeros(B, device=indices.device, dtype=dtype)
+    else:
+        offsets = torch.arange(0, B * num_weights, num_weights, device=indices.device, dtype=dtype)
     offsets = offsets.view(B, *([1] * (indices.dim() - 1)))
     # Indices with any strides (an [N, B] memory order, a broadcast) flatten through a
     # contiguous copy of the sum. (An out= buffer saved that copy in eager mode, but traced

@@ -497,6 +497,14 @@ def _forward_outputs(x: Tensor, norm_ndim: int) -> tuple[Tensor, Tensor, Tensor]
     return torch.empty_like(x), x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
 
 
+def _empty_forward(x: Tensor, norm_ndim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd) of an empty x, which launches nothing: the statistics of rows of no
+    elements (``S`` empty) are NaN, as the torch backend's (not uninitialised memory);
+    without rows they are empty."""
+    y, mean, rstd = _forward_outputs(x, norm_ndim)
+    return y, mean.fill_(math.nan), rstd.fill_(math.nan)
+
+
 def _forward(x: Tensor, weight, bias, norm_ndim: int, eps: float, is_rms: bool, activation: str = "none"):
     B = x.shape[0]
     M = _num_rows(x, norm_ndim)
@@ -537,7 +545,7 @@ def array_layer_norm(
     """
     check_tensors("array_layer_norm", x, weight, bias)
     if x.numel() == 0:
-        return _forward_outputs(x, norm_ndim)
+        return _empty_forward(x, norm_ndim)
     return _forward(x, weight, bias, norm_ndim, eps, is_rms=False, activation=activation)
 
 
@@ -551,7 +559,7 @@ def array_rms_norm(
     """
     check_tensors("array_rms_norm", x, weight)
     if x.numel() == 0:
-        return _forward_outputs(x, norm_ndim)[::2]
+        return _empty_forward(x, norm_ndim)[::2]
     y, _, rstd = _forward(x, weight, None, norm_ndim, eps, is_rms=True)
     return y, rstd
 
