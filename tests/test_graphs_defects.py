@@ -44,24 +44,26 @@ class _Net(nn.Module):
         return self.out(self.drop(self.fc(x)))
 
 
-def _train(captured: bool, ps=(0.5, 0.1, 0.2), changes=None, steps=8, extra=None):
-    """(losses [steps, B], fused model, the step called): a fused model of dropout nets trained
-    with SGD, ``changes[i](fused, opt)`` run before step i; with ``captured``, through
-    capture_step (one warm-up call) under the recorded graph."""
+def _train(captured: bool, ps=(0.5, 0.1, 0.2), changes=None, steps=8, extra=None, net=None, shape=(4, 6)):
+    """(losses [steps, B], fused model, the step called): a fused model of dropout nets
+    (``net(p)``, default ``_Net``) trained with SGD on batches of ``shape``,
+    ``changes[i](fused, opt)`` run before step i; with ``captured``, through capture_step
+    (one warm-up call) under the recorded graph."""
     torch.manual_seed(0)
-    fused = hfkern.fuse([_Net(p) for p in ps])
+    fused = hfkern.fuse([(net or _Net)(p) for p in ps])
     opt = hfkern.optim.SGD(fused.parameters(), lr=0.1, momentum=0.9)
     post = extra if extra is not None else (lambda out: out)
 
     def step(x):
-        losses = post(fused(hfkern.broadcast(x, B))).pow(2).mean(dim=(1, 2))
+        out = post(fused(hfkern.broadcast(x, B)))
+        losses = out.pow(2).mean(dim=tuple(range(1, out.dim())))
         opt.zero_grad()
         losses.sum().backward()
         opt.step()
         return losses.detach()
 
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(4, 6, generator=g) for _ in range(steps)]
+    batches = [torch.randn(*shape, generator=g) for _ in range(steps)]
     with recorded() if captured else contextlib.nullcontext():
         run = hfkern.capture_step(step, batches[0], warmup=1) if captured else step
         losses = []
@@ -425,36 +427,13 @@ class _AttnNet(nn.Module):
         return self.out(self.attn(x, x, x, need_weights=False)[0])
 
 
-def _train_attention(captured: bool, changes=None, steps=6):
-    torch.manual_seed(0)
-    fused = hfkern.fuse([_AttnNet(p) for p in (0.5, 0.1, 0.2)])
-    opt = hfkern.optim.SGD(fused.parameters(), lr=0.1)
-
-    def step(x):
-        losses = fused(hfkern.broadcast(x, B)).pow(2).mean(dim=(1, 2, 3))
-        opt.zero_grad()
-        losses.sum().backward()
-        opt.step()
-        return losses.detach()
-
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(2, 4, 6, generator=g) for _ in range(steps)]
-    with recorded() if captured else contextlib.nullcontext():
-        run = hfkern.capture_step(step, batches[0], warmup=1) if captured else step
-        losses = []
-        for i, x in enumerate(batches):
-            if changes and i in changes:
-                changes[i](fused)
-            losses.append(run(x))
-    return torch.stack(losses), fused, run
-
-
 def test_a_per_model_attention_dropout_loaded_after_capture_takes_effect_without_a_capture(torch_backend):
-    def load(fused):
+    def load(fused, opt):
         torch.manual_seed(5)
         fused.load_model(1, _AttnNet(0.0))
 
-    captured = _train_attention(True, changes={3: load})
-    _assert_same(captured, _train_attention(False, changes={3: load}))
+    kw = dict(changes={3: load}, steps=6, net=_AttnNet, shape=(2, 4, 6))
+    captured = _train(True, **kw)
+    _assert_same(captured, _train(False, **kw))
     assert captured[2].graphs == 1 and captured[2].eager_calls == 1
     assert captured[1].attn.dropout == (0.5, 0.0, 0.2)
