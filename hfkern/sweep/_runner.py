@@ -293,6 +293,15 @@ class Runner:
             weights; NaN for a trial that does not give it), and ``seed_param``
             to each trial's seed, exactly, as ``[B]`` int64 values. Default:
             per-model mean cross entropy.
+        loss_denominator: under a strategy of several micro-batches (given, or
+            picked with ``memory_budget``), ``loss_denominator(target_chunk)``:
+            what ``loss``'s mean over a micro-batch's targets divides by, a
+            number or a ``[B]`` tensor (:func:`hfkern.plan.make_step`'s
+            ``loss_denominator``), so that the micro-batches' weighted means make
+            the full batch's: needed for a mean that is not over samples (class
+            weights, ignored targets). Default: each micro-batch weighs by its
+            samples (the default ``loss``'s mean); integer targets with
+            negative entries (ignored targets) are then refused at the step.
         metric: the value reported to each trial: ``"accuracy"`` or ``"loss"``
             (on ``valid``, per-model mean cross entropy), or
             ``metric(model, hp) -> [B]`` (the fused model in eval mode, under
@@ -376,6 +385,7 @@ class Runner:
         scheduler_kwargs: Callable[[Params], Params] | None = None,
         scheduler_interval: str = "epoch",
         loss: Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor] | None = None,
+        loss_denominator: Callable[[torch.Tensor], Any] | None = None,
         metric: str | Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] | None = None,
         valid: tuple[torch.Tensor, torch.Tensor] | None = None,
         report_every: int | None = None,
@@ -403,7 +413,7 @@ class Runner:
             if not callable(fn):
                 raise TypeError(f"{who}: {label} must be callable, got {type(fn).__name__}")
         for label, fn in (("optimizer_kwargs", optimizer_kwargs), ("scheduler_kwargs", scheduler_kwargs),
-                          ("loss", loss)):
+                          ("loss", loss), ("loss_denominator", loss_denominator)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{who}: {label} must be callable or None, got {type(fn).__name__}")
         if not isinstance(seed_param, str):
@@ -450,6 +460,7 @@ class Runner:
             raise ValueError(f"{who}: scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}")
         self.scheduler_interval = scheduler_interval
         self._loss = loss or (lambda out, target, hp: cross_entropy(out, target))
+        self._loss_denominator = loss_denominator
 
         try:
             self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1203,7 +1214,8 @@ class Runner:
 
             strategy = dataclasses.replace(a.strategy, B=a.B)
             loss = lambda out, y: self._loss(out, y, a.hp)  # noqa: E731
-            steps = {shared: make_step(a.model, a.optimizer, strategy, loss, shared=shared) for shared in (True, False)}
+            steps = {shared: make_step(a.model, a.optimizer, strategy, loss, shared=shared,
+                                       loss_denominator=self._loss_denominator) for shared in (True, False)}
 
             def step(x: torch.Tensor, y: torch.Tensor, idle: torch.Tensor) -> torch.Tensor:
                 return steps[x.dim() == shared_dims](x, y, skip=idle)
