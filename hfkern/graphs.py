@@ -91,7 +91,7 @@ How a call runs:
     per-model attention dropout, ``inplace``. (The modules are the ones whose
     ``forward`` ran, found while the step runs eagerly or is captured; under
     another Python profiler, ``sys.setprofile``, they are not found and their
-    modes are not watched.)
+    modes are not watched: a UserWarning says so.)
 
   Everything else, written in place into the tensors the graph reads, takes
   effect without one: ``set_hyperparameters``, the schedulers' learning rates
@@ -116,6 +116,7 @@ import functools
 import operator
 import sys
 import threading
+import warnings
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -239,9 +240,18 @@ class _ModuleWatch:
         def snapshot() -> _Modules:
             return _Modules(tuple(self.modules), tuple(modes), tuple(self.getters), tuple(values))
 
-        if sys.getprofile() is not None:  # another profiler (or an outer watch) runs
+        running = sys.getprofile()
+        if running is not None:  # another profiler (or an outer watch, which finds them) runs
+            if not getattr(running, "_hfkern_module_watch", False):
+                warnings.warn(
+                    "capture_step: another Python profiler (sys.setprofile) runs while the step runs eagerly or "
+                    "is captured, so the modules it runs are not found: a later train()/eval() of them, or a "
+                    "change of their host hyper-parameters, will not make a new capture (call "
+                    "CapturedStep.reset() after such a change, or capture without the profiler)",
+                    UserWarning, stacklevel=4)
             yield snapshot
             return
+        profile._hfkern_module_watch = True  # type: ignore[attr-defined]
         sys.setprofile(profile)
         try:
             yield snapshot

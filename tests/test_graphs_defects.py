@@ -437,3 +437,21 @@ def test_a_per_model_attention_dropout_loaded_after_capture_takes_effect_without
     _assert_same(captured, _train(False, **kw))
     assert captured[2].graphs == 1 and captured[2].eager_calls == 1
     assert captured[1].attn.dropout == (0.5, 0.0, 0.2)
+
+
+def test_another_profiler_during_capture_is_warned_of(torch_backend):
+    """Under another sys.setprofile profiler the step's modules cannot be found, so their modes
+    are not watched: capture_step says so rather than replay a stale graph silently later."""
+    import cProfile
+    import warnings
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        with pytest.warns(UserWarning, match="another Python profiler"):
+            _train(True, steps=3)
+    finally:
+        profiler.disable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(True, steps=3)  # none without one
