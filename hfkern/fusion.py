@@ -128,7 +128,8 @@ every module in eval mode, and, where neither serves, in the modes the modules h
 when fused (a block that reads its own mode kept in eval mode in a model that
 trains); each call runs the capture made for the modes of the modules whose mode
 the forward read (others, a frozen backbone whose code reads no mode, may be in
-any mode). Modes no capture serves (set after fusing) raise ValueError naming them.
+any mode). Modes set after fusing that no capture serves are captured at the first call
+in them, as a new pattern of arguments is.
 A module registered under two names is one module under both; models that share a
 parameter or buffer are refused. The fused model can be compiled with ``torch.compile``
 (a pattern of Python-valued arguments first met while dynamo traces is captured
@@ -2382,6 +2383,25 @@ class FusedModel(ArrayModule):
             if forward is not None:
                 return forward
             moded = self._moded[key]
+        forward = self._moded_forward(moded)
+        if forward is not None:
+            return forward
+        # Modes set after fusing that no capture serves: captured in them now, once, as a new
+        # pattern of arguments is (the captures of every module in train and in eval mode are
+        # there already; one in the modules' modes is added).
+        if "torch._dynamo" in sys.modules:
+            _capture_new_pattern_eagerly(self, key)
+        else:
+            self._capture_call(key)
+        moded = self._moded[key]
+        forward = self._moded_forward(moded)
+        if forward is not None:
+            return forward
+        raise ValueError(self._modes_error(moded))
+
+    def _moded_forward(self, moded: list) -> Callable | None:
+        """The forward of ``moded`` (one pattern's captures for some modes) that serves the modules'
+        current modes, or None."""
         get = self.get_submodule
         for paths, modes, forward, _ in moded:
             for p, m in zip(paths, modes):
@@ -2389,7 +2409,7 @@ class FusedModel(ArrayModule):
                     break
             else:
                 return forward
-        raise ValueError(self._modes_error(moded))
+        return None
 
     def _modes_error(self, moded: list) -> str:
         def shown(paths: tuple, modes: tuple) -> str:
@@ -2400,10 +2420,10 @@ class FusedModel(ArrayModule):
         served = "; ".join(f"[{shown(paths, modes)}]" for paths, modes, *_ in moded)
         return (
             f"{self.model_class.__name__} (fused): its forward reads `self.training` of modules that are now "
-            f"in different modes than any captured forward serves (now: {now}; captured: {served}); the "
-            "forward is captured with every module in train mode, every module in eval mode, and the modes "
-            "the modules had when fused (or when a call first gave that pattern of Python-valued arguments). "
-            "Call train() or eval() on the whole model, or set these modes on the models before fusing them.")
+            f"in different modes than any captured forward serves (now: {now}; captured: {served}), and a "
+            "capture in these modes did not show which modules' modes its forward reads (a class's own "
+            "`training` property). Call train() or eval() on the whole model, or set these modes on the "
+            "models before fusing them.")
 
     def _capture_call(self, key: tuple) -> None:
         """Capture and rewrite forward for calls whose Python-valued arguments are ``key``'s (the
@@ -3461,6 +3481,9 @@ def _capture_and_rewrite(model: nn.Module, B: int, opaque: dict[type, str], key:
     the new constants (``target -> (name, value)``) and the model's own attributes they assign."""
     array_classes = _array_classes()
     captured = _captured(model, array_classes, opaque, key, arguments)
+    # Modes captured before (a capture for modes set after fusing captures every module in train
+    # and in eval mode again): those graphs and their constants stay as they are.
+    captured = {mode: c for mode, c in captured.items() if (mode, key) not in fused._own_graphs}
     graphs = {mode: c.graph for mode, c in captured.items()}
     leaves = {node.target: model.get_submodule(node.target)
               for g in graphs.values() for node in g.nodes if node.op == "call_module"}

@@ -210,9 +210,11 @@ def test_forward_reading_self_training():
     assert (y == 2.0).any()  # dropped units, then (0 + 1) * 2 in training
     fused.eval()
     assert_close(fused(x), torch.stack([m.eval()(x[b]) for b, m in enumerate(models)]), **TOL)
-    fused.inner.train()
-    with pytest.raises(ValueError, match="different modes"):
-        fused(x)
+    fused.inner.train()  # modes no capture made at fusing serves: captured at this call
+    y = fused(x)
+    assert (y == 3.0).any()  # dropped units, then (0 + 1) * 3 in eval; kept ones (fc * 2 + 1) * 3
+    kept = torch.stack([(m.inner.fc(x[b]) * 2 + 1) * 3 for b, m in enumerate(models)])
+    assert_close(torch.where(y == 3.0, kept, y), kept, **TOL)
 
 
 def test_tied_weights_stay_tied():

@@ -370,16 +370,39 @@ def test_a_block_that_reads_its_own_mode_in_eval_alone_is_captured_in_those_mode
         _compare(fused, models, (5, 4), calls=1)
 
 
-def test_modes_no_captured_forward_serves_are_refused_naming_them():
+@pytest.mark.parametrize("frozen", ["blk", "lin"])
+def test_modes_set_after_fusing_that_no_capture_serves_are_captured_at_their_first_call(frozen):
     torch.manual_seed(10)
     models = [TwoModes() for _ in range(B)]
-    fused = hfkern.fuse(models)
-    fused.blk.eval()  # after fusing: a combination no capture was made for
-    with pytest.raises(ValueError, match=r"now in different modes than any captured forward serves "
-                                         r"\(now: blk eval, lin train;"):
-        fused(torch.randn(B, 5, 4))
-    fused.train()
+    fused, models = _fused_and_copies(models)
+    served = len(fused._own_graphs)
+    for m in (fused, *models):  # after fusing: a combination no capture was made for
+        m.get_submodule(frozen).eval()
     _compare(fused, models, (5, 4), calls=1)
+    assert len(fused._own_graphs) == served + 1  # one capture more, in these modes
+    for mode in (True, False):
+        for m in (fused, *models):
+            m.train(mode)
+        _compare(fused, models, (5, 4), calls=1)
+    for m in (fused, *models):
+        m.get_submodule(frozen).eval()
+    _compare(fused, models, (5, 4), calls=1)
+    assert len(fused._own_graphs) == served + 1  # the capture serves it again
+
+
+def test_modes_set_after_fusing_are_captured_under_torch_compile_too():
+    torch.manual_seed(11)
+    models = [TwoModes() for _ in range(B)]
+    fused, models = _fused_and_copies(models)
+    for m in (fused, *models):
+        m.blk.eval()
+    compiled = torch.compile(fused, backend="eager")
+    x = torch.randn(B, 5, 4)
+    torch.manual_seed(0)
+    got = compiled(x)
+    torch.manual_seed(0)
+    want = fused(x)
+    torch.testing.assert_close(got, want)
 
 
 def test_capture_leaves_torch_and_the_models_as_they_were():
