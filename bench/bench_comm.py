@@ -205,7 +205,7 @@ def worker(args) -> None:
                 print(f"{name:15s} {args.rate:8s} {mode:12s} step {row['step_s_median'] * 1e3:8.1f} ms  "
                       f"inter-node {0 if inter is None else inter / args.steps / 1e6:8.3f} MB/step",
                       flush=True)
-            del ddp, model, opt, state
+            ddp = model = opt = state = None  # (freed before the next mode; the closures above read them)
     if rank == 0:
         with open(args.out_file, "w") as f:
             json.dump(rows, f)

@@ -49,7 +49,6 @@ def main() -> None:
 
 
 def _loss_metric(model):
-    import torch
     import hfkern
     from hfkern.nn.functional import cross_entropy
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from torch import nn
 
 import hfkern
 import hfkern.nn as hnn

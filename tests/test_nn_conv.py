@@ -57,7 +57,7 @@ def test_output_size_errors(cls, kw, shape):
     x = torch.randn(2, *shape)
     spatial = _largest_sizes(array, shape)
     model_shape = ([shape[0]] if batched else []) + [kw["out_channels"]] + spatial
-    with pytest.raises(ValueError, match=rf"array output shape .*first entry must be B=2; got \[3, "):
+    with pytest.raises(ValueError, match=r"array output shape .*first entry must be B=2; got \[3, "):
         array(x, output_size=[3] + model_shape)
     with pytest.raises(ValueError, match=rf"expected output_size of the form \[\*spatial\] \({n}\).*"
                                          rf"got {n + 4} entries"):

@@ -13,7 +13,7 @@ import textwrap
 import uuid
 
 import pytest
-from _postgres import REQUIRE_ENV, fresh_database, postgres_db, postgres_url  # noqa: F401 (fixture)
+from _postgres import REQUIRE_ENV, fresh_database, postgres_db, postgres_url  # noqa: F401 (fixtures)
 
 
 def _import(name: str):
@@ -22,7 +22,7 @@ def _import(name: str):
     return pytest.importorskip(name, reason=f"{name} is not installed (the test extra)")
 
 
-def test_sqlalchemy_round_trip(postgres_db):
+def test_sqlalchemy_round_trip(postgres_db):  # noqa: F811 (the fixture)
     sa = _import("sqlalchemy")
     engine = sa.create_engine(postgres_db)
     try:
@@ -62,7 +62,7 @@ def test_fresh_databases_are_separate_and_dropped():
         server.dispose()
 
 
-def test_optuna_study_ask_tell_delete(postgres_db):
+def test_optuna_study_ask_tell_delete(postgres_db):  # noqa: F811 (the fixture)
     optuna = _import("optuna")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name = f"study-{uuid.uuid4().hex}"
@@ -90,7 +90,7 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def test_two_processes_share_a_study(postgres_db):
+def test_two_processes_share_a_study(postgres_db):  # noqa: F811 (the fixture)
     optuna = _import("optuna")
     _import("psycopg2")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
