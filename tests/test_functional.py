@@ -268,6 +268,45 @@ def test_elementwise_losses(fn, shape, target_mode, B):
                 [[xs[b], ts[b]] for b in range(B)])
 
 
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("weight_mode", ["shared", "per_model"])
+@pytest.mark.parametrize("shape", [(), (5,), (5, 3, 2)])
+@pytest.mark.parametrize("fn", ["mse_loss", "l1_loss"])
+def test_elementwise_losses_with_weight(fn, shape, weight_mode, B):
+    """torch's ``weight=`` (each element's weight, the mean divided by their sum), shared (a
+    model's input shape) or per model; the weight's gradient too."""
+    for reduction, layout in zip(REDUCTIONS, LAYOUTS):
+        if not shape:
+            layout = "contiguous"
+        x, xs, leaf = array_input(shape, B, layout=layout)
+        target = torch.randn(B, *shape)
+        if weight_mode == "shared":
+            weight = (torch.rand(shape) + 0.1).requires_grad_()
+            ws = [weight.detach().clone().requires_grad_() for _ in range(B)]
+        else:
+            weight = (torch.rand(B, *shape) + 0.1).requires_grad_()
+            ws = [weight[b].detach().clone().requires_grad_() for b in range(B)]
+        out = getattr(HF, fn)(x, target, reduction=reduction, weight=weight)
+        refs = [getattr(F, fn)(xs[b], target[b], reduction=reduction, weight=ws[b]) for b in range(B)]
+        compare(out, refs, [(leaf, False), (weight, weight_mode == "shared")],
+                [[xs[b], ws[b]] for b in range(B)])
+
+
+@pytest.mark.parametrize("fn", ["mse_loss", "l1_loss"])
+def test_elementwise_loss_weight_errors(fn):
+    x, t = torch.randn(3, 5, 4), torch.randn(5, 4)
+    loss = getattr(HF, fn)
+    with pytest.raises(ValueError, match=r"expected weight of shape \[5, 4\] \(shared by all models\) or "
+                                         r"\[3, 5, 4\] \(per model\), got shape \[4\]"):
+        loss(x, t, weight=torch.rand(4))
+    with pytest.raises(ValueError, match=r"per-model weight with leading \(array\) dim B=3"):
+        loss(x, t, weight=torch.rand(2, 5, 4))
+    with pytest.raises(TypeError, match="expected a real weight, got torch.complex64"):
+        loss(x, t, weight=torch.ones(5, 4, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="weight"):
+        loss(x, t, weight=[1.0] * 4)
+
+
 # ---- binary_cross_entropy_with_logits -------------------------------------------
 
 def bce_weight(mode, B, shape, kind):

@@ -106,21 +106,23 @@ def _check_device(fn: str, name: str, t: torch.Tensor, x: torch.Tensor) -> None:
         raise ValueError(f"{fn}: expected {name} on the input's device {x.device}, got {t.device}")
 
 
-def _array_target(fn: str, target: torch.Tensor, model_shape: Sequence[int], x: torch.Tensor) -> torch.Tensor:
-    """``target`` as ``[1 or B, *model_shape]``: shared targets get a size-1 array dim."""
+def _array_target(fn: str, target: torch.Tensor, model_shape: Sequence[int], x: torch.Tensor,
+                  name: str = "target") -> torch.Tensor:
+    """``target`` (or another tensor ``name`` of the target's shape) as ``[1 or B, *model_shape]``:
+    shared ones get a size-1 array dim."""
     B, model_shape, shape = x.size(0), list(model_shape), list(target.shape)
-    _check_device(fn, "target", target, x)
+    _check_device(fn, name, target, x)
     if shape == model_shape:
         return target.unsqueeze(0)
     if shape == [B] + model_shape:
         return target
     if len(shape) == len(model_shape) + 1 and shape[1:] == model_shape:
         raise ValueError(
-            f"{fn}: expected a per-model target with leading (array) dim B={B} (the input's), "
+            f"{fn}: expected a per-model {name} with leading (array) dim B={B} (the input's), "
             f"got shape {shape} for input of shape {list(x.shape)}"
         )
     raise ValueError(
-        f"{fn}: expected target of shape {model_shape} (shared by all models) or {[B] + model_shape} "
+        f"{fn}: expected {name} of shape {model_shape} (shared by all models) or {[B] + model_shape} "
         f"(per model), got shape {shape} for input of shape {list(x.shape)}"
     )
 
@@ -381,32 +383,65 @@ def _elementwise_target(fn: str, target: object, x: torch.Tensor) -> torch.Tenso
     return _array_target(fn, t, x.shape[1:], x).expand_as(x)
 
 
-def mse_loss(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def _elementwise_weight(fn: str, weight: object, x: torch.Tensor) -> torch.Tensor | None:
+    """An element-wise loss's ``weight``: a model's input shape ``s`` (shared) or ``[B, *s]`` (per
+    model), as ``[1 or B, *s]``; torch's loss takes only the input's own shape."""
+    if weight is None:
+        return None
+    w = _check_tensor(fn, "weight", weight)
+    if w.is_complex():
+        raise TypeError(f"{fn}: expected a real weight, got {w.dtype}")
+    return _array_target(fn, w, x.shape[1:], x, "weight")
+
+
+def _weighted_elementwise(loss: torch.Tensor, w: torch.Tensor | None, reduction: str) -> torch.Tensor:
+    """``loss`` ([B, *s], unreduced) reduced per model; with weights ``w``, as torch weighs: each
+    element times its weight, the mean divided by the summed weights."""
+    if w is None:
+        return _reduce_elementwise(loss, reduction)
+    loss = loss * w
+    if reduction == "none":
+        return loss
+    summed = _per_model_sum(loss)
+    return summed if reduction == "sum" else summed / _per_model_sum(w.expand(loss.shape))
+
+
+def mse_loss(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
+             weight: torch.Tensor | None = None) -> torch.Tensor:
     """Per-model ``torch.nn.functional.mse_loss`` of B models.
 
     ``input`` is ``[B, *s]``; ``target`` is ``s`` (shared) or ``[B, *s]`` (per
     model), floating. ``'mean'`` / ``'sum'`` give ``[B]``, ``'none'`` ``[B, *s]``.
+    ``weight``: each element's weight, ``s`` (shared) or ``[B, *s]`` (per model);
+    as torch, the elements' squared errors are multiplied by it and the mean
+    divides by its sum (per model).
     """
     fn = "mse_loss"
     reduction = _check_reduction(fn, reduction)
     x = _check_input(fn, input, 1, "[B, ...]")
-    x, target = _fp32_under_autocast(x, target)
+    x, target, weight = _fp32_under_autocast(x, target, weight)
     t = _elementwise_target(fn, target, x)
-    return _reduce_elementwise(F.mse_loss(x, t, reduction="none"), reduction)
+    w = _elementwise_weight(fn, weight, x)
+    return _weighted_elementwise(F.mse_loss(x, t, reduction="none"), w, reduction)
 
 
-def l1_loss(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def l1_loss(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
+            weight: torch.Tensor | None = None) -> torch.Tensor:
     """Per-model ``torch.nn.functional.l1_loss`` of B models.
 
     ``input`` is ``[B, *s]``; ``target`` is ``s`` (shared) or ``[B, *s]`` (per
     model), floating. ``'mean'`` / ``'sum'`` give ``[B]``, ``'none'`` ``[B, *s]``.
+    ``weight``: each element's weight, ``s`` (shared) or ``[B, *s]`` (per model);
+    as torch, the elements' absolute errors are multiplied by it and the mean
+    divides by its sum (per model).
     """
     fn = "l1_loss"
     reduction = _check_reduction(fn, reduction)
     x = _check_input(fn, input, 1, "[B, ...]")
-    x, target = _fp32_under_autocast(x, target)
+    x, target, weight = _fp32_under_autocast(x, target, weight)
     t = _elementwise_target(fn, target, x)
-    return _reduce_elementwise(F.l1_loss(x, t, reduction="none"), reduction)
+    w = _elementwise_weight(fn, weight, x)
+    return _weighted_elementwise(F.l1_loss(x, t, reduction="none"), w, reduction)
 
 
 def binary_cross_entropy_with_logits(input: torch.Tensor, target: torch.Tensor,

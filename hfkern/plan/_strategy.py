@@ -912,12 +912,13 @@ def make_step(model: nn.Module, optimizer: Any, strategy: Strategy, loss_fn: Cal
     its mean divides by (``d_k``) over what the full batch's divides by
     (``D``, the sum of them), which gives the full batch's mean exactly. By
     default ``d_k`` is the chunk's number of samples: right for a mean in
-    which every sample counts the same (``mse_loss``, ``l1_loss``,
-    ``binary_cross_entropy_with_logits``, ``cross_entropy`` without class
-    weights or ignored targets), and not for others: ``cross_entropy`` with
-    ``ignore_index`` targets or class ``weight`` divides by the summed
-    weights of the targets it does not ignore, so a chunk with more padding
-    would count as much as one with less. For such a loss, pass
+    which every sample counts the same (``mse_loss`` and ``l1_loss``
+    without ``weight``, ``binary_cross_entropy_with_logits``,
+    ``cross_entropy`` without class weights or ignored targets), and not for
+    others: ``cross_entropy`` with ``ignore_index`` targets or class
+    ``weight`` divides by the summed weights of the targets it does not
+    ignore, and a weighted ``mse_loss`` by its summed weights, so a chunk
+    with more padding would count as much as one with less. For such a loss, pass
     ``loss_denominator``. :func:`hfkern.nn.functional.cross_entropy` and
     ``nll_loss`` given as ``loss_fn`` themselves (or as a ``functools.partial``
     with keyword arguments: ``partial(cross_entropy, weight=w,
