@@ -281,11 +281,11 @@ def test_data_stream_and_rank_slices():
 
 def test_failing_job_is_reported(executor):
     """A worker that cannot start its job: the job is "failed" with the launcher's output, others unaffected."""
-    spec = _spec("broken", model="hfkern.elastic.worker:no_such_factory", total_steps=5)
+    spec = _spec("broken", model_kwargs={"hidden": 0}, total_steps=5)  # accepted by register, refused by mlp in the worker
     executor.launch(spec, _allocation(1, 32))
     st = executor.wait("broken", timeout=STARTUP)
     assert st.state == "failed" and st.returncode != 0 and st.pid is None
-    assert "no_such_factory" in st.message
+    assert "expected hidden to be a positive int, got 0" in st.message
     with pytest.raises(ValueError, match="cannot be launched again"):
         executor.launch(spec, _allocation(1, 32))
 

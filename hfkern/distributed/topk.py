@@ -244,6 +244,18 @@ class TopKState:
         fallback: go dense when the sparse message would be larger (see the
             module docstring). False forces the sparse exchange after warm-up
             (used to test it at density 1).
+
+    Construction is collective: after its own checks, every rank of the process
+    group all-gathers (one ``all_gather_object``) the settings that decide the
+    messages' sizes and modes -- ``density`` or ``density_schedule`` (a
+    callable only as "a callable"), ``warmup_steps``, ``exact``, ``fallback``,
+    ``per_model``, the ``nodes`` split -- and the parameters' shapes, dtypes
+    and ``requires_grad``, and raises a ValueError on every rank that names the
+    first that differs and each rank's value (ranks of the process group): a
+    mismatch would otherwise make the ranks' collectives differ (Gloo aborts
+    the process, NCCL hangs). ``seed`` may differ (it changes a rank's own
+    selection, not the message sizes). :meth:`load_state_dict` checks the
+    restored step the same way.
     """
 
     def __init__(
@@ -355,6 +367,26 @@ class TopKState:
         # intra-node all-gather is not issued yet, in bucket order (see
         # _hierarchical); the next hook call issues them before its own.
         self._pending: list[Callable[[], None]] = []
+
+        # Every rank must agree on what sets the sizes and kinds of the messages (a mismatch
+        # would make the ranks' collectives differ: Gloo aborts the process, NCCL hangs).
+        mine = self._agreed_settings(params)
+        _check_agreement(self.process_group, "TopKState", mine,
+                         "every rank of the process group must build its TopKState with the same settings "
+                         "and an identical model")
+
+    def _agreed_settings(self, params: list[torch.Tensor]) -> dict:
+        """What must be equal on every rank: the settings that decide each bucket's mode and
+        message sizes, and the parameters' shapes and dtypes (the buckets' layouts)."""
+        if self._schedule_fn is not None:
+            schedule = "a callable"  # not comparable across processes; what it returns is the user's
+        else:
+            schedule = self._schedule
+        nodes = None if self.nodes is None else {"node_size": self.nodes.node_size,
+                                                 "num_nodes": self.nodes.num_nodes}
+        return {"density": self.density, "density_schedule": schedule, "warmup_steps": self.warmup_steps,
+                "exact": self.exact, "fallback": self.fallback, "per_model": self.per_model, "nodes": nodes,
+                "parameters": [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in params]}
 
     # ---- schedule --------------------------------------------------------------------------
     def density_at(self, step: int) -> float:
@@ -527,7 +559,11 @@ class TopKState:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` of this rank; the configuration must match. Raises
-        TypeError / ValueError, and changes nothing, when the state does not fit."""
+        TypeError / ValueError, and changes nothing, when the state does not fit.
+
+        Collective once this rank's checks pass: the ranks all-gather the restored step
+        (it decides every bucket's mode), and a ValueError on every rank names each rank's
+        step where they differ; every rank of the process group must call it."""
         if not isinstance(state, dict):
             raise TypeError(f"TopKState.load_state_dict: expected a dict (from state_dict()), "
                             f"got {type(state).__name__}")
@@ -556,6 +592,12 @@ class TopKState:
             if t.dtype != self._dtypes[key]:
                 raise ValueError(f"TopKState.load_state_dict: expected the residual of parameter {key} in "
                                  f"the parameter's dtype {self._dtypes[key]}, got {t.dtype}")
+        # The step decides every bucket's mode (warm-up, schedule): ranks restored to different
+        # steps would send messages of different sizes. One collective; everything else here is
+        # per rank.
+        _check_agreement(self.process_group, "TopKState.load_state_dict", {"step": step},
+                         "every rank must load a state saved at the same step (the ranks' own "
+                         "state_dict() of one checkpoint)")
         self.step, self.seed = step, seed
         self._residuals.clear()
         # Kept in the buckets' layout: a complex parameter's residual as its real view.
@@ -565,6 +607,31 @@ class TopKState:
 
 def _nothing() -> None:
     pass
+
+
+def _check_agreement(group, where: str, mine: dict, hint: str) -> None:
+    """All-gather ``mine`` over ``group`` (one collective) and raise ValueError on every rank,
+    naming the first setting that differs and each rank's value, when the ranks disagree."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    for key in mine:
+        values = [g.get(key) for g in gathered]
+        if all(v == values[0] for v in values):
+            continue
+        if key == "parameters":
+            counts = [len(v) for v in values]
+            if len(set(counts)) > 1:
+                what = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+                raise ValueError(f"{where}: the ranks disagree on the number of parameters ({what}); {hint}")
+            i = next(i for i in range(counts[0]) if any(v[i] != values[0][i] for v in values))
+            what = ", ".join(f"rank {r}: shape {v[i][0]} {v[i][1]}{'' if v[i][2] else ' (no grad)'}"
+                             for r, v in enumerate(values))
+            raise ValueError(f"{where}: the ranks disagree on parameter {i} ({what}); {hint}")
+        what = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+        raise ValueError(f"{where}: the ranks disagree on {key} ({what}); {hint}")
 
 
 def _as_real_flat(t: torch.Tensor) -> torch.Tensor:

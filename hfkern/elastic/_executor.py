@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import dataclasses
+import importlib
+import inspect
 import json
 import math
 import numbers
@@ -48,7 +51,7 @@ from typing import Any, Iterable, Mapping
 
 from hfkern.elastic._autoscaler import scale_lr
 
-__all__ = ["Executor", "JobSpec", "JobStatus", "TorchrunExecutor", "STATES"]
+__all__ = ["Executor", "JobSpec", "JobStatus", "TorchrunExecutor", "STATES", "check_model"]
 
 LR_RULES = ("linear", "sqrt", "none")
 _RECENT = 64   # step records an executor keeps of each job, for log(name, last=...)
@@ -100,6 +103,99 @@ def _mapping(where: str, name: str, value: Any) -> dict:
     return out
 
 
+def _keyword_names(fn: Any, skip: tuple[str, ...] = ()) -> list[str] | None:
+    """The keyword arguments ``fn`` takes (its signature's named parameters, less ``skip``), or
+    None where it takes any (``**kwargs``) or has no signature to read."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = sig.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.name not in skip
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
+
+def _check_optimizer_kwargs(where: str, optimizer: str, kwargs: Mapping[str, Any]) -> None:
+    """ValueError for an option the optimizer's class does not take (the worker passes
+    ``optimizer_kwargs`` to it as keyword arguments, with ``params`` and ``lr``)."""
+    from hfkern.elastic.worker import optimizer_class
+
+    cls = optimizer_class(optimizer)
+    names = _keyword_names(cls, skip=("self", "params", "lr"))
+    if names is None:
+        return
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise ValueError(f"{where}: expected optimizer_kwargs among the options of torch.optim.{cls.__name__} "
+                         f"({optimizer!r}): {names}; got unknown {unknown}")
+
+
+def _check_dataset_kwargs(where: str, dataset: str, kwargs: Mapping[str, Any]) -> None:
+    """What :func:`hfkern.elastic.worker.load_dataset` would refuse, without building the data."""
+    from hfkern.elastic.worker import dataset_options
+
+    try:
+        dataset_options(dataset, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: dataset_kwargs {dict(kwargs)!r} do not fit the data set {dataset!r}: "
+                      f"{e}") from None
+
+
+@contextlib.contextmanager
+def _extra_sys_path(paths: Iterable[str]):
+    added = [p for p in paths if p and p not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for p in added:
+            try:
+                sys.path.remove(p)
+            except ValueError:
+                pass
+
+
+def check_model(spec: JobSpec, *, paths: Iterable[str] = (), where: str = "JobSpec") -> None:
+    """Import ``spec.model`` and bind ``spec.model_kwargs`` to its signature, as the worker will
+    call it: ValueError for a factory that cannot be imported or an option it does not take,
+    TypeError for one that is not callable or lacks a required argument. ``paths`` are extra
+    import directories (the launches' ``PYTHONPATH``). Importing runs the factory's module in
+    this process; executors call this at ``register`` (the worker would fail the same way)."""
+    module_name, _, attr = spec.model.partition(":")
+    with _extra_sys_path(paths):
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except Exception as e:  # noqa: BLE001 - any import failure would stop the worker too
+            raise ValueError(f"{where}: expected model to be an importable factory 'module:function', "
+                             f"got {spec.model!r}: importing {module_name!r} failed "
+                             f"({type(e).__name__}: {e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{where}: expected model to be an importable factory 'module:function', "
+                             f"got {spec.model!r}: {getattr(obj, '__name__', obj)!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{where}: expected model {spec.model!r} to be callable (a factory of torch "
+                        f"modules), got {type(obj).__name__}")
+    names = _keyword_names(obj)
+    if names is not None:
+        unknown = sorted(set(spec.model_kwargs) - set(names))
+        if unknown:
+            raise ValueError(f"{where}: expected model_kwargs among the arguments of {spec.model}: {names}; "
+                             f"got unknown {unknown}")
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return   # no signature to read (a builtin): the call will tell
+    try:
+        sig.bind(**spec.model_kwargs)
+    except TypeError as e:
+        raise TypeError(f"{where}: model_kwargs {sorted(spec.model_kwargs)} do not fit {spec.model}{sig}: "
+                        f"{e}") from None
+
+
 # ---- what a job is ----------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +207,19 @@ class JobSpec:
         model: the model factory as an import path ``"package.module:function"``,
             called with ``model_kwargs``; e.g. ``"hfkern.elastic.worker:mlp"``.
         model_kwargs: keyword arguments of the factory (JSON values).
+            :meth:`TorchrunExecutor.register` imports the factory and checks
+            them against its signature (:func:`check_model`).
         dataset: a built-in data set: ``"digits"`` (scikit-learn's
             ``load_digits``), ``"classification"`` or ``"regression"`` (seeded
             synthetic tensors); ``dataset_kwargs`` are its options
-            (:func:`hfkern.elastic.worker.load_dataset`).
+            (:func:`hfkern.elastic.worker.load_dataset`), checked here.
         loss: ``"cross_entropy"`` or ``"mse"`` (on class labels: against one-hot
-            targets); None picks by data set (``"mse"`` for ``"regression"``).
+            targets over the data set's classes, 10 for ``"digits"`` and
+            ``n_classes`` for ``"classification"``, so the model needs that
+            many outputs); None picks by data set (``"mse"`` for ``"regression"``).
         optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` (torch.optim), with
-            ``optimizer_kwargs`` (momentum, weight_decay, ...).
+            ``optimizer_kwargs`` (momentum, weight_decay, ...; checked here
+            against the class's signature).
         lr: the learning rate at the reference global batch ``batch_size``.
         lr_rule: how the learning rate follows the global batch when the
             executor picks it (a launch at another batch size, a rescale
@@ -128,7 +229,11 @@ class JobSpec:
             With ``total_samples`` the last step takes only what is left.
         seed: seeds the model initialisation, the data order and the
             synthetic data sets.
-        checkpoint_dir: where checkpoints go (default: ``<job dir>/checkpoint``).
+        checkpoint_dir: where checkpoints go (default: ``<job dir>/checkpoint``;
+            a relative path is relative to the job directory). Every job
+            needs its own: an executor refuses to register a second job with
+            the same one, and a worker refuses to resume another job's
+            checkpoint.
         checkpoint_every: also checkpoint every so many steps (None: only at
             stop requests and at the end).
         B: the array size. B > 1 trains B models of the factory (B calls of
@@ -170,6 +275,7 @@ class JobSpec:
         set_(self, "model_kwargs", _mapping(w, "model_kwargs", self.model_kwargs))
         set_(self, "dataset", _choice(w, "dataset", self.dataset, DATASETS))
         set_(self, "dataset_kwargs", _mapping(w, "dataset_kwargs", self.dataset_kwargs))
+        _check_dataset_kwargs(w, self.dataset, self.dataset_kwargs)
         if self.loss is not None:
             _choice(w, "loss", self.loss, LOSSES)
         if self.dataset == "regression" and self.loss == "cross_entropy":
@@ -179,25 +285,28 @@ class JobSpec:
         set_(self, "optimizer_kwargs", _mapping(w, "optimizer_kwargs", self.optimizer_kwargs))
         if "lr" in self.optimizer_kwargs:
             raise ValueError(f"{w}: give the learning rate as lr, not in optimizer_kwargs")
+        _check_optimizer_kwargs(w, self.optimizer, self.optimizer_kwargs)
         set_(self, "lr", _positive_float(w, "lr", self.lr))
         _choice(w, "lr_rule", self.lr_rule, LR_RULES)
-        _int(w, "batch_size", self.batch_size, 1)
+        # The int fields are stored as ints (a numpy integer is taken, and converted: the spec is
+        # written to the job directory as JSON).
+        set_(self, "batch_size", _int(w, "batch_size", self.batch_size, 1))
         if (self.total_steps is None) == (self.total_samples is None):
             raise ValueError(f"{w}: expected exactly one of total_steps and total_samples, got "
                              f"total_steps={self.total_steps!r}, total_samples={self.total_samples!r}")
         if self.total_steps is not None:
-            _int(w, "total_steps", self.total_steps, 1)
+            set_(self, "total_steps", _int(w, "total_steps", self.total_steps, 1))
         if self.total_samples is not None:
-            _int(w, "total_samples", self.total_samples, 1)
-        _int(w, "seed", self.seed, 0)
+            set_(self, "total_samples", _int(w, "total_samples", self.total_samples, 1))
+        set_(self, "seed", _int(w, "seed", self.seed, 0))
         if self.checkpoint_dir is not None:
             if not isinstance(self.checkpoint_dir, (str, os.PathLike)):
                 raise TypeError(f"{w}: expected checkpoint_dir to be a path or None, "
                                 f"got {type(self.checkpoint_dir).__name__}")
             set_(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         if self.checkpoint_every is not None:
-            _int(w, "checkpoint_every", self.checkpoint_every, 1)
-        _int(w, "B", self.B, 1)
+            set_(self, "checkpoint_every", _int(w, "checkpoint_every", self.checkpoint_every, 1))
+        set_(self, "B", _int(w, "B", self.B, 1))
         set_(self, "min_step_seconds", _positive_float(w, "min_step_seconds", self.min_step_seconds,
                                                        allow_zero=True))
 
@@ -373,9 +482,7 @@ class Executor(abc.ABC):
         name, gpus, batch, B, lr_scale = self._read_decision(decision)
         current = self.status(name)
         spec = self.spec(name)
-        if gpus > 0 and B is not None and B != spec.B:
-            raise ValueError(f"{type(self).__name__}.apply: job {name!r} trains an array of B={spec.B}; "
-                             f"expected a decision with new.B == {spec.B}, got {B}")
+        self._check_array_size(f"{type(self).__name__}.apply", name, spec, gpus, B)
         if gpus == 0:
             if current.state in _ACTIVE:
                 return self.stop(name, block=block, timeout=timeout)
@@ -394,11 +501,24 @@ class Executor(abc.ABC):
         (their checkpoints and restarts overlap); when all of them have
         stopped (and the rescaled ones relaunched), the jobs that were not
         running are started, on the devices the stopped ones gave back.
+
+        Every decision is checked before any is carried out (a Decision's
+        form, a known job, at most one decision per job, ``new.B`` the job's
+        ``B``): a round with a bad decision raises and changes no job.
         """
+        where = f"{type(self).__name__}.apply_all"
         decisions = list(decisions)
-        for d in decisions:
-            self._read_decision(d)
+        read = [self._read_decision(d) for d in decisions]
         statuses = self.poll()
+        seen: set[str] = set()
+        for name, gpus, _, B, _ in read:
+            if name not in statuses:
+                raise ValueError(f"{where}: expected a known job name, got {name!r} (known: {sorted(statuses)})")
+            if name in seen:
+                raise ValueError(f"{where}: expected at most one decision per job in a round, got two or more "
+                                 f"for {name!r}")
+            seen.add(name)
+            self._check_array_size(where, name, self.spec(name), gpus, B)
         first = [d for d in decisions if statuses[d.job].state in _ACTIVE]
         later = [d for d in decisions if statuses[d.job].state not in _ACTIVE]
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -436,6 +556,12 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def spec(self, name: str) -> JobSpec:
         """The registered spec of job ``name`` (ValueError if unknown)."""
+
+    @staticmethod
+    def _check_array_size(where: str, name: str, spec: JobSpec, gpus: int, B: int | None) -> None:
+        if gpus > 0 and B is not None and B != spec.B:
+            raise ValueError(f"{where}: job {name!r} trains an array of B={spec.B}; "
+                             f"expected a decision with new.B == {spec.B}, got {B}")
 
     def _read_decision(self, decision: Any) -> tuple[str, int, int, int | None, float]:
         where = f"{type(self).__name__}.apply"
@@ -514,6 +640,7 @@ class _Job:
         self.returncode: int | None = None
         self.message = ""
         self.devices: list[int] = []
+        self.ckpt_dir = _checkpoint_dir(spec, directory)
 
 
 class TorchrunExecutor(Executor):
@@ -613,24 +740,48 @@ class TorchrunExecutor(Executor):
         return self._job(name).dir
 
     def register(self, spec: JobSpec) -> JobStatus:
+        """Make a job known (its directory and ``spec.json``) without starting it.
+
+        Checks first, and writes nothing when a check fails: the model factory
+        is imported and ``model_kwargs`` bound to its signature
+        (:func:`check_model`; with this executor's interpreter only, and the
+        launches' ``PYTHONPATH`` from ``env`` added), and no other registered
+        job may use the same checkpoint directory (ValueError).
+        """
+        w = "TorchrunExecutor.register"
         if not isinstance(spec, JobSpec):
-            raise TypeError(f"TorchrunExecutor.register: expected a JobSpec, got {type(spec).__name__}")
+            raise TypeError(f"{w}: expected a JobSpec, got {type(spec).__name__}")
         if spec.name in self._jobs:
             if self._jobs[spec.name].spec != spec:
-                raise ValueError(f"TorchrunExecutor.register: a different job named {spec.name!r} "
-                                 f"is already known")
+                raise ValueError(f"{w}: a different job named {spec.name!r} is already known")
             return self._status(self._jobs[spec.name])
         directory = os.path.join(self.workdir, spec.name)
+        ckpt_dir = _checkpoint_dir(spec, directory)
+        for other in self._jobs.values():
+            if other.ckpt_dir == ckpt_dir:
+                raise ValueError(f"{w}: job {spec.name!r} would keep its checkpoints in {ckpt_dir}, which job "
+                                 f"{other.spec.name!r} already uses; expected a checkpoint_dir of its own "
+                                 f"(a job resumes from the checkpoint it finds there)")
+        if os.path.abspath(self.python) == os.path.abspath(sys.executable):
+            paths = self.env.get("PYTHONPATH", "").split(os.pathsep)
+            check_model(spec, paths=[p for p in paths if p], where=w)
+        wanted = json.loads(json.dumps(spec.to_dict()))   # as spec.json holds it (tuples as lists)
+        created = not os.path.isdir(directory)
         os.makedirs(directory, exist_ok=True)
-        spec_path = os.path.join(directory, "spec.json")
-        if os.path.exists(spec_path):
-            with open(spec_path) as f:
-                old = json.load(f)
-            if old != spec.to_dict():
-                raise ValueError(f"TorchrunExecutor.register: {directory} holds another job's spec; "
-                                 f"expected {spec.to_dict()}, found {old}")
-        else:
-            _write_json(spec_path, spec.to_dict())
+        try:
+            spec_path = os.path.join(directory, "spec.json")
+            if os.path.exists(spec_path):
+                with open(spec_path) as f:
+                    old = json.load(f)
+                if old != wanted:
+                    raise ValueError(f"{w}: {directory} holds another job's spec; expected {wanted}, found {old}")
+            else:
+                _write_json(spec_path, wanted)
+        except BaseException:
+            if created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)   # only if empty: nothing of another run is removed
+            raise
         job = _Job(spec, directory)
         self._jobs[spec.name] = job
         return self._status(job)
@@ -918,8 +1069,19 @@ class TorchrunExecutor(Executor):
             pid=None if job.proc is None else job.proc.pid)
 
 
+def _checkpoint_dir(spec: JobSpec, directory: str) -> str:
+    """Where the workers of ``spec`` in job directory ``directory`` keep their checkpoint (a
+    relative ``checkpoint_dir`` is relative to the job directory), as a real path."""
+    return os.path.realpath(os.path.join(directory, spec.checkpoint_dir or "checkpoint"))
+
+
 def _write_json(path: str, obj: Any) -> None:
+    text = json.dumps(obj)   # before any file is made: a value JSON cannot hold leaves nothing behind
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

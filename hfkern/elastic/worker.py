@@ -14,7 +14,10 @@ Files in ``JOB_DIR``
     ``log.jsonl``      one JSON line per optimizer step, written by rank 0.
     ``state.json``     how the last launch ended ("stopped" or "finished"),
                        with the step and sample counts at that point.
-    ``checkpoint/latest.pt`` (or the spec's ``checkpoint_dir``) the checkpoint.
+    ``checkpoint/latest.pt`` (or the spec's ``checkpoint_dir``) the checkpoint;
+                       it records the job's identity (:data:`IDENTITY_FIELDS`:
+                       name, model, data, loss, optimizer, seed, B), and a job
+                       refuses to resume from another job's (ValueError).
 
 Data order (the rule that makes a resume exact)
     The job reads one global stream of sample indices: epoch ``e`` of the
@@ -31,15 +34,32 @@ Data order (the rule that makes a resume exact)
     resumed job -- at any world size and any batch size -- continues the
     stream from there, so no sample is skipped or repeated. At an unchanged
     batch size the resumed run computes what the uninterrupted run computes,
-    up to float rounding of the partial sums (for models whose forward treats
-    samples independently: BatchNorm statistics depend on the local batch).
+    up to float rounding of the partial sums, for models whose forward treats
+    samples independently and draws no random numbers: BatchNorm statistics
+    depend on the local batch, and dropout masks on the world size (see
+    Randomness).
+
+Parameters without a gradient
+    A parameter that the step's global batch does not reach (a head the
+    forward skips) gets no gradient, as in a single process: every rank's
+    step all-reduce carries a flag per parameter (whether its backward gave
+    it a gradient), only the parameters some rank flagged are all-reduced (a
+    rank that did not reach one contributes zeros), and the others keep
+    ``grad`` None on every rank, so the optimizer skips them (no weight
+    decay, no momentum, no state). Gradients are set to None before each
+    step (``zero_grad()``), so this holds step by step: a parameter reached
+    in earlier steps but not in this one is skipped in this one.
 
 Randomness
     The model is initialised after ``torch.manual_seed(seed)`` on every rank
     (so all ranks start equal, and stay equal since they apply the same
     reduced gradient). Before each step the torch generator is reseeded from
     ``(seed, step, rank)``: dropout draws are reproducible and a resume needs
-    no saved generator state.
+    no saved generator state. The draws depend on the rank and on how the
+    batch is split, so a model with dropout (or any other random layer)
+    matches an uninterrupted run only at an unchanged world size as well as
+    batch size; a rescale to another world size changes its masks (not the
+    data order or the expected gradient), like BatchNorm's statistics.
 
 Stopping
     Rank 0 looks for ``control.json`` (naming this launch's generation)
@@ -65,6 +85,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import numbers
 import os
 import sys
 import time
@@ -75,7 +96,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["mlp", "load_dataset", "stream_indices", "rank_slice", "main", "train"]
+__all__ = ["mlp", "load_dataset", "dataset_options", "num_classes", "stream_indices", "rank_slice",
+           "main", "train"]
 
 
 # ---- built-in model and data sets --------------------------------------------------
@@ -102,6 +124,47 @@ def mlp(in_features: int = 64, out_features: int = 10, hidden: int = 64, depth: 
 
 
 DATASETS = ("digits", "classification", "regression")
+DIGITS_CLASSES = 10
+_DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
+    "digits": {},
+    "classification": {"n_samples": 1024, "n_features": 20, "n_classes": 4, "noise": 0.5},
+    "regression": {"n_samples": 1024, "n_features": 20, "n_targets": 1, "noise": 0.1},
+}
+
+
+def dataset_options(name: str, **kwargs: Any) -> dict[str, Any]:
+    """The options :func:`load_dataset` would use for ``name`` and ``kwargs`` (defaults filled in),
+    checked without building the data set: ValueError / TypeError naming what was expected and
+    what came (an unknown data set or option, a count that is not a positive int, a noise
+    level that is not a finite number)."""
+    if not isinstance(name, str) or name not in _DATASET_DEFAULTS:
+        raise ValueError(f"load_dataset: expected one of {DATASETS}, got {name!r}")
+    defaults = _DATASET_DEFAULTS[name]
+    if name == "digits" and kwargs:
+        raise ValueError(f"load_dataset: 'digits' takes no options, got {sorted(kwargs)}")
+    unknown = set(kwargs) - set(defaults)
+    if unknown:
+        raise ValueError(f"load_dataset: {name!r} takes options {sorted(defaults)}, got {sorted(unknown)}")
+    opts = {**defaults, **kwargs}
+    for key in ("n_samples", "n_features", "n_classes", "n_targets"):
+        if key in opts and (isinstance(opts[key], bool) or not isinstance(opts[key], int) or opts[key] < 1):
+            raise ValueError(f"load_dataset: expected {key} to be a positive int, got {opts[key]!r}")
+    if "noise" in opts:
+        noise = opts["noise"]
+        if isinstance(noise, bool) or not isinstance(noise, numbers.Real) or not math.isfinite(noise):
+            raise TypeError(f"load_dataset: expected noise to be a finite number, got "
+                            f"{type(noise).__name__} {noise!r}")
+    return opts
+
+
+def num_classes(name: str, **kwargs: Any) -> int | None:
+    """Classes of a built-in data set's labels (None for real targets): 10 for ``"digits"``,
+    ``n_classes`` (default 4) for ``"classification"``. The ``"mse"`` loss on class labels
+    compares the model's outputs with one-hot targets of this width."""
+    opts = dataset_options(name, **kwargs)
+    if name == "digits":
+        return DIGITS_CLASSES
+    return opts.get("n_classes")
 
 
 def load_dataset(name: str, seed: int = 0, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,39 +174,25 @@ def load_dataset(name: str, seed: int = 0, **kwargs: Any) -> tuple[torch.Tensor,
       to [0, 1], 10 classes); no keyword arguments.
     * ``"classification"``: Gaussian inputs ``[n_samples, n_features]``, labels
       the argmax of a random linear map plus noise over ``n_classes``
-      (defaults 1024, 20, 4, noise 0.5).
+      (defaults 1024, 20, 4, noise 0.5). A small set need not hold every class.
     * ``"regression"``: Gaussian inputs, targets ``[n_samples, n_targets]`` a
       random linear map plus Gaussian noise (defaults 1024, 20, 1, noise 0.1).
 
     The synthetic sets are drawn from a generator seeded with ``seed``.
+    :func:`dataset_options` checks the options without building the set.
     """
+    opts = dataset_options(name, **kwargs)
     if name == "digits":
-        if kwargs:
-            raise ValueError(f"load_dataset: 'digits' takes no options, got {sorted(kwargs)}")
         table = _digits_table()
         x = torch.tensor(table[:, :-1], dtype=torch.float32) / 16.0
         y = torch.tensor(table[:, -1], dtype=torch.int64)
         return x, y
-    if name in ("classification", "regression"):
-        defaults = ({"n_samples": 1024, "n_features": 20, "n_classes": 4, "noise": 0.5}
-                    if name == "classification" else
-                    {"n_samples": 1024, "n_features": 20, "n_targets": 1, "noise": 0.1})
-        unknown = set(kwargs) - set(defaults)
-        if unknown:
-            raise ValueError(f"load_dataset: {name!r} takes options {sorted(defaults)}, got {sorted(unknown)}")
-        opts = {**defaults, **kwargs}
-        outputs = opts["n_classes"] if name == "classification" else opts["n_targets"]
-        for key in ("n_samples", "n_features"):
-            if isinstance(opts[key], bool) or not isinstance(opts[key], int) or opts[key] < 1:
-                raise ValueError(f"load_dataset: expected {key} to be a positive int, got {opts[key]!r}")
-        if isinstance(outputs, bool) or not isinstance(outputs, int) or outputs < 1:
-            raise ValueError(f"load_dataset: expected a positive int number of outputs, got {outputs!r}")
-        g = torch.Generator().manual_seed(int(seed))
-        x = torch.randn(opts["n_samples"], opts["n_features"], generator=g)
-        w = torch.randn(opts["n_features"], outputs, generator=g) / math.sqrt(opts["n_features"])
-        z = x @ w + float(opts["noise"]) * torch.randn(opts["n_samples"], outputs, generator=g)
-        return (x, z.argmax(1)) if name == "classification" else (x, z)
-    raise ValueError(f"load_dataset: expected one of {DATASETS}, got {name!r}")
+    outputs = opts["n_classes"] if name == "classification" else opts["n_targets"]
+    g = torch.Generator().manual_seed(int(seed))
+    x = torch.randn(opts["n_samples"], opts["n_features"], generator=g)
+    w = torch.randn(opts["n_features"], outputs, generator=g) / math.sqrt(opts["n_features"])
+    z = x @ w + float(opts["noise"]) * torch.randn(opts["n_samples"], outputs, generator=g)
+    return (x, z.argmax(1)) if name == "classification" else (x, z)
 
 
 def _digits_table() -> np.ndarray:
@@ -232,19 +281,57 @@ def _import_factory(path: str) -> Callable[..., nn.Module]:
 
 
 def _write_json_atomic(path: str, obj: Any) -> None:
+    text = json.dumps(obj)   # before any file is made: a value JSON cannot hold leaves nothing behind
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# The JobSpec fields that define what a job computes: a checkpoint written by a job with other
+# values is another job's (the length, the learning rate's reference, the checkpoint settings and
+# the step padding may change between launches of one job).
+IDENTITY_FIELDS = ("name", "model", "model_kwargs", "dataset", "dataset_kwargs", "loss", "optimizer",
+                   "optimizer_kwargs", "seed", "B")
+
+
+def job_identity(spec) -> dict:
+    """The fields of ``spec`` (a JobSpec) that :data:`IDENTITY_FIELDS` names, as JSON values;
+    recorded in each checkpoint, and compared before a resume."""
+    data = spec.to_dict()
+    identity = {key: data[key] for key in IDENTITY_FIELDS}
+    if identity["loss"] is None:   # the loss the data set picks: None and its name are one job
+        identity["loss"] = "mse" if spec.dataset == "regression" else "cross_entropy"
+    return identity
+
+
+def _check_checkpoint_owner(ckpt: dict, identity: dict, path: str) -> None:
+    recorded = ckpt.get("job")
+    if recorded is None:
+        return   # a checkpoint of an older version, without the record: B is still compared
+    theirs = json.loads(recorded) if isinstance(recorded, str) else recorded
+    differ = [key for key in IDENTITY_FIELDS if theirs.get(key) != identity[key]]
+    if differ:
+        what = ", ".join(f"{key}={theirs.get(key)!r} (this job: {identity[key]!r})" for key in differ)
+        raise ValueError(f"worker: the checkpoint {path} belongs to another job ({what}); refusing to resume "
+                         f"job {identity['name']!r} from it: give every job a checkpoint_dir of its own")
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank, 0x5EED]).generate_state(1, np.uint64)[0] >> 1)
 
 
+def optimizer_class(name: str) -> type:
+    """The torch.optim class of a JobSpec's ``optimizer`` name ("sgd", "adam", "adamw")."""
+    return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+
+
 def _make_optimizer(name: str, params, lr: float, kwargs: dict) -> torch.optim.Optimizer:
-    classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-    return classes[name](params, lr=lr, **kwargs)
+    return optimizer_class(name)(params, lr=lr, **kwargs)
 
 
 def _truncate_log(path: str, before_step: int) -> None:
@@ -315,7 +402,10 @@ def _train(job_dir, spec, generation, batch_size, lr, device, rank, world, dist)
     n_data = x_all.size(0)
     loss_name = spec.loss or ("mse" if spec.dataset == "regression" else "cross_entropy")
     if loss_name == "mse" and not y_all.is_floating_point():
-        y_all = F.one_hot(y_all).to(x_all.dtype)   # class labels as one-hot targets
+        # class labels as one-hot targets over the data set's classes, whether or not the
+        # data set holds every one of them
+        classes = num_classes(spec.dataset, **spec.dataset_kwargs)
+        y_all = F.one_hot(y_all, classes).to(x_all.dtype)
 
     factory = _import_factory(spec.model)
     torch.manual_seed(spec.seed)
@@ -332,13 +422,16 @@ def _train(job_dir, spec, generation, batch_size, lr, device, rank, world, dist)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _make_optimizer(spec.optimizer, params, lr, dict(spec.optimizer_kwargs))
 
-    ckpt_dir = spec.checkpoint_dir or os.path.join(job_dir, "checkpoint")
+    # a relative checkpoint_dir is relative to the job directory (torchrun's workers run there)
+    ckpt_dir = os.path.join(job_dir, spec.checkpoint_dir or "checkpoint")
     ckpt_path = os.path.join(ckpt_dir, "latest.pt")
     log_path = os.path.join(job_dir, "log.jsonl")
     control_path = os.path.join(job_dir, "control.json")
     step = samples = 0
+    identity = job_identity(spec)
     if os.path.exists(ckpt_path):
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
+        _check_checkpoint_owner(ckpt, identity, ckpt_path)
         if ckpt.get("B") != spec.B:
             raise ValueError(f"worker: the checkpoint holds an array of B={ckpt.get('B')} models, "
                              f"the job has B={spec.B}")
@@ -356,10 +449,14 @@ def _train(job_dir, spec, generation, batch_size, lr, device, rank, world, dist)
             return
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                  "samples": samples, "B": spec.B, "generation": generation, "world_size": world,
-                 "batch_size": batch_size, "lr": lr}
+                 "batch_size": batch_size, "lr": lr, "job": json.dumps(identity, sort_keys=True)}
         tmp = f"{ckpt_path}.tmp{os.getpid()}"
-        torch.save(state, tmp)
-        os.replace(tmp, ckpt_path)
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, ckpt_path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def done() -> bool:
         return ((spec.total_steps is not None and step >= spec.total_steps)
@@ -389,28 +486,28 @@ def _train(job_dir, spec, generation, batch_size, lr, device, rank, world, dist)
             first, count = rank_slice(batch, world, rank)
             local = torch.from_numpy(idx[first:first + count]).to(device)
             torch.manual_seed(_step_seed(spec.seed, step, rank))
-            optimizer.zero_grad(set_to_none=False)
+            optimizer.zero_grad(set_to_none=True)
             if count:
                 per_model = _loss_sums(model, x_all[local], y_all[local], loss_name, spec.B)
                 (per_model.sum() / batch).backward()
                 loss_sums = per_model.detach().to(torch.float64)
             else:
                 loss_sums = torch.zeros(spec.B, dtype=torch.float64, device=device)
-            stats = torch.cat([torch.tensor([float(stop_requested()), float(count), float(local.sum())],
-                                            dtype=torch.float64, device=device), loss_sums])
-            if dist is not None:
+            head = [float(stop_requested()), float(count), float(local.sum())]
+            if dist is None:
+                stats = torch.cat([torch.tensor(head, dtype=torch.float64, device=device), loss_sums])
+            else:
+                # One flag per parameter: whether this rank's backward gave it a gradient. The
+                # sum tells every rank which parameters the global batch reached.
+                has_grad = [float(p.grad is not None) for p in params]
+                stats = torch.cat([torch.tensor(head, dtype=torch.float64, device=device), loss_sums,
+                                   torch.tensor(has_grad, dtype=torch.float64, device=device)])
                 dist.all_reduce(stats)
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat)
-                offset = 0
-                for p, g in zip(params, grads):
-                    p.grad = flat[offset:offset + g.numel()].view_as(g)
-                    offset += g.numel()
+                _reduce_gradients(params, (stats[3 + spec.B:] > 0).tolist(), dist)
             if int(stats[1]) != batch:
                 raise RuntimeError(f"worker: the ranks used {int(stats[1])} samples at step {step}, expected {batch}")
             optimizer.step()
-            losses = (stats[3:] / batch).tolist()
+            losses = (stats[3:3 + spec.B] / batch).tolist()
             if log is not None:
                 rec = {"step": step, "offset": samples, "samples": samples + batch, "batch": batch,
                        "world_size": world, "lr": lr, "loss": sum(losses) / len(losses),
@@ -440,12 +537,30 @@ def _train(job_dir, spec, generation, batch_size, lr, device, rank, world, dist)
     return outcome
 
 
+def _reduce_gradients(params: list[nn.Parameter], reached: list[bool], dist) -> None:
+    """Sum the gradients of the parameters the global batch ``reached`` over the ranks (one
+    all-reduce); a rank whose local batch did not reach one of them contributes zeros. The
+    others keep ``grad`` None on every rank, so the optimizer skips them, as it does in a
+    single process (no weight decay, no momentum step, no state)."""
+    used = [p for p, flag in zip(params, reached) if flag]
+    if not used:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in used]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for p, g in zip(used, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(g)
+        offset += g.numel()
+
+
 def _loss_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, B: int) -> torch.Tensor:
     """Per-model sums of the per-sample losses over a local batch: ``[B]``."""
     if B == 1:
         out = model(x)
         if loss == "cross_entropy":
             return F.cross_entropy(out, y, reduction="sum").reshape(1)
+        _check_mse_shapes(out[0].numel() if out.dim() else 0, y, out.shape)
         return (out - y.view_as(out)).pow(2).mean(-1).sum().reshape(1)
     import hfkern
     from hfkern.nn import functional as AF
@@ -453,7 +568,17 @@ def _loss_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, B:
     out = model(hfkern.broadcast(x, B))
     if loss == "cross_entropy":
         return AF.cross_entropy(out, y, reduction="sum")
+    _check_mse_shapes(out[0, 0].numel() if out.dim() > 1 else 0, y, out.shape)
     return (out - y.view(out.shape[1:])).pow(2).mean(-1).sum(-1)
+
+
+def _check_mse_shapes(per_sample: int, y: torch.Tensor, shape) -> None:
+    want = y[0].numel() if y.dim() and y.size(0) else per_sample
+    if per_sample != want:
+        raise ValueError(f"worker: loss 'mse' compares each sample's model output ({per_sample} values, "
+                         f"output shape {tuple(shape)}) with its target ({want} values: one-hot over the "
+                         f"data set's classes for class labels, n_targets for 'regression'); expected a "
+                         f"model with {want} outputs")
 
 
 def _die_with_launcher() -> None:
