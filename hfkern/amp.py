@@ -302,6 +302,12 @@ class GradScaler:
             inv_scale = self._scale.double().reciprocal().float()
         optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale)
         optimizer_state["stage"] = OptState.UNSCALED
+        capture = graphs.capturing()
+        if capture is not None:  # see _restore_record
+            optimizer_state["capture"] = capture
+            graphs.before_replay(self._expect_record, id(optimizer), OptState.READY, None)
+            graphs.after_replay(self._restore_record, id(optimizer), OptState.UNSCALED,
+                                optimizer_state["found_inf_per_device"], capture)
 
     # ---- step ------------------------------------------------------------------------
     def _check_optimizer(self, optimizer: Any) -> None:
@@ -345,6 +351,19 @@ class GradScaler:
                        if isinstance(user_skip, Tensor) else type(user_skip).__name__)
                 error = ValueError if isinstance(user_skip, Tensor) and user_skip.dtype == torch.bool else TypeError
                 raise error(f"GradScaler.step: skip must be a [B]=[{self.B}] bool tensor, got {got}")
+        capture = graphs.capturing()
+        if capture is not None and optimizer_state["stage"] is OptState.UNSCALED:
+            made = optimizer_state.get("capture")
+            if made is None:
+                raise RuntimeError(
+                    "GradScaler.step: called while capture_step captures a step, after an unscale_() of this "
+                    "optimizer that ran outside the captured step (eagerly): every replay would read the inf "
+                    "checks of that one call. Call scaler.unscale_(optimizer) inside the captured step (or "
+                    "leave it to step()), or both outside it."
+                )
+            if made is not capture:  # another captured step's unscale_: its replay must come first
+                graphs.before_replay(self._expect_record, id(optimizer), OptState.UNSCALED,
+                                     optimizer_state["found_inf_per_device"])
         if optimizer_state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         found = list(optimizer_state["found_inf_per_device"].values())
@@ -357,7 +376,47 @@ class GradScaler:
             skip = skip | user_skip.to(skip.device, non_blocking=True)
         retval = optimizer.step(*args, skip=skip, **kwargs)
         optimizer_state["stage"] = OptState.STEPPED
+        if capture is not None:
+            graphs.after_replay(self._restore_record, id(optimizer), OptState.STEPPED,
+                                optimizer_state["found_inf_per_device"], optimizer_state.get("capture"))
         return retval
+
+    # ---- under capture_step ------------------------------------------------------------
+    # unscale_(), step() and update() keep host records (each optimizer's stage since the last
+    # update() and its inf checks, the [B] bool tensors that step() and update() read) that a replay
+    # of a captured step, running no Python, would not write. So, while a step is captured, each
+    # of them has the record it leaves written again after every replay (the inf checks are the
+    # tensors made in the capture, which every replay writes), and the stage it found checked
+    # before every replay: update() may then run after the captured step as well as in it, and
+    # unscale_() in it with step() after it.
+    def _restore_record(self, key: int, stage: OptState, found: dict, capture: object) -> None:
+        """After a replay: optimizer ``key``'s record as the captured unscale_() or step() left it."""
+        self._per_optimizer_states[key] = {"stage": stage, "found_inf_per_device": found, "capture": capture}
+
+    def _reset_records(self) -> None:
+        """After a replay: the records as the captured update() left them."""
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _expect_record(self, key: int, stage: OptState, found: dict | None) -> None:
+        """Before a replay: optimizer ``key``'s record must be the one the captured unscale_() or
+        step() found (where an eager call would raise, or read other inf checks, the replay must
+        not run)."""
+        record = self._per_optimizer_states.get(key)
+        now = OptState.READY if record is None else record["stage"]
+        if now is stage and (found is None or record["found_inf_per_device"] is found):
+            return
+        if stage is OptState.READY:
+            done = "step()" if now is OptState.STEPPED else "unscale_()"
+            raise RuntimeError(
+                f"GradScaler: a captured step that calls unscale_() or step() is replayed after {done} has "
+                f"already been called on this optimizer since the last update() (an eager call raises "
+                f"there too); call scaler.update() after every step, inside the captured step or after it"
+            )
+        raise RuntimeError(
+            "GradScaler: a captured step whose step() reads the inf checks of another captured step's "
+            "unscale_() is replayed without that graph's unscale_() before it since the last update() (an "
+            "eager call of that step, another graph of it, or none: the replay would read other inf checks)"
+        )
 
     # ---- update ----------------------------------------------------------------------
     def update(self, new_scale: float | Sequence[float] | Tensor | None = None) -> None:
@@ -403,6 +462,7 @@ class GradScaler:
                 found_inf = found_inf | f
             self._update_scale_(scale, growth_tracker, found_inf)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        graphs.after_replay(self._reset_records)  # (while a step is captured: see _restore_record)
 
     def _update_scale_(self, scale: Tensor, growth_tracker: Tensor, found_inf: Tensor) -> None:
         """torch's ``_amp_update_scale_`` for each model at once (it takes one model only)."""

@@ -51,7 +51,12 @@ How a call runs:
   ``.grad`` is part of the graph's key. An argument that requires grad and is
   not a leaf (it has a ``grad_fn``: a backward through it would reach the
   caller's graph, which a replay cannot) raises a ValueError, on the CPU too.
-  Arguments that share memory are copied in as separate tensors.
+  Arguments that share memory are copied in as separate tensors. An argument
+  with dims of stride 0 (``hfkern.broadcast(x, B)``: one input shared by the B
+  models) keeps its form: its static tensor is one copy of the memory it views,
+  expanded as the argument is (same strides), so the graph computes once for
+  the B models as an eager call does, and a call copies in only that memory.
+  (One that requires grad is copied densely.)
 * **Host steps.** An hfkern LR scheduler's ``step()`` reached during capture
   does not run then: it computes the next learning rates on the host and
   copies them to the device, which a replay would not redo. It is recorded and
@@ -62,6 +67,17 @@ How a call runs:
   an eager call: read it after the call instead. Any other host work inside
   ``step_fn`` (``print``, ``.item()``, Python counters, a module's
   ``train()``) runs at capture only: keep it out of ``step_fn``.
+* **GradScaler.** An hfkern GradScaler's ``unscale_``/``step`` inside
+  ``step_fn`` keep host records (each optimizer's stage, its inf checks) that
+  its ``update()`` and ``step()`` read: after every replay they are as the
+  captured call left them (the inf checks are tensors every replay writes), so
+  ``update()`` may run inside ``step_fn`` or after the call, and ``step()``
+  after a ``step_fn`` that calls ``unscale_``. A replay with ``step()`` already
+  called since the last ``update()`` raises a RuntimeError before it runs, as
+  an eager step raises; ``step()`` in ``step_fn`` after an ``unscale_()``
+  outside it raises at the capture (every replay would read that call's
+  checks). An hfkern optimizer's ``last_skipped`` is one tensor that every
+  step writes in place: it is right after a replay of any of the graphs.
 * **What gets its own graph** (after its own warm-up calls; graphs share one
   memory pool): arguments whose tensors differ in shape, dtype, device,
   strides or ``requires_grad`` (or in having a ``.grad``) from the captured
@@ -81,6 +97,12 @@ How a call runs:
     given new memory (``module.half()``, ``module.double()``, ``.data = ...``)
     or a changed ``requires_grad`` of one, and optimizer state replaced
     (``opt.state.clear()``, ``load_state_dict``);
+  - a parameter or buffer of a module whose ``forward`` ran in the step (or
+    of one of its submodules), stepped by an optimizer or not (a frozen
+    layer), replaced (``module.buf = tensor``), given new memory (``.data =
+    ...``, ``module.half()``, ``model.to(memory_format=torch.channels_last)``,
+    which relays conv weights), another dtype, shape or strides, or a changed
+    ``requires_grad``;
   - a new growth factor, backoff factor or growth interval of an hfkern
     GradScaler it updates (``set_growth_factor``, ``load_state_dict``);
   - the train/eval mode of a module whose ``forward`` ran in the step, or of
@@ -91,7 +113,7 @@ How a call runs:
     per-model attention dropout, ``inplace``. (The modules are the ones whose
     ``forward`` ran, found while the step runs eagerly or is captured; under
     another Python profiler, ``sys.setprofile``, they are not found and their
-    modes are not watched: a UserWarning says so.)
+    modes, values and tensors are not watched: a UserWarning says so.)
 
   Everything else, written in place into the tensors the graph reads, takes
   effect without one: ``set_hyperparameters``, the schedulers' learning rates
@@ -99,8 +121,9 @@ How a call runs:
   per-model dropout probabilities: hfkern's dropout layers keep them in device
   tensors), the GradScaler's resets, skip masks passed as arguments. Host state
   that ``capture_step`` does not see (a Python attribute ``step_fn`` reads, a
-  buffer given new memory, ``torch.backends`` flags): call
-  :meth:`CapturedStep.reset` after changing it.
+  tensor given new memory that is no parameter or buffer of a module the step
+  ran, ``torch.backends`` flags): call :meth:`CapturedStep.reset` after
+  changing it.
 
 Without CUDA (CPU tensors, or no CUDA device), or for arguments on a device
 other than CUDA, the callable runs ``step_fn`` eagerly, with identical
@@ -117,6 +140,7 @@ import operator
 import sys
 import threading
 import warnings
+from itertools import chain
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -133,6 +157,9 @@ class _Recording(threading.local):
         self.active: CapturedStep | None = None  # the step running now (eagerly or being captured)
         self.capturing = False  # inside a graph capture: host steps are recorded, not run
         self.host_steps: list[tuple[Callable, tuple, dict]] = []
+        self.checks: list[tuple[Callable, tuple, dict]] = []  # run before every replay (before_replay)
+        self.restores: list[tuple[Callable, tuple, dict]] = []  # run after every replay (after_replay)
+        self.capture: object | None = None  # identifies the capture running now (capturing())
         # the optimizers (and GradScalers) stepped, while a warm-up call runs or a graph is captured
         self.optimizers: dict[int, Any] | None = None
 
@@ -152,6 +179,31 @@ def host_step(method: Callable) -> Callable:
         return method(self, *args, **kwargs)
 
     return wrapper
+
+
+def capturing() -> object | None:
+    """An object that identifies the graph being captured now (the same for the whole capture, a
+    new one for the next), or None outside a capture."""
+    return _recording.capture if _recording.capturing else None
+
+
+def after_replay(fn: Callable, *args: Any) -> None:
+    """While a graph is captured, have ``fn(*args)`` run after every replay of it (in call order,
+    before the recorded host steps: it restores host records, which they do not read); outside a
+    capture, nothing. For host records that the step's Python keeps beside its device work, which
+    a replay (running no Python) would otherwise leave as they were: a GradScaler's per-optimizer
+    stages and found-inf tensors (tensors made in the capture, which every replay writes)."""
+    if _recording.capturing:
+        _recording.restores.append((fn, args, {}))
+
+
+def before_replay(fn: Callable, *args: Any) -> None:
+    """While a graph is captured, have ``fn(*args)`` run before every later replay of it (not the
+    one that completes the capture); outside a capture, nothing. For a check of host state the
+    step's Python checked at capture, which a replay does not check: ``fn`` raises (and the
+    replay does not run) where an eager call would have raised."""
+    if _recording.capturing:
+        _recording.checks.append((fn, args, {}))
 
 
 def note_optimizer(optimizer: Any) -> None:
@@ -182,18 +234,62 @@ def _host_state_getter(module: torch.nn.Module) -> Callable[[torch.nn.Module], A
     return operator.attrgetter(*fields) if fields else None
 
 
+_data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
+_geometry = operator.attrgetter("dtype", "shape", "requires_grad")
+_dict_values = dict.values
+
+
+def _watchable(v: Any) -> bool:
+    """Whether a parameter or buffer has memory to watch: a strided tensor, not a lazy one, with a
+    data pointer (a tensor subclass without storage has none)."""
+    if not isinstance(v, torch.Tensor) or v.layout != torch.strided or torch.nn.parameter.is_lazy(v):
+        return False
+    try:
+        v.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _entries(views: tuple) -> tuple[int, ...]:
+    """What the parameter and buffer tables of modules hold (``views``: their ``values()``), as
+    object identities (None included: an entry set to None, or from None to a tensor, is a change)."""
+    return tuple(map(id, chain.from_iterable(views)))
+
+
+def _memory(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, ...]:
+    """Where and how ``tensors`` lie: their addresses, dtypes, shapes and ``requires_grad``,
+    strides. (Loops in C: it runs before every replay; a tensor's ``__hash__`` or ``__eq__`` is
+    never called.)"""
+    return (tuple(map(_data_ptr, tensors)), tuple(map(_geometry, tensors)), tuple(map(_stride, tensors)))
+
+
 class _Modules:
     """What a graph depends on in the modules the step ran: their (and their submodules')
-    train/eval modes, and the host values of those that have some (:func:`_host_state_getter`),
-    with the values they had."""
+    train/eval modes, the host values of those that have some (:func:`_host_state_getter`),
+    with the values they had, and their own parameters and buffers: which tensors they are and
+    the memory they had, with ``requires_grad`` (a graph holds addresses, dtypes, shapes and
+    strides: a frozen parameter, which no optimizer watches, given new memory by ``.data = ...``,
+    ``module.half()`` or ``model.to(memory_format=...)``, or unfrozen, or a buffer replaced, is
+    a change)."""
 
-    __slots__ = ("modules", "modes", "getters", "values")
+    __slots__ = ("modules", "modes", "getters", "values", "views", "entries", "tensors", "memory")
 
-    def __init__(self, modules: tuple, modes: tuple, getters: tuple, values: tuple):
+    def __init__(self, modules: tuple, modes: tuple, getters: tuple, values: tuple, tables: tuple = ()):
         self.modules, self.modes, self.getters, self.values = modules, modes, getters, values
+        # The parameter and buffer tables that held something (live views of their values), with
+        # what they held then (the tensors are held: an identity is not reused while it is compared).
+        self.views = tuple(map(_dict_values, tables))
+        self.entries = _entries(self.views)
+        tensors = {id(v): v for v in chain.from_iterable(self.views) if _watchable(v)}
+        self.tensors = tuple(tensors.values())
+        self.memory = _memory(self.tensors)
 
     def changed(self) -> bool:
         if tuple(map(_training, self.modules)) != self.modes:
+            return True
+        if _entries(self.views) != self.entries or _memory(self.tensors) != self.memory:
             return True
         for (module, get), value in zip(self.getters, self.values):
             if get(module) != value:
@@ -238,15 +334,18 @@ class _ModuleWatch:
                     found(module)
 
         def snapshot() -> _Modules:
-            return _Modules(tuple(self.modules), tuple(modes), tuple(self.getters), tuple(values))
+            # The tensors as the call left them (a graph holds the memory its capture used).
+            tables = tuple(t for m in self.modules for t in (m._parameters, m._buffers) if t)
+            return _Modules(tuple(self.modules), tuple(modes), tuple(self.getters), tuple(values), tables)
 
         running = sys.getprofile()
         if running is not None:  # another profiler (or an outer watch, which finds them) runs
             if not getattr(running, "_hfkern_module_watch", False):
                 warnings.warn(
                     "capture_step: another Python profiler (sys.setprofile) runs while the step runs eagerly or "
-                    "is captured, so the modules it runs are not found: a later train()/eval() of them, or a "
-                    "change of their host hyper-parameters, will not make a new capture (call "
+                    "is captured, so the modules it runs are not found: a later train()/eval() of them, a "
+                    "change of their host hyper-parameters, or new memory of their parameters or buffers, "
+                    "will not make a new capture (call "
                     "CapturedStep.reset() after such a change, or capture without the profiler)",
                     UserWarning, stacklevel=4)
             yield snapshot
@@ -321,18 +420,35 @@ def _on_cuda(args: tuple, kwargs: dict) -> bool:
     return bool(tensors) and all(t.device.type == "cuda" for t in tensors) and torch.cuda.is_available()
 
 
-def _static_copy(v: Any) -> Any:
+def _expanded(v: torch.Tensor) -> tuple[int, ...] | None:
+    """For a tensor with dims of stride 0 (an expanded view, such as :func:`hfkern.broadcast`'s
+    input shared by the B models), the shape of the memory it views (1 in those dims); else None.
+    (A tensor that requires grad is copied densely, as before: its ``.grad`` is per element.)"""
+    if v.requires_grad or not any(stride == 0 and size > 1 for size, stride in zip(v.shape, v.stride())):
+        return None
+    return tuple(1 if stride == 0 else size for size, stride in zip(v.shape, v.stride()))
+
+
+def _static_copy(v: Any) -> tuple[Any, Any, tuple[int, ...] | None]:
     """A tensor argument's static copy: a new leaf (requiring grad as ``v`` does, with a copy of
-    its ``.grad``), not a node of the caller's autograd graph."""
+    its ``.grad``), not a node of the caller's autograd graph. Returns ``(static, target, base)``:
+    what ``step_fn`` gets, the tensor a replay copies a new argument into and, for an expanded
+    argument (:func:`_expanded`), the shape of the memory it views, of which the static copy is
+    a copy expanded the same way (a shared input stays shared, with its strides); else None.
+    Arguments of one graph have one shape and strides (its key), so one form."""
     if not isinstance(v, torch.Tensor):
-        return v
+        return v, None, None
+    base = _expanded(v)
     with torch.no_grad():
+        if base is not None:
+            target = v.detach().as_strided(base, v.stride(), v.storage_offset()).clone()
+            return target.expand(v.shape), target, base
         s = v.detach().clone()
         if v.requires_grad:
             s.requires_grad_(True)
             if v.grad is not None:
                 s.grad = v.grad.detach().clone()
-    return s
+    return s, s, None
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -350,12 +466,18 @@ class _Graph:
     modules it ran with their modes and host values."""
 
     def __init__(self, static: list, graph: Any, outputs: Any, host_steps: list, optimizers: dict[int, Any],
-                 modules: _Modules, mutated: tuple[int, ...], grads: tuple, returned: list):
+                 modules: _Modules, mutated: tuple[int, ...], grads: tuple, returned: list,
+                 inputs: tuple = (), checks: list | tuple = (), restores: list | tuple = ()):
         self.static = static  # the flat leaves of (args, kwargs)
         self.tensors = tuple(i for i, s in enumerate(static) if isinstance(s, torch.Tensor))
+        # per tensor argument (leaf i, the tensor a new argument is copied into, the shape of the
+        # memory an expanded argument views or None); by default the static tensors themselves
+        self.inputs = inputs or tuple((i, static[i], None) for i in self.tensors)
         self.graph = graph
         self.outputs = outputs
         self.host_steps = host_steps
+        self.checks = tuple(checks)  # host checks before a replay (before_replay)
+        self.restores = tuple(restores)  # host records written after a replay (after_replay)
         self.optimizers = optimizers
         self.structure = _structure(optimizers)
         self.modules = modules
@@ -451,6 +573,8 @@ class CapturedStep:
             graph = self._graphs[key] = self._capture(key, args, ordered)
             if graph.graph.runs_at_capture:
                 return self._after_replay(graph, tree_flatten((args, ordered))[0])
+            # the capture ran the step's Python (its host checks included) for this replay
+            return self._replay(graph, args, ordered, checked=True)
         return self._replay(graph, args, ordered)
 
     # ---- eager ----------------------------------------------------------------------------
@@ -497,36 +621,47 @@ class CapturedStep:
     # ---- capture and replay -----------------------------------------------------------------
     def _capture(self, key: tuple, args: tuple, kwargs: dict) -> _Graph:
         leaves, spec = tree_flatten((args, kwargs))
-        static = [_static_copy(v) for v in leaves]
+        copies = [_static_copy(v) for v in leaves]
+        static = [c[0] for c in copies]
         tensors = [i for i, s in enumerate(static) if isinstance(s, torch.Tensor)]
+        inputs = tuple((i, copies[i][1], copies[i][2]) for i in tensors)
         versions = {i: _version(static[i]) for i in tensors}
         grads_before = {i: static[i].grad for i in tensors if static[i].requires_grad}
         static_args, static_kwargs = tree_unflatten(static, spec)
         graph = self._new_graph()
         watch = self._watches.setdefault(key, _ModuleWatch())
         rec = _recording
-        previous = (rec.active, rec.capturing, rec.host_steps, rec.optimizers)
-        rec.active, rec.capturing, rec.host_steps, rec.optimizers = self, True, [], {}
+        previous = (rec.active, rec.capturing, rec.host_steps, rec.checks, rec.restores, rec.capture,
+                    rec.optimizers)
+        rec.active, rec.capturing, rec.host_steps, rec.checks, rec.restores, rec.capture, rec.optimizers = (
+            self, True, [], [], [], object(), {})
         try:
             with watch.running() as modules:
                 outputs = graph.capture(lambda: self.step_fn(*static_args, **static_kwargs))
-            host_steps, optimizers = rec.host_steps, rec.optimizers
+            host_steps, checks, restores, optimizers = rec.host_steps, rec.checks, rec.restores, rec.optimizers
         finally:
-            rec.active, rec.capturing, rec.host_steps, rec.optimizers = previous
+            (rec.active, rec.capturing, rec.host_steps, rec.checks, rec.restores, rec.capture,
+             rec.optimizers) = previous
         self.graphs += 1
         mutated = tuple(i for i in tensors if versions[i] is not None and _version(static[i]) != versions[i])
         grads = tuple((i, g0, static[i].grad) for i, g0 in grads_before.items())
         sources = {id(static[i]): ("arg", i) for i in tensors}
         sources.update({id(g1): ("grad", i) for i, _, g1 in grads if g1 is not None})
         returned = [sources.get(id(o)) if isinstance(o, torch.Tensor) else None for o in tree_flatten(outputs)[0]]
-        return _Graph(static, graph, outputs, host_steps, optimizers, modules(), mutated, grads, returned)
+        return _Graph(static, graph, outputs, host_steps, optimizers, modules(), mutated, grads, returned,
+                      inputs, checks, restores)
 
-    def _replay(self, graph: _Graph, args: tuple, kwargs: dict) -> Any:
+    def _replay(self, graph: _Graph, args: tuple, kwargs: dict, checked: bool = False) -> Any:
+        if not checked:
+            for fn, a, k in graph.checks:
+                fn(*a, **k)
         leaves = tree_flatten((args, kwargs))[0]
-        static = graph.static
         with torch.no_grad():
-            for i in graph.tensors:
-                static[i].copy_(leaves[i], non_blocking=True)
+            for i, target, base in graph.inputs:
+                v = leaves[i]
+                if base is not None:  # an expanded argument: the memory it views
+                    v = v.as_strided(base, v.stride(), v.storage_offset())
+                target.copy_(v, non_blocking=True)
             for i, g0 in graph.grads_in:
                 g0.copy_(leaves[i].grad, non_blocking=True)
         graph.graph.replay()
@@ -549,6 +684,8 @@ class CapturedStep:
                     caller.grad.copy_(g1)
             else:
                 caller.grad = g1.detach().clone()
+        for fn, a, k in graph.restores:
+            fn(*a, **k)
         for method, a, k in graph.host_steps:
             method(*a, **k)
         out, spec = tree_flatten(graph.outputs)

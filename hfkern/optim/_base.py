@@ -130,23 +130,26 @@ class ArrayOptimizer(Optimizer):
     tensor on the parameters' device; a model marked True is not updated at all
     (its parameters, state and step counts stay bit-identical). With
     ``skip_nonfinite=True`` the optimizer also skips every model with an inf or
-    NaN in any gradient. ``last_skipped`` is then the ``[B]`` bool tensor of the
-    models that were not updated. Neither reads a device value on the host.
+    NaN in any gradient. ``last_skipped`` (None before the first step) is the
+    ``[B]`` bool tensor of the models the last step did not update: one tensor
+    per optimizer, which every step writes in place (eager, compiled, or
+    replayed by :func:`hfkern.capture_step`, whichever of its graphs replays),
+    so that it is right after any of them; ``.clone()`` it to keep one step's
+    mask. Neither reads a device value on the host.
 
     Parameters of bfloat16/float16 keep float32 state; their update is computed in
     float32 and rounded into the parameter once.
 
     Under ``torch.compile`` (``torch.compile(opt.step, fullgraph=True)`` or a
     compiled training step) the step traces to its op calls; see
-    :meth:`_init_group` for what makes it trace again. Two differences from an
+    :meth:`_init_group` for what makes it trace again. One difference from an
     eager step: a value the step rejects (a hyperparameter, or a ``skip`` mask
     of another dtype, shape or type) raises while dynamo traces, as dynamo's
     own error type (``InternalTorchDynamoError``, or ``Unsupported: Observed
     exception`` under ``fullgraph=True``) with the message kept in its
-    context; and once a step was
-    compiled, ``last_skipped`` is one tensor that every step (compiled or not)
-    writes in place (dynamo drops attribute assignments of an optimizer in a
-    compiled step).
+    context. (``last_skipped`` is the same tensor in both: dynamo drops
+    attribute assignments of an optimizer in a compiled step, and every step
+    writes it in place.)
 
     torch's implementation keywords are accepted where the torch namesake takes
     them, so that training scripts port unchanged; they select nothing, because
@@ -235,7 +238,7 @@ class ArrayOptimizer(Optimizer):
         self.B: int | None = None
         self.skip_nonfinite = skip_nonfinite
         self.last_skipped: torch.Tensor | None = None
-        self._skipped_out: torch.Tensor | None = None  # see _init_group
+        self._skipped_out: torch.Tensor | None = None  # last_skipped's tensor: see _init_group
         self._device: torch.device | None = None
         self._checked: dict[int, tuple[dict, _Checked]] = {}
         self._opt_called = False  # whether a step ran (set by _init_group)
@@ -528,17 +531,14 @@ class ArrayOptimizer(Optimizer):
                 ops.check_step(self._spec, *args)
         for args in calls:
             self._update(args)
-        if skipped:
-            # Once a step was compiled, every step writes one tensor in place (dynamo drops
-            # an optimizer's attribute assignments in a compiled step: pytorch/pytorch#171590).
-            if mask is None:
-                skipped[0].zero_()
-            else:
-                skipped[0].copy_(mask)
-        elif mask is None:
-            self.last_skipped = torch.zeros(self.B, dtype=torch.bool, device=self._device)
+        # Every step writes one tensor in place: a replay of a captured step (which runs no
+        # Python, and may be one of several graphs) writes the tensor its capture wrote, and
+        # dynamo drops an optimizer's attribute assignments in a compiled step
+        # (pytorch/pytorch#171590).
+        if mask is None:
+            skipped[0].zero_()
         else:
-            self.last_skipped = mask.clone() if mask is skip else mask
+            skipped[0].copy_(mask)
         return loss
 
     def _init_group(
@@ -563,8 +563,8 @@ class ArrayOptimizer(Optimizer):
         stored ones are guarded by identity) makes the next call trace again, and so
         validate it. The step reads ``param_groups`` only here, so that dynamo guards on
         the groups as validation leaves them. ``skipped`` gets the tensor a step writes
-        ``last_skipped`` into, once a step was compiled (made here at the first trace;
-        ``last_skipped`` is that tensor from then on), and stays empty before.
+        its mask of skipped models into, which is ``last_skipped`` (made here at the first
+        step, eager or traced; made anew only if the parameters' B or device changed).
         """
         name = type(self).__name__
         checked = []
@@ -590,11 +590,13 @@ class ArrayOptimizer(Optimizer):
                 for k in self._hypers + self._init_hypers:
                     for t in group[k] if self._spec.pair(k) else (group[k],):
                         torch._dynamo.mark_static_address(t, guard=True)  # guarded by identity
-            if self._skipped_out is None:
-                self._skipped_out = torch.zeros(self.B, dtype=torch.bool, device=self._device)
-        if self._skipped_out is not None:
-            self.last_skipped = self._skipped_out
-            skipped.append(self._skipped_out)
+        out = self._skipped_out
+        if out is None or out.shape != (self.B,) or out.device != self._device:
+            # Made at the first step (again only if the parameters' B or device changed): every
+            # later step, eager, compiled or replayed by capture_step, writes this tensor.
+            out = self._skipped_out = torch.zeros(self.B, dtype=torch.bool, device=self._device)
+        self.last_skipped = out
+        skipped.append(out)
         self._opt_called = True  # (what torch's schedulers read: a scheduler stepped first warns)
         return tuple(layout)
 
