@@ -33,12 +33,14 @@ def broadcast(x: torch.Tensor, B: int) -> torch.Tensor:
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"broadcast: expected a torch.Tensor, got {type(x).__name__}")
-    B = check_B(B)
+    B = check_B(B, "broadcast: B")
     return x.unsqueeze(0).expand(B, *x.shape)
 
 
 def is_shared(x: torch.Tensor) -> bool:
     """True if ``x`` is an :func:`broadcast` view (stride 0 on a non-trivial array dim)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"is_shared: expected a torch.Tensor, got {type(x).__name__}")
     return x.dim() > 0 and x.stride(0) == 0 and x.size(0) > 1
 
 

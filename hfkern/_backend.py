@@ -25,8 +25,8 @@ Selection:
   accumulation dtype, same TF32 flags), so ``auto`` never silently changes
   numerics; a kernel benchmark alone never makes ``auto`` choose it. The choice
   and its reason (the result file, where one decided) are logged once per
-  (op, device type) at DEBUG level on the ``hfkern`` logger and shown by
-  :func:`backend_info`.
+  (op, device type, data dtype) at DEBUG level on the ``hfkern`` logger and
+  shown by :func:`backend_info`.
 
 Where the selection lives:
 
@@ -63,6 +63,7 @@ import importlib.util
 import logging
 import os
 import pkgutil
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
@@ -154,26 +155,34 @@ _availability.update(torch=_torch_available, triton=_triton_available, cuda=_cud
 
 # backend -> "" once its package imported, or why it could not be
 _packages: dict[str, str] = {}
+# Held for the whole of a backend package's import: another thread that asks for the
+# backend meanwhile waits for the import to finish (and then sees its result) instead of
+# taking the import in progress for a finished one. Re-entrant, for the importing thread's
+# own nested calls (a family module's imports asking for the backend).
+_load_lock = threading.RLock()
 
 
 def _load_package(backend: str) -> str:
     """Import every family module of ``backend``'s package (each registers its
-    implementations); return "" or the reason it failed. Runs once per backend."""
-    if backend not in _packages:
-        _packages[backend] = ""  # re-entrant calls (a module's own imports) see it loading
-        name = BACKEND_PACKAGES[backend]
-        try:
-            # A backend this build does not ship (no package) has nothing to register.
-            package = importlib.import_module(name) if importlib.util.find_spec(name) else None
-            for info in pkgutil.iter_modules(getattr(package, "__path__", [])):
-                if not info.name.startswith("_"):
-                    importlib.import_module(f"{name}.{info.name}")
-        except ImportError as e:
-            _packages[backend] = f"{name} could not be imported ({e})"
-        except Exception as e:  # a broken kernel module must not break the torch path
-            _packages[backend] = f"{name} failed to import: {type(e).__name__}: {e}"
-            logger.warning("hfkern backend %r disabled: %s", backend, _packages[backend])
-    return _packages[backend]
+    implementations); return "" or the reason it failed. Runs once per backend;
+    thread-safe: a call during another thread's import waits for it to finish."""
+    with _load_lock:
+        if backend not in _packages:
+            # A re-entrant call of this thread (a module's own imports) sees it loading.
+            _packages[backend] = ""
+            name = BACKEND_PACKAGES[backend]
+            try:
+                # A backend this build does not ship (no package) has nothing to register.
+                package = importlib.import_module(name) if importlib.util.find_spec(name) else None
+                for info in pkgutil.iter_modules(getattr(package, "__path__", [])):
+                    if not info.name.startswith("_"):
+                        importlib.import_module(f"{name}.{info.name}")
+            except ImportError as e:
+                _packages[backend] = f"{name} could not be imported ({e})"
+            except Exception as e:  # a broken kernel module must not break the torch path
+                _packages[backend] = f"{name} failed to import: {type(e).__name__}: {e}"
+                logger.warning("hfkern backend %r disabled: %s", backend, _packages[backend])
+        return _packages[backend]
 
 
 def _load_packages() -> None:

@@ -37,7 +37,8 @@ Op (registered with torch.library, implementation chosen by the registry)::
   backend: they run the same search from the same sample, with exact integer
   counts, and differ only in how they count and compact.
 
-The op has no autograd formula (a selection of gradients is not differentiated).
+The op is not differentiated (a selection of gradients): its results never require
+grad, also for an ``x`` that does.
 """
 
 from __future__ import annotations
@@ -68,12 +69,19 @@ class TopK(NamedTuple):
 
 
 def topk_capacity(k: int, exact: bool = False) -> int:
-    """The length of :func:`topk_select`'s buffers: ``k`` if ``exact``, else ``ceil(1.25 * k)``."""
+    """The length of :func:`topk_select`'s buffers: ``k`` if ``exact``, else ``ceil(1.25 * k)``.
+
+    ``k`` and ``exact`` are checked as :func:`topk_select` checks them: ``k`` an int
+    in ``[1, 2**31 - 1]`` (the longest row it takes), ``exact`` a bool.
+    """
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"topk_capacity: expected k to be an int, got {type(k).__name__} {k!r}")
-    if k < 1:
-        raise ValueError(f"topk_capacity: expected k >= 1, got {k}")
-    return capacity(k, bool(exact))
+    if not 1 <= k <= _INT32_MAX:
+        raise ValueError(f"topk_capacity: expected k >= 1 and k <= {_INT32_MAX} (topk_select's longest "
+                         f"row), got k = {k}")
+    if not isinstance(exact, bool):
+        raise TypeError(f"topk_capacity: expected exact to be a bool, got {type(exact).__name__} {exact!r}")
+    return capacity(k, exact)
 
 
 def check_topk_args(x: Tensor, k: int, exact: bool, seed: int) -> KeySpec:
@@ -201,6 +209,19 @@ def _(x, k, exact, seed):
     lead = tuple(x.shape[:-1])
     return (x.new_empty(lead + (cap,)), x.new_empty(lead + (cap,), dtype=torch.int32),
             x.new_empty(lead, dtype=torch.int64))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    # Not differentiated (the module docstring): results that do not require grad, as
+    # those of torch's integer-valued ops do, rather than a graph with no backward.
+    ctx.mark_non_differentiable(*output)
+
+
+def _backward(ctx, *grads):
+    raise RuntimeError("hfkern::topk_select is not differentiable")  # outputs never require grad
+
+
+_topk_select_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def topk_select(x: Tensor, k: int, *, exact: bool = False, seed: int = 0) -> TopK:

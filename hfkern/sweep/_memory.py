@@ -149,14 +149,24 @@ def _default_optimizer(params) -> torch.optim.Optimizer:
 
 # ---- argument checks ---------------------------------------------------------------------------
 
+# What to pass instead of a torch.nn.Module, by argument: a module is callable, but
+# calling it runs its forward, which is what none of the callables is.
+_MODULE_HINTS = {
+    "factory": "pass a callable that makes one, e.g. lambda: {cls}(...)",
+    "step_fn": ("pass a function step_fn(model, optimizer, batch) that runs one training step of "
+                "the fused model it is given (the models themselves come from factory)"),
+    "optimizer": ("pass a function that makes the optimizer of the parameters it is given, "
+                  "e.g. lambda params: hfkern.optim.SGD(params, lr=0.1)"),
+}
+
+
 def _check_callable(fn: str, name: str, value: object, what: str, optional: bool) -> None:
     if optional and value is None:
         return
     if isinstance(value, nn.Module):
-        # A module is callable, but calling it runs its forward: a model passed for a factory.
+        hint = _MODULE_HINTS.get(name, "").format(cls=type(value).__name__)
         raise TypeError(f"{fn}: {name} must be {what}, got a torch.nn.Module instance "
-                        f"({type(value).__name__}); pass a callable that makes one, e.g. lambda: "
-                        f"{type(value).__name__}(...)")
+                        f"({type(value).__name__})" + (f"; {hint}" if hint else ""))
     if not callable(value):
         raise TypeError(f"{fn}: {name} must be {what}{' or None' if optional else ''}, "
                         f"got {type(value).__name__} {value!r}")
@@ -201,7 +211,11 @@ def _check_device(fn: str, device: object) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"{fn}: device must be a torch.device, a str or None, got {type(device).__name__} {device!r}")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:  # torch's parse error of a device string
+        raise ValueError(f"{fn}: expected a device such as 'cpu', 'cuda' or 'cuda:1', got {device!r} "
+                         f"({e})") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{fn}: expected an available device, got {device} and "
@@ -224,8 +238,47 @@ def _check_default_batch(fn: str, batch: object) -> None:
                     f"(inputs, targets) pair of tensors, got {got}; pass a step_fn for other batches")
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+def _check_no_profiler(fn: str, device: torch.device) -> None:
+    """Refuse to measure CPU memory inside a profiling session (see :func:`_cpu_peak_bytes`)."""
+    if device.type == "cpu" and _profiler_active():
+        raise RuntimeError(
+            f"{fn}: measures CPU memory with torch's profiler (torch.profiler.profile with "
+            "profile_memory=True), and cannot run inside another profiling session: a nested "
+            "session would stop the one already running, which would then record nothing; "
+            "call it outside the profiler"
+        )
+
+
+def _profiler_active() -> bool:
+    """Whether a torch profiler session is running: the Python profiler's process-wide flag
+    (set by torch.profiler.profile and torch.autograd.profiler.profile, whichever thread
+    entered it), or the autograd profiler's state in this thread (any other front end)."""
+    from torch.autograd import profiler as autograd_profiler
+
+    if getattr(autograd_profiler, "_is_profiler_enabled", False):
+        return True
+    enabled = getattr(torch.autograd, "_profiler_enabled", None)
+    return bool(enabled()) if enabled is not None else False
+
+
+def _to_device(batch: Any, device: torch.device, keep_requires_grad: bool) -> Any:
+    """The batch's tensors on ``device``, detached from the caller's: the steps backpropagate,
+    and must not write gradients into the caller's tensors (nor build on their autograd
+    history). ``keep_requires_grad``: a detached tensor that requires grad where the caller's
+    does (a new leaf, for a custom step that differentiates with respect to its inputs);
+    otherwise none does, so that the default step's shared input takes the shared path."""
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        with torch.inference_mode(False):
+            moved = t.detach().to(device)
+            if moved.is_inference():  # made under inference_mode: a normal tensor for autograd
+                moved = moved.clone()
+            if keep_requires_grad and t.requires_grad:
+                moved.requires_grad_(True)
+        return moved
+
+    return tree_map(move, batch)
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -249,6 +302,9 @@ def _cpu_peak_bytes(fn: Callable[[], None]) -> int:
     """
     from torch.profiler import ProfilerActivity, profile
 
+    # The callers refuse before any work (_check_no_profiler); this guards the session
+    # already running against one started since.
+    _check_no_profiler("max_array_size", torch.device("cpu"))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     try:
@@ -283,11 +339,16 @@ def _cuda_peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
 
 def _run_window(factory: Callable[[], nn.Module], batch: Any, B: int, step_fn: Callable,
                 make_optimizer: Callable, device: torch.device) -> None:
-    """Build the fused model of B models and its optimizer on ``device``, and train two steps."""
-    model = fuse(factory, B).to(device)
-    optimizer = make_optimizer(model.parameters())
-    for _ in range(2):
-        step_fn(model, optimizer, batch)
+    """Build the fused model of B models and its optimizer on ``device``, and train two steps.
+
+    Under the grad mode of training whatever the caller's is (``torch.no_grad``,
+    ``torch.inference_mode``): a training step is what is measured. The caller's
+    modes are back on return."""
+    with torch.inference_mode(False), torch.enable_grad():
+        model = fuse(factory, B).to(device)
+        optimizer = make_optimizer(model.parameters())
+        for _ in range(2):
+            step_fn(model, optimizer, batch)
 
 
 def _measure_window(factory: Callable[[], nn.Module], batch: Any, B: int, step_fn: Callable,
@@ -426,7 +487,8 @@ def measure_step_peak(factory: Callable[[], nn.Module], example_batch: Any, B: i
     device = _check_device(fn, device)
     if step_fn is None:
         _check_default_batch(fn, example_batch)
-    batch = _to_device(example_batch, device)
+    _check_no_profiler(fn, device)
+    batch = _to_device(example_batch, device, keep_requires_grad=step_fn is not None)
     return _measure_window(factory, batch, B, step_fn or default_step, optimizer or _default_optimizer, device)
 
 
@@ -451,7 +513,9 @@ def max_array_size(factory: Callable[[], nn.Module], example_batch: Any, step_fn
             ``[N, ...]`` or a pair ``(inputs [N, ...], targets [N, ...])`` for the
             default step (see :func:`default_step`); anything ``step_fn`` takes
             otherwise. Its tensors are moved to ``device`` once, before free memory
-            is read.
+            is read, detached: the steps never write gradients into the caller's
+            tensors (for a custom ``step_fn``, a tensor that requires grad is
+            passed as a new leaf that does too).
         step_fn: ``step_fn(model, optimizer, batch)``, one full training step of
             the fused ``model`` (its ``model.B`` models); default
             :func:`default_step`.
@@ -471,10 +535,16 @@ def max_array_size(factory: Callable[[], nn.Module], example_batch: Any, step_fn
         An :class:`ArraySize`; ``int()`` of it is B. B = 0 when not even one model
         fits (a legitimate answer, not an error).
 
+    The steps run with gradients enabled, also when called under
+    ``torch.no_grad()`` or ``torch.inference_mode()`` (the caller's modes are back
+    on return).
+
     Raises TypeError / ValueError for invalid arguments (before any work),
-    RuntimeError when the measured peak does not grow with B (nothing to
-    extrapolate), and the device's out-of-memory error, with a note, when a
-    measured size itself does not fit.
+    RuntimeError, before any work, when called on the CPU inside a profiling
+    session (the CPU measurement runs torch's profiler, and a nested session
+    would end the running one), RuntimeError when the measured peak does not grow
+    with B (nothing to extrapolate), and the device's out-of-memory error, with a
+    note, when a measured size itself does not fit.
     """
     fn = "max_array_size"
     _check_callable(fn, "factory", factory, "a callable returning one torch.nn.Module", optional=False)
@@ -487,9 +557,10 @@ def max_array_size(factory: Callable[[], nn.Module], example_batch: Any, step_fn
     device = _check_device(fn, device)
     if step_fn is None:
         _check_default_batch(fn, example_batch)
+    _check_no_profiler(fn, device)
+    batch = _to_device(example_batch, device, keep_requires_grad=step_fn is not None)
     step_fn = step_fn or default_step
     make_optimizer = optimizer or _default_optimizer
-    batch = _to_device(example_batch, device)
 
     def window(B: int) -> int:
         return _measure_window(factory, batch, B, step_fn, make_optimizer, device)
