@@ -306,7 +306,9 @@ def test_a_scaler_updated_after_the_captured_step_matches_eager(inside):
     assert run.graphs == 1 and run.eager_calls == 1
 
 
-def test_a_replay_before_the_update_raises_as_an_eager_step_does():
+def _scaled_sgd_step():
+    """(w, scaler, step): an SGD step of B models through a GradScaler whose step() runs in the
+    step and whose update() the caller makes."""
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(B, 4))
     opt = hfkern.optim.SGD([w], lr=0.1)
@@ -318,6 +320,12 @@ def test_a_replay_before_the_update_raises_as_an_eager_step_does():
         scaler.scale(losses).sum().backward()
         scaler.step(opt)
         return losses.detach()
+
+    return w, scaler, step
+
+
+def test_a_replay_before_the_update_raises_as_an_eager_step_does():
+    w, scaler, step = _scaled_sgd_step()
 
     x = torch.ones(4)
     with recorded():
@@ -345,17 +353,7 @@ def test_the_replay_that_completes_a_cuda_capture_is_not_checked(monkeypatch):
     class NotRunAtCapture(RecordedGraph):
         runs_at_capture = False
 
-    torch.manual_seed(0)
-    w = nn.Parameter(torch.randn(B, 4))
-    opt = hfkern.optim.SGD([w], lr=0.1)
-    scaler = GradScaler("cpu", init_scale=8.0, B=B)
-
-    def step(x):
-        losses = (w * x).sum(1)
-        opt.zero_grad()
-        scaler.scale(losses).sum().backward()
-        scaler.step(opt)
-        return losses.detach()
+    w, scaler, step = _scaled_sgd_step()
 
     x = torch.ones(4)
     with recorded():

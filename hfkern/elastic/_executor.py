@@ -1076,12 +1076,6 @@ def _checkpoint_dir(spec: JobSpec, directory: str) -> str:
 
 
 def _write_json(path: str, obj: Any) -> None:
-    text = json.dumps(obj)   # before any file is made: a value JSON cannot hold leaves nothing behind
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    from hfkern.elastic.worker import _write_json_atomic
+
+    _write_json_atomic(path, obj)
