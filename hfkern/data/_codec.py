@@ -16,8 +16,12 @@ The tree mirrors the sample: ``tuple``/``list``/``dict`` nodes hold their
 children; array leaves (``torch.Tensor``, ``numpy.ndarray``, numpy scalars,
 ``bytes``) name a dtype, a shape and a byte range of the data area; plain
 Python scalars (``int``, ``float``, ``complex``, ``bool``, ``str``, ``None``)
-live in the JSON itself (Python's JSON writes floats with ``repr``, so they
-round-trip exactly, ``nan``, ``inf`` and ``-0.0`` included).
+live in the JSON itself: ``bool``, ``str``, ``None`` and ints of magnitude below
+2**63 as JSON values, larger ints as hexadecimal text (exact for any size, and
+not bound by ``sys.set_int_max_str_digits``, which limits decimal text), floats
+and complex parts as the 16 hexadecimal digits of their IEEE-754 bits, so every
+float comes back with its bits: ``-0.0``, ``inf`` and NaNs of either sign and
+any payload included.
 
 numpy ``str_`` / ``bytes_`` scalars are kept whole, trailing NULs included
 (numpy drops those when it reads an element of an array, so they are not
@@ -47,15 +51,21 @@ import numpy as np
 import torch
 
 MAGIC = b"HFKCACHE"
-FORMAT = 2  # 2: the prefix holds a CRC-32 of the rest of the entry; numpy str_/bytes_ scalars kept whole
+# 2: the prefix holds a CRC-32 of the rest of the entry; numpy str_/bytes_ scalars kept whole.
+# 3: floats and complex parts stored as their IEEE-754 bits (NaN sign and payload kept), ints
+#    of magnitude 2**63 and over as hexadecimal text. Entries of format 2 are never read (the
+#    format is part of an entry's name, see cache.py): they are misses and age out.
+FORMAT = 3
 _PREFIX = struct.Struct("<8sIIQQ")
 _CRC_AT = 12  # offset of the CRC-32 in the prefix; it covers the entry from _CRC_FROM on
 _CRC = struct.Struct("<I")
 _CRC_FROM = _CRC_AT + _CRC.size
 ALIGN = 64
-# A sample nested deeper than this is refused rather than recursed into (a list
-# that contains itself would otherwise recurse until Python's limit).
+# A sample nested deeper than this is refused (TypeError) rather than recursed into; a tuple,
+# list or dict that contains itself is refused as such.
 MAX_DEPTH = 64
+_BIG_INT = 1 << 63  # ints of this magnitude and over are stored as hexadecimal text
+_F64 = struct.Struct("<d")
 
 SUPPORTED = (
     "torch.Tensor (CPU, dense, any dtype, not requiring grad), numpy.ndarray and numpy "
@@ -79,10 +89,30 @@ def _unsupported(obj: Any, where: str, why: str = "") -> TypeError:
     return TypeError(f"cannot cache sample{where}: {what}{why}; supported: {SUPPORTED}")
 
 
+def _float_bits(x: float) -> str:
+    """The IEEE-754 bits of ``x`` as 16 hexadecimal digits (a NaN keeps its sign and payload)."""
+    return _F64.pack(x).hex()
+
+
+def _bits_float(bits: Any) -> float:
+    if type(bits) is not str or len(bits) != 16:
+        raise CorruptEntry(f"float bits {bits!r} are not 16 hexadecimal digits")
+    return _F64.unpack(bytes.fromhex(bits))[0]
+
+
+def _show(key: Any) -> str:
+    """A dict key as the path of an error message shows it (an int too long for its decimal
+    text, see ``sys.set_int_max_str_digits``, in hexadecimal)."""
+    if type(key) is int and not -_BIG_INT < key < _BIG_INT:
+        return hex(key)
+    return repr(key)
+
+
 class _Encoder:
     def __init__(self) -> None:
         self.leaves: list[tuple[int, Any]] = []  # (offset in the data area, contiguous array)
         self.size = 0
+        self.open: set[int] = set()  # ids of the tuples, lists and dicts on the path being encoded
 
     def _leaf(self, data: Any, nbytes: int) -> int:
         off = self.size
@@ -92,7 +122,8 @@ class _Encoder:
 
     def node(self, obj: Any, where: str, depth: int) -> dict:
         if depth > MAX_DEPTH:
-            raise ValueError(f"cannot cache sample{where}: nested deeper than {MAX_DEPTH} levels")
+            raise TypeError(f"cannot cache sample{where}: nested deeper than {MAX_DEPTH} levels "
+                            f"(of tuples, lists and dicts); supported: {SUPPORTED}")
         t = type(obj)
         if t is torch.Tensor:
             if obj.layout != torch.strided or obj.is_nested or obj.is_quantized:
@@ -125,14 +156,26 @@ class _Encoder:
                     "n": data.nbytes}
         if t is bytes:
             return {"t": "bytes", "off": self._leaf(obj, len(obj)), "n": len(obj)}
+        if t is int and not -_BIG_INT < obj < _BIG_INT:
+            return {"t": "int", "x": hex(obj)}
         if t is bool or t is int or t is str or obj is None:
             return {"t": "v", "v": obj}
         if t is float:
-            return {"t": "float", "v": obj}
+            return {"t": "float", "b": _float_bits(obj)}
         if t is complex:
-            return {"t": "complex", "v": [obj.real, obj.imag]}
-        if t is tuple or t is list:
-            return {"t": t.__name__, "items": [self.node(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(obj)]}
+            return {"t": "complex", "b": [_float_bits(obj.real), _float_bits(obj.imag)]}
+        if t is tuple or t is list or t is dict:
+            if id(obj) in self.open:
+                raise TypeError(f"cannot cache sample{where}: a {t.__name__} that contains itself; "
+                                f"supported: {SUPPORTED}")
+            self.open.add(id(obj))
+            try:
+                return self._container(obj, t, where, depth)
+            finally:
+                self.open.discard(id(obj))
+        raise _unsupported(obj, where)
+
+    def _container(self, obj: Any, t: type, where: str, depth: int) -> dict:
         if t is dict:
             keys = []
             for k in obj:
@@ -140,8 +183,8 @@ class _Encoder:
                     raise _unsupported(k, f"{where} (a dict key)")
                 keys.append(self.node(k, where, depth + 1))
             return {"t": "dict", "keys": keys,
-                    "items": [self.node(v, f"{where}[{k!r}]", depth + 1) for k, v in obj.items()]}
-        raise _unsupported(obj, where)
+                    "items": [self.node(v, f"{where}[{_show(k)}]", depth + 1) for k, v in obj.items()]}
+        return {"t": t.__name__, "items": [self.node(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(obj)]}
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -222,7 +265,7 @@ def decode(buf, ident: dict, *, copy: bool, verify: bool = True) -> Any:
         return _Decoder(buf, start, copy).node(header["tree"], 0)
     except CorruptEntry:
         raise
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError, struct.error) as e:
         # Malformed JSON or a tree of the wrong shape: the entry is damaged, not the caller.
         raise CorruptEntry(f"malformed entry header: {type(e).__name__}: {e}") from None
 
@@ -278,10 +321,16 @@ class _Decoder:
             return self._checked(np.bytes_(bytes(self.buf[off:off + node["n"]])), node["dtype"])
         if t == "v":
             return node["v"]
+        if t == "int":
+            x = node["x"]
+            if type(x) is not str:
+                raise CorruptEntry(f"int node holds a {type(x).__name__}")
+            return int(x, 16)
         if t == "float":
-            return float(node["v"])
+            return _bits_float(node["b"])
         if t == "complex":
-            return complex(*node["v"])
+            re_bits, im_bits = node["b"]
+            return complex(_bits_float(re_bits), _bits_float(im_bits))
         if t == "tuple":
             return tuple(self.node(x, depth + 1) for x in node["items"])
         if t == "list":

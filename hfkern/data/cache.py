@@ -4,10 +4,10 @@
 
 1. the **memory tier**: this process's LRU of encoded entries, bounded by
    ``memory_bytes`` (the bytes of the entries, exactly), then in
-2. the **disk tier**: one file per sample in ``disk_dir``, read through a
-   private memory map (one that holds no file descriptor), shared by every
-   process on the machine that opens the
-   same directory (the DataLoader workers of one run, the trials of a sweep),
+2. the **disk tier**: one file per sample in ``disk_dir``, read into memory
+   (entries under 64 KiB) or through a private memory map that holds no file
+   descriptor (larger ones), shared by every process on the machine that opens
+   the same directory (the DataLoader workers of one run, the trials of a sweep),
    bounded by ``disk_bytes`` with least-recently-used eviction,
 
 and only then calls the wrapped dataset, storing what it returns in both tiers.
@@ -19,8 +19,8 @@ Disk protocol (POSIX; one machine):
   reader opens either nothing or a complete entry. Readers take no lock.
 * The writer holds an ``flock`` on its temp file while it writes; the kernel
   drops it when the writer dies, so a stray temp file whose lock can be taken
-  belongs to a dead writer and is removed (when a dataset is constructed, when
-  the tier evicts, on :meth:`CachedDataset.clear`).
+  belongs to a dead writer and is removed, in the subdirectory of any key (when a
+  dataset is constructed, when the tier evicts, on :meth:`CachedDataset.clear`).
 * Renames, removals and the byte count (``.hfc-usage``) change only under an
   exclusive ``flock`` on ``.hfc-lock``. When a write takes the count above
   ``disk_bytes``, the writer lists the directory and removes the entries with
@@ -47,10 +47,14 @@ import collections
 import contextlib
 import errno
 import hashlib
+import mmap
+import multiprocessing.context
+import multiprocessing.reduction
 import operator
 import os
 import re
 import secrets
+import tempfile
 import threading
 import time
 import warnings
@@ -79,8 +83,8 @@ _SUBDIR_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,39}-[0-9a-f]{16}")
 _ENTRY_RE = re.compile(r"[0-9a-f]{12}-[0-9]+\.hfc")
 
 # Counter columns. Every process that uses a wrapper (other than as a DataLoader worker) has a
-# table of its own in shared memory: row 0 its own counters, row 1 + w those of its DataLoader
-# worker w (see CachedDataset._ensure_process).
+# table of its own in shared memory: row 0 its own counters, one row each for its live DataLoader
+# workers, and an overflow row (see _CounterTable and CachedDataset._ensure_process).
 _FIELDS = (
     "memory_hits", "memory_misses", "memory_evictions", "memory_too_large",
     "disk_hits", "disk_misses", "disk_writes", "disk_evictions", "disk_too_large", "disk_corrupt",
@@ -98,9 +102,11 @@ def _int_arg(name: str, value: Any, minimum: int) -> int:
 
 
 def _slug(key: str) -> str:
-    """A directory name for ``key``: a readable prefix and a hash that makes it unique."""
+    """A directory name for ``key``: a readable prefix and a hash that makes it unique. A key
+    may hold lone surrogates (as file names decoded with ``surrogateescape`` do): it is hashed
+    with ``surrogatepass``, which encodes every str, and differently for different strs."""
     readable = re.sub(r"[^A-Za-z0-9_.-]", "_", key).lstrip(".-")[:40] or "_"
-    return f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return f"{readable}-{hashlib.sha256(key.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 
 
 class _MemoryTier:
@@ -142,6 +148,10 @@ class _MemoryTier:
 
 
 _FD_DIR = "/proc/self/fd"  # a path to an open descriptor's file (Linux)
+# Entries smaller than this are read into memory, not mapped: each map is one of the process's
+# vm.max_map_count (65530 on Linux) mappings and pins at least a page, so a process that keeps
+# tens of thousands of small samples would run out of mappings (mmap fails with ENOMEM).
+_MAP_MIN_BYTES = 64 << 10
 
 
 def _map_private(fd: int, size: int) -> Any:
@@ -211,13 +221,16 @@ class _DiskTier:
         with open(os.path.join(self.root, _USAGE_NAME), "wb") as f:
             f.write(b"%d\n" % total)
 
+    def _subdirs(self) -> list[str]:
+        """The subdirectory of every key in the directory (only names the cache makes)."""
+        with os.scandir(self.root) as top:
+            return [d.path for d in top if _SUBDIR_RE.fullmatch(d.name) and d.is_dir(follow_symlinks=False)]
+
     def _scan(self) -> tuple[list[tuple[int, str, str, int]], int]:
         """Every entry of the directory as (access ns, subdir, path, size), and the total;
         removes the temp files of dead writers on the way."""
         entries, total = [], 0
-        with os.scandir(self.root) as top:
-            subdirs = [d.path for d in top if _SUBDIR_RE.fullmatch(d.name) and d.is_dir(follow_symlinks=False)]
-        for sub in subdirs:
+        for sub in self._subdirs():
             try:
                 it = os.scandir(sub)
             except FileNotFoundError:
@@ -253,21 +266,29 @@ class _DiskTier:
     # -- operations -------------------------------------------------------------------
 
     def cleanup(self) -> None:
-        """Remove the temp files of dead writers under this key (all keys, and recount, when the
-        byte count is missing or damaged)."""
+        """Remove the temp files of dead writers in the subdirectory of every key (a writer
+        killed mid-write leaves one in its own key's), names alone listed; recount the bytes
+        when the byte count is missing or damaged."""
         os.makedirs(self.dir, exist_ok=True)
+        # Not under the directory lock: a temp file's own flock tells a live writer's from a
+        # dead one's, and writers create theirs without the directory lock anyway.
+        for sub in self._subdirs():
+            try:
+                it = os.scandir(sub)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with it:
+                temps = [e.path for e in it if e.name.startswith(_TMP_PREFIX) and e.is_file(follow_symlinks=False)]
+            for path in temps:
+                _remove_if_dead(path)
         with self._locked():
             if self._read_usage() is None:
                 self._write_usage(self._scan()[1])
-            else:
-                with os.scandir(self.dir) as it:
-                    for e in it:
-                        if e.name.startswith(_TMP_PREFIX):
-                            _remove_if_dead(e.path)
 
     def get(self, index: int) -> tuple[Any, int] | None:
-        """Entry ``index`` as a buffer of its own (a private, copy-on-write map of the file, or the
-        file read into memory), and the file's inode; None when there is no entry.
+        """Entry ``index`` as a buffer of its own (the file read into memory when it is smaller
+        than ``_MAP_MIN_BYTES``, or where it cannot be mapped; else a private, copy-on-write
+        map of the file), and the file's inode; None when there is no entry.
 
         No buffer holds a file descriptor: the samples decoded from it view it, and keeping a few
         thousand samples must not exhaust the process's descriptors (Python's ``mmap`` holds a
@@ -278,7 +299,14 @@ class _DiskTier:
             return None
         try:
             st = os.fstat(fd)
-            buf = _map_private(fd, st.st_size)
+            buf = None
+            if st.st_size >= _MAP_MIN_BYTES:
+                try:
+                    buf = _map_private(fd, st.st_size)
+                except (RuntimeError, OSError):
+                    # The map failed (ENOMEM once the process holds vm.max_map_count mappings):
+                    # reading gives the same bytes.
+                    buf = None
             if buf is None:
                 buf = _read_all(fd, st.st_size)
             t = self._now_ns()
@@ -385,6 +413,288 @@ _instances: weakref.WeakSet = weakref.WeakSet()
 _setup_lock = threading.RLock()
 
 
+# -- counters in shared memory --------------------------------------------------------------
+
+_MAX_WORKERS = 4096  # the largest max_workers: rows of worker counters in one table
+_META_WORDS = 8  # int64 words before the counters: [0] counts the resets of the overflow row
+_OVERFLOW_LOCK_AT = 0  # the byte of a table's file locked while its overflow row is written
+
+# The tables this process has mapped, by uid: a table unpickled in a process that has it already
+# (a copy pickled and loaded in the same process, or in a forked child) is that table.
+_tables: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _shared_fd(nbytes: int) -> int:
+    """A descriptor of a new file of ``nbytes`` zeros that has no name: a memfd where the system
+    has them (Linux), else a temp file unlinked at once."""
+    fd = None
+    if hasattr(os, "memfd_create"):
+        with contextlib.suppress(OSError):
+            fd = os.memfd_create("hfkern-cache-counters", os.MFD_CLOEXEC)
+    if fd is None:
+        fd, path = tempfile.mkstemp(prefix=".hfkern-counters-",
+                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _close_fds(fds: list, keep: list) -> None:
+    """A table's finalizer: close its descriptors, unless this process holds a row of the table
+    (a POSIX lock is dropped when its process closes *any* descriptor of the file)."""
+    if keep[0] == os.getpid():
+        return
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.pop())
+
+
+class _CounterTable:
+    """The counters of one process (the table's *home*) and of its DataLoader workers.
+
+    The table lives in a file without a name (a memfd), mapped shared (``MAP_SHARED``) by every
+    process that uses it: a worker started by ``fork`` inherits the mapping; one started by
+    ``spawn`` or ``forkserver`` receives the descriptor with the pickled wrapper (only while a
+    process is being started: :func:`multiprocessing.reduction.DupFd`) and maps the same pages.
+    Nothing can move that memory (it is no torch storage: torch's sharing strategies and
+    ForkingPickler never touch it), so a view of it is never stale.
+
+    Rows: 0 is the home process's; 1 .. ``workers`` are one each for DataLoader workers alive at
+    once: a worker takes a row by a POSIX lock on that byte of the file (the one of its id if it
+    is free, else the lowest free one) and holds it until it dies, when the kernel drops the lock
+    and the row can be taken by a later worker, which adds to it. So no two live processes ever
+    write one row, and a row's counts are read-modify-written by one process alone. The last row
+    (``overflow``) is shared by the workers that found no free row, each count under a lock of
+    byte 0. ``counts`` are written only by the process holding the row (the overflow row: under
+    its lock); ``base`` only by the home process, whose :meth:`reset` snapshots ``counts`` into
+    it: the home process reports ``counts - base``.
+    """
+
+    def __init__(self, workers: int, fd: int | None = None, uid: str | None = None,
+                 home_pid: int | None = None) -> None:
+        self.workers = workers
+        self.uid = uid or secrets.token_hex(16)
+        self.home_pid = os.getpid() if home_pid is None else home_pid
+        self.attached_pid = os.getpid()  # the process that built or received this object
+        self._fds: list[int] = [] if fd is None else [fd]
+        self._keep: list = [None]  # the pid of a process that holds a row here (never closes the file)
+        weakref.finalize(self, _close_fds, self._fds, self._keep)
+        nbytes = 8 * (_META_WORDS + 2 * (workers + 2) * len(_FIELDS))
+        if fcntl is None:
+            # Not POSIX (no fork, no locks): a table of this process alone; spawned workers keep
+            # their counters to themselves.
+            self._map = mmap.mmap(-1, nbytes)
+        else:
+            if fd is None:
+                self._fds.append(_shared_fd(nbytes))
+            self._map = mmap.mmap(self._fds[0], nbytes)  # shared, read-write
+        words = np.frombuffer(self._map, dtype=np.int64)
+        self.meta = words[:_META_WORDS]
+        body = words[_META_WORDS:].reshape(2, workers + 2, len(_FIELDS))
+        self.counts, self.base = body[0], body[1]
+        self._tlock, self._tlock_pid = threading.Lock(), os.getpid()
+        self._writer, self._writer_pid = None, None
+
+    # -- pickling: one table per process ------------------------------------------------
+
+    def __reduce__(self):
+        dup = None
+        if self._fds and multiprocessing.context.get_spawning_popen() is not None:
+            # Pickled to start a process (a DataLoader worker by spawn or forkserver): the
+            # descriptor goes with it. Any other pickle carries no table: a process that
+            # unpickles it and is no worker of this one counts into a table of its own.
+            dup = multiprocessing.reduction.DupFd(self._fds[0])
+        return _attach_table, (self.uid, self.home_pid, self.workers, dup)
+
+    def __copy__(self) -> _CounterTable:
+        return self  # copies of a wrapper made in one process share its table
+
+    def __deepcopy__(self, memo: dict) -> _CounterTable:
+        return self
+
+    # -- this process -------------------------------------------------------------------
+
+    def thread_lock(self) -> threading.Lock:
+        """A lock of this process's threads (a forked copy of one may be held by a thread that is not here)."""
+        pid = os.getpid()
+        if self._tlock_pid != pid:
+            with _setup_lock:
+                if self._tlock_pid != pid:
+                    self._tlock, self._tlock_pid = threading.Lock(), pid
+        return self._tlock
+
+    @contextlib.contextmanager
+    def overflow_locked(self):
+        with self.thread_lock():
+            if fcntl is None or not self._fds:
+                yield
+                return
+            fd = self._fds[0]
+            fcntl.lockf(fd, fcntl.LOCK_EX, 1, _OVERFLOW_LOCK_AT)
+            try:
+                yield
+            finally:
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, _OVERFLOW_LOCK_AT)
+
+    def writer(self, worker_id: int | None):
+        """This process's writer, chosen once per process (under ``_setup_lock``): row 0 in the
+        home process, else (a DataLoader worker of the home) a row of its own or the overflow row."""
+        pid = os.getpid()
+        if self._writer_pid != pid:
+            if pid == self.home_pid:
+                w = _RowWriter(self, 0)
+            else:
+                row = self._claim(worker_id)
+                w = _RowWriter(self, row) if row is not None else _OverflowWriter(self)
+            self._writer, self._writer_pid = w, pid
+        return self._writer
+
+    def _claim(self, worker_id: int | None) -> int | None:
+        if fcntl is None or not self._fds:
+            return None
+        self._keep[0] = os.getpid()  # from now on this process keeps every descriptor of the file
+        fd = self._fds[0]
+        rows = list(range(1, self.workers + 1))
+        if worker_id is not None and 0 <= worker_id < self.workers:
+            rows.insert(0, 1 + worker_id)
+        for row in rows:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, row)
+            except OSError as e:
+                if e.errno in (errno.EACCES, errno.EAGAIN):
+                    continue  # a live worker holds it
+                raise
+            return row
+        return None
+
+    # -- the home process ---------------------------------------------------------------
+
+    def view(self) -> np.ndarray:
+        """Every row's counters since the last :meth:`reset` (never below 0: a worker's own
+        reset may cross the home's)."""
+        return np.maximum(self.counts - self.base, 0)
+
+    def reset(self) -> None:
+        self.base[:-1] = self.counts[:-1]
+        with self.overflow_locked():
+            self.base[-1] = self.counts[-1]
+            self.meta[0] += 1  # tells the overflow row's writers their part of it is gone
+
+
+def _attach_table(uid: str, home_pid: int, workers: int, dup: Any) -> _CounterTable | None:
+    """Unpickle a table: the one this process has already, else the received descriptor mapped
+    (None when the pickle carried none)."""
+    fd = dup.detach() if dup is not None else None
+    with _setup_lock:
+        table = _tables.get(uid)
+        if table is not None:
+            if fd is not None:
+                table._fds.append(fd)  # closed with the table (not before: see _close_fds)
+            return table
+        if fd is None:
+            return None
+        try:
+            table = _CounterTable(workers, fd=fd, uid=uid, home_pid=home_pid)
+        except (OSError, ValueError):
+            return None  # its finalizer closes fd; this process keeps its counters to itself
+        _tables[uid] = table
+        return table
+
+
+def _new_table(workers: int) -> _CounterTable:
+    table = _CounterTable(workers)
+    with _setup_lock:
+        _tables[table.uid] = table
+    return table
+
+
+class _RowWriter:
+    """A row that this process alone writes: row 0 of the home process, or a worker's own row,
+    which may hold what earlier workers counted in it (``start``)."""
+
+    def __init__(self, table: _CounterTable, row: int) -> None:
+        self.home = row == 0
+        self.row, self.base = table.counts[row], table.base[row]
+        self.start = self.row.copy()
+        self.lock = threading.Lock()
+
+    def add(self, col: int, n: int) -> None:
+        with self.lock:
+            self.row[col] += n
+
+    def own(self) -> np.ndarray:
+        """This worker's counts since it started, or since its last or its parent's reset."""
+        with self.lock:
+            return np.maximum(self.row - np.maximum(self.base, self.start), 0)
+
+    def reset(self) -> None:
+        """Take this worker's counts out of its row (earlier holders' stay)."""
+        with self.lock:
+            self.row[:] = np.minimum(self.row, np.maximum(self.base, self.start))
+            self.start = self.row.copy()
+
+
+class _OverflowWriter:
+    """The overflow row, which the workers that found no free row share, each count under its lock."""
+
+    home = False
+
+    def __init__(self, table: _CounterTable) -> None:
+        self.table, self.row = table, table.counts[-1]
+        self.mine = np.zeros(len(_FIELDS), dtype=np.int64)  # this worker's part, since the last reset
+        self.resets = None
+        self.lock = threading.Lock()
+
+    def _sync(self) -> None:
+        resets = int(self.table.meta[0])
+        if resets != self.resets:  # the home process reset the row: our part of it is gone
+            self.mine[:] = 0
+            self.resets = resets
+
+    def add(self, col: int, n: int) -> None:
+        with self.lock, self.table.overflow_locked():
+            self._sync()
+            self.row[col] += n
+            self.mine[col] += n
+
+    def own(self) -> np.ndarray:
+        with self.lock, self.table.overflow_locked():
+            self._sync()
+            return self.mine.copy()
+
+    def reset(self) -> None:
+        with self.lock, self.table.overflow_locked():
+            self._sync()
+            self.row -= self.mine
+            self.mine[:] = 0
+
+
+class _PrivateWriter:
+    """Counters of this process alone: a DataLoader worker that cannot reach its parent's table."""
+
+    home = False
+
+    def __init__(self) -> None:
+        self.row = np.zeros(len(_FIELDS), dtype=np.int64)
+        self.lock = threading.Lock()
+
+    def add(self, col: int, n: int) -> None:
+        with self.lock:
+            self.row[col] += n
+
+    def own(self) -> np.ndarray:
+        with self.lock:
+            return self.row.copy()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.row[:] = 0
+
+
 def _before_fork() -> None:
     """Before this process forks: every wrapper settles its counters here first, so that a
     process that received a wrapper (a sweep trial) has its own table before its DataLoader
@@ -410,7 +720,11 @@ class CachedDataset(torch.utils.data.Dataset):
 
     Args:
         dataset: a map-style dataset (``dataset[i]`` for ints ``i``; ``len`` if
-            negative indices or ``len(cached)`` are used).
+            negative indices or ``len(cached)`` are used). As torch's DataLoader,
+            the wrapper takes any object with ``__getitem__`` (a ``dict`` with keys
+            ``0 .. n-1``, a ``str``, a list); it refuses a class (pass an instance)
+            and an ``IterableDataset`` (its samples have no index to cache them by)
+            with a TypeError.
         memory_bytes: bound of this process's memory tier, in bytes of encoded
             entries; 0 disables it. Every DataLoader worker has its own tier of
             this size (a worker started by ``fork`` begins with a copy of the
@@ -428,19 +742,24 @@ class CachedDataset(torch.utils.data.Dataset):
         version: int or str stored with each entry; bump it when the code that
             makes samples changes. Entries of other versions are never read and
             age out of the disk tier (or go with :meth:`clear`).
-        max_workers: DataLoader workers per process whose counters :meth:`stats`
-            adds up (a worker with a higher id keeps them to itself).
+        max_workers: rows of counters for DataLoader workers alive at once, per
+            process (at most 4096). A worker holds a row of its own while it lives
+            (several DataLoaders iterated together have their own rows); workers that
+            find every row held share one more row, the overflow row, taking a lock
+            for each count. No count is lost either way.
 
     Samples may be: ``torch.Tensor`` (CPU, dense, any dtype, not requiring
     grad), ``numpy.ndarray`` and numpy scalars (dtypes without Python objects
     or fields), ``bytes``, ``int``, ``float``, ``complex``, ``bool``, ``str``,
     ``None``, and tuples, lists and dicts of these (dict keys: plain scalars).
-    Anything else raises a TypeError naming the offending part. Cached
-    samples come back equal in type, dtype, shape and bits, contiguous; each
-    call returns arrays of its own (a memory hit copies, a disk hit maps the
-    entry copy-on-write; no sample holds a file descriptor),
-    so modifying a sample never changes the cache. A miss returns the wrapped
-    dataset's own object.
+    Anything else raises a TypeError naming the offending part, as does a
+    sample nested deeper than 64 levels or one that contains itself. Cached
+    samples come back equal in type, dtype, shape and bits, contiguous (Python
+    floats and complex parts too: a NaN keeps its sign and payload; ints of
+    any size); each call returns arrays of its own (a memory hit copies, a
+    disk hit reads the entry, or maps it copy-on-write when it is 64 KiB or
+    more; no sample holds a file descriptor), so modifying a sample never
+    changes the cache. A miss returns the wrapped dataset's own object.
 
     The wrapper pickles (DataLoader workers by ``fork``, ``spawn`` or
     ``forkserver``, sweep trials in other processes): the memory tier stays
@@ -450,15 +769,31 @@ class CachedDataset(torch.utils.data.Dataset):
     (one it was pickled or forked to) counts into a table of its own, which its
     own workers join; so :meth:`stats` and :meth:`reset_stats` of each process
     cover that process and its workers, never another process's counters.
+    Copies made in one process (``copy.copy``, ``copy.deepcopy``, a pickle
+    loaded in the same process) share its table. The table is a nameless
+    shared file that nothing moves: ``torch.multiprocessing.set_sharing_strategy``
+    (before or after the wrapper is built) does not affect it.
+
+    A random transform inside the wrapped dataset is frozen by the cache: the
+    first sample drawn for an index is returned for it until it is evicted or
+    invalidated (put random augmentation outside the wrapper).
     """
 
     def __init__(self, dataset, *, memory_bytes: int = 0, disk_dir: str | os.PathLike | None = None,
                  disk_bytes: int | None = None, key: str | None = None, version: int | str = 0,
                  max_workers: int = 64) -> None:
+        if isinstance(dataset, type):
+            raise TypeError(f"dataset must be a map-style dataset, got the class {dataset.__qualname__} "
+                            f"(pass an instance)")
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise TypeError(f"dataset must be a map-style dataset, got an IterableDataset "
+                            f"({type(dataset).__name__}): its samples have no index to cache them by")
         if not hasattr(dataset, "__getitem__"):
             raise TypeError(f"dataset must be a map-style dataset (with __getitem__), got {type(dataset).__name__}")
         memory_bytes = _int_arg("memory_bytes", memory_bytes, 0)
         max_workers = _int_arg("max_workers", max_workers, 0)
+        if max_workers > _MAX_WORKERS:
+            raise ValueError(f"max_workers must be <= {_MAX_WORKERS}, got {max_workers}")
         if isinstance(version, bool) or not isinstance(version, (int, str)):
             raise TypeError(f"version must be an int or a str, got {type(version).__name__} {version!r}")
         if disk_dir is None:
@@ -493,21 +828,20 @@ class CachedDataset(torch.utils.data.Dataset):
         self.disk_bytes = disk_bytes
         self.key = key
         self.version = version
+        self.max_workers = max_workers
         self._ident_base = {"key": key, "version": version}
         self._memory = _MemoryTier(memory_bytes) if memory_bytes else None
+        # This process's table of counters (its own row, its DataLoader workers' rows), in shared
+        # memory so that the workers' rows are readable here (see _CounterTable).
+        self._table = _new_table(max_workers)
+        self._w = None  # this process's writer (a row of a table), chosen by _ensure_process
+        self._pid = None
+        self._lock = threading.Lock()
         self._disk = None
         if self.disk_dir is not None:
             os.makedirs(self.disk_dir, exist_ok=True)
             self._disk = _DiskTier(self.disk_dir, disk_bytes, key, version)
             self._disk.cleanup()
-        # This process's table of counters (row 0: this process, row 1 + w: its DataLoader worker
-        # w), in shared memory so that the workers' rows are readable here (fork keeps the shared
-        # mapping; spawn pickles it by handle). _home_pid: the process the table belongs to.
-        self._counts_shared = torch.zeros(1 + max_workers, len(_FIELDS), dtype=torch.int64).share_memory_()
-        self._home_pid = os.getpid()
-        self._unpickled_pid = None  # the process this copy was unpickled in (None: built here)
-        self._pid = None
-        self._lock = threading.Lock()
         with _setup_lock:
             _instances.add(self)
         self._ensure_process()
@@ -515,15 +849,16 @@ class CachedDataset(torch.utils.data.Dataset):
     # -- per-process state ----------------------------------------------------------------
 
     def _ensure_process(self) -> None:
-        """Choose this process's counter row and lock, once per process: at its first use,
-        since a DataLoader worker learns its id only after it unpickled the dataset.
+        """Choose this process's counters, once per process: at its first use, since a
+        DataLoader worker learns its id only after it unpickled the dataset.
 
-        * A DataLoader worker (``get_worker_info()`` set) counts into row ``1 + id`` of its
-          parent's table: the table this copy came with when it was unpickled here (``spawn``,
-          ``forkserver``: the parent settled its own table before pickling, in
-          :meth:`__getstate__`), or, for a forked copy, the table of the process it was forked
-          from (the parent settles it before forking, in a fork hook). A worker whose parent's
-          table cannot be found, or whose id has no row, keeps private counters.
+        * A DataLoader worker (``get_worker_info()`` set) counts into its parent's table: the
+          table this copy came with when it was unpickled here (``spawn``, ``forkserver``: the
+          parent settled its own table before pickling, in :meth:`__getstate__`), or, for a
+          forked copy, the table of the process it was forked from (the parent settles it
+          before forking, in a fork hook). It takes a row that no live process holds (that of
+          its id when free), or the shared overflow row when every row is held. A worker whose
+          parent's table cannot be found keeps its counters to itself, with a RuntimeWarning.
         * Any other process counts into row 0 of its own table: the process that built the
           wrapper (and copies made in it) into the table made in ``__init__``; a process the
           wrapper was pickled or forked to into a new table, which its own workers then join.
@@ -534,27 +869,25 @@ class CachedDataset(torch.utils.data.Dataset):
         with _setup_lock:
             if self._pid == pid:
                 return
+            table = self._table
             info = torch.utils.data.get_worker_info()
-            if info is not None:
-                if self._unpickled_pid == pid or self._home_pid == os.getppid():
-                    parent = self._counts_shared.numpy()
+            if table is not None and table.home_pid == pid:
+                writer = table.writer(None)  # a wrapper built in this process (a worker's too)
+            elif info is not None:
+                if table is not None and (table.attached_pid == pid or table.home_pid == os.getppid()):
+                    writer = table.writer(info.id)
                 else:
-                    parent = None  # forked from a process whose table is not in this copy
-                if parent is not None and 1 + info.id < parent.shape[0]:
-                    row = parent[1 + info.id]
-                else:
-                    row = np.zeros(len(_FIELDS), dtype=np.int64)
-                table = None  # a worker's stats() and reset_stats(): its own row
+                    writer = _PrivateWriter()
+                    if fcntl is not None:
+                        warnings.warn("CachedDataset: this DataLoader worker cannot reach its parent's "
+                                      "counters (the wrapper did not come with its parent's table); its "
+                                      "counts are kept in the worker alone", RuntimeWarning, stacklevel=3)
             else:
-                if self._home_pid != pid:
-                    # Not the creator's table: this process gets one of its own.
-                    self._counts_shared = torch.zeros(tuple(self._counts_shared.shape),
-                                                      dtype=torch.int64).share_memory_()
-                    self._home_pid = pid
-                table = self._counts_shared.numpy()
-                row = table[0]
+                # Not the creator's table: this process gets one of its own.
+                table = self._table = _new_table(self.max_workers)
+                writer = table.writer(None)
             self._lock = threading.Lock()  # a forked copy of a lock may be held by a thread that is not here
-            self._row, self._table = row, table
+            self._w = writer
             self._pid = pid
 
     def __getstate__(self) -> dict:
@@ -562,18 +895,20 @@ class CachedDataset(torch.utils.data.Dataset):
         # this process starts by spawn or forkserver count into it.
         self._ensure_process()
         state = self.__dict__.copy()
-        for name in ("_lock", "_row", "_table"):
+        for name in ("_lock", "_w"):
             state.pop(name, None)
         state["_pid"] = None
-        state["_unpickled_pid"] = None
         if self._memory is not None:
             state["_memory"] = _MemoryTier(self.memory_bytes)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_table", None)
+        self.__dict__.setdefault("max_workers", 64)
         self._lock = threading.Lock()
-        self._unpickled_pid = os.getpid()
+        self._w = None
+        self._pid = None
         with _setup_lock:
             _instances.add(self)
 
@@ -598,7 +933,7 @@ class CachedDataset(torch.utils.data.Dataset):
         return i
 
     def _count(self, name: str, n: int = 1) -> None:
-        self._row[_COL[name]] += n
+        self._w.add(_COL[name], n)
 
     def __getitem__(self, index: Any) -> Any:
         i = self._index(index)
@@ -682,11 +1017,11 @@ class CachedDataset(torch.utils.data.Dataset):
             self._disk.remove_all()
 
     def stats(self, *, per_process: bool = False) -> dict | list[dict]:
-        """Counters, summed over this process and its DataLoader workers (those with
-        ``id < max_workers``), as ``{"memory": {...}, "disk": {...}, "loads": n}``. Each process
-        has counters of its own: the process that built the wrapper and a process it was pickled
-        to (a sweep trial) count apart, each with its own workers; in a DataLoader worker, the
-        worker's own counters alone.
+        """Counters, summed over this process and its DataLoader workers (every one of them,
+        since the last :meth:`reset_stats`), as ``{"memory": {...}, "disk": {...}, "loads": n}``.
+        Each process has counters of its own: the process that built the wrapper and a process it
+        was pickled to (a sweep trial) count apart, each with its own workers; in a DataLoader
+        worker, the worker's own counters alone.
 
         * memory: ``hits``, ``misses`` (an entry that cannot be decoded, which would be a bug of
           the cache, is dropped with a RuntimeWarning and counted as a miss), ``evictions``,
@@ -696,12 +1031,19 @@ class CachedDataset(torch.utils.data.Dataset):
           and removed);
         * ``loads``: calls of the wrapped dataset.
 
-        A tier that is off counts nothing. ``per_process=True`` returns one such dict per row
-        instead: ``[this process, its worker 0, its worker 1, ...]`` (in a DataLoader worker: a
-        list of one, the worker's own).
+        A tier that is off counts nothing. ``per_process=True`` (a bool) returns one such dict per
+        row instead, ``2 + max_workers`` of them: ``[this process, row 1, ..., row max_workers,
+        overflow]``. A DataLoader worker counts into row ``1 + id`` when no live worker holds it
+        (one DataLoader at a time: worker ``w`` in row ``1 + w``), else into the lowest free row;
+        a row adds up the workers that held it one after another (those of successive epochs);
+        the overflow row, the workers that found every row held. In a DataLoader worker: a list
+        of one, the worker's own.
         """
+        if not isinstance(per_process, (bool, np.bool_)):
+            raise TypeError(f"per_process must be a bool, got {type(per_process).__name__} {per_process!r}")
         self._ensure_process()
-        table = self._row[None] if self._table is None else self._table
+        w = self._w
+        table = self._table.view() if w.home else w.own()[None]
         rows = [self._format(r) for r in table] if per_process else [self._format(table.sum(0))]
         return rows if per_process else rows[0]
 
@@ -718,13 +1060,14 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def reset_stats(self) -> None:
         """Zero the counters of this process and its DataLoader workers: those :meth:`stats`
-        reports here. Another process's counters (the creator's, a sweep trial's) stay; in a
-        DataLoader worker, only the worker's own row is zeroed."""
+        reports here (the workers' rows are not written: this process keeps what they held as
+        its new zero). Another process's counters (the creator's, a sweep trial's) stay; in a
+        DataLoader worker, only the worker's own counts are zeroed (taken out of its row)."""
         self._ensure_process()
-        if self._table is not None:
-            self._table[:] = 0  # row 0 (this process) and its workers' rows
+        if self._w.home:
+            self._table.reset()  # row 0 (this process) and its workers' rows
         else:
-            self._row[:] = 0
+            self._w.reset()
 
     def memory_usage(self) -> dict:
         """This process's memory tier: ``{"entries": n, "bytes": b}`` (b <= memory_bytes)."""
