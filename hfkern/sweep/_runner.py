@@ -39,7 +39,7 @@ import time
 import types
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Container, Iterable, Sequence
 
 import optuna
 import torch
@@ -105,6 +105,9 @@ class _Args:
     shared: dict[str, Any]  # the one-per-array arguments given
     given: set[str]         # the per-model arguments some slot's trial gave: every other is at its default
     defaults: Mapping[str, Any]  # what an argument a trial does not give takes
+    # The per-model arguments whose default None a model takes while others give a value (the class
+    # takes None per model: CyclicLR's step_size_down); any other None default is none (_given_or_default).
+    none_ok: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass
@@ -121,7 +124,8 @@ class _Array:
     scheduler_args: _Args
     hp: dict[str, torch.Tensor]        # fusible parameter -> [B] values (the loss may read them)
     bad: torch.Tensor                  # [B] bool: a non-finite loss this round
-    idle: torch.Tensor                 # [B] bool: slots without a trial (the optimizer skips them)
+    idle: torch.Tensor                 # [B] bool: slots without a trial (the optimizer skips them, the scheduler
+                                       # leaves their schedules: _step_scheduler)
     strategy: Any = None               # the hfkern.plan.Strategy it trains under (None: plain fusion)
     step: Callable = None              # the training step (Runner._step_fn)
 
@@ -216,6 +220,13 @@ def _trial_seed(value: Any, what: str, number: int) -> int:
 
 
 _NO_DEFAULT = object()
+# Not a trial's failure: the process is asked to stop (Ctrl-C, sys.exit); its trials stay as a kill leaves them.
+_INTERRUPTS = (KeyboardInterrupt, SystemExit)
+
+
+class _Refused(ValueError):
+    """A strategy the runner refuses for a group's models (:meth:`Runner._check_strategy`): a
+    configuration error, found before the group's trials train; not their failure."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,13 +242,74 @@ def _optimizer_defaults(cls: type[ArrayOptimizer]) -> dict[str, Any]:
     return {**_defaults(cls), "skip_nonfinite": True}
 
 
-def _given_or_default(kw: Mapping[str, Any], k: str, defaults: Mapping[str, Any], per_model: bool) -> Any:
+def _given_or_default(kw: Mapping[str, Any], k: str, defaults: Mapping[str, Any], per_model: bool,
+                      none_ok: Container[str] = ()) -> Any:
     """``kw[k]``, else the default of argument ``k`` (_NO_DEFAULT without one; a per-model argument
-    whose default is None, such as OneCycleLR's ``total_steps``, has none: None is no model's value)."""
+    whose default is None has none, None being no model's value, unless it is in ``none_ok``: one
+    the class takes None for per model, such as CyclicLR's ``step_size_down``)."""
     if k in kw:
         return kw[k]
     default = defaults.get(k, _NO_DEFAULT)
-    return _NO_DEFAULT if per_model and default is None else default
+    return _NO_DEFAULT if per_model and default is None and k not in none_ok else default
+
+
+def _scheduler_none_ok(cls: type) -> frozenset[str]:
+    """The per-model arguments of scheduler class ``cls`` that take None per model (a model's None
+    among others' values, as its own scheduler takes None): CyclicLR's ``step_size_down`` (None: the
+    model's ``step_size_up``). OneCycleLR's ``total_steps``, ``epochs`` and ``steps_per_epoch`` are
+    resolved per trial instead (:func:`_trial_scheduler_kwargs`)."""
+    from ..optim import lr_scheduler as hsched
+
+    return frozenset({"step_size_down"}) if issubclass(cls, hsched.CyclicLR) else frozenset()
+
+
+def _trial_scheduler_kwargs(cls: type, kw: Mapping[str, Any], number: int) -> dict[str, Any]:
+    """A trial's scheduler arguments ``kw`` (its ``scheduler_kwargs(params)``) as the runner builds
+    and refills an array's scheduler with them, each trial's schedule what its own scheduler gives:
+
+    * OneCycleLR: a schedule's length is its ``total_steps`` where given (not None), else ``epochs *
+      steps_per_epoch`` (positive ints), as torch's OneCycleLR takes them; every trial's is passed
+      as ``total_steps``, so that trials giving either form share arrays (the scheduler takes one
+      form for all its models).
+    * CyclicLR: a trial giving ``step_size_down`` gives ``step_size_up`` too (its default where not
+      given): a refill sets both, not a ``step_size_down`` the previous trial's ``step_size_up``
+      would pair with.
+    """
+    from ..optim import lr_scheduler as hsched
+
+    kw = dict(kw)
+    if issubclass(cls, hsched.OneCycleLR):
+        total = kw.pop("total_steps", None)
+        epochs, per_epoch = kw.pop("epochs", None), kw.pop("steps_per_epoch", None)
+        if total is None:
+            if epochs is None or per_epoch is None:
+                raise ValueError(f"Runner: scheduler_kwargs(params) gives {cls.__name__} neither total_steps nor "
+                                 f"epochs and steps_per_epoch for trial {number}: define either, as its own "
+                                 f"OneCycleLR needs")
+            for name, v in (("epochs", epochs), ("steps_per_epoch", per_epoch)):
+                if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                    raise ValueError(f"Runner: scheduler_kwargs(params) gives {cls.__name__} {name}={v!r} for "
+                                     f"trial {number}: expected a positive int")
+            total = int(epochs) * int(per_epoch)
+        kw["total_steps"] = total
+    elif issubclass(cls, hsched.CyclicLR) and "step_size_down" in kw and "step_size_up" not in kw:
+        kw["step_size_up"] = _defaults(cls)["step_size_up"]
+    return kw
+
+
+def _scheduler_given(cls: type, given: set[str]) -> set[str]:
+    """The per-model arguments ``given`` (a checkpoint's) as :func:`_trial_scheduler_kwargs` gives
+    them: OneCycleLR's ``epochs`` and ``steps_per_epoch`` as ``total_steps``; CyclicLR's
+    ``step_size_down`` with ``step_size_up``."""
+    from ..optim import lr_scheduler as hsched
+
+    given = set(given)
+    if issubclass(cls, hsched.OneCycleLR) and given & {"epochs", "steps_per_epoch"}:
+        given -= {"epochs", "steps_per_epoch"}
+        given.add("total_steps")
+    elif issubclass(cls, hsched.CyclicLR) and "step_size_down" in given:
+        given.add("step_size_up")
+    return given
 
 
 class Runner:
@@ -271,7 +343,9 @@ class Runner:
             default: the parameters named as the optimizer's per-model
             hyper-parameters (``lr``, ``momentum``, ``weight_decay``, ``eps``, a
             ``betas`` pair from ``beta1`` and ``beta2``, either of which alone
-            takes the optimizer's default for the other...). Per-model
+            takes the optimizer's default for the other...), and the parameters
+            named as its flags (``nesterov``, ``amsgrad``, ``centered``...:
+            grouped parameters, since their values are bools). Per-model
             hyper-parameters may differ in an array; other arguments (``nesterov``,
             ``amsgrad``) are one per array and must agree (ValueError). An
             argument a trial does not give takes the optimizer's default for it
@@ -284,7 +358,13 @@ class Runner:
             or steps).
         scheduler_kwargs: ``scheduler_kwargs(params) -> dict`` of its arguments
             for one trial; the scheduler's per-model arguments may differ, and
-            one a trial does not give takes its default (as ``optimizer_kwargs``).
+            one a trial does not give takes its default (as ``optimizer_kwargs``;
+            CyclicLR's ``step_size_down``: None, the trial's ``step_size_up``).
+            OneCycleLR's length may be ``total_steps`` for some trials and
+            ``epochs`` with ``steps_per_epoch`` for others: each trial's is
+            resolved as torch's OneCycleLR resolves it (``total_steps`` where
+            given). An idle slot's schedule stands still (it is not stepped)
+            until a trial refills the slot and starts its schedule afresh.
         scheduler_interval: ``"epoch"`` (step it after every epoch) or ``"step"``.
         loss: ``loss(output, target, hp) -> [B]`` per-model losses of a step;
             ``output`` is the array's ``[B, N, ...]`` output, ``target`` ``[N, ...]``
@@ -350,7 +430,11 @@ class Runner:
             runner's ``B`` unless ``B`` is given. Recomputation and arrays in
             flight leave each trial's results unchanged; bf16 and
             micro-batches (models without batch norm only) change them as they
-            would alone.
+            would alone. Each group's strategy is checked on its first trial's
+            model before more trials are asked: one that cannot train it
+            (micro-batches on batch norm, unknown recomputed blocks, more
+            micro-batches than samples) raises ValueError in :meth:`run`
+            without counting any trial as failed.
         memory_budget: bytes a device offers the sweep, or ``"device"``: what
             ``device`` offers (90% of its free memory, as
             :func:`hfkern.max_array_size` reads it). With ``B`` and ``strategy``
@@ -539,6 +623,7 @@ class Runner:
         self._rounds = 0
         self._tally = {"completed": 0, "pruned": 0, "failed": 0, "arrays": 0, "compactions": 0}
         self._not_awaited: set[int] = set()  # running trials without a heartbeat, warned of (_awaited)
+        self._strategies_checked: set[tuple] = set()  # (group key, strategy) pairs that train (_check_strategy)
 
     # ---- argument checks -------------------------------------------------------------
     @staticmethod
@@ -596,9 +681,12 @@ class Runner:
 
     def _default_optimizer_kwargs(self, params: Params) -> dict[str, Any]:
         """The parameters named as the optimizer's per-model arguments; a pair (``betas``) from its
-        two halves (``beta1``, ``beta2``), a half not given taking the optimizer's default."""
+        two halves (``beta1``, ``beta2``), a half not given taking the optimizer's default; and the
+        parameters named as its flags (``nesterov``, ``amsgrad``, ``centered``, ...: one value per
+        array, which the trials of an array share: :meth:`_split_kwargs` and :meth:`_slot_kwargs`
+        refuse an array whose trials differ in one)."""
         cls = self._settings_for(params).optimizer_cls
-        out = {}
+        out = {key: params[key] for key in cls._flags if key in params}
         for key in cls._hypers + cls._init_hypers:
             rows = cls._spec.pair(key)
             if rows is None:
@@ -687,6 +775,11 @@ class Runner:
             # At once: a trial with no heartbeat is never taken as stale, and this
             # runner may die before its next report.
             self._beat([trial])
+        except _INTERRUPTS:
+            # Not held yet, so no restart resumes it: lost, as a kill's would be, and retried.
+            if self._fail(trial, "lost", counted=False):
+                _storage.retry(self.study, self.study._storage.get_trial(trial._trial_id))
+            raise
         except BaseException:
             self._fail(trial, "error", counted=True)
             raise
@@ -746,7 +839,8 @@ class Runner:
 
     @staticmethod
     def _split_kwargs(per_slot: list[dict[str, Any]], per_model: Sequence[str], defaults: Mapping[str, Any],
-                      what: str, entries: list[_Entry]) -> tuple[dict[str, list], _Args]:
+                      what: str, entries: list[_Entry],
+                      none_ok: frozenset[str] = frozenset()) -> tuple[dict[str, list], _Args]:
         """Per-slot keyword dicts -> (per-model lists, the array's _Args).
 
         An argument some trials give and others do not takes its default (``defaults``) for the
@@ -756,7 +850,7 @@ class Runner:
         """
         stacked, shared = {}, {}
         for k in sorted(set().union(*per_slot)):
-            values = [_given_or_default(kw, k, defaults, k in per_model) for kw in per_slot]
+            values = [_given_or_default(kw, k, defaults, k in per_model, none_ok) for kw in per_slot]
             missing = [e for v, e in zip(values, entries) if v is _NO_DEFAULT]
             if missing:
                 giver = next(e for kw, e in zip(per_slot, entries) if k in kw)
@@ -773,7 +867,7 @@ class Runner:
                         f"has {v!r} and trial {entries[0].trial.number} {values[0]!r}: derive it from "
                         f"grouped parameters only")
             shared[k] = values[0]
-        return stacked, _Args(shared, set(stacked), defaults)
+        return stacked, _Args(shared, set(stacked), defaults, none_ok)
 
     @staticmethod
     def _slot_kwargs(kw: Mapping[str, Any], per_model: Sequence[str], args: _Args, what: str,
@@ -797,7 +891,7 @@ class Runner:
                                  f"derive it from grouped parameters only")
         out = {}
         for k in sorted((set(kw) & set(per_model)) | args.given):
-            out[k] = _given_or_default(kw, k, args.defaults, True)
+            out[k] = _given_or_default(kw, k, args.defaults, True, args.none_ok)
             if out[k] is _NO_DEFAULT:
                 raise ValueError(f"Runner: {what}(params) gives no {k!r} for trial {entry.trial.number}, the "
                                  f"trials of its array do, and {k!r} has no default to take: give it for every "
@@ -827,9 +921,15 @@ class Runner:
         if self._scheduler_cls is None:
             return None, _Args({}, set(), {})
         cls = self._scheduler_cls
-        per_slot = [dict(self._scheduler_kwargs(e.params)) for e in entries]
-        stacked, args = self._split_kwargs(per_slot, cls._model_args, _defaults(cls), "scheduler_kwargs", entries)
+        per_slot = [self._trial_scheduler_kwargs(e) for e in entries]
+        stacked, args = self._split_kwargs(per_slot, cls._model_args, _defaults(cls), "scheduler_kwargs", entries,
+                                           _scheduler_none_ok(cls))
         return cls(optimizer, **args.shared, **stacked), args
+
+    def _trial_scheduler_kwargs(self, entry: _Entry) -> dict[str, Any]:
+        """``scheduler_kwargs(params)`` of trial ``entry`` as the array's scheduler takes them
+        (:func:`_trial_scheduler_kwargs`)."""
+        return _trial_scheduler_kwargs(self._scheduler_cls, self._scheduler_kwargs(entry.params), entry.trial.number)
 
     def _new_array(self, entries: list[_Entry], B: int, strategy: Any) -> _Array:
         """An array of B slots; ``entries`` fill the first ones, the rest are idle (copies of the first)."""
@@ -871,8 +971,9 @@ class Runner:
             optimizer_args.given |= self._saved_given(saved, "optimizer", cls._hypers + cls._init_hypers,
                                                       optimizer_args.defaults)
             if scheduler is not None:
-                scheduler_args.given |= self._saved_given(saved, "scheduler", type(scheduler)._model_args,
-                                                          scheduler_args.defaults)
+                given = self._saved_given(saved, "scheduler", type(scheduler)._model_args, scheduler_args.defaults,
+                                          scheduler_args.none_ok)
+                scheduler_args.given |= _scheduler_given(type(scheduler), given)
         hp = self._hp_tensors([self._hp_values(e) for e in padded], self.device)
         return self._finish_array(_Array(kept[0].key, settings, model, optimizer, scheduler, slots, optimizer_args,
                                          scheduler_args, hp, torch.zeros(len(slots), dtype=torch.bool,
@@ -882,7 +983,7 @@ class Runner:
 
     @staticmethod
     def _saved_given(saved: Mapping[str, Any], what: str, per_model: Sequence[str],
-                     defaults: Mapping[str, Any]) -> set[str]:
+                     defaults: Mapping[str, Any], none_ok: frozenset[str] = frozenset()) -> set[str]:
         """The per-model arguments of the ``saved`` optimizer (``what``: "optimizer") or scheduler
         that some trial of its array gave. A checkpoint before format 4 does not say: there, every
         per-model argument its state holds that has a default to take counts as given (a refill
@@ -899,7 +1000,7 @@ class Runner:
         else:
             present = set(state)
         return {k for k in per_model
-                if k in present and _given_or_default({}, k, defaults, True) is not _NO_DEFAULT}
+                if k in present and _given_or_default({}, k, defaults, True, none_ok) is not _NO_DEFAULT}
 
     def _finish_array(self, a: _Array) -> _Array:
         a.model.train()
@@ -948,7 +1049,7 @@ class Runner:
                                    a.optimizer_args, "optimizer_kwargs", entry)
         sched_kw = {}
         if a.scheduler is not None:
-            sched_kw = self._slot_kwargs(self._scheduler_kwargs(entry.params), type(a.scheduler)._model_args,
+            sched_kw = self._slot_kwargs(self._trial_scheduler_kwargs(entry), type(a.scheduler)._model_args,
                                          a.scheduler_args, "scheduler_kwargs", entry)
         try:
             a.model.reset_model(b, entry.seed, factory=lambda: self._model_factory(entry.params))
@@ -1006,6 +1107,7 @@ class Runner:
         try:
             entries.append(self._take_queued(key))
             size, strategy = self._size_of(entries[0])
+            self._check_strategy(entries[0], strategy)  # before more trials are asked for it
             # Arrays train together only as many as every one's strategy plans in flight (each
             # group's plan fits its memory with that many of its own arrays): else this group's
             # array waits until those in flight have drained.
@@ -1028,6 +1130,35 @@ class Runner:
         except BaseException:
             self._queue[:0] = entries  # still held: run() fails them
             raise
+
+    def _check_strategy(self, entry: _Entry, strategy: Any) -> None:
+        """Check once per group and strategy that ``strategy`` trains the group's models (``entry``'s
+        model, the first of its group): :func:`hfkern.plan.apply` and :func:`hfkern.plan.make_step` on
+        an array of that model alone, and a batch that holds the micro-batches. A strategy refused
+        raises :class:`_Refused` (a ValueError; :meth:`run` fails the held trials uncounted); an
+        error of the user's ``model`` is the trial's own."""
+        if strategy is None or (entry.key, strategy) in self._strategies_checked:
+            return
+        from ..plan import apply, make_step
+
+        model = fusion.fuse([self._build_model(entry)])
+        model.to(self.device)
+        one = dataclasses.replace(strategy, B=1)
+        bs = self._settings_for(entry.params).batch_size
+        unused = types.SimpleNamespace(zero_grad=lambda *args, **kwargs: None, step=lambda *args, **kwargs: None)
+        try:
+            if strategy.micro_batches > bs:
+                raise ValueError(f"micro_batches={strategy.micro_batches} exceeds the batch size {bs}: expected "
+                                 f"at most one micro-batch per sample")
+            apply(model, one)
+            make_step(model, unused, one, lambda out, y: self._loss(out, y, {}), shared=True,
+                      loss_denominator=self._loss_denominator)
+        except (TypeError, ValueError) as err:
+            group = ", ".join(f"{k}={entry.params[k]!r}" for k, _ in entry.key)
+            raise _Refused(f"Runner: strategy {strategy.label!r} cannot train the models "
+                           f"{f'of group {group} ' if group else ''}(checked on trial {entry.trial.number}'s "
+                           f"model, before more trials were asked): {err}") from err
+        self._strategies_checked.add((entry.key, strategy))
 
     def _refill(self, a: _Array) -> None:
         """Fill the idle slots of ``a`` with queued trials of its group, else new ones. A trial
@@ -1194,7 +1325,17 @@ class Runner:
             a.slots[b].step += 1
         if a.scheduler is not None and (self.scheduler_interval == "step"
                                         or a.slots[active[0]].step % a.settings.steps_per_epoch == 0):
+            self._step_scheduler(a, active)
+
+    @staticmethod
+    def _step_scheduler(a: _Array, active: list[int]) -> None:
+        """Step the schedules of the slots with a trial; an idle slot's stays where its last trial
+        left it, as that trial's own scheduler would after its last step (a OneCycleLR stepped past
+        its ``total_steps`` raises), until a refill restarts it (:meth:`_place`)."""
+        if len(active) == a.B:
             a.scheduler.step()
+        else:
+            a.scheduler._step_models(torch.tensor([s is not None for s in a.slots]))
 
     @staticmethod
     def _apply_strategy(model: nn.Module, B: int, strategy: Any) -> None:
@@ -1341,8 +1482,18 @@ class Runner:
         ``timeout`` (seconds): no new trial is asked after it; held trials
         finish. On an exception (the user's ``space``, ``model`` or their
         checks included), the held trials, the one being placed among them,
-        are told failed (``"error"``, counted) and it is raised again. The
-        summary counts this call's work only.
+        are told failed (``"error"``, counted) and it is raised again. Two
+        exceptions are not the trials' own: a ``KeyboardInterrupt`` or
+        ``SystemExit`` leaves the held trials as a kill would (RUNNING: a
+        runner started again with the same ``checkpoint``, or this one run
+        again, resumes them from its last checkpoint; else they are failed
+        as lost once their heartbeat expires, and retried; a trial being
+        asked is failed as lost), and a strategy the runner refuses for a
+        group's models (micro-batches on a model with batch norm, ...), checked
+        on the group's first trial before more are asked, fails the held
+        trials uncounted (``"error"``, retried where the storage retries lost
+        trials); both are raised again. The summary counts this call's work
+        only.
         """
         self._n_trials = self._positive(n_trials, "n_trials")
         if timeout is not None and not (_is_number(timeout) and timeout > 0):
@@ -1377,6 +1528,20 @@ class Runner:
                     self._save()
                 self._forget_old_epochs()
                 bar.update(running=len(self._held()))
+        except _INTERRUPTS:
+            # Left as a kill leaves them: RUNNING, resumed from the checkpoint by a runner started
+            # again with it (this one too: run() again), else failed as lost once their heartbeat
+            # expires (or by this runner's name at its next start), and retried.
+            self._arrays, self._queue = [], []
+            raise
+        except _Refused as err:
+            # Refused before they trained: the held trials are not counted, and retried (same
+            # parameters and seed) where the storage retries lost trials.
+            for e in self._held():
+                if self._fail(e.trial, "error", counted=False):
+                    _storage.retry(self.study, self.study._storage.get_trial(e.trial._trial_id))
+            self._arrays, self._queue = [], []
+            raise ValueError(*err.args) from err.__cause__  # a plain ValueError, as the user's to fix
         except BaseException:
             for e in self._held():
                 self._fail(e.trial, "error", counted=True)
