@@ -61,6 +61,27 @@ compute something else than its models. :func:`capture` closes those gaps:
   (never None): ``if mask is None:`` then takes the branch such a call takes.
 * **Custom autograd Functions** (``Fn.apply(x)`` in the model's code) are one call,
   not the ops their forward would be traced into, so that their own backward runs.
+  A Function of torch's own that torch's code applies is traced through only where
+  that is known to be right; a reentrant checkpoint
+  (``torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=True)``, whose Function runs
+  ``fn`` under ``no_grad`` and recomputes it in backward) is captured as the call of ``fn``
+  itself, its outputs connected to autograd as torch's Function connects them (where the
+  grad mode is on and a tensor argument requires grad), with the same gradients and no
+  recomputation (as a non-reentrant checkpoint is captured); any other is refused.
+* **Random state**: ``torch.manual_seed``, ``torch.seed``, ``torch.initial_seed``,
+  ``torch.get_rng_state``/``set_rng_state`` (and ``torch.cuda``'s) and
+  ``torch.random.fork_rng`` in forward are refused: they would run once at capture,
+  and the fused model's per-model random streams cannot reproduce a reseed per model.
+  So is a ``torch.Generator`` passed to a call (one generator cannot draw each model's
+  numbers), and any other object torch.fx would keep as a constant of the graph.
+* **Modules that are not registered** (held in a plain list or dict, or set with
+  ``object.__setattr__``) are refused by name, except a slice of a registered
+  ``nn.Sequential`` (``self.blocks[1:](x)``), which is the call of its modules in order.
+  Hooks registered on tensors in forward (``h.register_hook``) are refused.
+* **Iterating over the pieces** of ``chunk(n)``, ``split([sizes])``, ``tensor_split(n)``
+  (``for c in h.chunk(3, -1):``) gives that many pieces (a ``chunk`` that gives fewer
+  for an input raises :class:`FuseError` there); a number of pieces that depends on the
+  input's size (``split(size)``, ``unbind``) is refused.
 * **Assignments to a traced tensor's attributes**: ``param.data = value`` on a
   parameter (reached as an attribute or through ``parameters()``) or a buffer is
   recorded; ``x.requires_grad = flag`` on a computed tensor or an input is
@@ -94,7 +115,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["FuseError", "GradModeBranch", "Captured", "capture", "AssignState", "RandomDraw", "SetData",
            "SetMode", "open_regions", "changes_mode"]
@@ -164,6 +185,13 @@ def _construct(message: str) -> str:
                 "a bool, an int, a string, ...) is a traced value, floats included)")
     if "len" in message:
         return "len() of a tensor"
+    if "argument of type" in message:
+        return ("an object that a captured graph cannot hold as a value (forward returns it or passes it to a "
+                "call: return tensors in tuples, lists, dicts, namedtuples or dataclasses, and pass tensors and "
+                "Python constants)")
+    if "parameter is not a member" in message:
+        return ("a parameter that is not registered in the model (held in a plain list or dict: use "
+                "nn.ParameterList or nn.ParameterDict)")
     return "an operation torch.fx cannot capture"
 
 
@@ -413,6 +441,103 @@ class ApplyFunction(GraphTarget):
         return self.fn.apply(*args, **kwargs)
 
 
+def checkpoint_connects(*args: Any) -> bool:
+    """Graph target: whether torch's reentrant checkpoint, a custom autograd Function, would connect
+    its outputs to autograd for these arguments: the grad mode is on and a tensor argument requires
+    grad (else its outputs, computed under no_grad, require no grad and nothing in it gets one)."""
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def checkpoint_output(value: Any, connected: bool) -> Any:
+    """Graph target: an output of a reentrant checkpoint's function as torch's Function returns it:
+    as it is where :func:`checkpoint_connects` holds, else (computed under no_grad) detached."""
+    if connected:
+        return value
+    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+
+
+class PieceCount(GraphTarget):
+    """Graph target: the pieces of a ``chunk(n)`` that forward iterates over, captured as ``n``
+    pieces; an input for which torch's ``chunk`` gives fewer (a size that ``n`` pieces of equal
+    size cannot cover exactly) raises :class:`FuseError`, where the loop would run fewer times."""
+
+    def __init__(self, n: int, call: str, site: tuple[str, int] | None):
+        self.n, self.call, self.site = n, call, site
+        self._named("check_pieces")
+
+    def __call__(self, pieces: Any) -> Any:
+        if len(pieces) != self.n:
+            raise FuseError(
+                f"fused forward: forward iterates over the pieces of `{self.call}`{site_line(self.site)}, captured "
+                f"as {self.n} pieces, and this input gives {len(pieces)} (torch.chunk gives fewer pieces where "
+                "the size does not allow that many of equal size): the captured loop runs a fixed number of "
+                "times. Use tensor_split(n) (always n pieces) or an input size that chunk divides")
+        return pieces
+
+
+def _checkpoint_attribute(name: str) -> Any:
+    """``torch.utils.checkpoint.<name>``, or None (where forward could not have called checkpoint: the
+    module is not imported, or this torch has no such name)."""
+    module = sys.modules.get("torch.utils.checkpoint")
+    return getattr(module, name, None) if module is not None else None
+
+
+# Functions of torch's own that torch's code applies in a forward and that are right traced through
+# (their forward's ops, which the fused forward runs, have the gradients of their backward), by
+# module and name: non-reentrant checkpointing's input saver, in torch versions that have one (it
+# saves the inputs for the recomputation; its output is unused). torch.utils.checkpoint's
+# CheckpointFunction (the reentrant variant) is captured as its function's call instead.
+_TRACED_LIBRARY_FUNCTIONS = {("torch.utils.checkpoint", "_NoopSaveInputs")}
+
+# Calls that read or change the random state (the fused model's draws are per model and per call).
+_RNG_FUNCTIONS = ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state")
+_CUDA_RNG_FUNCTIONS = ("manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
+                       "get_rng_state_all", "set_rng_state", "set_rng_state_all")
+
+# Pieces of a tensor that forward may iterate over: call -> (the count's argument, its keywords).
+_PIECES = {"chunk": ("chunks",), "split": ("split_size", "split_size_or_sections"),
+           "split_with_sizes": ("split_sizes",), "tensor_split": ("indices_or_sections", "sections", "indices",
+                                                                  "tensor_indices_or_sections"),
+           "hsplit": ("indices_or_sections", "sections", "indices"),
+           "vsplit": ("indices_or_sections", "sections", "indices"),
+           "dsplit": ("indices_or_sections", "sections", "indices"), "unbind": ()}
+_PIECE_FUNCTIONS = {getattr(torch, name): name for name in _PIECES if hasattr(torch, name)}
+
+
+def _piece_count(node: fx.Node) -> tuple[int | None, str, bool] | None:
+    """For a node that splits a tensor into pieces (``x.chunk(3, -1)``): the number of pieces where
+    the call fixes it (None where it depends on the input's size), the call's name, and whether an
+    input could give fewer (``chunk``). None for any other node."""
+    if node.op == "call_method" and node.target in _PIECES:
+        name, rest = node.target, node.args[1:]
+    elif node.op == "call_function" and _hashable(node.target) and node.target in _PIECE_FUNCTIONS:
+        name, rest = _PIECE_FUNCTIONS[node.target], node.args[1:]
+    else:
+        return None
+    keywords = _PIECES[name]
+    given = rest[0] if rest else next((node.kwargs[k] for k in keywords if k in node.kwargs), None)
+    if name == "unbind" or given is None or isinstance(given, bool):
+        return None, name, False
+    if isinstance(given, int):
+        if name in ("split",):
+            return None, name, False  # ceil(size / split_size) pieces
+        return given, name, name == "chunk"
+    if isinstance(given, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in given):
+        return (len(given) if name in ("split", "split_with_sizes") else len(given) + 1), name, False
+    return None, name, False
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+# Tensor methods that register a hook on a tensor (refused in forward).
+_TENSOR_HOOK_METHODS = ("register_hook", "register_post_accumulate_grad_hook")
+
 # Tensor attributes that an assignment on a traced value (`h.data = v`) changes in torch, where
 # fx alone would set a Python attribute on its proxy and drop the assignment.
 _TENSOR_SETTERS = ("data", "requires_grad", "grad")
@@ -450,6 +575,8 @@ class _Tracer(fx.Tracer):
         self._state_proxies: dict[str, fx.Proxy] = {}
         self._traced: set[int] = set()
         self.failed_in: tuple[str, str] | None = None
+        # the graph's length where each non-reentrant checkpoint's function began, innermost last
+        self._checkpointed: list[int] = []
 
     # -- fx hooks
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -458,7 +585,11 @@ class _Tracer(fx.Tracer):
         return self._leaf(m) or super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
-        self._modules_entered.append((self.path_of_module(m), type(m).__name__))
+        try:
+            path = self.path_of_module(m)
+        except NameError:  # (fx's "module is not installed as a submodule")
+            return self._unregistered_call(m, forward, args, kwargs)
+        self._modules_entered.append((path, type(m).__name__))
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
@@ -492,11 +623,87 @@ class _Tracer(fx.Tracer):
         return fn, args
 
     def create_arg(self, a: Any):
+        if isinstance(a, torch.Generator):
+            found = self._attribute_holding(a)
+            label = f"held in attribute {found[1]!r}" if found is not None else "made in forward"
+            self._refuse(f"forward passes a torch.Generator ({label}) to a call",
+                         "the fused model draws each model's random numbers from a stream of its own, per "
+                         "call, and one generator object cannot give each model the numbers its own "
+                         "generator would (nor advance B of them). Draw without `generator=` (each model "
+                         "then draws its own numbers at every call), or move the draw out of forward",
+                         found[0] if found is not None else None)
         self._internal += 1
         try:
             return super().create_arg(a)
         finally:
             self._internal -= 1
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **more):
+        if kind == "call_method" and target in _TENSOR_HOOK_METHODS and not self._internal:
+            self._refuse(f"forward registers a hook on a tensor it computes (`.{target}(...)`): tensor hooks "
+                         "registered in forward are not supported",
+                         "the fused model's tensors hold the B models' values as one [B, ...] array, which a "
+                         "hook written for one model's tensor would see as one tensor (a norm of the gradient "
+                         "would mix the models). Write the gradient change as a custom "
+                         "torch.autograd.Function (Fn.apply(h): its backward runs once per model), or register "
+                         "the hook on the fused model's tensors outside forward")
+        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
+
+    def iter(self, obj: fx.Proxy):
+        """``for c in h.chunk(3, -1):`` (fx iterates a proxy only to unpack it): the pieces of a split
+        whose number the call fixes, as that many items; anything else is fx's refusal."""
+        count = _piece_count(obj.node)
+        if count is None:
+            return super().iter(obj)
+        n, name, fewer = count
+        if n is None:
+            how = ("`unbind` gives as many pieces as the dim has elements" if name == "unbind" else
+                   f"`{name}` with a size gives as many pieces as that size fits into the dim")
+            self._refuse(f"forward iterates over the pieces of `{name}`, whose number depends on the input's "
+                         f"size ({how})", "a captured forward is one graph for every input size, so it cannot "
+                         "loop over a number of pieces it does not know. Unpack a fixed number of pieces "
+                         "(`a, b, c = h.split(2, -1)`), or split into a number of pieces the call fixes: "
+                         "chunk(n), tensor_split(n), split([sizes])")
+        if fewer:
+            obj = self.create_proxy("call_function", PieceCount(n, f"{name}({n})", _user_site()), (obj,), {})
+        return iter([obj[i] for i in range(n)])
+
+    def _attribute_holding(self, value: Any) -> tuple[nn.Module, str] | None:
+        """(module, label) of the traced model's attribute that holds ``value`` (directly or in a
+        list, tuple or dict), or None."""
+        with self._own_code():
+            for path, module in self.root.named_modules():
+                for attr, v in vars(module).items():
+                    if attr in ("_parameters", "_buffers", "_modules"):
+                        continue
+                    if v is value or (isinstance(v, (list, tuple, dict)) and any(
+                            x is value for x in tree_flatten(v)[0])):
+                        return module, f"{path}.{attr}" if path else attr
+        return None
+
+    def _unregistered_call(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        """A call of a module that is not a registered submodule of the model. One made in forward (a
+        slice of a registered ``nn.Sequential``, ``self.blocks[1:](x)``, is a new Sequential of its
+        modules; ``nn.Tanh()(h)``) or held outside the model, with no parameters or buffers but those
+        of registered modules, is traced through, as torch runs it (its registered modules' calls,
+        its code on traced values); one held in a plain list or dict or set past nn.Module's
+        registration, or with state of its own, is refused by name."""
+        found = self._attribute_holding(m)
+        if found is None:
+            with self._own_code():
+                state = {id(t) for t in (*self.root.parameters(), *self.root.buffers())}
+                own = [t for t in (*m.parameters(), *m.buffers()) if id(t) not in state]
+            if not own:
+                return forward(*args, **kwargs)  # (its hooks, if any, run as torch's)
+            held = "made in forward, or held outside the model, with parameters or buffers of its own"
+        else:
+            holder = vars(found[0])[found[1].rpartition(".")[2]]
+            held = (f"held in the plain {type(holder).__name__} attribute {found[1]!r}" if holder is not m else
+                    f"set as attribute {found[1]!r} past nn.Module's registration (object.__setattr__)")
+        self._refuse(f"forward calls a {type(m).__name__} module that is not registered as a submodule ({held})",
+                     "the fused model holds the B models' registered submodules only. Use nn.ModuleList or "
+                     "nn.ModuleDict for modules in a list or dict, and create modules with state in __init__ "
+                     "(self.name = module)")
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict):
         if isinstance(attr_val, fx.Proxy):
@@ -600,13 +807,27 @@ class _Tracer(fx.Tracer):
 
     # -- custom autograd Functions
     def _apply_function(self, fn: type, args: tuple, kwargs: dict, original: Callable) -> Any:
-        if self._internal or not any(isinstance(v, fx.Proxy) for v in tree_flatten((args, kwargs))[0]):
+        if self._internal:
+            return original(fn, *args, **kwargs)
+        if fn is _checkpoint_attribute("CheckpointFunction") and fn is not None:
+            # (its function may read traced values without a traced argument: always its call)
+            return self._reentrant_checkpoint(args, kwargs)
+        if not any(isinstance(v, fx.Proxy) for v in tree_flatten((args, kwargs))[0]):
             return original(fn, *args, **kwargs)
         caller = sys._getframe(1)
         while caller is not None and caller.f_code.co_filename == __file__:
             caller = caller.f_back  # past the patch's own frames
         if caller is not None and _library_file(caller.f_code.co_filename):
-            return original(fn, *args, **kwargs)  # torch's own code: traced through, as fx does
+            if (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) in _TRACED_LIBRARY_FUNCTIONS:
+                return original(fn, *args, **kwargs)  # torch's own code: traced through, as fx does
+            # Traced through, its forward's ops would run with the gradients autograd gives them, not
+            # its backward's (a checkpoint's Function runs its function under no_grad: none at all).
+            self._refuse(f"forward calls torch code that applies torch's own autograd Function "
+                         f"`{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}`",
+                         "a captured forward would run the ops of that Function's forward without its own "
+                         "backward, which may give other gradients. Call it outside forward, or name the class "
+                         "of the module whose forward calls it in fuse(..., loop_modules=(Cls,)) to run that "
+                         "module once per model")
         try:
             return self.create_proxy("call_function", ApplyFunction(fn), args, kwargs)
         except FuseError:
@@ -615,6 +836,80 @@ class _Tracer(fx.Tracer):
             self._refuse(f"forward calls `{fn.__name__}.apply` with an argument the captured forward "
                          f"cannot hold ({type(e).__name__}: {e})",
                          "pass tensors and Python constants (numbers, strings, tuples of them) only")
+
+    def _reentrant_checkpoint(self, args: tuple, kwargs: dict) -> Any:
+        """``CheckpointFunction.apply(function, preserve_rng_state, *args)`` (``torch.utils.checkpoint.
+        checkpoint(function, *args, use_reentrant=True)``): the call of ``function`` itself, whose
+        gradients are those of torch's recomputation in backward (no recomputation: the activations
+        are kept, as for a non-reentrant checkpoint's capture), its outputs connected to autograd as
+        torch's Function connects them. Traced through, the Function's forward would run the function
+        under ``no_grad``: nothing in it would get a gradient."""
+        function, _preserve, *inputs = args
+        if kwargs:  # (torch's checkpoint refuses keywords with use_reentrant=True)
+            return function(*inputs, **kwargs)
+        # torch's Function looks at its direct tensor arguments only
+        tensors = tuple(v for v in inputs if isinstance(v, (fx.Proxy, torch.Tensor)))
+        connected = self.create_proxy("call_function", checkpoint_connects, tensors, {})
+        start = len(self.graph.nodes)
+        outputs = function(*inputs)
+        self._check_recomputed(list(self.graph.nodes)[start:], "use_reentrant=True")
+
+        def output(v: Any, direct: bool) -> Any:
+            # A Function returns a tensor or a tuple of them connected; anything else (a list of
+            # tensors, an element of such a tuple that is no tensor) it returns as it is, computed
+            # under no_grad: detached.
+            if isinstance(v, fx.Proxy):
+                return self.create_proxy("call_function", checkpoint_output, (v, connected if direct else False), {})
+            if isinstance(v, torch.Tensor):
+                return v if not direct else self.create_proxy("call_function", checkpoint_output,
+                                                              (v, connected), {})
+            return tree_map(lambda x: output(x, False) if isinstance(x, (fx.Proxy, torch.Tensor)) else x, v)
+
+        if isinstance(outputs, tuple):
+            return tuple(output(v, True) for v in outputs)  # (a Function returns a plain tuple)
+        return output(outputs, True)
+
+    def _checkpoint_enter(self, ctx: Any, original: Callable) -> Any:
+        """A non-reentrant checkpoint's function begins (torch's ``_checkpoint_hook`` is entered
+        around it, where torch will recompute it in backward)."""
+        self._checkpointed.append(len(self.graph.nodes))
+        return original(ctx)
+
+    def _checkpoint_exit(self, ctx: Any, args: tuple, original: Callable) -> Any:
+        start = self._checkpointed.pop() if self._checkpointed else None
+        result = original(ctx, *args)
+        if start is not None and (not args or args[0] is None):  # (not on the way out of an error)
+            self._check_recomputed(list(self.graph.nodes)[start:], "use_reentrant=False")
+        return result
+
+    def _check_recomputed(self, nodes: list[fx.Node], variant: str) -> None:
+        """Refuse a checkpointed function (recorded as ``nodes``) that updates state: torch runs it
+        again in backward, updating the state a second time per training step, which the captured
+        forward (its one call, no recomputation) would not."""
+        what = None
+        for n in nodes:
+            if isinstance(n.target, AssignState):
+                what = f"assigns {'.'.join(filter(None, (n.target.path, n.target.name)))!r}"
+            elif isinstance(n.target, SetData):
+                what = "assigns a parameter's or buffer's `.data`"
+            elif _inplace(n) and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr":
+                what = f"writes {n.args[0].target!r} in place"
+            elif n.op == "call_module":
+                with self._own_code():
+                    module = self.root.get_submodule(n.target)
+                    stateful = module.training and any(True for _ in module.buffers())
+                if stateful:
+                    what = (f"runs module {n.target!r} ({type(module).__name__}) in training, which updates its "
+                            "buffers (a batch norm's running statistics)")
+            if what is not None:
+                break
+        if what is None:
+            return
+        self._refuse(f"forward runs a checkpoint (torch.utils.checkpoint, {variant}) whose function {what}",
+                     "torch runs a checkpointed function again in backward (its recomputation), updating that "
+                     "state a second time per training step, and the captured forward runs it once (it keeps the "
+                     "activations: no recomputation). Checkpoint only code that updates no buffers (the layers "
+                     "between the norms), or call it without the checkpoint")
 
     # -- refusals
     def _refuse(self, what: str, why: str, module: nn.Module | None = None, error: type = FuseError) -> None:
@@ -802,6 +1097,23 @@ class _Tracer(fx.Tracer):
                      f"(`.{name}()`)", "it would be drawn once at capture, not per model and per call; "
                      "write it as torch.rand/torch.randn/... or on a tensor made from the input")
 
+    def _rng_call(self, name: str, original: Callable, args: tuple, kwargs: dict) -> Any:
+        """A call that reads or sets the random state (``torch.manual_seed(7)``, ``fork_rng``) in
+        forward: refused, where fx would run it once, at capture. torch's own code may read the
+        state (a checkpoint stashing it), except ``fork_rng``'s, which the model's code entered."""
+        caller = sys._getframe(1)
+        while caller is not None and caller.f_code.co_filename == __file__:
+            caller = caller.f_back  # past the patch's own frames
+        library = caller is not None and _library_file(caller.f_code.co_filename)
+        if self._internal or (library and caller.f_code.co_name != "fork_rng"):
+            return original(*args, **kwargs)
+        what = "torch.random.fork_rng" if library else name
+        self._refuse(f"forward calls `{what}`", "it reads or sets the random number generator's state, which a "
+                     "captured forward would do once, when the model is fused, and the fused model draws each "
+                     "model's random numbers from a stream of its own (per model and per call), which cannot "
+                     "reproduce a reseed or a restored state per model. Seed before calling the model, outside "
+                     "forward (random draws in forward are then per model and per call)")
+
     @contextlib.contextmanager
     def _patched(self) -> Iterator[None]:
         tracer = self
@@ -873,6 +1185,19 @@ class _Tracer(fx.Tracer):
         for name in _RANDOM_INPLACE:
             patch(torch.Tensor, name, lambda t, *a, _n=name, _o=getattr(torch.Tensor, name), **k:
                   tracer._draw_inplace(t, _n, _o, a, k))
+        import torch.random as torch_random  # (torch.random, not torch's `random` attribute)
+        for owner, prefix, names in ((torch, "torch", _RNG_FUNCTIONS), (torch_random, "torch.random", _RNG_FUNCTIONS),
+                                     (torch_random, "torch.random", ("fork_rng",)),
+                                     (getattr(torch, "cuda", None), "torch.cuda", _CUDA_RNG_FUNCTIONS)):
+            for name in names:
+                fn = getattr(owner, name, None) if owner is not None else None
+                if callable(fn):
+                    patch(owner, name, lambda *a, _fn=fn, _n=f"{prefix}.{name}", **k: tracer._rng_call(_n, _fn, a, k))
+        hook = _checkpoint_attribute("_checkpoint_hook")  # (entered around a non-reentrant checkpoint's function)
+        if isinstance(hook, type):
+            enter, exit_ = hook.__enter__, hook.__exit__
+            patch(hook, "__enter__", lambda c, _o=enter: tracer._checkpoint_enter(c, _o))
+            patch(hook, "__exit__", lambda c, *a, _o=exit_: tracer._checkpoint_exit(c, a, _o))
         try:
             yield
         finally:
@@ -1084,6 +1409,21 @@ def capture(model: nn.Module, leaf: Callable[[nn.Module], bool], mode: bool,
                 value = getattr(value, atom)
             if isinstance(value, torch.Tensor):
                 constants[node.target] = value
+            elif not isinstance(value, (nn.Module, fx.Proxy)):  # (a Proxy: a tensor attribute forward assigns)
+                # An object torch.fx keeps as a constant of the graph (a torch.Generator, a
+                # ScriptObject, ...: `_opaque_obj0`), which the fused model neither holds nor could
+                # hold per model.
+                names = [".".join(filter(None, (p, a))) for p, m in traced.named_modules()
+                         for a, v in vars(m).items() if v is value]
+                held = next((f"attribute {n!r}" for n in names if n != node.target),
+                            f"attribute {names[0]!r}" if names and not names[0].startswith("_") else None)
+                raise FuseError(
+                    f"fuse: cannot capture the model: forward passes a {type(value).__name__} object "
+                    f"({held or 'made in forward'}) to a call, which torch.fx keeps as the graph constant "
+                    f"{node.target!r}{site_line(next((u.meta.get('hfkern_site') for u in node.users), None))} "
+                    f"{where(node.meta.get('hfkern_module'), model)}; a fused forward holds "
+                    "tensors and Python constants, not such objects (one object would serve every model). "
+                    "Pass tensors and Python constants, or move the call out of forward")
     for node in graph.nodes:
         problem = None
         if node.op == "call_method" and node.target in _HOST_READS:

@@ -101,7 +101,11 @@ converted to an array value's dtype and device (``torch.arange(n).type_as(x)``,
 ``.to(x)``): one tensor, until the forward writes array values into it in place
 (``out[:, 1:7] = x``, ``.scatter_(1, idx, 1.0)``), which makes it each model's
 own ``[B, ...]`` copy where it is made. Every output has B first: a tensor that
-is not an array value is returned as each model's copy.
+is not an array value is returned as each model's copy. Outputs are tensors in tuples, lists,
+dicts, namedtuples and dataclasses (a dataclass, returned by forward or by a layer run per model,
+is one instance of its class holding the B models' arrays); a layer run per model that returns
+another object holding tensors raises :class:`FuseError`, as does a layer ``torch.vmap`` cannot
+run (naming ``loop_modules``).
 
 Configuration: the models must agree on every module's attributes (numbers, strings,
 functions, enum members, config objects, partials, tensors in containers, compared by
@@ -194,7 +198,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import _broadcast_to_and_flatten, register_pytree_node, tree_flatten, tree_map, tree_unflatten
 
 from . import _backend, _capture
 from ._array import _dense_in, broadcast, check_B, fold_planes, is_shared
@@ -706,13 +710,25 @@ def _is_metadata(node: fx.Node) -> bool:
 def _in_dims(mark: Any, value: Any) -> Any:
     """vmap's in_dims for ``value``: 0 for every tensor of an array argument, None elsewhere."""
     if mark is True:
-        return tree_map(lambda v: 0 if isinstance(v, torch.Tensor) else None, value)
+        return tree_map(_array_leaf_dim, value)
     if isinstance(mark, (list, tuple)) and isinstance(value, (list, tuple)) \
             and type(value) in (list, tuple) and len(mark) == len(value):
         dims = [_in_dims(m, v) for m, v in zip(mark, value)]
         return dims if isinstance(value, list) else tuple(dims)
     if isinstance(mark, dict) and isinstance(value, dict) and mark.keys() == value.keys():
         return {k: _in_dims(mark[k], value[k]) for k in value}
+    return None
+
+
+def _array_leaf_dim(v: Any) -> int | None:
+    if isinstance(v, torch.Tensor):
+        return 0
+    if _is_dataclass_instance(v):
+        # (torch.vmap takes a dataclass for one value, which it cannot slice per model)
+        raise FuseError(
+            f"fused forward: a {type(v).__name__} dataclass holding the B models' arrays (a layer's output) is "
+            "passed to a call that the fused model runs per model, which cannot slice a dataclass per model; "
+            "pass its fields (out.logits) instead")
     return None
 
 
@@ -747,9 +763,100 @@ _OUT = object()  # marks a tensor output among vmap's non-tensor outputs
 _WALK = object()  # _ArrayCall._direct: the general path decides
 
 
-def _vmap_call(fn: Callable, dims: tuple, args: tuple, kwargs: dict, loop: bool = False) -> Any:
+# ---- dataclasses among the values: torch's pytree takes a dataclass instance for a leaf ----------
+class _Identity:
+    """A value compared by identity (a dataclass instance in a pytree context, whose own equality
+    would compare tensors)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class _Fields:
+    """A dataclass instance's fields as a pytree node (:func:`_opened`)."""
+
+    def __init__(self, template: Any, values: dict[str, Any]):
+        self.template, self.values = template, values
+
+
+with contextlib.suppress(ValueError):  # (registered already: this module reloaded)
+    register_pytree_node(
+        _Fields, lambda f: (list(f.values.values()), (_Identity(f.template), tuple(f.values))),
+        lambda children, context: _Fields(context[0].value, dict(zip(context[1], children))),
+        serialized_type_name="hfkern.fusion._Fields")
+
+
+def _is_dataclass_instance(v: Any) -> bool:
+    return dataclasses.is_dataclass(v) and not isinstance(v, type)
+
+
+def _opened(value: Any) -> Any:
+    """``value`` with every dataclass instance in it (at any depth of tuples, lists and dicts) as a
+    :class:`_Fields` node, so that its tensors are leaves of torch's pytree (a forward or a layer
+    returning a dataclass: its tensors are each model's, stacked as others are)."""
+    def open_one(v: Any) -> Any:
+        if not _is_dataclass_instance(v):
+            return v
+        return _Fields(v, {f.name: _opened(getattr(v, f.name)) for f in dataclasses.fields(v) if hasattr(v, f.name)})
+    return tree_map(open_one, value, is_leaf=_is_dataclass_instance)
+
+
+def _closed(value: Any) -> Any:
+    """:func:`_opened`'s inverse: each :class:`_Fields` node as a dataclass instance of its class
+    holding the node's values (made by the class's ``__init__``, as ``dataclasses.replace`` makes
+    one; the fields ``__init__`` does not take are set after)."""
+    def close_one(v: Any) -> Any:
+        if not isinstance(v, _Fields):
+            return v
+        kinds = {f.name: f.init for f in dataclasses.fields(v.template)}
+        values = {k: _closed(x) for k, x in v.values.items()}
+        made = dataclasses.replace(v.template, **{k: x for k, x in values.items() if kinds.get(k)})
+        for k, x in values.items():
+            if not kinds.get(k):
+                object.__setattr__(made, k, x)
+        return made
+    return tree_map(close_one, value, is_leaf=lambda v: isinstance(v, _Fields))
+
+
+def _flat_fields(value: Any) -> tuple[list, Any, bool]:
+    """``tree_flatten(value)`` with every dataclass instance in it opened (:func:`_opened`), and
+    whether any was (for :func:`_unflat_fields`)."""
+    leaves, spec = tree_flatten(value)
+    if not any(_is_dataclass_instance(v) for v in leaves):
+        return leaves, spec, False
+    leaves, spec = tree_flatten(_opened(value))
+    return leaves, spec, True
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, complex, bool, str, bytes, type(None), torch.Size, torch.dtype, torch.device,
+                 torch.memory_format, torch.layout, enum.Enum)
+
+
+def _check_per_model_leaves(leaves: list, what: Callable[[], str]) -> None:
+    """Refuse a result (its flattened ``leaves``) that holds tensors in an object torch's pytree
+    takes for one value (neither a container nor a dataclass): each model's tensors in it could not
+    be stacked, so the fused forward would return model 0's, or tensors escaped from torch.vmap."""
+    for v in leaves:
+        if isinstance(v, _PLAIN_LEAVES):
+            continue
+        held = getattr(v, "__dict__", None)
+        if isinstance(held, dict) and any(isinstance(t, torch.Tensor) for t in tree_flatten(list(held.values()))[0]):
+            raise FuseError(
+                f"fused forward: {what()} returns a {type(v).__name__} object holding tensors, which the fused model "
+                "cannot hold per model (it is one Python object, not a container of the models' tensors). Return "
+                "tensors in tuples, lists, dicts, namedtuples or dataclasses")
+
+
+def _unflat_fields(leaves: list, spec: Any, opened: bool) -> Any:
+    """:func:`_flat_fields`'s inverse."""
+    value = tree_unflatten(leaves, spec)
+    return _closed(value) if opened else value
+
+
+def _vmap_call(fn: Callable, dims: tuple, args: tuple, kwargs: dict, loop: bool = False,
+               who: Callable[[], str] | None = None) -> Any:
     """``fn`` applied to each model's slice of the array arguments, under torch.vmap (``loop``: in
-    a loop over the models).
+    a loop over the models). ``who()``: what runs, for an error.
 
     Non-tensor outputs (shapes, flags) are returned as the per-model function
     produced them; random ops draw independently for each model.
@@ -757,18 +864,19 @@ def _vmap_call(fn: Callable, dims: tuple, args: tuple, kwargs: dict, loop: bool 
     layout: list = []
 
     def per_model(a, k):
-        out = fn(*a, **k)
-        leaves, spec = tree_flatten(out)
-        layout[:] = [spec, [_OUT if isinstance(v, torch.Tensor) else v for v in leaves]]
+        leaves, spec, opened = _flat_fields(fn(*a, **k))  # (a dataclass's tensors too)
+        _check_per_model_leaves(leaves, who or (lambda: f"`{getattr(fn, '__qualname__', None) or fn}`, run per "
+                                                        "model,"))
+        layout[:] = [spec, [_OUT if isinstance(v, torch.Tensor) else v for v in leaves], opened]
         return tuple(v for v in leaves if isinstance(v, torch.Tensor))
 
     if loop or _cpu_autocast(args, kwargs):
         tensors = _looped(per_model, dims, args, kwargs)
     else:
         tensors = torch.vmap(per_model, in_dims=dims, randomness="different")(args, kwargs)
-    spec, leaves = layout
+    spec, leaves, opened = layout
     it = iter(tensors)
-    return tree_unflatten([next(it) if v is _OUT else v for v in leaves], spec)
+    return _unflat_fields([next(it) if v is _OUT else v for v in leaves], spec, opened)
 
 
 def _cpu_autocast(args: tuple, kwargs: dict) -> bool:
@@ -983,6 +1091,8 @@ class _ArrayCall(_CallsFunction):
                 out = self._direct(args, kwargs)
                 if out is not _WALK:
                     return out
+            if self.fn is builtins.getattr and args and _is_dataclass_instance(args[0]):
+                return getattr(*args)  # a field of a dataclass of arrays (a layer's output: _closed)
             dims = _in_dims(self.marks, (args, kwargs))
             arrays = _tensors(dims, (args, kwargs), True)
             if not arrays:
@@ -1074,7 +1184,9 @@ class _ArrayCall(_CallsFunction):
             return torch.stack([self._call(args, kwargs) for _ in range(self.B)])  # each model draws
         out = self._call(args, kwargs)
         # own copies, as each model makes its own tensor (it may be written in place)
-        return tree_map(lambda v: _every_model(v, self.B, copy=True) if isinstance(v, torch.Tensor) else v, out)
+        leaves, spec, opened = _flat_fields(out)
+        copies = [_every_model(v, self.B, copy=True) if isinstance(v, torch.Tensor) else v for v in leaves]
+        return _unflat_fields(copies, spec, opened)
 
     @staticmethod
     def _first_holds_arrays(dims: Any) -> bool:
@@ -1085,7 +1197,8 @@ class _ArrayCall(_CallsFunction):
 
     def _vmap(self, dims: Any, args: tuple, kwargs: dict) -> Any:
         try:
-            return _vmap_call(lambda *a, **k: self._call(a, k), dims, args, kwargs)
+            return _vmap_call(lambda *a, **k: self._call(a, k), dims, args, kwargs,
+                              who=lambda: f"`{self._text()}`{_capture.site_line(self.site)}, run per model,")
         except (RuntimeError, ValueError) as e:
             if isinstance(e, FuseError):
                 raise
@@ -1385,10 +1498,11 @@ def _per_model_copies(value: Any, B: int) -> Any:
     the B models' own copies (``[B, *shape]``)."""
     if isinstance(value, torch.Tensor):
         return _every_model(value, B, copy=True)
-    leaves, spec = tree_flatten(value)
+    leaves, spec, opened = _flat_fields(value)
     if not any(isinstance(v, torch.Tensor) for v in leaves):
         return value  # (Python values as they are: a torch.Size stays one)
-    return tree_unflatten([_every_model(v, B, copy=True) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+    return _unflat_fields([_every_model(v, B, copy=True) if isinstance(v, torch.Tensor) else v for v in leaves],
+                      spec, opened)
 
 
 class _Metadata(_CallsFunction):
@@ -1519,6 +1633,12 @@ def _requires_grad_per_model() -> Iterator[None]:
                     torch.Tensor.requires_grad = _OWN_REQUIRES_GRAD
 
 
+class ModuleVmapError(FuseError, RuntimeError):
+    """A leaf module that the fused forward runs under torch.vmap and that torch.vmap cannot run (the
+    message names ``loop_modules``): a :class:`FuseError`, as a functional call that vmap cannot run
+    raises, and a RuntimeError, as this error was before."""
+
+
 class _ModuleCall(_capture.GraphTarget):
     """A leaf module without an array version, run per model over its stacked parameters.
 
@@ -1557,12 +1677,14 @@ class _ModuleCall(_capture.GraphTarget):
         arg_dims, kwarg_dims = dims
         try:
             with _without_fastpath(state, args, kwargs), _requires_grad_per_model():
-                out, rebound = _vmap_call(per_model, ((state_dims, *arg_dims), kwarg_dims), (state, *args), kwargs)
+                out, rebound = _vmap_call(per_model, ((state_dims, *arg_dims), kwarg_dims), (state, *args), kwargs,
+                                          who=lambda: f"the {_module_class(self.template).__name__} module, run "
+                                                      "per model under torch.vmap,")
         except RuntimeError as e:
             if "atching rule" not in str(e) and "vmap" not in str(e):
                 raise
             cls = _own_class(self.template)
-            raise RuntimeError(
+            raise ModuleVmapError(
                 f"fused forward: the {_module_class(self.template).__name__} module runs under torch.vmap "
                 f"(for the B models at once), which cannot run its code: {str(e).strip().splitlines()[0]} "
                 f"Name its class in hfkern.fuse(..., loop_modules=({cls.__name__},)) to run it once per "
@@ -1585,11 +1707,13 @@ class _ModuleCall(_capture.GraphTarget):
             rebinds.append(rebound)
         names = {n for r in rebinds for n in r}
         _rebind(module, {n: torch.stack([r.get(n, state[n][b]) for b, r in enumerate(rebinds)]) for n in names})
-        out_leaves = [tree_flatten(o)[0] for o in outs]
-        spec = tree_flatten(outs[0])[1]
+        flat = [_flat_fields(o) for o in outs]  # (a dataclass's tensors too)
+        _, spec, opened = flat[0]
+        _check_per_model_leaves(flat[0][0], lambda: f"the {_module_class(self.template).__name__} module, run once "
+                                                    "per model (loop_modules),")
         stacked = [self._array_of(vs, slices, leaves, flat_dims) if isinstance(vs[0], torch.Tensor) else vs[0]
-                   for vs in zip(*out_leaves)]
-        return tree_unflatten(stacked, spec)
+                   for vs in zip(*(f[0] for f in flat))]
+        return _unflat_fields(stacked, spec, opened)
 
     # Whether the fused forward writes in place, after this call, into memory its result may share
     # with its inputs (set by the rewrite): a stacked copy of views of the inputs would lose that.
@@ -3133,6 +3257,13 @@ def fuse(models: Sequence[nn.Module] | Callable[[], nn.Module], B: int | None = 
                 raise TypeError(f"fuse: {strategy}_modules must hold torch.nn.Module classes, got {c!r}")
             opaque[c] = strategy
     root_cls = type(models[0])
+    if isinstance(models[0], _LOOPED_BY_DEFAULT) and root_cls.__module__.startswith("torch."):
+        # (its forward cannot be captured, and the model itself is no leaf to run per model)
+        raise FuseError(
+            f"fuse: the models are {root_cls.__name__} modules themselves: a recurrent torch module's forward "
+            "cannot be captured (torch.vmap cannot batch it either), and the fused model runs such a module once "
+            "per model only as a submodule. Wrap it in a module of your own (self.rnn = nn."
+            f"{root_cls.__name__}(...) in __init__, `return self.rnn(x)` in forward) and fuse those")
     if root_cls in opaque:
         raise FuseError(f"fuse: the model's own class {root_cls.__name__} cannot be in "
                         f"{opaque[root_cls]}_modules; name its submodules' classes instead")
@@ -3143,6 +3274,13 @@ def fuse(models: Sequence[nn.Module] | Callable[[], nn.Module], B: int | None = 
     except FuseError as e:
         array_class = _array_classes().get(root_cls)
         if array_class is None:
+            if root_cls.__module__.startswith("torch.nn.") and "cannot capture the model" in str(e):
+                raise FuseError(
+                    f"fuse: the models are {root_cls.__name__} modules themselves, whose forward cannot be "
+                    f"captured (the cause is chained below). Wrap it in a module of your own (self.layer = "
+                    f"nn.{root_cls.__name__}(...) in __init__, `return self.layer(x)` in forward) and fuse "
+                    "those: the fused model runs such a layer per model (under torch.vmap, or once per model "
+                    f"with fuse(..., loop_modules=(nn.{root_cls.__name__},)))") from e
             raise
         # (a Linear's forward captures; a batch norm's or an attention's branches on values)
         raise FuseError(
@@ -4320,6 +4458,23 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
             array[node] = False
         elif isinstance(node.target, _capture.RandomDraw):
             env[node] = out.call_function(_Draw(node.target.fn, B), args, kwargs)
+            array[node] = True
+        elif node.target is _capture.checkpoint_connects:
+            # whether a reentrant checkpoint connects its outputs: read on the arrays (every model's
+            # tensor requires grad where the array does), one Python value
+            env[node] = out.call_function(node.target, args, kwargs)
+            array[node] = False
+        elif node.target is _capture.checkpoint_output or isinstance(node.target, _capture.PieceCount):
+            # its first argument as it is (or detached; or checked): an array value where that is one
+            env[node] = out.call_function(node.target, args, kwargs)
+            array[node] = isinstance(node.args[0], fx.Node) and array[node.args[0]]
+        elif node.op == "call_function" and isinstance(node.target, type) and dataclasses.is_dataclass(node.target):
+            # A dataclass made in forward (fx records its constructor, the fields as keywords): made
+            # of the fields' values, every tensor in it with B first, as every output has (a value
+            # that is not an array value as each model's copy)
+            fields = fx.node.map_arg(node.kwargs, lambda n: env[n] if array[n] else out.call_function(
+                _per_model_copies, (env[n], B)))
+            env[node] = out.call_function(node.target, args, fields)
             array[node] = True
         else:  # call_function, call_method
             if not any_array:
