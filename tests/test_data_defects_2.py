@@ -39,16 +39,7 @@ class Small(torch.utils.data.Dataset):
         return torch.full((4,), float(i))
 
 
-class Items:
-    def __init__(self, items):
-        self.items, self.calls = items, []
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        self.calls.append(i)
-        return self.items[i]
+from test_data_cache_defects import ListDataset as Items  # noqa: E402 (a list's items, the indices asked recorded)
 
 
 class Ints:

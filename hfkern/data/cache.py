@@ -673,18 +673,14 @@ class _OverflowWriter:
             self.mine[:] = 0
 
 
-class _PrivateWriter:
+class _PrivateWriter(_RowWriter):
     """Counters of this process alone: a DataLoader worker that cannot reach its parent's table."""
 
     home = False
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # (no table: add() as a row writer's, on a row of its own)
         self.row = np.zeros(len(_FIELDS), dtype=np.int64)
         self.lock = threading.Lock()
-
-    def add(self, col: int, n: int) -> None:
-        with self.lock:
-            self.row[col] += n
 
     def own(self) -> np.ndarray:
         with self.lock:
