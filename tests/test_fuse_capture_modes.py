@@ -92,13 +92,17 @@ def _compare(make, x_shape=(5, 4), outer="grad", calls=3, train=None):
 
 
 # ---- defect 1: train/eval mode set inside forward -------------------------------------------------
-class _BNEval(nn.Module):
-    """Batch-norm statistics kept frozen by forward itself."""
+class _FcBn(nn.Module):
+    """A linear layer and a batch norm; subclasses' forwards set modes in their own ways."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
         self.bn = nn.BatchNorm1d(4)
+
+
+class _BNEval(_FcBn):
+    """Batch-norm statistics kept frozen by forward itself."""
 
     def forward(self, x):
         self.bn.eval()
@@ -116,24 +120,14 @@ class _DropoutOff(nn.Module):
         return self.drop(self.fc(x))
 
 
-class _TrainingFlag(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.bn = nn.BatchNorm1d(4)
-
+class _TrainingFlag(_FcBn):
     def forward(self, x):
         self.bn.training = False
         return self.bn(self.fc(x))
 
 
-class _ForceTrain(nn.Module):
+class _ForceTrain(_FcBn):
     """Batch norm in training mode whatever the model's mode."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.bn = nn.BatchNorm1d(4)
 
     def forward(self, x):
         self.bn.train()
@@ -158,12 +152,7 @@ class _RootEval(nn.Module):
         return h + 1 if self.training else h - 1
 
 
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.bn = nn.BatchNorm1d(4)
-
+class _Block(_FcBn):
     def forward(self, x):
         h = self.bn(self.fc(x))
         return h * 2 if self.training else h
