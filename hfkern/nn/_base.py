@@ -120,6 +120,36 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
+def raise_model_error(who: str, input: torch.Tensor, model_call: Callable[[], Any],
+                      error: BaseException | None = None) -> None:
+    """Raise the error torch raises for one model's call, where an array module's kernel ran on a
+    view of its input that the user never passed (the folded ``[B*N, C, H, W]`` of a pooling, the
+    grouped ``[N, B*C, H, W]`` of a convolution) or returned what torch refuses.
+
+    ``model_call()`` runs the namesake's computation on model 0's input ``input[0]`` (``input``: the
+    array input as given), under no_grad. Where it raises a built-in exception (torch's
+    RuntimeError, ...), one of the same type is raised with ``who`` and the shapes of ``input[0]``
+    and ``input`` added to torch's message; an exception of a type of torch's own is raised as it
+    is. Where it passes, ``error`` (the array kernel's error, if any) is raised; without one this
+    returns. An out-of-memory ``error`` is raised as it is: it does not depend on the shapes.
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        raise error
+    try:
+        with torch.no_grad():
+            model_call()
+    except Exception as ex:  # noqa: BLE001 - whatever torch raises for one model is the error
+        kind = type(ex)
+        if kind.__module__ != "builtins" or isinstance(ex, torch.OutOfMemoryError):
+            raise
+        raise kind(
+            f"{who}: {ex} (torch's error for model 0's input of shape {list(input.shape[1:])}; "
+            f"the array input has shape {list(input.shape)})"
+        ) from ex
+    if error is not None:
+        raise error
+
+
 def _persistent_buffers(module: nn.Module) -> list[str]:
     """The names of ``module``'s persistent buffers (those its state dict holds)."""
     return [
@@ -252,6 +282,14 @@ class ArrayModule(nn.Module):
         """The namesake constructor's keyword arguments that describe ``module``."""
         return {f: _read_field(module, f) for f in cls._config_fields}
 
+    @classmethod
+    def _comparable_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` (:meth:`_config_of`) in the form in which two models' configurations are
+        compared (:meth:`from_modules`, :meth:`load_model`): subclasses map the spellings torch
+        reads alike (a pool's ``kernel_size=2`` and ``(2, 2)``) to one value. ``config`` itself
+        by default."""
+        return config
+
     def extra_repr(self) -> str:
         cfg = ", ".join(f"{k}={v!r}" for k, v in self._config_of(self).items())
         return f"B={self.B}" + (f", {cfg}" if cfg else "")
@@ -272,10 +310,13 @@ class ArrayModule(nn.Module):
         and of each of its submodules is taken from the modules. Modules whose
         configurations differ raise ValueError naming the field, except the
         per-model hyper-parameters (``_per_model_fields``, e.g. a dropout
-        probability), which become one value per model; modules that disagree on
-        a parameter's ``requires_grad``, on a submodule's mode or on their state
-        dict keys raise ValueError too, as do modules holding what the array
-        cannot (a parametrized weight, an extra persistent buffer).
+        probability), which become one value per model (a tuple of B values
+        where they differ, else the one value). Spellings of a setting that torch
+        reads alike agree (a pool's ``kernel_size=2`` and ``(2, 2)``); the array
+        keeps module 0's. Modules that disagree on a parameter's
+        ``requires_grad``, on a submodule's mode or on their state dict keys
+        raise ValueError too, as do modules holding what the array cannot (a
+        parametrized weight, an extra persistent buffer).
         """
         modules = list(modules)
         name = cls.__name__
@@ -294,10 +335,11 @@ class ArrayModule(nn.Module):
         # Fields holding a module with parameters or buffers (a layer's nn.PReLU activation) become
         # one array module of the B models' modules, below; here they need only be of one class.
         stateful = [f for f, v in configs[0].items() if _holds_state(v) and f not in cls._per_model_fields]
+        comparable = [cls._comparable_config(cfg) for cfg in configs]
         for i, (m, cfg) in enumerate(zip(modules[1:], configs[1:]), start=1):
             for field, value in configs[0].items():
                 same = (type(cfg[field]) is type(value) if field in stateful
-                        else _same_setting(cfg[field], value))
+                        else _same_setting(comparable[i][field], comparable[0][field]))
                 if not same and field not in cls._per_model_fields:
                     raise ValueError(
                         f"{name}.from_modules: field {field!r} differs: module 0 has {value!r}, "
@@ -440,9 +482,11 @@ class ArrayModule(nn.Module):
         """Copy the torch module ``module`` into slot b; the other slots are untouched.
 
         ``module`` must be a ``_torch_cls`` (the namesake) with this array's
-        configuration, except the per-model fields (``_per_model_fields``, e.g. a
-        dropout probability), which become model b's values. Its parameters and
-        buffers (and the non-persistent buffers this array holds) are copied
+        configuration (or a spelling of it that torch reads alike, as
+        :meth:`from_modules` compares), except the per-model fields
+        (``_per_model_fields``, e.g. a dropout probability), which become model
+        b's values. Its parameters and buffers (and the non-persistent buffers
+        this array holds) are copied
         into index b of this array's, written in place under no_grad: every
         parameter stays the same object, so an optimizer holding it goes on
         working (reset its state for model b with
@@ -473,6 +517,7 @@ class ArrayModule(nn.Module):
                 raise TypeError(f"{who}: expected{where} a torch.nn.{sub._torch_cls.__name__}, "
                                 f"got {type(counterpart).__name__}")
             mine, given = sub._config_of(sub), sub._config_of(counterpart)
+            mine_key, given_key = sub._comparable_config(mine), sub._comparable_config(given)
             for field, value in mine.items():
                 if field in sub._per_model_fields:
                     continue
@@ -480,7 +525,7 @@ class ArrayModule(nn.Module):
                     # checked as its own path (a later one of this loop); here only its class
                     same = isinstance(given[field], value._torch_cls)
                 else:
-                    same = _same_setting(given[field], value)
+                    same = _same_setting(given_key[field], mine_key[field])
                 if not same:
                     where = f" of {path!r}" if path else ""
                     raise ValueError(f"{who}: field {field!r}{where} differs: the array has "

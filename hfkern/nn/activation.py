@@ -7,6 +7,7 @@ Parameter-free activations (ReLU, GELU, ...) need no array version: the plain
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -35,22 +36,43 @@ class PReLU(ArrayModule):
     ``s[1] == num_parameters``; with ``num_parameters == 1`` the slope applies
     to every element of any input (0-d per-model inputs included). The output
     has the input's memory order; a shared input gives a ``[B, *s]`` tensor.
+
+    ``init`` (the slopes :meth:`reset_parameters` sets) is one value for every
+    model or a length-B sequence, model b's at b (kept as a tuple). It only
+    initializes the weight, so models whose ``init`` differs are one array:
+    :meth:`from_modules` keeps one value where the modules agree and a tuple of
+    their B values otherwise, :meth:`load_model` sets model b's, and
+    :meth:`to_modules` gives model b its own.
     """
 
     _torch_cls = nn.PReLU
     _config_fields = ("num_parameters", "init")
+    _per_model_fields = ("init",)
 
-    def __init__(self, num_parameters: int = 1, init: float = 0.25, *, B: int,
+    def __init__(self, num_parameters: int = 1, init: float | Sequence[float] = 0.25, *, B: int,
                  device=None, dtype=None):
         super().__init__()
-        nn.PReLU(num_parameters, init, device="meta")  # torch's argument checks
+        nn.PReLU(num_parameters, device="meta")  # torch's argument checks
         self._set_B(B, required=True)
+        if isinstance(init, (list, tuple)):
+            if len(init) != self.B:
+                raise ValueError(
+                    f"PReLU: expected init to be one value or one per model (length B={self.B}), "
+                    f"got {len(init)} values {list(init)}"
+                )
+            init = tuple(init)
         self.num_parameters, self.init = num_parameters, init
         self.weight = nn.Parameter(torch.empty((self.B, num_parameters), device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        stack_init([self.weight], lambda w: init.constant_(w, self.init))
+        values = iter(self.init if isinstance(self.init, tuple) else [self.init] * self.weight.size(0))
+        stack_init([self.weight], lambda w: init.constant_(w, next(values)))
+
+    def _graph_state(self) -> tuple:
+        """The host values the forward computes with beyond its mode: none (``init``, a per-model
+        field, only initializes the weight), so a captured step is not captured anew for it."""
+        return ()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = check_input("PReLU", input, self.B, range(0, MAX_NDIM), self.weight)

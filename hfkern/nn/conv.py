@@ -33,7 +33,7 @@ from .._array import (
     is_shared, shares_work, to_array_memory_format, to_grouped,
 )
 from ..ops.conv import GroupedConvCall, conv, grouped_conv
-from ._base import ArrayModule, reset_kaiming_uniform
+from ._base import ArrayModule, raise_model_error, reset_kaiming_uniform
 
 __all__ = ["Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d"]
 
@@ -71,9 +71,30 @@ class _ArrayConvNd(ArrayModule):
         x = check_input(name, input, self.B, (n + 1, n + 2), self.weight)
         unbatched = x.dim() == n + 2
         if unbatched:
-            x = x.unsqueeze(1)
+            # checked before the N=1 dim is added: the message names the shape the user passed
+            if x.size(1) != self.in_channels:
+                raise ValueError(
+                    f"{name}: expected input with {self.in_channels} channels at dim 1 (shape "
+                    f"[B, C, ...] for unbatched models), got {x.size(1)} in shape {list(x.shape)}"
+                )
+            return x.unsqueeze(1), True
         check_channels(name, x, 2, self.in_channels)
-        return x, unbatched
+        return x, False
+
+    def _model_forward(self, input: torch.Tensor, output_padding: Sequence[int] | None = None) -> torch.Tensor:
+        """The namesake's forward for model 0 on its input ``input[0]`` (``input`` as given):
+        what torch computes, or raises, for one model (see :func:`raise_model_error`)."""
+        n = self._n
+        x, weight = input[0], self.weight[0]
+        bias = None if self.bias is None else self.bias[0]
+        if self._transposed:
+            return getattr(F, f"conv_transpose{n}d")(
+                x, weight, bias, self.stride, self.padding, output_padding, self.groups, self.dilation)
+        padding = self.padding
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = (0,) * n
+        return getattr(F, f"conv{n}d")(x, weight, bias, self.stride, padding, self.dilation, self.groups)
 
     def __getstate__(self) -> dict:
         # torch.memory_format objects do not pickle (torch.save's protocol 2): kept by name.
@@ -161,12 +182,16 @@ class _ArrayConvNd(ArrayModule):
             x, unbatched = self._check(input)
             if unbatched or padding is None:
                 return None
-        x = self._in_memory_format(x)
-        if not checked and is_shared(x):
-            return None
-        return grouped_conv(x, self.weight, self.bias, list(self.stride), list(padding), list(self.dilation),
-                            self._transposed, list(self.output_padding) if self._transposed else [0] * self._n,
-                            self.groups, checked=checked)
+        output_padding = list(self.output_padding) if self._transposed else [0] * self._n
+        try:
+            x = self._in_memory_format(x)
+            if not checked and is_shared(x):
+                return None
+            return grouped_conv(x, self.weight, self.bias, list(self.stride), list(padding),
+                                list(self.dilation), self._transposed, output_padding, self.groups,
+                                checked=checked)
+        except RuntimeError as ex:  # torch's error names the grouped [N, B*C_in, *s]: one model's
+            raise_model_error(type(self).__name__, input, lambda: self._model_forward(input, output_padding), ex)
 
     def _grouped_call(self, input: torch.Tensor) -> GroupedConvCall | None:
         """What ``_grouped_output(x, checked=True)`` runs for inputs of ``input``'s metadata,
@@ -194,6 +219,14 @@ class _ArrayConv(_ArrayConvNd):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x, unbatched = self._check(input)
+        try:
+            y = self._forward(x)
+        except RuntimeError as ex:  # torch's error names the grouped [N, B*C_in, *s]: one model's
+            raise_model_error(type(self).__name__, input, lambda: self._model_forward(input), ex)
+        return y.squeeze(1) if unbatched else y
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` of a checked ``[B, N, C_in, *s]`` input."""
         conv_padding = self._direct_padding()
         if conv_padding is None:
             pad = self._reversed_padding_repeated_twice  # F.pad order: last dim first
@@ -210,8 +243,7 @@ class _ArrayConv(_ArrayConvNd):
                 x = F.pad(x[0], pad, mode=mode).expand(x.shape[0], -1, -1, *([-1] * self._n))
             else:
                 x = from_grouped(F.pad(to_grouped(x), pad, mode=mode), x.shape[0], array_memory_format(x))
-        y = self._conv(x, conv_padding, [0] * self._n)
-        return y.squeeze(1) if unbatched else y
+        return self._conv(x, conv_padding, [0] * self._n)
 
 
 class Conv1d(_ArrayConv):
@@ -260,7 +292,21 @@ class _ArrayConvTranspose(_ArrayConvNd):
         if output_size is not None:
             size = self._spatial_output_size(output_size, x.shape[0], unbatched)
             output_padding = self._output_padding(size, x.shape[-self._n:])
-        y = self._conv(x, self._direct_padding(), output_padding)
+
+        def model_forward():
+            return self._model_forward(input, output_padding)
+
+        if unbatched and min(conv_output_size(x.shape[-self._n:], self.kernel_size, self.stride,
+                                              self._direct_padding(), self.dilation, True, output_padding)) < 1:
+            # An output size below 1: torch refuses one model's unbatched input ("Output size is
+            # too small") where the array's grouped call (a batch of one) may return an empty
+            # tensor; do as torch does for one model. (Batched inputs are left to the kernels:
+            # torch itself returns an empty tensor or raises there by dtype and batch size.)
+            raise_model_error(name, input, model_forward)
+        try:
+            y = self._conv(x, self._direct_padding(), output_padding)
+        except RuntimeError as ex:  # torch's error names the grouped [N, B*C_in, *s]: one model's
+            raise_model_error(name, input, model_forward, ex)
         return y.squeeze(1) if unbatched else y
 
     def _output_padding(self, size: Sequence[int], input_size: Sequence[int]) -> list[int]:

@@ -11,19 +11,25 @@ is shared by the B models (a broadcast view, gradients summed over the models).
 
 Configuration is torch's own: each module builds its namesake to store the
 arguments exactly as torch does, and torch's functional form validates them
-at the first call, as it does for the namesake.
+at the first call, as it does for the namesake. An error torch raises for the
+folded input is raised as torch's error for one model's input, naming the
+array input's shape (:func:`hfkern.nn._base.raise_model_error`).
+:meth:`~hfkern.nn.ArrayModule.from_modules` takes the spellings of a setting
+that torch reads alike as one (``kernel_size=2`` and ``(2, 2)``; ``stride=None``
+and ``stride=kernel_size``) and keeps module 0's.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from numbers import Integral
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._array import check_input, fold_planes, shares_work
-from ._base import ArrayModule
+from ._base import ArrayModule, raise_model_error
 
 __all__ = [
     "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d",
@@ -42,6 +48,31 @@ class _ArrayPool(ArrayModule):
         for field in self._config_fields:
             setattr(self, field, getattr(template, field))
 
+    @classmethod
+    def _comparable_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` with the sizes in torch's reading: an int (or a 1-tuple, for
+        ``kernel_size``, ``stride``, ``padding``, ``dilation``) is that size in each of the
+        ``_n`` dims, ``stride=None`` (or ``()``) is ``kernel_size``; an adaptive pool's
+        ``output_size`` int is that size in each dim."""
+        n = cls._n
+
+        def sizes(value: Any, singleton: bool = True) -> Any:
+            if isinstance(value, Integral) and not isinstance(value, bool):
+                return (int(value),) * n
+            if isinstance(value, (list, tuple)):
+                return tuple(value) * n if singleton and len(value) == 1 else tuple(value)
+            return value
+
+        out = dict(config)
+        for field in ("kernel_size", "stride", "padding", "dilation"):
+            if field in out:
+                out[field] = sizes(out[field])
+        if "stride" in out and out["stride"] in (None, ()):
+            out["stride"] = out["kernel_size"]
+        if "output_size" in out:
+            out["output_size"] = sizes(out["output_size"], singleton=n == 1)
+        return out
+
     def _pool(self, x: torch.Tensor):
         """torch's functional form on a batch torch accepts: ``[M, C, *s]`` or ``[C, *s]``."""
         raise NotImplementedError
@@ -49,6 +80,13 @@ class _ArrayPool(ArrayModule):
     def forward(self, input: torch.Tensor):
         n = self._n
         x = check_input(type(self).__name__, input, self.B, (n + 1, n + 2))
+        try:
+            return self._forward(x)
+        except RuntimeError as ex:  # torch's error names the folded [B*N, C, *s]: one model's
+            raise_model_error(type(self).__name__, x, lambda: self._pool(x[0]), ex)
+
+    def _forward(self, x: torch.Tensor):
+        """``forward`` of a checked input."""
         if shares_work(x):
             out = self._pool(x[0])
             B = x.size(0)
