@@ -93,6 +93,11 @@ _FOREACH_FUSED = ("foreach", "fused")
 _NOT_IMPLEMENTED = {"differentiable": "autograd through the optimizer step"}
 _COMPAT_DEFAULTS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
 
+# The param-group entry by which a learning-rate scheduler that sets the learning rate itself,
+# irrespective of the optimizer's (OneCycleLR, CyclicLR), says that the group's ``initial_lr`` is
+# an endpoint of its schedule (its value: the scheduler's class name); see set_hyperparameters.
+_INITIAL_LR_OWNER = "initial_lr_owner"
+
 
 _data_ptr = torch.Tensor.data_ptr
 _dtype_and_requires_grad = operator.attrgetter("dtype", "requires_grad")
@@ -698,9 +703,16 @@ class ArrayOptimizer(Optimizer):
         the class docstring: SGD's buffer starts from the next gradient unless
         model b had one before); call :meth:`reset_state` too for a new model's
         state. The learning-rate schedulers'
-        records are kept consistent: model b's entry of ``scheduled_lr`` and
-        ``initial_lr`` (where a scheduler recorded them) becomes its new ``lr``,
-        the start of its new schedule.
+        records are kept consistent: model b's entry of ``scheduled_lr`` (where
+        a scheduler recorded it) becomes its new ``lr``, and so does its entry
+        of ``initial_lr``, the start of its new schedule, unless a scheduler
+        that sets the learning rate itself, irrespective of the optimizer's,
+        owns that entry: ``OneCycleLR`` and ``CyclicLR`` mark their groups with
+        ``group["initial_lr_owner"]`` (their class name), and there
+        ``initial_lr`` stays the schedule's own endpoint (``OneCycleLR``'s
+        ``max_lr / div_factor``, which its every step reads; ``CyclicLR``'s
+        ``base_lr``) while the new ``lr`` holds until the scheduler's next step
+        overwrites it, as it would with torch's schedulers.
         """
         name = f"{type(self).__name__}.set_hyperparameters"
         b = self._check_model(b, "set_hyperparameters")
@@ -766,7 +778,9 @@ class ArrayOptimizer(Optimizer):
             if "lr" in new_rows:
                 # The schedulers use their float64 record only while it rounds to
                 # group["lr"]: model b's entry follows, so the others keep theirs.
-                for record in ("scheduled_lr", "initial_lr"):
+                # initial_lr follows too, unless a scheduler owns it as a schedule endpoint.
+                records = ("scheduled_lr",) if g.get(_INITIAL_LR_OWNER) else ("scheduled_lr", "initial_lr")
+                for record in records:
                     old = g.get(record)
                     if isinstance(old, torch.Tensor) and old.shape == (self.B,) and old.is_floating_point():
                         new = old.clone()

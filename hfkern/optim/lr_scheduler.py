@@ -1,23 +1,36 @@
 """Learning-rate schedulers for array optimizers: torch's schedules, one per model.
 
-Each scheduler drives the ``[B]`` learning-rate tensors in an array optimizer's
-``param_groups`` so that model b follows exactly the schedule that
+Each scheduler drives the ``[B]`` learning-rate tensors in an hfkern array
+optimizer's ``param_groups`` (:mod:`hfkern.optim`; or a ``torch.optim.Optimizer``
+following its conventions: an int ``B`` attribute and ``[B]`` learning-rate
+tensors) so that model b follows the schedule that
 ``torch.optim.lr_scheduler.<Same>`` with model b's arguments gives model b
-alone: the initial step in the constructor, ``initial_lr`` / ``base_lrs``, the
-chained update of :meth:`LRScheduler.step` and the closed form of
-``step(epoch)``. Every numeric argument may be per model: a number (all models
-alike), a length-B sequence, or a 1-D tensor or numpy array of length B;
-callables (``LambdaLR``, ``MultiplicativeLR``, ``CyclicLR``'s ``scale_fn``)
-are one per model or shared.
+alone, to float64 rounding (below): the initial step in the constructor,
+``initial_lr`` / ``base_lrs``, the chained update of :meth:`LRScheduler.step`
+and the closed form of ``step(epoch)``. A plain torch optimizer, whose
+learning rates are Python floats, raises a TypeError at construction (its
+schedulers are ``torch.optim.lr_scheduler``'s). Every numeric argument may be
+per model: a number (all models alike), a length-B sequence, or a 1-D tensor
+or numpy array of length B; callables (``LambdaLR``, ``MultiplicativeLR``,
+``CyclicLR``'s ``scale_fn``) are one per model or shared.
 
 The schedule is computed on the host in float64, the arithmetic torch does with
-Python floats, and written into the optimizer's tensors in place with one small
-host-to-device copy per param group and step (from pinned memory, non-blocking,
-on CUDA): stepping a scheduler never waits for the device. The host copy of a
-group's learning rates is shared by every scheduler of the optimizer, so
-schedulers chain as in torch; a learning rate changed outside the schedulers
-(assigned anew, or edited in place) is noticed through the tensor's identity and
-version counter and read back once.
+Python floats, each formula once over every model's ``[B]`` values. The basic
+operations round as Python's do; ``**`` and ``cos`` are torch's kernels,
+which for larger B (from 16 on a typical CPU) run vectorized and may differ
+from Python's ``math`` by one float64 rounding (1 ulp): so may a learning
+rate computed with them (``StepLR``, ``MultiStepLR``, ``ExponentialLR``,
+``PolynomialLR``, ``CosineAnnealingLR``, ``CosineAnnealingWarmRestarts``,
+``OneCycleLR``, ``CyclicLR``'s ``triangular2`` and ``exp_range``), and a
+chained update carries such a difference on to the next steps (relative
+differences of order 1e-15, far below the float32 rounding of the optimizer's
+learning rates). The values are written into the optimizer's tensors in place
+with one small host-to-device copy per param group and step (from pinned
+memory, non-blocking, on CUDA): stepping a scheduler never waits for the
+device. The host copy of a group's learning rates is shared by every scheduler
+of the optimizer, so schedulers chain as in torch; a learning rate changed
+outside the schedulers (assigned anew, or edited in place) is noticed through
+the tensor's identity and version counter and read back once.
 
 Every write also records the float64 values in the param group as
 ``group["scheduled_lr"]`` (``[B]`` float64 CPU), which the optimizer's
@@ -30,7 +43,21 @@ outside the schedulers wins (for that model: the others keep their exact values)
 
 Values a scheduler keeps itself (``base_lrs``, ``get_last_lr()``, and the
 ``initial_lr``, ``max_lr``, ``min_lr``, ``max_momentum``, ``base_momentum``
-entries it adds to ``param_groups``) are ``[B]`` float64 CPU tensors.
+entries it adds to ``param_groups``) are ``[B]`` float64 CPU tensors, none of
+them shared with another (editing a param-group entry in place changes nothing
+the scheduler keeps). ``OneCycleLR`` and ``CyclicLR``, which set the learning
+rate irrespective of the optimizer's, also add ``initial_lr_owner`` (their
+class name): there ``optimizer.set_hyperparameters(b, lr=...)`` leaves
+``initial_lr``, an endpoint of their schedule, as it is, and their next step
+overwrites the new learning rate, as torch's do.
+
+A scheduler keeps values per param group. After ``optimizer.add_param_group``
+the chained update of ``StepLR``, ``MultiStepLR``, ``ConstantLR``,
+``LinearLR``, ``ExponentialLR`` and ``PolynomialLR`` (which reads only the
+groups' learning rates) goes on over every group, as torch's does, and so does
+``ReduceLROnPlateau`` (its ``reset_model`` too); any other step, a
+``step(epoch)`` and a ``reset_model`` raise a ValueError, before anything
+changes, saying that a group was added after the scheduler.
 
 Every model has its own epoch: ``last_epochs`` (and the step counts) are
 ``[B]`` int64 CPU tensors, and each formula is written once over them, for
@@ -76,11 +103,13 @@ into the new optimizer alike).
 
 A step, a construction, a ``reset_model`` or a ``load_state_dict`` that raises
 changes nothing: values are computed and checked before anything is written (a
-negative or NaN ``lr_lambda`` factor raises a ValueError naming the models, as
-the optimizers reject such learning rates), what a failing ``reset_model`` (or
-a step of several chained schedulers) already changed is restored, and
-``load_state_dict`` checks every entry of the state (names, array size, shapes,
-dtypes, values) first.
+negative or NaN ``lr_lambda`` factor, or ``CyclicLR`` ``scale_fn`` value,
+raises a ValueError naming the models, as the optimizers reject such learning
+rates), what a failing ``reset_model`` (or a step of several chained
+schedulers) already changed is restored, and ``load_state_dict`` checks every
+entry of the state (names, array size, shapes, dtypes, values: NaN and
+infinite ones too, where they would make NaN learning rates) first. The errors
+of ``reset_model(b, ...)`` name model b and its bad value.
 """
 
 from __future__ import annotations
@@ -104,7 +133,7 @@ from torch.optim import lr_scheduler as _torch
 
 from .._array import hyper
 from ..graphs import host_step
-from ._base import ArrayOptimizer
+from ._base import _INITIAL_LR_OWNER, ArrayOptimizer
 
 __all__ = [
     "LRScheduler",
@@ -152,17 +181,25 @@ def _is_int(value: object) -> bool:
 
 
 def _array_size(optimizer: object, who: str) -> int:
-    """The array size B of ``optimizer``: its ``B`` attribute, else its parameters' leading dim."""
+    """The array size B of ``optimizer``: an hfkern array optimizer's ``B`` (or that of a
+    ``torch.optim.Optimizer`` following its conventions: an int ``B`` attribute, ``[B]`` learning
+    rates). A plain torch optimizer, whose learning rates are Python floats, raises a TypeError."""
     if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"{who}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"{who}: expected a torch.optim.Optimizer (an hfkern.optim array optimizer), got "
+            f"{type(optimizer).__name__}"
+        )
     B = getattr(optimizer, "B", None)
     if isinstance(B, int) and not isinstance(B, bool) and B >= 1:
         return B
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.dim() >= 1:
-                return p.size(0)
-    raise ValueError(f"{who}: the optimizer has no [B, ...] parameter to take the array size B from")
+    if isinstance(optimizer, ArrayOptimizer):  # B is set with its first parameter
+        raise ValueError(f"{who}: the optimizer has no [B, ...] parameter to take the array size B from")
+    torch_name = f"torch.optim.lr_scheduler.{who}" if hasattr(_torch, who) else "torch.optim.lr_scheduler"
+    raise TypeError(
+        f"{who}: expected an hfkern.optim array optimizer (e.g. hfkern.optim.SGD, with [B] learning "
+        f"rates, one per model), got {type(optimizer).__module__}.{type(optimizer).__name__}, whose learning "
+        f"rates are not per model; for a torch.optim optimizer use {torch_name}"
+    )
 
 
 _Epochs = int | Sequence[int] | torch.Tensor  # last_epoch, step's epoch: one int for every model, or one per model
@@ -237,9 +274,26 @@ def _uniform(t: torch.Tensor) -> int | torch.Tensor:
     return first if bool((t == first).all()) else t.clone()
 
 
-def _floats(value: object, B: int, name: str) -> torch.Tensor:
-    """A per-model non-negative argument as a fresh ``[B]`` float64 CPU tensor."""
-    return hyper(value, B, name).clone()
+def _floats(value: object, B: int, name: str, *, model: int | None = None) -> torch.Tensor:
+    """A per-model non-negative argument as a fresh ``[B]`` float64 CPU tensor.
+
+    With ``model``, ``value`` is that model's one value (``reset_model``; B is 1) and
+    a message gives that value (the caller names the model).
+    """
+    if model is None:
+        return hyper(value, B, name).clone()
+    try:
+        return hyper(value, B, name).clone()
+    except TypeError:
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}") from None
+    except ValueError as e:
+        error = e
+    try:
+        number = float(value)  # one number, NaN or negative: say which and give it
+    except (TypeError, ValueError, RuntimeError):
+        raise error from None
+    problem = "must not be NaN" if number != number else "must be >= 0"
+    raise ValueError(f"{name} {problem}, got {number}") from None
 
 
 def _read(value: object, B: int, name: str) -> torch.Tensor:
@@ -250,9 +304,9 @@ def _read(value: object, B: int, name: str) -> torch.Tensor:
     return hyper(value, B, name)
 
 
-def _ints(value: object, B: int, name: str, *, minimum: int | None) -> torch.Tensor:
+def _ints(value: object, B: int, name: str, *, minimum: int | None, model: int | None = None) -> torch.Tensor:
     """A per-model integer argument (int, length-B sequence of ints, 1-D integer tensor or numpy
-    array) as a fresh ``[B]`` int64 CPU tensor."""
+    array) as a fresh ``[B]`` int64 CPU tensor (with ``model``: that model's one value, B 1)."""
     np = _numpy()
     if np is not None and isinstance(value, np.ndarray):
         if value.dtype.kind not in "iu":
@@ -276,6 +330,8 @@ def _ints(value: object, B: int, name: str, *, minimum: int | None) -> torch.Ten
             except TypeError:
                 raise TypeError(f"{name} must hold ints (one per model), got {value!r}") from None
         t = torch.tensor(items, dtype=torch.int64)
+    elif model is not None:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     else:
         raise TypeError(
             f"{name} must be an int, a length-{B} sequence of ints or a 1-D integer tensor or array, "
@@ -284,15 +340,21 @@ def _ints(value: object, B: int, name: str, *, minimum: int | None) -> torch.Ten
     if t.dim() != 1 or t.numel() != B:
         raise ValueError(f"{name} must have one value per model (length B={B}), got shape {list(t.shape)}")
     if minimum is not None and (t < minimum).any():
+        if model is not None:
+            raise ValueError(f"{name} must be >= {minimum}, got {int(t[0])}")
         raise ValueError(f"{name} must be >= {minimum} for every model, got {t.tolist()}")
     return t
 
 
 def _check_range(t: torch.Tensor, name: str, lo: float, hi: float, *, lo_open: bool = False,
-                 hi_open: bool = False) -> None:
+                 hi_open: bool = False, model: int | None = None) -> None:
+    """Every value of ``t`` in the interval (with ``model``: ``t`` is that model's one value, and the
+    message gives it; the caller names the model)."""
     bad = (t <= lo if lo_open else t < lo) | (t >= hi if hi_open else t > hi)
     if bad.any():
         interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        if model is not None:
+            raise ValueError(f"{name} must lie in {interval}, got {t[0].item()}")
         raise ValueError(
             f"{name} must lie in {interval} for every model; models {bad.nonzero().flatten().tolist()} "
             f"have {t[bad].tolist()}"
@@ -401,19 +463,20 @@ def _factors(out: object, B: int, who: str, *, number: bool = False) -> torch.Te
     return t
 
 
-def _check_factors(t: torch.Tensor, who: str, epochs: torch.Tensor, group: int,
+def _check_factors(t: torch.Tensor, who: str, epochs: torch.Tensor, group: int | None,
                    models: torch.Tensor | None) -> torch.Tensor:
     """Reject negative and NaN factors of ``models`` (None: every model), as the optimizers reject such
-    learning rates."""
+    learning rates. ``group``: the param group the factors are of (None: every group's)."""
     bad = torch.isnan(t) | (t < 0)
     if models is not None:
         bad &= models
     if bad.any():
         at = epochs[bad].tolist()
         at = f"epoch {at[0]}" if len(set(at)) == 1 else f"epochs {at}"
+        of = "" if group is None else f" of param group {group}"
         raise ValueError(
             f"{who}: factors must be >= 0 and not NaN (they scale learning rates); at {at} "
-            f"models {bad.nonzero().flatten().tolist()} of param group {group} got {t[bad].tolist()}"
+            f"models {bad.nonzero().flatten().tolist()}{of} got {t[bad].tolist()}"
         )
     return t
 
@@ -619,27 +682,54 @@ def _nested(scheduler: object) -> list[object]:
 # entry is checked and converted when loaded: a function (value, scheduler, name)
 # returning the value to store, raising a ValueError or TypeError for a bad one.
 # The constructors use the same functions for the arguments they store as given.
+class _OneModel:
+    """What a check of the table below is given in place of a scheduler to check model ``b``'s
+    one value of an argument (``reset_model``): B is 1, and messages name model b."""
+
+    __slots__ = ("B", "b")
+
+    def __init__(self, b: int) -> None:
+        self.B = 1
+        self.b = b
+
+
+def _model_of(sched: Any) -> int | None:
+    """The model whose one value a check checks (``_OneModel``), else None (every model's)."""
+    return sched.b if isinstance(sched, _OneModel) else None
+
+
 def _spec_floats(lo: float = 0.0, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False):
     def check(value: object, sched: Any, name: str) -> torch.Tensor:
-        t = _floats(value, sched.B, name)
+        model = _model_of(sched)
+        t = _floats(value, sched.B, name, model=model)
         if lo != 0.0 or lo_open or hi != math.inf or hi_open:
-            _check_range(t, name, lo, hi, lo_open=lo_open, hi_open=hi_open)
+            _check_range(t, name, lo, hi, lo_open=lo_open, hi_open=hi_open, model=model)
         return t
     return check
 
 
-def _spec_any_floats(value: object, sched: Any, name: str) -> torch.Tensor:
-    """``[B]`` float64 of any sign (a running best value, a phase boundary)."""
-    if not isinstance(value, torch.Tensor) or value.dtype != _F64 or value.shape != (sched.B,):
-        got = f"{value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
-            else type(value).__name__
-        raise TypeError(f"{name} must be a [B={sched.B}] float64 tensor, got {got}")
-    return value.detach().to("cpu").clone()
+def _spec_any_floats(*, infinite: bool = False):
+    """``[B]`` float64 of any sign (a running best value, a phase boundary, a position in a period),
+    never NaN; finite unless ``infinite`` (a best value starts at inf or -inf)."""
+    def check(value: object, sched: Any, name: str) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor) or value.dtype != _F64 or value.shape != (sched.B,):
+            got = f"{value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
+                else type(value).__name__
+            raise TypeError(f"{name} must be a [B={sched.B}] float64 tensor, got {got}")
+        t = value.detach().to("cpu").clone()
+        bad = torch.isnan(t) if infinite else ~torch.isfinite(t)
+        if bad.any():
+            raise ValueError(
+                f"{name} must {'not be NaN' if infinite else 'be finite'} for every model; models "
+                f"{bad.nonzero().flatten().tolist()} have {t[bad].tolist()}"
+            )
+        return t
+    return check
 
 
 def _spec_ints(minimum: int | None):
     def check(value: object, sched: Any, name: str) -> torch.Tensor:
-        return _ints(value, sched.B, name, minimum=minimum)
+        return _ints(value, sched.B, name, minimum=minimum, model=_model_of(sched))
     return check
 
 
@@ -744,7 +834,7 @@ def _spec_phases(value: object, sched: Any, name: str) -> list[dict[str, Any]]:
         for k in keys - {"end_step"}:
             if phase[k] not in names:
                 raise ValueError(f"{name}[{i}][{k!r}] must be one of {sorted(names)}, got {phase[k]!r}")
-        out.append({**phase, "end_step": _spec_any_floats(phase["end_step"], sched, f"{name}[{i}]['end_step']")})
+        out.append({**phase, "end_step": _spec_any_floats()(phase["end_step"], sched, f"{name}[{i}]['end_step']")})
     return out
 
 
@@ -949,9 +1039,22 @@ def _per_group_values(value: object, n_groups: int, who: str, name: str, b: int)
         items = [value] * n_groups
     out = []
     for i, v in enumerate(items):
-        _single(v, who, f"{name}[{i}]" if isinstance(value, (list, tuple)) else name, b)
-        out.append(_floats(v, 1, name))
+        label = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
+        _single(v, who, label, b)
+        try:
+            out.append(_floats(v, 1, label, model=b))
+        except (TypeError, ValueError) as e:
+            raise _reset_error(e, who, b, label) from None
     return out
+
+
+def _reset_error(e: Exception, who: str, b: int, name: str) -> Exception:
+    """The error ``e`` of checking model b's argument ``name`` for ``who`` (a ``reset_model``),
+    saying so: prefixed by ``who``, model b and the argument (unless it names ``who`` already)."""
+    message = str(e)
+    if message.startswith(who):
+        return e
+    return type(e)(f"{who}: model {b}'s {name}: {message}")
 
 
 def _with(t: torch.Tensor, b: int, value: torch.Tensor | float) -> torch.Tensor:
@@ -1006,11 +1109,17 @@ class _PerModel(_Loadable):
         """
         who = f"{type(self).__name__}.reset_model"
         b = _model_index(b, self.B, who)
+        for s in _nested(self):
+            s._check_groups()
         with _kept_on_error(*_nested(self), optimizer=self.optimizer):
             self._restart(b, _Restart(), kwargs)
 
     def _restart(self, b: int, ctx: _Restart, kwargs: Mapping[str, Any]) -> None:
         raise NotImplementedError
+
+    def _check_groups(self) -> None:
+        """Raise where the scheduler cannot go on over the optimizer's param groups (one added
+        after it was built); ReduceLROnPlateau goes on over them, as torch's does."""
 
     def _check_arg_names(self, kwargs: Mapping[str, Any]) -> None:
         unknown = [k for k in kwargs if k not in self._model_args]
@@ -1028,15 +1137,13 @@ class _PerModel(_Loadable):
             try:
                 self._set_model_arg(b, name, value)
             except (TypeError, ValueError) as e:
-                if str(e).startswith(who):
-                    raise
-                raise type(e)(f"{who}: model {b}'s {name}: {e}") from None
+                raise _reset_error(e, who, b, name) from None
 
     def _set_model_arg(self, b: int, name: str, value: object) -> None:
         """One argument: by default an attribute of that name holding a ``[B]`` tensor, checked as
         the constructor checks it."""
         _single(value, f"{type(self).__name__}.reset_model", name, b)
-        one = self._full_spec()[name](value, types.SimpleNamespace(B=1), name)
+        one = self._full_spec()[name](value, _OneModel(b), name)
         setattr(self, name, _with(getattr(self, name), b, one[0]))
 
     def state_dict_of(self, models: Sequence[int] | torch.Tensor) -> dict[str, Any]:
@@ -1079,6 +1186,11 @@ class LRScheduler(_PerModel, _torch.LRScheduler):
     _is_initial: bool = False
     _spec = _BASE_SPEC
     _closed_form_at: Callable[[_At], list[torch.Tensor]] | None = None
+    # Whether the chained update (step() without an epoch) reads only the param groups' current
+    # learning rates, nothing kept per group, so that it goes on over a param group added after the
+    # scheduler was built, as torch's does (StepLR, ExponentialLR...). Every other update raises
+    # there (_check_groups).
+    _chains_added_groups = False
 
     def __init__(self, optimizer: Optimizer, last_epoch: _Epochs = -1) -> None:
         self.B = _array_size(optimizer, type(self).__name__)
@@ -1112,6 +1224,7 @@ class LRScheduler(_PerModel, _torch.LRScheduler):
     def _start(self, models: torch.Tensor, ctx: _Restart) -> None:
         """Start ``models`` afresh, as a constructor with ``last_epoch=-1`` starts every model on an
         optimizer without ``initial_lr`` (set by the first scheduler of a restart, ``ctx``)."""
+        self._check_groups()
         groups = self.optimizer.param_groups
         if not ctx.initial_lr_set:
             for i, group in enumerate(groups):
@@ -1185,16 +1298,34 @@ class LRScheduler(_PerModel, _torch.LRScheduler):
             self._update_lr(epoch, models)
 
     def _update_lr(self, epoch: _Epochs | None = None, models: torch.Tensor | None = None) -> None:
+        closed_form = epoch is not None and self._closed_form_at is not None
+        if closed_form or not self._chains_added_groups:
+            self._check_groups()
         with _kept_on_error(self):
             old = self.last_epochs
             new = old + 1 if epoch is None else _step_epochs(epoch, self.B, f"{type(self).__name__}.step")
             self.last_epochs = new if models is None else torch.where(models, new, old)
             at = self._at(models)
-            if epoch is not None and self._closed_form_at is not None:
+            if closed_form:
                 values = self._closed_form_at(at)
             else:
                 values = self._lr_at(at)
             self._write(values, models)
+
+    def _check_groups(self) -> None:
+        """Raise, before anything changes, where the optimizer has another number of param groups
+        than the scheduler keeps values for (``base_lrs``, one per group when it was built; a
+        SequentialLR's or ChainedScheduler's schedulers keep them)."""
+        base_lrs = self.__dict__.get("base_lrs")
+        if base_lrs is None:
+            return
+        n, kept = len(self.optimizer.param_groups), len(base_lrs)
+        if n != kept:
+            raise ValueError(
+                f"{type(self).__name__}: the optimizer has {n} param groups, the scheduler keeps values "
+                f"for {kept} (was a group added after the scheduler?); build the scheduler after adding "
+                f"every param group"
+            )
 
     def _get_closed_form_lr(self) -> list[torch.Tensor]:
         """The closed form at every model's ``last_epoch`` (schedulers that have one)."""
@@ -1245,6 +1376,7 @@ class StepLR(LRScheduler):
         last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
+    _chains_added_groups = True
     _spec = {"step_size": _spec_ints(1), "gamma": _spec_floats()}
     _model_args = ("step_size", "gamma")
 
@@ -1276,6 +1408,7 @@ class MultiStepLR(LRScheduler):
         last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
+    _chains_added_groups = True
     _spec = {"milestones": _spec_milestones, "gamma": _spec_floats()}
     _model_args = ("milestones", "gamma")
 
@@ -1325,6 +1458,7 @@ class ConstantLR(LRScheduler):
         last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
+    _chains_added_groups = True
     _spec = {"factor": _spec_floats(0.0, 1.0), "total_iters": _spec_ints(0)}
     _model_args = ("factor", "total_iters")
 
@@ -1367,6 +1501,7 @@ class LinearLR(LRScheduler):
         last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
+    _chains_added_groups = True
     _spec = {"start_factor": _spec_floats(0.0, 1.0, lo_open=True), "end_factor": _spec_floats(0.0, 1.0),
              "total_iters": _spec_ints(1)}
     _model_args = ("start_factor", "end_factor", "total_iters")
@@ -1397,6 +1532,7 @@ class LinearLR(LRScheduler):
 class ExponentialLR(LRScheduler):
     """Decay each model's learning rate by ``gamma`` (per model) every epoch."""
 
+    _chains_added_groups = True
     _spec = {"gamma": _spec_floats()}
     _model_args = ("gamma",)
 
@@ -1426,6 +1562,7 @@ class PolynomialLR(LRScheduler):
         last_epoch: index of the last epoch, one int or one per model; -1 starts the schedule.
     """
 
+    _chains_added_groups = True
     _spec = {"total_iters": _spec_ints(1), "power": _spec_floats()}
     _model_args = ("total_iters", "power")
 
@@ -1514,7 +1651,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
     """
 
     _spec = {"T_0": _spec_ints(1), "T_i": _spec_ints(1), "T_mult": _spec_ints(1), "eta_min": _spec_floats(),
-             "T_cur": _spec_any_floats}
+             "T_cur": _spec_any_floats()}
     _model_args = ("T_0", "T_mult", "eta_min")
 
     def __init__(self, optimizer: Optimizer, T_0: int | Sequence[int] | torch.Tensor,
@@ -1551,6 +1688,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
 
     def _step_models(self, models: torch.Tensor | None = None,
                      epoch: float | Sequence[float] | torch.Tensor | None = None) -> None:
+        self._check_groups()
         with _kept_on_error(self):
             e = self.last_epochs
             if epoch is None:
@@ -1757,10 +1895,19 @@ def _check_cycled_momentum(optimizer: Optimizer, who: str, use_beta1: bool, max_
             )
 
 
+def _require_momentum(optimizer: object, cycle_momentum: object, message: str) -> None:
+    """Cycling momentum needs an optimizer with ``momentum`` or ``betas`` (a ValueError with
+    ``message``); checked before anything else of the optimizer, its array size included."""
+    if cycle_momentum is True and isinstance(optimizer, Optimizer) \
+            and "momentum" not in optimizer.defaults and "betas" not in optimizer.defaults:
+        raise ValueError(message)
+
+
 def _put(group: dict, key: str, values: torch.Tensor, models: torch.Tensor, B: int) -> None:
-    """Set ``models``' entries of the per-model param-group entry ``key`` (a new ``[B]`` float64 tensor)."""
+    """Set ``models``' entries of the per-model param-group entry ``key`` (a new ``[B]`` float64 tensor,
+    never one the scheduler keeps: editing the entry in place must not change the schedule)."""
     if key not in group or bool(models.all()):
-        group[key] = values
+        group[key] = values.clone()
     else:
         group[key] = torch.where(models, values, _read(group[key], B, key))
 
@@ -1823,7 +1970,9 @@ class OneCycleLR(LRScheduler):
     constructor sets it anew, so the optimizer re-validates it at its next step.
 
     As torch's, the schedule ignores the optimizer's learning rate: a model's
-    start is ``max_lr / div_factor``, also after :meth:`reset_model`, which
+    start is ``max_lr / div_factor`` (the param groups' ``initial_lr``, which
+    ``optimizer.set_hyperparameters(b, lr=...)`` leaves as it is: the next
+    step overwrites that learning rate), also after :meth:`reset_model`, which
     takes ``max_lr``, ``total_steps`` (or ``epochs`` with ``steps_per_epoch``),
     ``pct_start``, ``div_factor``, ``final_div_factor``, ``base_momentum`` and
     ``max_momentum`` (the last three: one number, or one per param group).
@@ -1856,6 +2005,8 @@ class OneCycleLR(LRScheduler):
         three_phase: bool = False,
         last_epoch: _Epochs = -1,
     ) -> None:
+        _require_momentum(optimizer, cycle_momentum,
+                          "OneCycleLR: the optimizer must have momentum or betas to use cycle_momentum")
         B = self.B = _array_size(optimizer, "OneCycleLR")
         self.optimizer = optimizer
         last_epochs = _epochs(last_epoch, B)
@@ -1883,10 +2034,6 @@ class OneCycleLR(LRScheduler):
             raise TypeError(f"cycle_momentum must be a bool, got {type(cycle_momentum).__name__}")
         self.cycle_momentum = cycle_momentum
         if cycle_momentum:
-            if "momentum" not in optimizer.defaults and "betas" not in optimizer.defaults:
-                raise ValueError(
-                    "OneCycleLR: the optimizer must have momentum or betas to use cycle_momentum"
-                )
             self.use_beta1 = "betas" in optimizer.defaults
             max_ms = _per_group(max_momentum, len(groups), B, "max_momentum")
             base_ms = _per_group(base_momentum, len(groups), B, "base_momentum")
@@ -1895,6 +2042,8 @@ class OneCycleLR(LRScheduler):
         _require_entries(groups, ("max_lr", "min_lr") + (("max_momentum", "base_momentum") if cycle_momentum else ()),
                          last_epochs)
         with _kept_on_error(optimizer=optimizer):
+            for group in groups:  # initial_lr is a phase endpoint: set_hyperparameters leaves it
+                group[_INITIAL_LR_OWNER] = type(self).__name__
             if fresh.any():
                 for group, m in zip(groups, max_lrs):
                     initial = m / self.div_factor
@@ -1915,10 +2064,14 @@ class OneCycleLR(LRScheduler):
         if "epochs" in kwargs or "steps_per_epoch" in kwargs:
             if "total_steps" in kwargs or "epochs" not in kwargs or "steps_per_epoch" not in kwargs:
                 raise TypeError(f"{who}: give total_steps, or epochs and steps_per_epoch, got {sorted(kwargs)}")
+            counts = []
             for name in ("epochs", "steps_per_epoch"):
                 _single(kwargs[name], who, name, b)
-            kwargs["total_steps"] = int(_ints(kwargs.pop("epochs"), 1, "epochs", minimum=1)[0]
-                                        * _ints(kwargs.pop("steps_per_epoch"), 1, "steps_per_epoch", minimum=1)[0])
+                try:
+                    counts.append(int(_ints(kwargs.pop(name), 1, name, minimum=1, model=b)[0]))
+                except (TypeError, ValueError) as e:
+                    raise _reset_error(e, who, b, name) from None
+            kwargs["total_steps"] = counts[0] * counts[1]
         self._set_model_args(b, kwargs)
         B, one = self.B, _one_hot(b, self.B)
         groups = self.optimizer.param_groups
@@ -2021,7 +2174,9 @@ class CyclicLR(LRScheduler):
     Args:
         optimizer: array optimizer with ``[B]`` learning rates.
         base_lr: lower boundary, per model, or per param group as a list of
-            per-model values; it replaces the optimizer's learning rate.
+            per-model values; it replaces the optimizer's learning rate (one set
+            later, e.g. by ``optimizer.set_hyperparameters``, holds until the next
+            step, as torch's does; ``initial_lr`` stays ``base_lr``).
         max_lr: upper boundary, per model or per param group.
         step_size_up: iterations of the increasing half of a cycle, > 0, per model. Default 2000.
         step_size_down: iterations of the decreasing half, >= 0, per model; None (for all models, or
@@ -2031,7 +2186,9 @@ class CyclicLR(LRScheduler):
         gamma: ``exp_range``'s base, per model. Default 1.
         scale_fn: custom amplitude policy: a callable shared by all models (returning a
             number, or one value per model) or a list of B callables, one per model.
-            It is called with each model's cycle number or iteration (``scale_mode``).
+            It is called with each model's cycle number or iteration (``scale_mode``);
+            a negative or NaN value raises a ValueError naming the models, as
+            ``LambdaLR``'s factors do.
         scale_mode: ``'cycle'`` or ``'iterations'`` (all models), for ``scale_fn``.
         cycle_momentum: cycle the optimizer's ``momentum`` (SGD, RMSprop) or ``betas[0]``
             (Adam, AdamW) inversely to the learning rate, between ``max_momentum`` and
@@ -2067,6 +2224,9 @@ class CyclicLR(LRScheduler):
         max_momentum: float | Sequence | torch.Tensor = 0.9,
         last_epoch: _Epochs = -1,
     ) -> None:
+        _require_momentum(optimizer, cycle_momentum,
+                          f"CyclicLR: cycle_momentum needs an optimizer with momentum or betas; "
+                          f"{type(optimizer).__name__} has neither (pass cycle_momentum=False)")
         B = self.B = _array_size(optimizer, "CyclicLR")
         self.optimizer = optimizer
         last_epochs = _epochs(last_epoch, B)
@@ -2090,22 +2250,19 @@ class CyclicLR(LRScheduler):
         self._init_scale_fn()
         self.cycle_momentum = self._arg("cycle_momentum", cycle_momentum)
         if cycle_momentum:
-            if "momentum" not in optimizer.defaults and "betas" not in optimizer.defaults:
-                raise ValueError(
-                    f"CyclicLR: cycle_momentum needs an optimizer with momentum or betas; "
-                    f"{type(optimizer).__name__} has neither (pass cycle_momentum=False)"
-                )
             self.use_beta1 = "betas" in optimizer.defaults
             self.base_momentums = _per_group(base_momentum, len(groups), B, "base_momentum")
             self.max_momentums = _per_group(max_momentum, len(groups), B, "max_momentum")
             _check_cycled_momentum(optimizer, "CyclicLR", self.use_beta1, self.max_momentums,
                                    self.base_momentums)
         with _kept_on_error(optimizer=optimizer):
+            for group in groups:  # the schedule ignores the optimizer's lr: set_hyperparameters leaves initial_lr
+                group[_INITIAL_LR_OWNER] = type(self).__name__
             if fresh.any():
                 every = bool(fresh.all())
                 for group, lr in zip(groups, base_lrs):
-                    if not every:
-                        lr = torch.where(fresh, lr, _current_lr(optimizer, group, B))
+                    # (a new tensor: the param group's record must not be base_lrs itself)
+                    lr = lr.clone() if every else torch.where(fresh, lr, _current_lr(optimizer, group, B))
                     _set_lr(optimizer, group, lr, B)
                 if cycle_momentum:
                     for group, m, b in zip(groups, self.max_momentums, self.base_momentums):
@@ -2130,11 +2287,18 @@ class CyclicLR(LRScheduler):
             raise TypeError(f"{who}: step_size_down needs step_size_up with it (alone, step_size_up sets both)")
         if up is not None:
             _single(up, who, "step_size_up", b)
-            up = _floats(up, 1, "step_size_up")
-            _check_range(up, "step_size_up", 0.0, math.inf, lo_open=True)
+            try:
+                up = _floats(up, 1, "step_size_up", model=b)
+                _check_range(up, "step_size_up", 0.0, math.inf, lo_open=True, model=b)
+            except (TypeError, ValueError) as e:
+                raise _reset_error(e, who, b, "step_size_up") from None
             if down is not None:
                 _single(down, who, "step_size_down", b)
-            down = up.clone() if down is None else _floats(down, 1, "step_size_down")
+                try:
+                    down = _floats(down, 1, "step_size_down", model=b)
+                except (TypeError, ValueError) as e:
+                    raise _reset_error(e, who, b, "step_size_down") from None
+            down = up.clone() if down is None else down
             total = up + down
             self.total_size = _with(self.total_size, b, total[0])
             self.step_ratio = _with(self.step_ratio, b, (up / total)[0])
@@ -2190,8 +2354,9 @@ class CyclicLR(LRScheduler):
         if self._scale_fn_custom is None:
             self.scale_mode = "iterations" if self.mode == "exp_range" else "cycle"
 
-    def _scale(self, x: torch.Tensor, models: torch.Tensor | None) -> torch.Tensor:
-        """The amplitude scale of each model at its cycle number or iteration ``x`` (``[B]`` float64)."""
+    def _scale(self, x: torch.Tensor, at: _At) -> torch.Tensor:
+        """The amplitude scale of each model at its cycle number or iteration ``x`` (``[B]`` float64)
+        at ``at``; a custom ``scale_fn``'s is checked as LambdaLR's factors are."""
         fn = self._scale_fn_custom
         if fn is None:
             if self.mode == "triangular":
@@ -2199,7 +2364,8 @@ class CyclicLR(LRScheduler):
             if self.mode == "triangular2":
                 return 1 / (2.0 ** (x - 1))
             return self.gamma ** x
-        return _call_per_model(fn, x, models, self.B, "CyclicLR: scale_fn")
+        t = _call_per_model(fn, x, at.only, self.B, "CyclicLR: scale_fn")
+        return _check_factors(t, "CyclicLR: scale_fn", at.epoch, None, at.only)
 
     def _lr_at(self, at: _At) -> list[torch.Tensor]:
         """The learning rates at each model's step; also sets the cycled momentum, as torch does."""
@@ -2207,7 +2373,7 @@ class CyclicLR(LRScheduler):
         cycle = torch.floor(1 + e / self.total_size)
         x = 1.0 + e / self.total_size - cycle
         scale_factor = torch.where(x <= self.step_ratio, x / self.step_ratio, (x - 1) / (self.step_ratio - 1))
-        scale = self._scale(cycle if self.scale_mode == "cycle" else e, at.only)
+        scale = self._scale(cycle if self.scale_mode == "cycle" else e, at)
         lrs = [base + (top - base) * scale_factor * scale for base, top in zip(self.base_lrs, self.max_lrs)]
         if self.cycle_momentum:
             momenta = [top - (top - base) * scale_factor * scale
@@ -2543,7 +2709,7 @@ class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):
              "default_min_lr": _spec_optional_floats, "patience": _spec_ints(0), "cooldown": _spec_ints(0),
              "eps": _spec_floats(), "last_epoch": _spec_ints(None), "_last_lr": _spec_group_floats,
              "mode_worse": _spec_mode_worse, "mode": _spec_choice("min", "max"), "threshold": _spec_floats(),
-             "threshold_mode": _spec_choice("rel", "abs"), "best": _spec_any_floats,
+             "threshold_mode": _spec_choice("rel", "abs"), "best": _spec_any_floats(infinite=True),
              "cooldown_counter": _spec_ints(0), "num_bad_epochs": _spec_ints(0)}
     _spec_replaces = True
     _optional = frozenset()
@@ -2588,8 +2754,12 @@ class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):
         self.num_bad_epochs = _with(self.num_bad_epochs, b, 0)
         self.last_epochs = _with(self.last_epochs, b, 0)
         one = _one_hot(b, self.B)
+        groups = self.optimizer.param_groups
+        # (a group added since the last step, which steps as torch's does, has no entry yet)
+        last = self._last_lr if len(self._last_lr) == len(groups) else [_current_lr(self.optimizer, g, self.B)
+                                                                        for g in groups]
         self._last_lr = [torch.where(one, _current_lr(self.optimizer, g, self.B), old)
-                         for g, old in zip(self.optimizer.param_groups, self._last_lr)]
+                         for g, old in zip(groups, last, strict=True)]
 
     def _set_model_arg(self, b: int, name: str, value: object) -> None:
         if name != "min_lr":
@@ -2603,10 +2773,12 @@ class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):
         B = self.B
         np = _numpy()
         if np is not None and isinstance(metrics, np.ndarray):
-            if metrics.dtype.kind not in "iuf":
+            if metrics.dtype.kind not in "biuf":  # bools count as 0 and 1, as in a tensor
                 raise TypeError(f"ReduceLROnPlateau.step: expected real metrics, got a {metrics.dtype} numpy array")
             metrics = torch.from_numpy(metrics.astype(np.float64))
         if isinstance(metrics, torch.Tensor):
+            if metrics.is_complex():  # torch's float() of a complex metric raises too
+                raise TypeError(f"ReduceLROnPlateau.step: expected real metrics, got a {metrics.dtype} tensor")
             t = metrics.detach().to(device="cpu", dtype=_F64)
             if t.dim() > 1 or t.numel() != B:
                 raise ValueError(
@@ -2626,11 +2798,26 @@ class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):
                 raise ValueError(
                     f"ReduceLROnPlateau.step: expected one metric per model (B={B}), got {len(metrics)}"
                 )
-            return torch.tensor([float(m) for m in metrics], dtype=_F64)
+            return torch.tensor([self._metric(m, b) for b, m in enumerate(metrics)], dtype=_F64)
         raise TypeError(
             f"ReduceLROnPlateau.step: expected metrics as a [B] tensor, a numpy array or a length-B "
             f"sequence, got {type(metrics).__name__}"
         )
+
+    @staticmethod
+    def _metric(m: object, b: int) -> float:
+        """Model b's metric of a sequence, as torch's ``float(metrics)`` takes it."""
+        if isinstance(m, torch.Tensor) and m.is_complex():  # float() would drop the imaginary part
+            raise TypeError(f"ReduceLROnPlateau.step: the metric of model {b} must be a real number, got a "
+                            f"{m.dtype} tensor")
+        try:
+            return float(m)
+        except (TypeError, ValueError, RuntimeError) as e:
+            kind = ValueError if isinstance(e, ValueError) else TypeError
+            raise kind(
+                f"ReduceLROnPlateau.step: the metric of model {b} must be a real number, got "
+                f"{type(m).__name__} {m!r}"
+            ) from None
 
     @host_step
     def step(  # type: ignore[override]
@@ -2641,7 +2828,9 @@ class ReduceLROnPlateau(_PerModel, _torch.ReduceLROnPlateau):
         ``epoch`` (deprecated, as in torch, which warns) sets each model's epoch:
         one int for every model, or one per model (a length-B sequence of ints,
         or a 1-D integer tensor or numpy array). Bad metrics or a bad epoch
-        raise before anything changes.
+        raise before anything changes: metrics that are not real numbers (a
+        complex tensor, a None entry) a TypeError naming the model where one is.
+        Bools count as 0 and 1, as torch's ``float(metrics)`` takes them.
         """
         current = self._metrics(metrics)
         if epoch is None:
