@@ -1751,16 +1751,59 @@ def _share(value: Any, B: int) -> Any:
 # are not array values); other tensor arguments (masks) are passed as they are.
 _DATA_ARGS: dict[str, tuple[int, ...]] = {"MultiheadAttention": (0, 1, 2)}
 
-# Attention-mask arguments of array modules (name -> position): torch's 3-D mask ``[N*num_heads, L, S]``
-# and B stacked ``[L, S]`` masks ``[B, L, S]`` look alike where B == N*num_heads, which the module
-# refuses as ambiguous. The fused graph knows which one a mask is (an array value or not): the
-# module gets the explicit 4-D spelling (_explicit_attn_mask). Key padding masks need nothing:
-# their shared and per-model forms differ in rank.
-_MASK_ARGS: dict[str, dict[str, int]] = {
-    "MultiheadAttention": {"attn_mask": 5},
-    "TransformerEncoderLayer": {"src_mask": 1},
-    "TransformerEncoder": {"mask": 1},
+# Mask arguments of array modules: name -> (position, kind), and the name of the data argument (at
+# position 0) whose rank says which mask ranks torch takes. Attention masks: torch's 3-D mask
+# ``[N*num_heads, L, S]`` and B stacked ``[L, S]`` masks ``[B, L, S]`` look alike where
+# B == N*num_heads, which the module refuses as ambiguous. The fused graph knows which one a mask is
+# (an array value or not): the module gets the explicit 4-D spelling (_explicit_attn_mask). Key
+# padding masks: their shared and per-model forms differ in rank. Both: a mask of a rank torch
+# refuses (a 1-D attention mask, a 1-D key padding mask with batched inputs) is refused here, where
+# one per model could otherwise pass for a shared mask of a valid rank (B stacked [S] masks read as
+# one [L, S] mask where B == L, or as one [N, S] key padding mask where B == N).
+_MASK_ARGS: dict[str, dict[str, tuple[int, str]]] = {
+    "MultiheadAttention": {"key_padding_mask": (3, "key_padding"), "attn_mask": (5, "attn")},
+    "TransformerEncoderLayer": {"src_mask": (1, "attn"), "src_key_padding_mask": (2, "key_padding")},
+    "TransformerEncoder": {"mask": (1, "attn"), "src_key_padding_mask": (2, "key_padding")},
 }
+_DATA_NAMES = {"MultiheadAttention": "query", "TransformerEncoderLayer": "src", "TransformerEncoder": "src"}
+
+
+class _ExplicitMask(_capture.GraphTarget):
+    """A mask argument of an array attention module in the fused graph, checked as torch checks the
+    models' masks and given in the form the module cannot misread (:func:`_explicit_attn_mask`).
+
+    Called with the mask, whether it is an array value (one per model), and the module's data
+    argument (query or src, ``[B, ...]`` in the fused graph) or None. A model's mask is the value
+    without its leading B where it is one per model, the value itself where it is shared; its rank
+    must be one torch takes with a model's data (query ``[L, N, E]`` or unbatched ``[L, E]``):
+    attention masks 2-D or 3-D, key padding masks 2-D (batched) or 1-D (unbatched). Other ranks
+    raise ValueError naming the mask, its shape per model and what torch takes (torch raises
+    AssertionError there)."""
+
+    def __init__(self, module: str, name: str, kind: str, data_name: str):
+        self.module, self.name, self.kind, self.data_name = module, name, kind, data_name
+        self._named(f"explicit_{name}")
+
+    def __call__(self, mask: Any, per_model: bool, data: Any = None) -> Any:
+        if not isinstance(mask, torch.Tensor):
+            return mask
+        model_shape = list(mask.shape[1:] if per_model else mask.shape)
+        if isinstance(data, torch.Tensor) and data.dim() in (3, 4):
+            batched = data.dim() == 4  # [B, L, N, E] or [B, L, E]: a model's query is 3-D or 2-D
+            if self.kind == "attn":
+                ranks, takes = (2, 3), "None, 2-D or 3-D"
+            else:
+                ranks, takes = ((2,), "None or 2-D [N, S]") if batched else ((1,), "None or 1-D [S]")
+            if len(model_shape) not in ranks:
+                given = (f"one {len(model_shape)}-D mask {model_shape} per model (an array value "
+                         f"{list(mask.shape)})" if per_model else
+                         f"a {len(model_shape)}-D mask {model_shape} shared by the models")
+                raise ValueError(
+                    f"{self.module} (fused): for {'batched' if batched else 'unbatched'} "
+                    f"({data.dim() - 1}-D) {self.data_name} per model, torch expects each model's "
+                    f"{self.name} to be {takes}, got {given}"
+                )
+        return _explicit_attn_mask(mask, per_model) if self.kind == "attn" else mask
 
 
 def _explicit_attn_mask(mask: Any, per_model: bool) -> Any:
@@ -4410,11 +4453,19 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
                     out.call_function(_share, (a, B)) if i in data and isinstance(a, fx.Node)
                     and not array[node_args[i]] else a
                     for i, a in enumerate(args))
-                for name, i in _MASK_ARGS.get(array_classes[cls].__name__, {}).items():
+                array_name = array_classes[cls].__name__
+                for name, (i, kind) in _MASK_ARGS.get(array_name, {}).items():
                     given = node_args[i] if i < len(node_args) else node.kwargs.get(name)
                     if not isinstance(given, fx.Node):
                         continue
-                    mask = out.call_function(_explicit_attn_mask, (env[given], array[given]))
+                    # the data argument, [B, ...] (positional ones are shared above)
+                    data_name = _DATA_NAMES[array_name]
+                    data_value = args[0] if node_args else kwargs.get(data_name)
+                    given_data = node_args[0] if node_args else node.kwargs.get(data_name)
+                    if not (isinstance(given_data, fx.Node) and (node_args or array[given_data])):
+                        data_value = None
+                    check = _ExplicitMask(array_name, name, kind, data_name)
+                    mask = out.call_function(check, (env[given], array[given], data_value))
                     if i < len(node_args):
                         args = (*args[:i], mask, *args[i + 1:])
                     else:

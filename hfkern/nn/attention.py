@@ -182,6 +182,15 @@ class MultiheadAttention(ArrayModule):
     Outputs: ``attn_output`` with the query's shape, and ``attn_weights``
     ``[B, N, L, S]`` averaged over heads or ``[B, N, num_heads, L, S]``
     (unbatched: without N), or None when ``need_weights=False``.
+
+    In eval mode without grad, torch may run a fused fast path
+    (``torch._native_multi_head_attention``; batch_first self-attention among
+    its conditions); this module always runs torch's ordinary path (as torch
+    runs in training or with grad). The two agree, except for a query whose
+    every key is masked (a fully masked ``attn_mask`` row, or a sample whose
+    every key is padded): without the weights, torch's fast path returns NaN
+    for it and its ordinary path, and this module, zeros. (With the weights,
+    both of torch's paths and this module return NaN there.)
     """
 
     _torch_cls = nn.MultiheadAttention
@@ -326,7 +335,11 @@ class MultiheadAttention(ArrayModule):
         Shapes as in the class docstring. ``is_causal`` is torch's hint that
         ``attn_mask`` is causal: it requires ``attn_mask`` and, as in torch, is
         used in place of it only when there is no ``key_padding_mask`` and the
-        weights are not needed.
+        weights are not needed. Then the mask is scaled_dot_product_attention's
+        causal one, as in torch: query i attends key columns 0 to i of all the
+        key columns, those ``add_bias_kv`` and ``add_zero_attn`` append included,
+        and ``attn_mask`` itself is not used, also with per-model dropout (where
+        the attention is an explicit softmax).
         """
         name = "MultiheadAttention"
         batched = self._check_inputs(query, key, value)
@@ -363,10 +376,11 @@ class MultiheadAttention(ArrayModule):
         # Per-model dropout probabilities need the weights explicitly: SDPA takes one.
         per_model_drop = self.training and p is None
         explicit = need_weights or per_model_drop
-        if is_causal and kpm is None and not explicit:
-            mask = None  # scaled_dot_product_attention applies the causal mask itself
-        elif kpm is not None:
-            is_causal = False  # the merged mask is no longer causal
+        # torch hands scaled_dot_product_attention is_causal=True and no mask for the hint, and
+        # is_causal=False otherwise (with the weights, or a key padding mask merged into the mask).
+        is_causal = hint_only
+        if hint_only:
+            mask = None  # the causal mask replaces attn_mask, whatever attn_mask holds
 
         q, k, v = self._in_projection(query, key, value)
         q, k, v = (self._split_heads(t, batched) for t in (q, k, v))  # [B, N, H, len, D]
@@ -383,6 +397,12 @@ class MultiheadAttention(ArrayModule):
             kpm = None if kpm is None else F.pad(kpm, (0, 1))
         if kpm is not None:
             mask = kpm if mask is None else mask + kpm
+        if hint_only and explicit:
+            # Per-model dropout without SDPA: SDPA's causal mask, top-left aligned over every key
+            # column, also those add_bias_kv and add_zero_attn appended (so those are masked).
+            keep = torch.ones(L, k.size(3), dtype=torch.bool, device=q.device).tril()
+            mask = q.new_zeros(L, k.size(3)).masked_fill_(~keep, float("-inf")).view(1, 1, 1, L, -1)
+            is_causal = False
 
         # Merge (model, sample, head) into SDPA's two batch dims, choosing the
         # pair that q's memory order merges without a copy.
@@ -398,8 +418,7 @@ class MultiheadAttention(ArrayModule):
                 # The mask's dtype is one torch takes (checked above): the query's, which autocast
                 # may have lowered in the projections (torch's baddbmm is cast the same way); or,
                 # without weights (per-model dropout), float32, which torch hands to
-                # scaled_dot_product_attention, or any float dtype of an is_causal hint's mask,
-                # which torch does not use (a causal mask's 0 and -inf are exact in any dtype).
+                # scaled_dot_product_attention (the is_causal hint's mask is made here, of q's dtype).
                 scores = scores + mask4.to(scores.dtype)
                 if not need_weights:
                     # What scaled_dot_product_attention does, which torch's module calls here: a

@@ -75,12 +75,18 @@ def _prepare_src(name: str, layer: "TransformerEncoderLayer", src: torch.Tensor,
 
 def _check_src_mask_dtypes(name: str, x: torch.Tensor, mask: torch.Tensor | None, mask_name: str,
                            key_padding_mask: torch.Tensor | None, is_causal: bool) -> None:
-    """Refuse float masks of a dtype torch's layers refuse, before any layer runs.
+    """Refuse, before any layer runs, the is_causal hint without a mask (RuntimeError, as torch's
+    self_attn raises it) and float masks of a dtype torch's layers refuse.
 
     As self_attn (:func:`check_mask_dtypes` without weights): the masks' sum must be of the
     src's dtype or float32, except that the mask is not used (nor checked) for the is_causal
     hint without a key padding mask.
     """
+    if is_causal and mask is None:
+        raise RuntimeError(
+            f"{name}: need {mask_name} if specifying the is_causal hint "
+            "(torch.nn.Transformer.generate_square_subsequent_mask makes one)"
+        )
     hint_only = is_causal and key_padding_mask is None
     check_mask_dtypes(name, [(mask_name, None if hint_only else mask),
                              ("src_key_padding_mask", key_padding_mask)], x, need_weights=False)
@@ -120,6 +126,15 @@ class TransformerEncoderLayer(ArrayModule):
     ``dropout`` is one probability for all models or one per model (a length-B
     sequence, 1-D numpy array or ``[B]`` tensor), used by every dropout of the
     layer (attention weights, ``dropout``, ``dropout1``, ``dropout2``) as in torch.
+
+    In eval mode without grad, torch may run its fused fast path
+    (``torch._transformer_encoder_layer_fwd``; batch_first among its
+    conditions); this module always runs torch's ordinary path (as torch runs
+    in training or with grad). The two agree to fp32 tolerance, except for a
+    position whose every key is masked (a fully masked ``src_mask`` row, or a
+    sample whose every key is padded): torch's fast path returns NaN there,
+    its ordinary path and this module finite values (the attention gives zeros
+    there, then the residual, norms and feed-forward apply).
     """
 
     _torch_cls = nn.TransformerEncoderLayer
@@ -285,6 +300,10 @@ class TransformerEncoder(ArrayModule):
     fast path's to fp32 tolerance at every unpadded position. At padded
     positions torch's nested path returns zeros (before ``norm``) and this
     module the ordinary path's values, as torch does in training or with grad.
+    Where a position's every key is masked (a fully masked ``mask`` row, or a
+    sample whose every key is padded, outside the nested path), torch's fused
+    layer kernel returns NaN and this module, as torch's ordinary path, finite
+    values (see :class:`TransformerEncoderLayer`).
     """
 
     _torch_cls = nn.TransformerEncoder
