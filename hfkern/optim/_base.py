@@ -16,6 +16,14 @@ host sync or any re-validation, and the op reads the whole tensor at once.
 Assigning a new value (float, sequence, tensor or numpy array) to
 ``group[name]`` instead is validated at the next step.
 
+The learning rates given (to the constructor, ``add_param_group``, assigned to
+``group["lr"]``, or set with :meth:`ArrayOptimizer.set_hyperparameters`) are
+also kept exactly, as ``[B]`` float64 on the host, beside their rounding in
+``group["lr"]``: the learning-rate schedulers (:mod:`hfkern.optim.lr_scheduler`)
+start from them, as torch's start from the Python floats given, while
+``group["lr"]`` still holds their rounding (not after a value was written into
+it in place).
+
 :meth:`ArrayOptimizer.reset_state` and :meth:`ArrayOptimizer.set_hyperparameters`
 restart one model (fresh state, new hyperparameters) while the others go on.
 
@@ -97,6 +105,31 @@ _COMPAT_DEFAULTS = {"foreach": None, "fused": None, "capturable": False, "differ
 # irrespective of the optimizer's (OneCycleLR, CyclicLR), says that the group's ``initial_lr`` is
 # an endpoint of its schedule (its value: the scheduler's class name); see set_hyperparameters.
 _INITIAL_LR_OWNER = "initial_lr_owner"
+
+# The param-group entry in which the learning-rate schedulers keep a group's exact learning rates
+# (``[B]`` float64 CPU; see ArrayOptimizer._exact_lr).
+_LR_RECORD = "scheduled_lr"
+
+
+def _rounded_dtype(value: Any) -> torch.dtype | None:
+    """The floating dtype below float64 that a given hyperparameter value is held in (a float32
+    tensor or numpy array: the rounding of some exact value, e.g. a stored or saved learning
+    rate), or None where the value is what the user gave (Python numbers, float64, integers)."""
+    dtype = None
+    if isinstance(value, torch.Tensor):
+        dtype = value.dtype
+    else:
+        np = sys.modules.get("numpy")
+        if np is not None and isinstance(value, (np.ndarray, np.generic)):
+            dtype = getattr(torch, value.dtype.name, None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype != torch.float64:
+        return dtype
+    return None
+
+
+def _is_lr_record(t: Any, B: int | None) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.shape == (B,)
+            and t.device.type == "cpu")
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -246,6 +279,8 @@ class ArrayOptimizer(Optimizer):
         self._skipped_out: torch.Tensor | None = None  # last_skipped's tensor: see _init_group
         self._device: torch.device | None = None
         self._checked: dict[int, tuple[dict, _Checked]] = {}
+        # Per group (by id, with the group): the exact learning rates given (see _exact_lr).
+        self._given_lr: dict[int, tuple[dict, torch.Tensor]] = {}
         self._opt_called = False  # whether a step ran (set by _init_group)
         super().__init__(params, defaults)
 
@@ -436,7 +471,48 @@ class ArrayOptimizer(Optimizer):
         # The op's rows first, in its order; the values that only initialize state after them.
         rows = self._spec.rows + self._init_hypers
         table = torch.stack([per_model[r] for r in rows]).to(device=self._device, dtype=dtype)
+        if "lr" in per_model:
+            self._record_lr(group, per_model["lr"])
         return self._store(group, table, {k: bool((v != 0).any()) for k, v in per_model.items()})
+
+    def _exact_lr(self, group: dict[str, Any]) -> torch.Tensor | None:
+        """The exact learning rates (``[B]`` float64 CPU) of which ``group["lr"]`` holds the
+        rounding (float32 for float32 parameters), or None where none is known.
+
+        They are the ones a learning-rate scheduler last set (``group["scheduled_lr"]``, which
+        the optimizer's state dict saves), else the ones given to the optimizer: kept whenever
+        a group's ``lr`` is validated (the constructor, ``add_param_group``, a value assigned
+        to ``group["lr"]``, ``load_state_dict``) and by :meth:`set_hyperparameters`. Like the
+        stored values, they are per model and may be stale: a reader uses a model's exact
+        value only while ``group["lr"]`` still holds its rounding (not after a new value was
+        written into ``group["lr"]`` in place). The schedulers start from them, as torch's
+        start from the Python floats given."""
+        record = group.get(_LR_RECORD)
+        if _is_lr_record(record, self.B):
+            return record
+        entry = self.__dict__.get("_given_lr", {}).get(id(group))
+        if entry is not None and entry[0] is group and _is_lr_record(entry[1], self.B):
+            return entry[1]
+        return None
+
+    def _record_lr(self, group: dict[str, Any], given: torch.Tensor) -> None:
+        """Keep the exact learning rates of ``group`` (``given``: its validated ``[B]`` float64 CPU
+        values) before ``group["lr"]`` becomes their rounding in the stored table (see
+        :meth:`_exact_lr`). A value held in a lower precision (the stored float32 view,
+        revalidated for another entry; a loaded or copied float32 tensor) keeps the exact value
+        of every model whose rounding it is; a value given in float64 (a Python number) is exact."""
+        values = given.clone()
+        old = self._exact_lr(group)
+        rounded = _rounded_dtype(group["lr"])
+        if rounded is not None and old is not None:
+            values = torch.where(old.to(rounded).to(torch.float64) == values, old, values)
+        if _is_lr_record(group.get(_LR_RECORD), self.B):
+            group[_LR_RECORD] = values  # a scheduler's record follows what was given
+        records = self.__dict__.setdefault("_given_lr", {})
+        live = {id(g) for g in self.param_groups}
+        for k in [k for k in records if k not in live]:
+            del records[k]
+        records[id(group)] = (group, values)
 
     def _store(self, group: dict[str, Any], table: torch.Tensor, nonzero: dict[str, bool]) -> _Checked:
         """Make ``group``'s hyperparameters ``[B]`` views of the rows of ``table`` (validated
@@ -702,9 +778,10 @@ class ArrayOptimizer(Optimizer):
         model b continues as torch's optimizer would after the same change (see
         the class docstring: SGD's buffer starts from the next gradient unless
         model b had one before); call :meth:`reset_state` too for a new model's
-        state. The learning-rate schedulers'
-        records are kept consistent: model b's entry of ``scheduled_lr`` (where
-        a scheduler recorded it) becomes its new ``lr``, and so does its entry
+        state. The records of exact learning rates are kept consistent: model
+        b's entry of the optimizer's record of the learning rates given, and of
+        ``scheduled_lr`` (where a scheduler recorded it), becomes its new ``lr``
+        (the Python value given, not its float32 rounding), and so does its entry
         of ``initial_lr``, the start of its new schedule, unless a scheduler
         that sets the learning rate itself, irrespective of the optimizer's,
         owns that entry: ``OneCycleLR`` and ``CyclicLR`` mark their groups with
@@ -776,10 +853,17 @@ class ArrayOptimizer(Optimizer):
             if nonzero != checked.nonzero:
                 self._store(g, checked.table, nonzero)
             if "lr" in new_rows:
-                # The schedulers use their float64 record only while it rounds to
-                # group["lr"]: model b's entry follows, so the others keep theirs.
+                # The exact learning rates (the optimizer's record of those given, the schedulers'
+                # of those set) are used only while they round to group["lr"]: model b's entry
+                # follows, so the others keep theirs.
+                given_lr = self.__dict__.setdefault("_given_lr", {})
+                entry = given_lr.get(id(g))
+                if entry is not None and entry[0] is g and _is_lr_record(entry[1], self.B):
+                    given = entry[1].clone()
+                    given[b] = float(per_model["lr"][b])
+                    given_lr[id(g)] = (g, given)
                 # initial_lr follows too, unless a scheduler owns it as a schedule endpoint.
-                records = ("scheduled_lr",) if g.get(_INITIAL_LR_OWNER) else ("scheduled_lr", "initial_lr")
+                records = (_LR_RECORD,) if g.get(_INITIAL_LR_OWNER) else (_LR_RECORD, "initial_lr")
                 for record in records:
                     old = g.get(record)
                     if isinstance(old, torch.Tensor) and old.shape == (self.B,) and old.is_floating_point():
@@ -831,7 +915,11 @@ class ArrayOptimizer(Optimizer):
                 f"{type(self).__name__}.load_state_dict: expected a dict with 'state' and 'param_groups', "
                 f"got {type(state_dict).__name__}"
             )
-        kept = {k: self.__dict__[k] for k in ("state", "param_groups", "_checked", "B", "_device")}
+        self.__dict__.setdefault("_given_lr", {})
+        kept = {k: self.__dict__[k] for k in ("state", "param_groups", "_checked", "_given_lr", "B", "_device")}
+        # The exact learning rates given to this optimizer, group by group: a loaded group's
+        # float32 learning rates that are their rounding go on from them (see _place_loaded_state).
+        self._lr_before_load = [self._exact_lr(g) for g in self.param_groups]
         # Appended pre-hook: runs after the user's; prepended post-hook: before the user's.
         pre = self.register_load_state_dict_pre_hook(_validate_loaded)
         post = self.register_load_state_dict_post_hook(_place_state, prepend=True)
@@ -845,6 +933,7 @@ class ArrayOptimizer(Optimizer):
         finally:
             pre.remove()
             post.remove()
+            self.__dict__.pop("_lr_before_load", None)
 
     def _validated_state_dict(self, state_dict: Any) -> dict[str, Any]:
         """``state_dict``, checked against this optimizer, with its parameter state converted and shielded.
@@ -945,12 +1034,20 @@ class ArrayOptimizer(Optimizer):
                     if isinstance(value, _Shielded):
                         state[key] = value.value
         self._checked = {}
+        # The loaded groups are new dicts. Their exact learning rates are those a scheduler saved
+        # (scheduled_lr), else those given to this optimizer, for the models whose loaded learning
+        # rate is their rounding (_record_lr); else the loaded values.
+        self._given_lr = {}
+        for group, exact in zip(self.param_groups, self.__dict__.get("_lr_before_load") or ()):
+            if exact is not None:
+                self._given_lr[id(group)] = (group, exact)
         for group in self.param_groups:
             self._check_group(group)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(B=self.B, skip_nonfinite=self.skip_nonfinite, _device=self._device)
+        state.update(B=self.B, skip_nonfinite=self.skip_nonfinite, _device=self._device,
+                     _given_lr=list(self.__dict__.get("_given_lr", {}).values()))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -961,6 +1058,9 @@ class ArrayOptimizer(Optimizer):
         self.__dict__.setdefault("last_skipped", None)
         self.__dict__.setdefault("_skipped_out", None)
         self.__dict__.setdefault("_checked", {})
+        # Keyed by the id of a group, which a copy (deepcopy, pickle) has anew.
+        given = self.__dict__.get("_given_lr")
+        self._given_lr = {id(g): (g, v) for g, v in given} if isinstance(given, list) else {}
         for group in self.param_groups:  # pickled before the implementation keywords existed
             for k in self._compat:
                 group.setdefault(k, _COMPAT_DEFAULTS[k])

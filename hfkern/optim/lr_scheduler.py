@@ -40,6 +40,12 @@ so a resumed run is bit-identical to an uninterrupted one (torch keeps its
 learning rates as Python floats for the same reason). The record of a model is
 used only while it rounds to the model's learning rate; a learning rate changed
 outside the schedulers wins (for that model: the others keep their exact values).
+Where no scheduler has written yet (a new scheduler's ``initial_lr`` and
+``base_lrs``), and after a learning rate is given anew (assigned to
+``group["lr"]``, or ``optimizer.set_hyperparameters(b, lr=...)``), the exact
+values are those given to the optimizer, which keeps them beside their rounding
+(``ArrayOptimizer._exact_lr``), under the same rule: a schedule starts from the
+learning rate given, as torch's does, not from its float32 rounding.
 
 Values a scheduler keeps itself (``base_lrs``, ``get_last_lr()``, and the
 ``initial_lr``, ``max_lr``, ``min_lr``, ``max_momentum``, ``base_momentum``
@@ -133,7 +139,7 @@ from torch.optim import lr_scheduler as _torch
 
 from .._array import hyper
 from ..graphs import host_step
-from ._base import _INITIAL_LR_OWNER, ArrayOptimizer
+from ._base import _INITIAL_LR_OWNER, _LR_RECORD, ArrayOptimizer
 
 __all__ = [
     "LRScheduler",
@@ -155,7 +161,7 @@ __all__ = [
 ]
 
 _F64 = torch.float64
-_RECORD = "scheduled_lr"  # the param-group entry holding the exact learning rates
+_RECORD = _LR_RECORD  # the param-group entry holding the exact learning rates
 _EPOCH_DEPRECATION_WARNING = getattr(
     _torch,
     "EPOCH_DEPRECATION_WARNING",
@@ -556,12 +562,16 @@ def _current_lr(optimizer: Optimizer, group: dict, B: int) -> torch.Tensor:
         return entry.values
     lr = group["lr"]
     values = hyper(lr, B, "lr").clone()
-    record = group.get(_RECORD)
+    if isinstance(optimizer, ArrayOptimizer):
+        record = optimizer._exact_lr(group)
+    else:
+        record = group.get(_RECORD)
     if isinstance(record, torch.Tensor) and record.dtype == _F64 and record.shape == (B,) \
             and record.device.type == "cpu":
         # The exact values the schedulers last wrote (e.g. restored by the optimizer's
-        # load_state_dict), for every model whose learning rate is still their rounding:
-        # a new learning rate for one model (a refilled slot) leaves the others exact.
+        # load_state_dict), or else those given to the optimizer, for every model whose
+        # learning rate is still their rounding: a new learning rate for one model (a
+        # refilled slot, an lr written in place) leaves the others exact.
         rounded = record.to(lr.dtype) if isinstance(lr, torch.Tensor) and lr.is_floating_point() else record
         values = torch.where(rounded.to(_F64) == values, record, values)
     live = {id(g) for g in optimizer.param_groups}
@@ -2572,15 +2582,19 @@ class SequentialLR(LRScheduler):
         epochs = torch.where(chosen, self.last_epochs + 1, self.last_epochs)
         idx = self._stages(epochs)
         parts = [(k, chosen & (idx == k)) for k in range(len(self._schedulers))]
-        parts = [(k, sel) for k, sel in parts if sel.any()]
-        # One scheduler in charge restores itself if it raises; with several, all are restored.
-        kept = [self] if len(parts) == 1 else [self, *(s for c in self._schedulers for s in _nested(c))]
-        with _kept_on_error(*kept, optimizer=None if len(parts) == 1 else self.optimizer):
+        parts = [(k, sel, sel & (epochs == self._milestones[k - 1]) if k > 0 else torch.zeros_like(sel))
+                 for k, sel in parts if sel.any()]
+        # One update (a scheduler's step, or its restart at a milestone) checks everything before it
+        # writes, and restores itself if it raises; where several run (schedulers in charge of
+        # different models, or one that restarts some models and steps others), what the earlier
+        # ones wrote is restored: every scheduler and the optimizer's learning rates and momentum.
+        updates = sum(int(bool(restart.any())) + int(bool((sel & ~restart).any())) for _, sel, restart in parts)
+        kept = [self] if updates == 1 else [self, *(s for c in self._schedulers for s in _nested(c))]
+        with _kept_on_error(*kept, optimizer=None if updates == 1 else self.optimizer):
             self.last_epochs = epochs
             last = self._last_lr
-            for k, sel in parts:
+            for k, sel, restart in parts:
                 scheduler = self._schedulers[k]
-                restart = sel & (epochs == self._milestones[k - 1]) if k > 0 else torch.zeros_like(sel)
                 if restart.any():
                     if isinstance(scheduler, (ChainedScheduler, SequentialLR)):
                         raise NotImplementedError(
