@@ -65,3 +65,41 @@ def test_embedding_and_losses_cuda():
     ref = torch.stack([m.cuda()(idx[b]) for b, m in enumerate(emb.to_modules())])
     torch.testing.assert_close(out, ref)
     assert emb.weight.grad is not None and emb.weight.grad[:, 0].abs().sum() == 0
+
+
+def test_scheduler_resume_from_a_checkpoint_loaded_onto_the_device():
+    """torch.load(map_location="cuda") brings the schedulers' float64 record of the learning rates
+    onto the device; the optimizer's load_state_dict keeps it a host record, so the resumed run
+    goes on from the exact learning rates (not their float32 rounding) as the uninterrupted one."""
+    import io
+
+    import hfkern.optim as HO
+    from hfkern.optim import lr_scheduler as HS
+
+    def build():
+        p = torch.zeros(2, 3, device="cuda", requires_grad=True)
+        opt = HO.SGD([p], lr=[0.015, 0.1])
+        return p, opt, HS.StepLR(opt, step_size=1, gamma=0.3)
+
+    def steps(p, opt, sched, n):
+        for _ in range(n):
+            p.grad = torch.ones_like(p)
+            opt.step()
+            sched.step()
+
+    p, opt, sched = build()
+    steps(p, opt, sched, 3)
+    buf = io.BytesIO()
+    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
+    steps(p, opt, sched, 3)
+    buf.seek(0)
+    saved = torch.load(buf, map_location="cuda")
+    p2, opt2, sched2 = build()
+    with torch.no_grad():
+        p2.copy_(p)  # (the parameters do not matter here: the learning rates do)
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    steps(p2, opt2, sched2, 3)
+    assert opt2.param_groups[0]["scheduled_lr"].device.type == "cpu"
+    assert torch.equal(opt2.param_groups[0]["scheduled_lr"], opt.param_groups[0]["scheduled_lr"])
+    assert torch.equal(opt2.param_groups[0]["lr"], opt.param_groups[0]["lr"])

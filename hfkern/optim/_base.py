@@ -1034,6 +1034,14 @@ class ArrayOptimizer(Optimizer):
                     if isinstance(value, _Shielded):
                         state[key] = value.value
         self._checked = {}
+        for group in self.param_groups:
+            # The schedulers' record of exact learning rates is a host record: a checkpoint loaded
+            # with torch.load(map_location="cuda") brings it on the device, where the schedulers
+            # would not read it (a resume would go on from the float32 rounding).
+            record = group.get(_LR_RECORD)
+            if (isinstance(record, torch.Tensor) and record.dtype == torch.float64 and record.shape == (self.B,)
+                    and record.device.type != "cpu"):
+                group[_LR_RECORD] = record.cpu()
         # The loaded groups are new dicts. Their exact learning rates are those a scheduler saved
         # (scheduled_lr), else those given to this optimizer, for the models whose loaded learning
         # rate is their rounding (_record_lr); else the loaded values.
