@@ -322,7 +322,12 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         label_smoothing: in ``[0, 1]``, as in torch.
 
     Returns:
-        Entry b (or slice b) equals torch's loss for model b alone.
+        Entry b (or slice b) equals torch's loss for model b alone. For bfloat16
+        or float16 logits, a ``'mean'`` or ``'sum'`` entry may differ from it by
+        a few units in the last place of that dtype: each model's losses are
+        reduced by torch's ``sum``/``mean``, which accumulate in float32, not by
+        the loss kernel's own reduction (hfkern's value is the nearer to the
+        float64 loss).
     """
     fn = "cross_entropy"
     reduction = _check_reduction(fn, reduction)
