@@ -370,6 +370,12 @@ RANDOM_FUNCTIONS = frozenset(getattr(torch, name) for name in _RANDOM_FACTORIES)
 # Factories whose sizes or values may be traced values (``x.size(0)``): called with one, they
 # are recorded (torch's argument parser takes a traced value in no size list).
 _SIZED_FACTORIES = ("zeros", "ones", "empty", "full", "eye", "linspace", "logspace", "arange", "empty_strided")
+# Functionals that draw random numbers (most in training only): recorded as calls where forward
+# gives them tensors that are not traced values (`F.dropout(torch.ones(4), 0.5, self.training)`,
+# which fx would run once, at capture); the rewrite draws them per model.
+_RANDOM_FUNCTIONALS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+                       "rrelu", "gumbel_softmax")
+RANDOM_FUNCTIONALS = frozenset(getattr(nn.functional, name) for name in _RANDOM_FUNCTIONALS)
 _RANDOM_INPLACE = ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "cauchy_",
                    "log_normal_", "geometric_")
 _REGION_CLASSES = (torch.autograd.grad_mode.no_grad, torch.autograd.grad_mode.enable_grad,
@@ -1071,6 +1077,18 @@ class _Tracer(fx.Tracer):
             return self.create_proxy("call_function", fn, args, kwargs)
         return self.create_proxy("call_function", RandomDraw(fn), args, kwargs)
 
+    def _random_functional(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """A random functional (``F.dropout``) called in forward: recorded as the call to ``fn``
+        (torch's own, not the patch that torch's dispatch on a traced value would name), also where
+        no argument is a traced value, unless torch's own code calls it so (a layer's initialization)."""
+        if not any(isinstance(v, fx.Proxy) for v in tree_flatten((args, kwargs))[0]):
+            caller = sys._getframe(1)
+            while caller is not None and caller.f_code.co_filename == __file__:
+                caller = caller.f_back  # past the patch's own frames
+            if self._internal or caller is not None and _library_file(caller.f_code.co_filename):
+                return fn(*args, **kwargs)
+        return self.create_proxy("call_function", fn, args, kwargs)
+
     def _factory(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         if any(isinstance(v, fx.Proxy) for v in tree_flatten((args, kwargs))[0]):
             return self.create_proxy("call_function", fn, args, kwargs)
@@ -1178,6 +1196,9 @@ class _Tracer(fx.Tracer):
         for name in _RANDOM_FACTORIES:
             fn = getattr(torch, name)
             patch(torch, name, lambda *a, _fn=fn, **k: tracer._draw(_fn, a, k))
+        for name in _RANDOM_FUNCTIONALS:
+            fn = getattr(nn.functional, name)
+            patch(nn.functional, name, lambda *a, _fn=fn, **k: tracer._random_functional(_fn, a, k))
         for name in _SIZED_FACTORIES:
             fn = getattr(torch, name)
             patch(torch, name, lambda *a, _fn=fn, **k: tracer._factory(_fn, a, k))

@@ -594,8 +594,39 @@ def _torch_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, 
                            sparse, torch_padding=True)
 
 
+def _like_shape(other) -> torch.Size:
+    """The per-model shape of ``other`` in ``x.view_as(other)`` and friends: an array's slice, or
+    the shape of a tensor that is the same for every model (a :class:`_Shared`)."""
+    if isinstance(other, _Shared):
+        return other.value.shape
+    if not isinstance(other, torch.Tensor):
+        raise _Fallback
+    return other.shape[1:]
+
+
+def _as(translation: Callable, x, other):
+    if not isinstance(x, torch.Tensor):
+        raise _Fallback  # (a _Shared: a tensor of one model's shape; per model under vmap)
+    return translation(x, _like_shape(other))
+
+
+def _view_as(x, other):
+    """``Tensor.view_as``: :func:`_view` to ``other``'s per-model shape."""
+    return _as(_view, x, other)
+
+
+def _reshape_as(x, other):
+    """``Tensor.reshape_as``: :func:`_reshape` to ``other``'s per-model shape."""
+    return _as(_reshape, x, other)
+
+
+def _expand_as(x, other):
+    """``Tensor.expand_as``: :func:`_expand` to ``other``'s per-model shape."""
+    return _as(_expand, x, other)
+
+
 # Translations that also take tensors that are not array values, each as a _Shared.
-_SHARED_ARGUMENTS = (_f_embedding, _torch_embedding)
+_SHARED_ARGUMENTS = (_f_embedding, _torch_embedding, _view_as, _reshape_as, _expand_as)
 _ANY_ARGUMENT += _SHARED_ARGUMENTS  # (the table is the second argument of F.embedding)
 
 
@@ -670,6 +701,7 @@ _TRANSLATED_METHODS: dict[str, Callable] = {
     "chunk": _chunk, "split": _split,
     "unbind": _unbind, "narrow": _narrow, "expand": _expand,
     "matmul": _matmul, "bmm": _bmm, "__matmul__": _matmul, "__getitem__": _getitem,
+    "view_as": _view_as, "reshape_as": _reshape_as, "expand_as": _expand_as,
 }
 _TRANSLATED_FUNCTIONS: dict[Callable, Callable] = {
     torch.flatten: _flatten, torch.reshape: _reshape, torch.transpose: _transpose,
@@ -1180,7 +1212,8 @@ class _ArrayCall(_CallsFunction):
     def _same_for_every_model(self, args: tuple, kwargs: dict) -> Any:
         """The call made of Python values and tensors that are not array values (its array
         arguments held no tensor): every model's result, its tensors as array values."""
-        if self.method is None and self.fn in _capture.RANDOM_FUNCTIONS:
+        if self.method is None and (self.fn in _capture.RANDOM_FUNCTIONS or self.fn in _capture.RANDOM_FUNCTIONALS
+                                    and not kwargs.get("inplace")):
             return torch.stack([self._call(args, kwargs) for _ in range(self.B)])  # each model draws
         out = self._call(args, kwargs)
         # own copies, as each model makes its own tensor (it may be written in place)
@@ -4449,10 +4482,14 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
                     node_args = conv.args
                 else:
                     node_args = node.args
-                args = tuple(
-                    out.call_function(_share, (a, B)) if i in data and isinstance(a, fx.Node)
-                    and not array[node_args[i]] else a
-                    for i, a in enumerate(args))
+                shared = [i for i, a in enumerate(args)
+                          if i in data and isinstance(a, fx.Node) and not array[node_args[i]]]
+                args = tuple(out.call_function(_share, (a, B)) if i in shared else a for i, a in enumerate(args))
+                if shared:
+                    # the array module returns [B, ...] for an input it was given shared (a layer without
+                    # state on a tensor made from constants: `self.pool(torch.ones(1, 1, 8, 8))`), each
+                    # model's own draw where it is random (dropout)
+                    array[node] = True
                 array_name = array_classes[cls].__name__
                 for name, (i, kind) in _MASK_ARGS.get(array_name, {}).items():
                     given = node_args[i] if i < len(node_args) else node.kwargs.get(name)
@@ -4529,18 +4566,28 @@ def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, n
             array[node] = True
         else:  # call_function, call_method
             if not any_array:
-                if node.op == "call_function" and node.target in _capture.RANDOM_FUNCTIONS:
-                    # A draw whose arguments are shapes or other values every model shares:
-                    # each model still draws its own numbers.
+                first = node.args[0] if node.args else None
+                random_functional = node.op == "call_function" and node.target in _capture.RANDOM_FUNCTIONALS
+                if node.op == "call_function" and (node.target in _capture.RANDOM_FUNCTIONS
+                                                   or random_functional and not _inplace_flag(node)):
+                    # A draw whose arguments are shapes or other values every model shares
+                    # (`F.dropout(torch.ones(4), 0.5, self.training)`): each model still draws its own numbers.
                     env[node] = out.call_function(_Draw(node.target, B), args, kwargs)
                     array[node] = True
-                else:
-                    env[node] = out.node_copy(node, lambda n: env[n])
-                    array[node] = False
-                    if node in promoted:  # written in place with array values later: each model's own
-                        env[node] = out.call_function(_per_model_copies, (env[node], B))
-                        env[node].meta.update(node.meta)
-                        array[node] = True
+                    continue
+                if (random_functional or node.op == "call_method" and node.target in _capture._RANDOM_INPLACE) \
+                        and isinstance(first, fx.Node):
+                    # A draw in place into a tensor every model shares (`torch.empty(x.size(0), 4).normal_()`):
+                    # the tensor must be each model's own from where it is made, each drawn per model.
+                    if sources_of is None:
+                        sources_of = _fresh_sources(graph, model, array_classes)
+                    wanted.update(n for n in sources_of(first) if not array.get(n, True))
+                env[node] = out.node_copy(node, lambda n: env[n])
+                array[node] = False
+                if node in promoted:  # written in place with array values later: each model's own
+                    env[node] = out.call_function(_per_model_copies, (env[node], B))
+                    env[node].meta.update(node.meta)
+                    array[node] = True
                 continue
             method = node.target if node.op == "call_method" else None
             fn = None if method else node.target
