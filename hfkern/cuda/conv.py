@@ -29,6 +29,8 @@ chunk order by a second kernel: no atomics, bitwise reproducible. The bias
 gradient is the op's autograd formula's, as on every backend.
 
 Mixed dtypes in a depthwise call raise TypeError (the torch path rejects them too).
+The launchers check their arguments as the ops do (``check_conv_args`` with every
+operand), since benchmarks and the emulator tests call them directly.
 
 ``emulated(op)`` runs the same launchers on CPU tensors through ``hfkern._C_emu``,
 the kernels built for the host grid emulator (non-depthwise calls run the torch
@@ -42,7 +44,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .._array import array_memory_format, conv_output_size, new_batch_major
+from .._array import array_memory_format, check_conv_args, conv_output_size, new_batch_major
 from .._device import sm_count
 from .._dtypes import KERNEL_DTYPES
 from ..ops.conv import (
@@ -175,8 +177,13 @@ class _Launcher(Launcher):
     def forward(self, x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int],
                 padding: Sequence[int], dilation: Sequence[int], transposed: bool,
                 output_padding: Sequence[int], groups: int) -> Tensor:
+        def check():  # the op's checks: benchmarks and the emulator tests call the launchers directly
+            check_conv_args(f"{_FWD} on the {self.where}", x.dim(), weight, stride, padding, dilation,
+                            output_padding, groups, transposed=transposed, x=x, bias=bias)
+
         nd = len(stride)
         if not self._serves(_FWD, x, x.shape[-nd - 1], weight, transposed, groups, nd, bias=bias):
+            check()  # (the torch implementation checks nothing)
             return array_conv_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
         shared = x.dim() == 4
         B = weight.shape[0]
@@ -188,6 +195,7 @@ class _Launcher(Launcher):
             raise ValueError(f"hfkern::{_FWD} on the {self.where}: expected bias of shape {[B, C]}, "
                              f"got {list(bias.shape)}")
         geom = self._geometry(_FWD, B, N, C, x.shape[-2:], weight, stride, padding, dilation)
+        check()  # what the depthwise checks above leave out (dims, lengths), before the kernel reads anything
         fmt = array_memory_format(x, shared=shared)
         OH, OW = geom[5], geom[6]
         y = new_batch_major(x, (B, N, C, OH, OW), fmt)
@@ -204,8 +212,13 @@ class _Launcher(Launcher):
     def input_grad(self, grad_out: Tensor, weight: Tensor, input_size: Sequence[int], stride: Sequence[int],
                    padding: Sequence[int], dilation: Sequence[int], transposed: bool,
                    output_padding: Sequence[int], groups: int) -> Tensor:
+        def check():
+            check_conv_args(f"{_DGRAD} on the {self.where}", len(input_size), weight, stride, padding, dilation,
+                            output_padding, groups, grad_out=grad_out, transposed=transposed, input_size=input_size)
+
         nd = len(stride)
         if not self._serves(_DGRAD, grad_out, input_size[-nd - 1], weight, transposed, groups, nd):
+            check()
             return array_conv_input_grad_torch(grad_out, weight, input_size, stride, padding, dilation,
                                                transposed, output_padding, groups)
         shared = len(input_size) == 4
@@ -219,6 +232,7 @@ class _Launcher(Launcher):
         if list(grad_out.shape) != expected:
             raise ValueError(f"hfkern::{_DGRAD} on the {self.where}: expected grad_out of shape {expected} "
                              f"(the output of an input of size {list(input_size)}), got {list(grad_out.shape)}")
+        check()
         fmt = array_memory_format(grad_out)
         if shared:
             grad_x = torch.empty(list(input_size), dtype=grad_out.dtype, device=grad_out.device,
@@ -239,8 +253,13 @@ class _Launcher(Launcher):
     def weight_grad(self, grad_out: Tensor, x: Tensor, weight: Tensor, stride: Sequence[int],
                     padding: Sequence[int], dilation: Sequence[int], transposed: bool,
                     output_padding: Sequence[int], groups: int) -> Tensor:
+        def check():
+            check_conv_args(f"{_WGRAD} on the {self.where}", x.dim(), weight, stride, padding, dilation,
+                            output_padding, groups, grad_out=grad_out, transposed=transposed, x=x)
+
         nd = len(stride)
         if not self._serves(_WGRAD, grad_out, x.shape[-nd - 1], weight, transposed, groups, nd, x=x):
+            check()
             return array_conv_weight_grad_torch(grad_out, x, weight, stride, padding, dilation, transposed,
                                                 output_padding, groups)
         B = weight.shape[0]
@@ -254,6 +273,7 @@ class _Launcher(Launcher):
         if list(grad_out.shape) != expected:
             raise ValueError(f"hfkern::{_WGRAD} on the {self.where}: expected grad_out of shape {expected} "
                              f"(the output of x of shape {list(x.shape)}), got {list(grad_out.shape)}")
+        check()
         grad_w = torch.empty_like(weight)
         if grad_w.numel() == 0:
             return grad_w

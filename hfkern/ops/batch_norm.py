@@ -225,7 +225,15 @@ def _grouped_params(xg: Tensor, weight: Tensor | None, bias: Tensor | None) -> t
 
 
 def _flat(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.reshape(-1)
+    """A ``[B, C]`` per-channel tensor flat ``[B*C]`` for torch's batch-norm kernels: a view
+    where it is contiguous, else a contiguous copy (differentiable). torch's CPU kernels
+    ignore a per-channel tensor's stride (``native_batch_norm_backward`` reads a stride-2
+    weight or mean as if it were dense: torch 2.13), so a strided slice such as
+    ``w[:, ::2]``, whose flat reshape is a stride-2 view, must not reach them as one."""
+    if t is None:
+        return None
+    flat = t.reshape(-1)
+    return flat if flat.is_contiguous() else flat.contiguous()
 
 
 def _from_grouped_like(y: Tensor, x: Tensor, fmt: torch.memory_format) -> Tensor:
@@ -451,7 +459,7 @@ def array_batch_norm_backward_torch(
             # grad_y in x's layout when x's strides also pass for channels-last: the same strides.
             gy_g, x_g = (t.clone(memory_format=torch.contiguous_format) for t in (gy_g, x_g))
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            gy_g, x_g, w, None, None, mean.reshape(-1), rstd.reshape(-1), True, 0.0, list(output_mask),
+            gy_g, x_g, w, None, None, _flat(mean), _flat(rstd), True, 0.0, list(output_mask),
         )
         if output_mask[0]:
             gx = torch.empty_like(x).copy_(from_grouped(gx, B)) if copied else _from_grouped_like(gx, x, fmt)

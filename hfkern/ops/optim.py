@@ -554,7 +554,11 @@ def sgd_step_(
     starts as a copy of the first gradient it sees. A model with momentum 0
     steps with its gradient and leaves its buffer and count as they were (torch
     keeps no buffer in use for it), so that switched on again it resumes from
-    them as torch's does, or starts if it never had::
+    them as torch's does, or starts if it never had. (One exception, on the
+    torch backend only: an inf or NaN in such a model's gradient reaches its
+    buffer as NaN, since the torch path blends the two cases with factors 0
+    and 1; its parameters are non-finite after that step anyway, and a skipped
+    model's buffer is kept. RMSprop and LARS alike.)::
 
         g = -grad if maximize else grad
         g = g + weight_decay * p                         # has_weight_decay

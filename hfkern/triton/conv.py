@@ -352,7 +352,7 @@ def array_conv(
 ) -> torch.Tensor:
     """The Triton implementation of ``hfkern::array_conv`` (see hfkern/ops/conv.py)."""
     check_conv_args(f"{_FWD} (triton)", x.dim(), weight, stride, padding, dilation, output_padding,
-                    groups)
+                    groups, transposed=transposed, x=x, bias=bias)
     nd = len(stride)
     B = weight.shape[0]
     shared = x.dim() == weight.dim() - 1
@@ -404,7 +404,7 @@ def array_conv_input_grad(
 ) -> torch.Tensor:
     """The Triton implementation of ``hfkern::array_conv_input_grad``."""
     check_conv_args(f"{_DGRAD} (triton)", len(input_size), weight, stride, padding, dilation,
-                    output_padding, groups, grad_out=grad_out)
+                    output_padding, groups, grad_out=grad_out, transposed=transposed, input_size=input_size)
     nd = len(stride)
     B = weight.shape[0]
     shared = len(input_size) == weight.dim() - 1
@@ -465,7 +465,7 @@ def array_conv_weight_grad(
 ) -> torch.Tensor:
     """The Triton implementation of ``hfkern::array_conv_weight_grad``."""
     check_conv_args(f"{_WGRAD} (triton)", x.dim(), weight, stride, padding, dilation,
-                    output_padding, groups, grad_out=grad_out)
+                    output_padding, groups, grad_out=grad_out, transposed=transposed, x=x)
     nd = len(stride)
     B = weight.shape[0]
     shared = x.dim() == weight.dim() - 1
