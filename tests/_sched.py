@@ -89,3 +89,18 @@ def step_array_and_torch(param, models, opt, refs, sched, scheds) -> None:
     sched.step()
     for t in scheds:
         t.step()
+
+
+def sgd_opt(B: int, features: int, lr=0.1, momentum=0.9, dtype=torch.float32):
+    """An array SGD over one zero ``[B, features]`` parameter."""
+    from hfkern.optim import SGD
+
+    return SGD([torch.nn.Parameter(torch.zeros(B, features, dtype=dtype))], lr=lr, momentum=momentum)
+
+
+def zero_grad_step(opt) -> None:
+    """One optimizer step with zero gradients (the learning rates are what is looked at)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    opt.step()

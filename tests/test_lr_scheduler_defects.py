@@ -20,16 +20,14 @@ from torch.optim import lr_scheduler as T
 from hfkern.optim import SGD
 from hfkern.optim import lr_scheduler as H
 
+from _sched import sgd_opt, zero_grad_step
+
 
 def _opt(B=3, lr=0.1, momentum=0.9, dtype=torch.float32):
-    return SGD([torch.nn.Parameter(torch.zeros(B, 2, dtype=dtype))], lr=lr, momentum=momentum)
+    return sgd_opt(B, 2, lr, momentum, dtype)
 
 
-def _step(opt):
-    for group in opt.param_groups:
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    opt.step()
+_step = zero_grad_step
 
 
 def _same_state(a, b):
