@@ -82,12 +82,16 @@ def test_set_hyperparameters_lr_under_cyclic_lr_keeps_initial_lr_as_torch():
     refs = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))], lr=0.1, momentum=0.9)
             for _ in range(B)]
     ts = [T.CyclicLR(r, base_lr=[0.01, 0.02, 0.03][b], max_lr=0.1, step_size_up=3) for b, r in enumerate(refs)]
-    for _ in range(4):
+
+    def both():
         _step(opt)
         sched.step()
         for r, t in zip(refs, ts):
             r.step()
             t.step()
+
+    for _ in range(4):
+        both()
     initial = opt.param_groups[0]["initial_lr"].clone()
     opt.set_hyperparameters(1, lr=0.5)
     refs[1].param_groups[0]["lr"] = 0.5
@@ -95,11 +99,7 @@ def test_set_hyperparameters_lr_under_cyclic_lr_keeps_initial_lr_as_torch():
     assert torch.equal(opt.param_groups[0]["initial_lr"], initial)  # base_lr, as torch's initial_lr
     assert [r.param_groups[0]["initial_lr"] for r in refs] == initial.tolist()
     for _ in range(5):
-        _step(opt)
-        sched.step()
-        for r, t in zip(refs, ts):
-            r.step()
-            t.step()
+        both()
         want = torch.tensor([t.get_last_lr()[0] for t in ts], dtype=torch.float64)
         torch.testing.assert_close(sched.get_last_lr()[0], want, rtol=1e-12, atol=0)
         torch.testing.assert_close(opt.param_groups[0]["lr"], want, rtol=1e-12, atol=0)
