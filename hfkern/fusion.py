@@ -1187,6 +1187,13 @@ class _ArrayCall(_CallsFunction):
         (where marked) and plain values (:func:`_is_plain`) only, when all arrays have one
         rank (elementwise; a translated call whose arrays are the first argument, or any
         for a matmul); ``_WALK`` where the general path must decide."""
+        if self.translate is _getitem and type(args[1]) is int and self.marks[0][0] is True \
+                and isinstance(args[0], (tuple, list)):
+            # An element of a tuple of arrays (`torch.max(x, 2)[0]`): the array it holds, as the
+            # general path's translation gives it, without walking the tuple.
+            out = args[0][args[1]]
+            if type(out) is torch.Tensor:
+                return out
         rank, first_only = None, True
         for i, (a, mark) in enumerate(zip(args, self.marks[0])):
             if type(a) is torch.Tensor:

@@ -562,15 +562,17 @@ def test_other_threads_are_untouched_while_a_capture_runs():
     ("a + b", set()), ("a * b", set()), ("a.add(b)", set()), ("torch.mul(a, 2.0)", set()),
     ("a.sub(b, alpha=2)", set()), ("a.transpose(1, 2).transpose(2, 1)", set()),
     ("torch.sum(a, dim=(0, 1), keepdim=True) * b", set()),
-    ("a.max(1, keepdim=True)[0] + b", {"per_model_getitem"}),            # indexes a tuple of tensors
+    ("a.max(1, keepdim=True)[0] + b", set()),                            # an int index into a tuple of arrays
+    ("a.max(1, keepdim=True)[0:1][0] + b", {"per_model_getitem"}),      # a slice of it: walked
     ("a.sum(2, dtype=torch.float64, keepdim=True).float() * b", {"per_model_sum"}),  # a dtype keyword
 ])
 def test_calls_of_array_tensors_and_plain_values_take_the_direct_path(call, walked, monkeypatch):
     """A call whose arguments are array tensors (of one rank, for an elementwise call; only
     the first, for a translated one) and plain values (numbers, flags, tuples of them) is run
-    without the general path's walk over the arguments; arrays of different ranks (the last
-    subtraction), a non-plain keyword or a tuple of tensors take the general path. Both give
-    what B torch models give."""
+    without the general path's walk over the arguments, as is an int index into a tuple of
+    arrays (``torch.max(x, 1)[0]``); arrays of different ranks (the last subtraction), a
+    non-plain keyword or a slice of a tuple of tensors take the general path. Both give what
+    B torch models give."""
     from hfkern import fusion
 
     class Net(nn.Module):
