@@ -32,7 +32,8 @@ How a call runs:
   forces a new capture) run ``step_fn`` eagerly, on a side stream as CUDA
   graph capture requires: they are real training steps, so optimizer state is
   allocated and Triton kernels are compiled before capture. Nothing is run on
-  the example arguments: they only give the static input buffers their shapes.
+  the example arguments: they are checked as every call's arguments are (the
+  static input buffers are copies of the capturing call's own arguments).
 * The next call copies its arguments into the static buffers, captures
   ``step_fn`` on them into a graph and replays it once; every later call copies
   and replays. The outputs are returned as copies (a replay overwrites the
@@ -56,7 +57,17 @@ How a call runs:
   models) keeps its form: its static tensor is one copy of the memory it views,
   expanded as the argument is (same strides), so the graph computes once for
   the B models as an eager call does, and a call copies in only that memory.
-  (One that requires grad is copied densely.)
+  (One that requires grad is copied densely.) Tensor arguments must be strided
+  (dense) tensors: a sparse, nested or MKLDNN one raises a TypeError, on the
+  CPU too.
+* **The parameters' gradients.** After a replay every parameter's ``.grad`` is
+  the gradient the step computed, as after an eager call, also where the
+  caller cleared the gradients before the call (``opt.zero_grad()`` outside
+  ``step_fn``, then ``opt.step()`` outside it). A graph computes from the
+  gradients as its capture found them: where the step adds to a ``.grad``
+  that existed then, another ``.grad`` before a call (cleared to None, or a
+  tensor assigned) forces a new capture, as does a ``.grad`` set before a
+  call where the capture found None and the step does not clear it itself.
 * **Host steps.** An hfkern LR scheduler's ``step()`` reached during capture
   does not run then: it computes the next learning rates on the host and
   copies them to the device, which a replay would not redo. It is recorded and
@@ -114,6 +125,8 @@ How a call runs:
     ``forward`` ran, found while the step runs eagerly or is captured; under
     another Python profiler, ``sys.setprofile``, they are not found and their
     modes, values and tensors are not watched: a UserWarning says so.)
+  - a parameter's ``.grad`` that no longer fits the graph (see the
+    parameters' gradients above).
 
   Everything else, written in place into the tensors the graph reads, takes
   effect without one: ``set_hyperparameters``, the schedulers' learning rates
@@ -124,6 +137,20 @@ How a call runs:
   tensor given new memory that is no parameter or buffer of a module the step
   ran, ``torch.backends`` flags): call :meth:`CapturedStep.reset` after
   changing it.
+
+Calls that keep coming with new signatures (a Python number that changes at
+every call, such as a step counter) each warm up and capture anew, so a
+signature that never reaches its capture runs eagerly every time: past 8
+signatures a UserWarning names the arguments that change; pass such values as
+tensors. Only the warm-up records of the 32 most recent signatures without a
+graph are kept.
+
+A call whose capture raises has run the step's Python up to the error, but
+none of its device work (a capture records kernels, it does not run them: the
+optimizer has not stepped, arguments written in place are as they were) and
+none of the host steps recorded so far (a scheduler's ``step()``); the next
+call captures again. An eager call that raises has done everything before the
+error.
 
 Without CUDA (CPU tensors, or no CUDA device), or for arguments on a device
 other than CUDA, the callable runs ``step_fn`` eagerly, with identical
@@ -392,6 +419,13 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
     sig = []
     for i, v in enumerate(leaves):
         if isinstance(v, torch.Tensor):
+            if v.layout != torch.strided or v.is_nested:
+                raise TypeError(
+                    f"capture_step: argument leaf {i} is a "
+                    f"{'nested' if v.is_nested else str(v.layout).replace('torch.', '')} tensor; a captured "
+                    f"step copies each call's tensor arguments into static strided tensors that its graph "
+                    f"reads, so they must be strided (dense) tensors: pass a dense one (x.to_dense(), a nested "
+                    f"tensor's to_padded_tensor), or make it in step_fn")
             grad = False
             if v.requires_grad:
                 if v.grad_fn is not None:
@@ -439,7 +473,9 @@ def _static_copy(v: Any) -> tuple[Any, Any, tuple[int, ...] | None]:
     if not isinstance(v, torch.Tensor):
         return v, None, None
     base = _expanded(v)
-    with torch.no_grad():
+    # (outside inference mode: a copy made in it is an inference tensor, which has no version
+    # counter, and a write of step_fn to it could not be seen)
+    with torch.inference_mode(False), torch.no_grad():
         if base is not None:
             target = v.detach().as_strided(base, v.stride(), v.storage_offset()).clone()
             return target.expand(v.shape), target, base
@@ -458,6 +494,74 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+# ---- the parameters' gradients ---------------------------------------------------------------
+
+_grad = operator.attrgetter("grad")
+_UNKNOWN = object()  # a parameter's .grad before a capture that did not know the parameter yet
+
+
+def _grad_leaves(modules: Iterator[torch.nn.Module] | list, optimizers: dict[int, Any]) -> list[torch.Tensor]:
+    """The tensors whose ``.grad`` a step's backward may set: the parameters of the optimizers it
+    steps and the leaf parameters of the modules it runs that require grad."""
+    found: dict[int, torch.Tensor] = {}
+    for opt in optimizers.values():
+        for group in getattr(opt, "param_groups", ()):
+            for p in group["params"]:
+                found.setdefault(id(p), p)
+    for m in modules:
+        for p in m._parameters.values():
+            if isinstance(p, torch.Tensor) and p.requires_grad and p.grad_fn is None:
+                found.setdefault(id(p), p)
+    return list(found.values())
+
+
+class _Grads:
+    """What a graph assumes of the parameters' ``.grad`` and how a replay leaves them.
+
+    A capture records, per parameter whose ``.grad`` the step left set (``g1``), what it had when
+    the capture began (``g0``): the graph writes ``g1``'s memory, reading ``g0``'s where it is
+    ``g1`` (a backward that accumulates, or a ``zero_grad(set_to_none=False)`` in the step).
+
+    * ``g1 is g0``: a replay is right only while the parameter's ``.grad`` is still ``g1``.
+    * ``g0`` None, ``g1`` new (the caller cleared the gradients before the call, the step does not):
+      right only while ``.grad`` is None before the call (an eager call would add to another);
+      a replay sets it to ``g1``, as the eager call leaves a new gradient.
+    * ``g0`` another tensor, ``g1`` new (the step clears the gradients itself,
+      ``zero_grad()``): right whatever ``.grad`` is before the call; a replay sets it to ``g1``.
+
+    A ``.grad`` that no longer fits is a change (a new capture, after warm-up calls), as a
+    change of the parameters themselves is."""
+
+    __slots__ = ("checked", "expected", "restored")
+
+    def __init__(self, params: list[torch.Tensor], before: dict[int, Any]):
+        checked, expected, restored = [], [], []
+        for p in params:
+            g1 = p.grad
+            if g1 is None:
+                continue  # the step left no gradient: a replay leaves .grad as it finds it, as eager does
+            g0 = before.get(id(p), _UNKNOWN)
+            if g0 is g1 or g0 is _UNKNOWN:
+                checked.append(p)
+                expected.append(g1)
+            else:
+                if g0 is None:
+                    checked.append(p)
+                    expected.append(None)
+                restored.append((p, g1))
+        self.checked = tuple(checked)
+        self.expected = tuple(map(id, expected))  # (the graph holds every g1: their ids stay theirs)
+        self.restored = tuple(restored)
+
+    def changed(self) -> bool:
+        return tuple(map(id, map(_grad, self.checked))) != self.expected
+
+    def restore(self) -> None:
+        for p, g1 in self.restored:
+            if p.grad is not g1:
+                p.grad = g1
+
+
 # ---- graphs -----------------------------------------------------------------------------------
 
 class _Graph:
@@ -467,7 +571,8 @@ class _Graph:
 
     def __init__(self, static: list, graph: Any, outputs: Any, host_steps: list, optimizers: dict[int, Any],
                  modules: _Modules, mutated: tuple[int, ...], grads: tuple, returned: list,
-                 inputs: tuple = (), checks: list | tuple = (), restores: list | tuple = ()):
+                 inputs: tuple = (), checks: list | tuple = (), restores: list | tuple = (),
+                 param_grads: _Grads | None = None):
         self.static = static  # the flat leaves of (args, kwargs)
         self.tensors = tuple(i for i, s in enumerate(static) if isinstance(s, torch.Tensor))
         # per tensor argument (leaf i, the tensor a new argument is copied into, the shape of the
@@ -485,9 +590,11 @@ class _Graph:
         self.grads = grads  # (leaf, .grad when the capture began, .grad after it) for inputs requiring grad
         self.grads_in = tuple((i, g0) for i, g0, _ in grads if g0 is not None)
         self.returned = returned  # per output leaf: None, ("arg", i) or ("grad", i)
+        self.param_grads = param_grads if param_grads is not None else _Grads([], {})
 
     def stale(self) -> bool:
-        return self.structure != _structure(self.optimizers) or self.modules.changed()
+        return (self.structure != _structure(self.optimizers) or self.modules.changed()
+                or self.param_grads.changed())
 
 
 class _EagerCall:
@@ -523,6 +630,25 @@ class _CudaGraph:
         self.graph.replay()
 
 
+_MANY_SIGNATURES = 8  # signatures past which a step warns that its calls keep needing new graphs
+_KEPT_COLD = 32  # signatures without a graph whose warm-up records are kept (the most recent ones)
+
+
+def _varying_leaves(keys: list[tuple]) -> list[str]:
+    """The argument leaves whose key differs between the signature keys ``keys`` (each
+    ``(spec, leaf keys)``), described: what makes calls need new graphs."""
+    sigs = [k[0][1] for k in keys if len(k[0][1]) == len(keys[0][0][1])]
+    out = []
+    for i in range(len(sigs[0]) if sigs else 0):
+        values = {sig[i] for sig in sigs}
+        if len(values) > 1:
+            first = sigs[0][i]
+            what = "a tensor's shape, dtype, strides or grad state" if first[0] == "tensor" else (
+                f"a {first[1].__name__ if isinstance(first[1], type) else first[0]} value")
+            out.append(f"leaf {i} ({what}, {len(values)} different)")
+    return out
+
+
 class CapturedStep:
     """What :func:`capture_step` returns: call it as ``step_fn`` (see :mod:`hfkern.graphs`).
 
@@ -533,12 +659,13 @@ class CapturedStep:
     def __init__(self, step_fn: Callable, example_args: tuple, warmup: int):
         self.step_fn = step_fn
         self.warmup = warmup
-        self.example = _signature(example_args, {})  # the signature the caller announced
+        _signature(example_args, {})  # (the examples are checked as the calls' arguments will be)
         self._graphs: dict[tuple, _Graph] = {}
         self._warm: dict[tuple, int] = {}  # key -> eager calls since it last needed a capture
         self._last_eager: dict[tuple, _EagerCall] = {}  # key -> what its last eager call depended on
         self._watches: dict[tuple, _ModuleWatch] = {}  # key -> the modules its calls ran
         self._pool = None
+        self._warned_signatures = False
         self.graphs = 0
         self.eager_calls = 0
         # name and docstring only: step_fn's __dict__ (a callable object's attributes, or
@@ -564,6 +691,8 @@ class CapturedStep:
             self._warm[key] = 0
             graph = None
         if graph is None:
+            if key not in self._watches:
+                self._new_signature(key)
             last = self._last_eager.get(key)
             if self._warm.get(key, 0) < self.warmup or (last is not None and last.changed()):
                 # warm-up; or a change since the last eager call, validated eagerly before a capture
@@ -576,6 +705,28 @@ class CapturedStep:
             # the capture ran the step's Python (its host checks included) for this replay
             return self._replay(graph, args, ordered, checked=True)
         return self._replay(graph, args, ordered)
+
+    def _new_signature(self, key: tuple) -> None:
+        """A call of a signature not seen before (or forgotten): warn once when the calls keep
+        coming with new ones (each warms up and captures anew, and a signature that never
+        reaches its capture runs eagerly every time), and keep the warm-up records of the
+        most recent signatures without a graph only."""
+        cold = [k for k in self._watches if k not in self._graphs]
+        for k in cold[:max(len(cold) + 1 - _KEPT_COLD, 0)]:
+            for records in (self._warm, self._last_eager, self._watches):
+                records.pop(k, None)
+        seen = list(self._watches) + [key]
+        if len(seen) > _MANY_SIGNATURES and not self._warned_signatures:
+            self._warned_signatures = True
+            varying = _varying_leaves(seen)
+            warnings.warn(
+                f"capture_step: {getattr(self.step_fn, '__name__', 'the step')} has now been called with "
+                f"{len(seen)} different argument signatures (tensor shapes, dtypes and strides, non-tensor "
+                f"values, grad and autocast modes), and each needs {self.warmup} warm-up call(s) and a graph "
+                f"of its own: "
+                f"{'argument ' + ', '.join(varying) + ' change' if varying else 'the grad or autocast mode changes'}"
+                f". Pass a value that changes from call to call as a tensor (copied into the graph's input "
+                f"each call), not as a Python value", UserWarning, stacklevel=3)
 
     # ---- eager ----------------------------------------------------------------------------
     def _eager(self, args: tuple, kwargs: dict, key: tuple | None = None) -> Any:
@@ -630,6 +781,9 @@ class CapturedStep:
         static_args, static_kwargs = tree_unflatten(static, spec)
         graph = self._new_graph()
         watch = self._watches.setdefault(key, _ModuleWatch())
+        last = self._last_eager.get(key)
+        # the parameters' .grad as the capture finds them (those the warm-up calls reached)
+        grads_found = {id(p): p.grad for p in _grad_leaves(watch.modules, last.optimizers if last else {})}
         rec = _recording
         previous = (rec.active, rec.capturing, rec.host_steps, rec.checks, rec.restores, rec.capture,
                     rec.optimizers)
@@ -645,11 +799,12 @@ class CapturedStep:
         self.graphs += 1
         mutated = tuple(i for i in tensors if versions[i] is not None and _version(static[i]) != versions[i])
         grads = tuple((i, g0, static[i].grad) for i, g0 in grads_before.items())
+        param_grads = _Grads(_grad_leaves(watch.modules, optimizers), grads_found)
         sources = {id(static[i]): ("arg", i) for i in tensors}
         sources.update({id(g1): ("grad", i) for i, _, g1 in grads if g1 is not None})
         returned = [sources.get(id(o)) if isinstance(o, torch.Tensor) else None for o in tree_flatten(outputs)[0]]
         return _Graph(static, graph, outputs, host_steps, optimizers, modules(), mutated, grads, returned,
-                      inputs, checks, restores)
+                      inputs, checks, restores, param_grads)
 
     def _replay(self, graph: _Graph, args: tuple, kwargs: dict, checked: bool = False) -> Any:
         if not checked:
@@ -684,6 +839,7 @@ class CapturedStep:
                     caller.grad.copy_(g1)
             else:
                 caller.grad = g1.detach().clone()
+        graph.param_grads.restore()  # the parameters' .grad as an eager call leaves them
         for fn, a, k in graph.restores:
             fn(*a, **k)
         for method, a, k in graph.host_steps:
@@ -707,8 +863,8 @@ def capture_step(step_fn: Callable, *example_args: Any, warmup: int = 3) -> Capt
             gradient scaler, scheduler steps; returns what the caller needs
             (the ``[B]`` losses, detached). Called with the arguments the
             returned callable gets.
-        example_args: arguments of the shapes and dtypes of the batches to come
-            (their values are not used; nothing is trained on them).
+        example_args: arguments like the batches to come (checked as the calls'
+            arguments are; their values are not used, nothing is trained on them).
         warmup: eager calls before the capture (>= 1: state is allocated and
             kernels are compiled at the first one).
 
