@@ -361,6 +361,10 @@ def _col(h: Tensor, like: Tensor) -> Tensor:
     return h.view(h.shape[0], *([1] * (like.dim() - 1)))
 
 
+_rank = Tensor.dim
+_ACC_DTYPES = frozenset({torch.float32, torch.float64})  # the dtypes that are their own acc_dtype
+
+
 # A step passes a dozen lists of such columns, and on the CPU every view is a
 # dispatched op that costs about what a small parameter's update costs: the
 # lists share one view per rank (and dtype) instead of making one per tensor.
@@ -369,15 +373,13 @@ def _cols(h: Tensor, tensors: Sequence[Tensor], *, match_dtype: bool = False) ->
     """``_col(h, t)`` for every ``t`` in ``tensors``; with ``match_dtype`` each in its
     tensor's dtype (foreach lerp wants its weight in the tensor's dtype, and one
     group may mix float64 state with float32 hyperparameters)."""
-    made: dict[tuple, Tensor] = {}
-    out = []
-    for t in tensors:
-        key = (t.dim(), t.dtype if match_dtype else None)
-        col = made.get(key)
-        if col is None:
-            col = made[key] = _col(h.to(t.dtype) if match_dtype else h, t)
-        out.append(col)
-    return out
+    # (the per-tensor loops in C: map over the tensors, then over their keys)
+    keys = list(zip(map(_rank, tensors), map(_dtype_of, tensors))) if match_dtype else list(map(_rank, tensors))
+    made = {}
+    for key in set(keys):
+        rank, dtype = key if match_dtype else (key, None)
+        made[key] = (h.to(dtype) if match_dtype else h).view(h.shape[0], *([1] * (rank - 1)))
+    return list(map(made.__getitem__, keys))
 
 
 class _Columns:
@@ -393,11 +395,17 @@ class _Columns:
     """
 
     def __init__(self, tensors: Sequence[Tensor]):
-        by_rank: dict[int, list[int]] = {}
-        for i, t in enumerate(tensors):
-            by_rank.setdefault(t.dim(), []).append(i)
-        self._groups = list(by_rank.items())
-        self.order = [i for _, idx in self._groups for i in idx]
+        ranks = list(map(_rank, tensors))
+        # the parameters in rank order (stable: by rank, then by position), and per rank its count
+        self.order = sorted(range(len(ranks)), key=ranks.__getitem__)
+        counts: dict[int, int] = {}
+        for r in ranks:
+            counts[r] = counts.get(r, 0) + 1
+        self._counts = sorted(counts.items())
+        # where each parameter's column is among the columns made in rank order
+        self._position = [0] * len(ranks)
+        for k, i in enumerate(self.order):
+            self._position[i] = k
 
     def stack(self, rows: Sequence[Tensor]) -> Tensor:
         """``[n, B]``: the ``[B]`` tensors ``rows`` (one per parameter) in rank order."""
@@ -423,14 +431,13 @@ class _Columns:
     def __call__(self, x: Tensor) -> list[Tensor]:
         """Row r of the rank-ordered ``[n, B]`` ``x`` as the column of its parameter, in the
         parameters' order."""
-        out: list[Tensor] = [x] * len(self.order)
+        made: list[Tensor] = []
         start = 0
-        for rank, idx in self._groups:
-            rows = x[start:start + len(idx)]
-            for i, col in zip(idx, rows.reshape(*rows.shape, *([1] * (rank - 1))).unbind(0)):
-                out[i] = col
-            start += len(idx)
-        return out
+        for rank, k in self._counts:
+            rows = x[start:start + k]
+            made += rows.reshape(*rows.shape, *([1] * (rank - 1))).unbind(0)
+            start += k
+        return list(map(made.__getitem__, self._position))
 
 
 class _Targets:
@@ -448,6 +455,8 @@ class _Targets:
         self._copies: list[tuple[Tensor, Tensor]] = []
 
     def __call__(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        if self.skip is None and set(map(_dtype_of, tensors)) <= _ACC_DTYPES:
+            return list(tensors)  # every tensor updated directly (the loop below, in C)
         out = []
         for t in tensors:
             dtype = acc_dtype(t.dtype)
@@ -496,7 +505,10 @@ def _direction(
     """The gradient the update follows: in the math dtype, negated to maximize, plus
     ``weight_decay * param`` when given. May alias ``grads``: read only."""
     # g.to(g.dtype) would return g, but through a dispatched op per tensor
-    d = [g if g.dtype == acc_dtype(g.dtype) else g.to(acc_dtype(g.dtype)) for g in grads]
+    if set(map(_dtype_of, grads)) <= _ACC_DTYPES:
+        d = list(grads)
+    else:
+        d = [g if g.dtype == acc_dtype(g.dtype) else g.to(acc_dtype(g.dtype)) for g in grads]
     if maximize:
         d = torch._foreach_neg(d)
     if weight_decay is not None:

@@ -134,6 +134,8 @@ def _is_lr_record(t: Any, B: int | None) -> bool:
 
 _data_ptr = torch.Tensor.data_ptr
 _dtype_and_requires_grad = operator.attrgetter("dtype", "requires_grad")
+_dtype_of, _shape_of, _device_of = (operator.attrgetter(a) for a in ("dtype", "shape", "device"))
+_NONE_TYPE = type(None)
 
 
 def _state_memory(state: dict) -> tuple:
@@ -659,12 +661,10 @@ class ArrayOptimizer(Optimizer):
             flags = tuple(c.nonzero[row] if (row := spec.value_flag(f)) else group[f] for f in spec.flags)
             with_grad = [p for p in group["params"] if p.grad is not None]
             kept = self._state_keys(group, c) if with_grad else ()
-            per_param = [self._state_of(p, group, kept) for p in with_grad]
             params += with_grad
             grads += [p.grad for p in with_grad]
             hypers.append(c.hypers)
-            for key in kept:
-                states += [state[key] for state in per_param]
+            states += self._states(with_grad, group, kept)
             layout.append((len(with_grad), kept, flags))
         if _dynamo_tracing():
             for group in self.param_groups:
@@ -680,6 +680,28 @@ class ArrayOptimizer(Optimizer):
         skipped.append(out)
         self._opt_called = True  # (what torch's schedulers read: a scheduler stepped first warns)
         return tuple(layout)
+
+    def _states(self, params: list[torch.Tensor], group: dict[str, Any], keys: tuple[str, ...]) -> list[torch.Tensor]:
+        """The state tensors of ``params`` key by key (``keys``), created where missing and checked
+        against their parameters (:meth:`_state_of`). A steady-state step finds every entry made
+        and fitting: that case is a few list operations in C, no Python per parameter."""
+        if not keys:
+            return []
+        per_param = list(map(self.state.__getitem__, params))
+        try:
+            lists = [list(map(operator.itemgetter(key), per_param)) for key in keys]
+        except KeyError:  # state to create
+            lists = None
+        if lists is not None:
+            flat = list(chain.from_iterable(lists))
+            checked = next((values for key, values in zip(keys, lists) if key != "step"), None)
+            if _NONE_TYPE not in set(map(type, flat)) and (checked is None or (
+                    list(map(_dtype_of, checked)) == [acc_dtype(d) for d in map(_dtype_of, params)]
+                    and list(map(_shape_of, checked)) == list(map(_shape_of, params))
+                    and list(map(_device_of, checked)) == list(map(_device_of, params)))):
+                return flat
+        per_param = [self._state_of(p, group, keys) for p in params]
+        return [state[key] for key in keys for state in per_param]
 
     def _state_of(self, p: torch.Tensor, group: dict[str, Any], keys: tuple[str, ...]) -> dict:
         """``p``'s state with ``keys``, created where missing, and checked against ``p`` before
