@@ -41,12 +41,17 @@ def _compare(fused, models, x_shape, calls=2):
         (ref * weights).sum().backward()
         (out * weights).sum().backward()
         assert_close(xf.grad, torch.stack([t.grad for t in xs]), **TOL)
+        # Absolute tolerance on the scale of the step's gradients: a gradient that is zero in
+        # exact arithmetic (a linear layer's bias before a training batch norm) is rounding
+        # noise of the size of the sums it comes from, in both runs.
+        scale = max([m.get_parameter(name).grad.abs().max().item() for name, _ in fused.named_parameters()
+                     for m in models if m.get_parameter(name).grad is not None] + [1.0])
         for name, p in fused.named_parameters():
             theirs = [m.get_parameter(name).grad for m in models]
             if theirs[0] is None:
                 assert p.grad is None or not p.grad.any(), name
             else:
-                assert_close(p.grad, torch.stack(theirs), **TOL, msg=name)
+                assert_close(p.grad, torch.stack(theirs), rtol=TOL["rtol"], atol=TOL["atol"] * scale, msg=name)
         for name, buf in fused.named_buffers():
             assert_close(buf, torch.stack([m.get_buffer(name) for m in models]), **TOL, msg=name)
 

@@ -228,6 +228,20 @@ def torch_module(cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
     return cls(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def keeping_rng(device: Any = None) -> Iterator[None]:
+    """Build modules whose random initial values are all overwritten (from the models' state):
+    torch's random generators (the CPU's and, for a CUDA ``device``, that device's) are as
+    they were afterwards, so that fusing or extracting models draws nothing that later
+    dropout masks or initializations would have drawn."""
+    devices = []
+    if device is not None and torch.device(device).type == "cuda":
+        index = torch.device(device).index
+        devices = [index if index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
 class ArrayModule(nn.Module):
     """Base class: B models of ``_torch_cls`` fused along a leading array dim.
 
@@ -387,7 +401,8 @@ class ArrayModule(nn.Module):
             factory["device"] = first.device
         if floats:
             factory["dtype"] = floats[0].dtype
-        array = cls(**ref_cfg, B=len(modules), **factory)
+        with keeping_rng(factory.get("device")):  # (its initial values are the models' state below)
+            array = cls(**ref_cfg, B=len(modules), **factory)
         # The models hold what the array holds (a parametrized weight, an extra buffer: no).
         array._slot_pairs(modules[0], f"{name}.from_modules", check_dtype=False)
         with torch.no_grad():
@@ -460,7 +475,9 @@ class ArrayModule(nn.Module):
         return self._extract(self._check_slot(b, "extract_model"))
 
     def _extract(self, b: int) -> nn.Module:
-        module = torch_module(self._torch_cls, **self._model_config(b, fresh=False), **self._factory_kwargs())
+        factory = self._factory_kwargs()
+        with keeping_rng(factory.get("device")):  # (its initial values are model b's state below)
+            module = torch_module(self._torch_cls, **self._model_config(b, fresh=False), **factory)
         pairs = self._slot_pairs(module, f"{type(self).__name__}.extract_model", check_dtype=False)
         with torch.no_grad():
             for ours, theirs in pairs:
