@@ -742,6 +742,7 @@ class _Tracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         self._traced = {id(m) for m in root.modules()}
+        self._namespaces = _user_namespaces(root)
         self._parameter_names = {n for n, _ in root.named_parameters(remove_duplicate=False)}
         _guard_hooks(self, root)
         constants = [(label, t, _version_of(t)) for _, label, t in _plain_tensors(root)]
@@ -1136,6 +1137,7 @@ class _Tracer(fx.Tracer):
     def _patched(self) -> Iterator[None]:
         tracer = self
         saved: list[tuple[Any, str, Any]] = []
+        saved_globals: list[tuple[dict, str, Any]] = []
 
         thread = threading.get_ident()
 
@@ -1193,15 +1195,34 @@ class _Tracer(fx.Tracer):
                 return tracer._named_state(m, _named, a, k)
 
             patch(nn.Module, f"named_{kind}", named_state)
+        # The recorded functions, by the function they stand for: patched where forward's code finds
+        # them, as attributes (`torch.randn`, `F.dropout`) and as names its modules imported
+        # (`from torch.nn.functional import dropout`, `from torch import randn`).
+        recorded: dict[Callable, Callable] = {}
         for name in _RANDOM_FACTORIES:
             fn = getattr(torch, name)
-            patch(torch, name, lambda *a, _fn=fn, **k: tracer._draw(_fn, a, k))
+            recorded[fn] = lambda *a, _fn=fn, **k: tracer._draw(_fn, a, k)
+            patch(torch, name, recorded[fn])
         for name in _RANDOM_FUNCTIONALS:
             fn = getattr(nn.functional, name)
-            patch(nn.functional, name, lambda *a, _fn=fn, **k: tracer._random_functional(_fn, a, k))
+            recorded[fn] = lambda *a, _fn=fn, **k: tracer._random_functional(_fn, a, k)
+            patch(nn.functional, name, recorded[fn])
         for name in _SIZED_FACTORIES:
             fn = getattr(torch, name)
-            patch(torch, name, lambda *a, _fn=fn, **k: tracer._factory(_fn, a, k))
+            recorded[fn] = lambda *a, _fn=fn, **k: tracer._factory(_fn, a, k)
+            patch(torch, name, recorded[fn])
+        for namespace in getattr(self, "_namespaces", ()):
+            for name, value in list(namespace.items()):
+                new = recorded.get(value) if callable(value) else None
+                if new is not None:
+                    saved_globals.append((namespace, name, value))
+
+                    def dispatch_global(*args: Any, _new=new, _original=value, **kwargs: Any) -> Any:
+                        if threading.get_ident() != thread:
+                            return _original(*args, **kwargs)
+                        return _new(*args, **kwargs)
+
+                    namespace[name] = dispatch_global
         patch(builtins, "len", lambda v, _o=builtins.len: tracer._len(v, _o))
         for name in _RANDOM_INPLACE:
             patch(torch.Tensor, name, lambda t, *a, _n=name, _o=getattr(torch.Tensor, name), **k:
@@ -1222,6 +1243,8 @@ class _Tracer(fx.Tracer):
         try:
             yield
         finally:
+            for namespace, name, value in reversed(saved_globals):
+                namespace[name] = value
             for owner, name, value in reversed(saved):
                 if value is _MISSING:
                     delattr(owner, name)
@@ -1230,6 +1253,21 @@ class _Tracer(fx.Tracer):
 
 
 _MISSING = object()
+
+
+def _user_namespaces(root: nn.Module) -> list[dict]:
+    """The global namespaces of the user's code that forward runs: of the Python modules that
+    define the classes (and their bases) of ``root``'s modules, past torch's and hfkern's own."""
+    out: dict[int, dict] = {}
+    for m in root.modules():
+        for cls in type(m).__mro__:
+            if cls is nn.Module or cls is object:
+                break
+            module = sys.modules.get(cls.__module__)
+            file = getattr(module, "__file__", None)
+            if module is not None and not (file and _library_file(file)):
+                out.setdefault(id(module.__dict__), module.__dict__)
+    return list(out.values())
 
 
 def _called_from_library() -> bool:
