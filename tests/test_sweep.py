@@ -543,8 +543,11 @@ def test_a_device_budget_plans_within_what_the_device_offers():
     assert runner.strategy == chosen.strategy and summary.B == chosen.B and summary.completed == 3
     for t in study.trials:
         check_alone(t)
-    for bad in ("host", -1, 0, True, float("inf"), float("nan")):  # (inf: accepted, then refused by plan in run())
+    for bad in (-1, 0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="memory_budget must be a positive, finite number of bytes or 'device'"):
+            cases.runner(study, B=None, memory_budget=bad)
+    for bad in ("host", True):  # a wrong type, as hfkern.plan's memory_budget
+        with pytest.raises(TypeError, match="memory_budget must be a number of bytes or 'device'"):
             cases.runner(study, B=None, memory_budget=bad)
     with pytest.raises(ValueError, match="memory_budget picks B and the strategy"):
         cases.runner(study, B=2, memory_budget="device")

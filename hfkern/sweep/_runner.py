@@ -35,6 +35,7 @@ import math
 import numbers
 import os
 import socket
+import sys
 import time
 import types
 import warnings
@@ -65,6 +66,7 @@ _log = logging.getLogger("hfkern.sweep")
 # read, had one B and strategy for every group; 1 to 3, still read, no given arguments: _saved_given)
 _CHECKPOINT_VERSION = 4
 _MAX_B = 64  # the largest array the runner sizes itself; more trials per array rarely pay on one device
+_DEVICE_FRACTION = 0.9  # memory_budget="device": this part of the device's free memory, as hfkern.plan takes
 # A trial's seed is torch's seed of its model, and ``hp[seed_param]`` holds it exactly as an int64:
 # seeds lie in [-2**63, 2**63) (torch.manual_seed's seeds from 2**63 on are those 2**64 lower).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
@@ -449,7 +451,24 @@ class Runner:
             from, ``runner.group_plans`` each group's (keyed by the group's
             sorted ``(name, value)`` pairs). Without it (and without ``B``),
             each group's B is the largest array of its model that fits, with
-            no other strategy.
+            no other strategy. A budget that no strategy fits (not even one
+            model at B = 1) raises ValueError in :meth:`run`, naming the
+            budget and what the smallest plan needs, without counting any
+            trial as failed (as a refused ``strategy``). A runner resumed
+            from its checkpoint keeps each group's B and strategy without
+            planning again; the checkpoint holds no Pareto sets, so
+            ``runner.group_plans`` holds only the groups this runner planned,
+            and ``runner.plans`` is set only where this runner planned the
+            first group (else it is absent: ``hasattr(runner, "plans")`` is
+            False), so that ``runner.plans``, ``runner.B`` and
+            ``runner.strategy`` always describe the first group.
+
+    The counts (``batch_size``, ``epochs``, ``report_every``, ``B``,
+    ``checkpoint_every``, ``eval_batch_size``, and :meth:`run`'s ``n_trials``)
+    must be ints: another type (a bool, a float such as ``2.0``, a str) raises
+    TypeError, an int below 1 ValueError. ``memory_budget`` raises TypeError
+    where it is neither a number nor ``"device"`` (``"8GiB"``, a bool), as
+    :func:`hfkern.plan` does, and ValueError where not positive or not finite.
     """
 
     def __init__(
@@ -521,6 +540,16 @@ class Runner:
         for label, value in (("progress", progress), ("capture", capture)):
             if not isinstance(value, bool):
                 raise TypeError(f"{who}: {label} must be a bool, got {type(value).__name__} {value!r}")
+        # The counts and the budget, before anything is built (TypeError for a wrong type, ValueError
+        # for a bad value).
+        for label, value, given in (("batch_size", batch_size, not callable(batch_size)), ("epochs", epochs, True),
+                                    ("report_every", report_every, report_every is not None),
+                                    ("B", B, B is not None), ("checkpoint_every", checkpoint_every, True),
+                                    ("eval_batch_size", eval_batch_size, True)):
+            if given:
+                self._positive(value, label)
+        if memory_budget is not None:
+            self._check_memory_budget(memory_budget)
         self.study = study
         self._space, self._model_factory = space, model
         self.fusible = self._names(fusible, "fusible") | {seed_param}
@@ -602,10 +631,7 @@ class Runner:
                                 f"{type(strategy).__name__}")
             if self.B is None:
                 self.B = strategy.B
-        if memory_budget is not None:
-            if not (memory_budget == "device" or (_is_number(memory_budget) and 0 < memory_budget < math.inf)):
-                raise ValueError(f"{who}: memory_budget must be a positive, finite number of bytes or 'device', got "
-                                 f"{memory_budget!r}")
+        if memory_budget is not None:  # (its type and value checked above)
             if B is not None or strategy is not None:
                 raise ValueError(f"{who}: memory_budget picks B and the strategy; pass it without B and strategy")
         self.strategy = strategy
@@ -637,10 +663,28 @@ class Runner:
         return names
 
     @staticmethod
-    def _positive(value: Any, label: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"Runner: {label} must be a positive int, got {value!r}")
+    def _positive(value: Any, label: str, who: str = "Runner") -> int:
+        """``value`` as a positive int: TypeError for what is not an int (a bool, a float such as 2.0,
+        a str such as "2"), ValueError for an int below 1."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{who}: {label} must be a positive int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{who}: {label} must be a positive int, got {value!r}")
         return int(value)
+
+    @staticmethod
+    def _check_memory_budget(memory_budget: Any) -> None:
+        """``memory_budget`` (not None) as :func:`hfkern.plan` checks it: TypeError for what is neither
+        a number of bytes nor ``"device"`` (another str such as "8GiB", a bool), ValueError for a
+        number not positive or not finite."""
+        if isinstance(memory_budget, str) and memory_budget == "device":
+            return
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real):
+            raise TypeError(f"Runner: memory_budget must be a number of bytes or 'device', got "
+                            f"{type(memory_budget).__name__} {memory_budget!r}")
+        if not 0 < memory_budget < math.inf:
+            raise ValueError(f"Runner: memory_budget must be a positive, finite number of bytes or 'device', got "
+                             f"{memory_budget!r}")
 
     def _pair(self, data: Any, label: str) -> tuple[torch.Tensor, torch.Tensor]:
         if not (isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data)):
@@ -1214,8 +1258,10 @@ class Runner:
             return self.B, self.strategy
         if entry.key not in self._sizes:
             self._sizes[entry.key] = self._choose_B(entry)
-            if self.B is None:  # the first group's, as runner.B and runner.strategy
+            if self.B is None:  # the first group's, as runner.B, runner.strategy and runner.plans
                 self.B, self.strategy = self._sizes[entry.key]
+                if entry.key in self.group_plans:
+                    self.plans = self.group_plans[entry.key]
         return self._sizes[entry.key]
 
     def _choose_B(self, entry: _Entry) -> tuple[int, Any]:
@@ -1259,9 +1305,16 @@ class Runner:
 
     def _plan(self, entry: _Entry) -> tuple[int, Any]:
         """The fastest strategy within ``memory_budget`` for the model of ``entry``'s group
-        (:func:`hfkern.plan`)."""
+        (:func:`hfkern.plan`). A budget no strategy fits is a configuration error, not the trial's
+        failure: it raises :class:`_Refused` (:meth:`run` fails the held trials uncounted), naming
+        the budget and what the smallest plan needs."""
         from .. import plan as hplan
+        from ._memory import _format_bytes, _free_bytes
 
+        # What plan() would take for "device" (90% of the free memory), read before the profiling as
+        # plan() reads it. plan() is given no bound, so that the smallest plan is known where none fits.
+        device_budget = isinstance(self.memory_budget, str)  # "device"
+        budget = _DEVICE_FRACTION * _free_bytes(self.device) if device_budget else float(self.memory_budget)
         settings = self._settings_for(entry.params)
         kw = self._optimizer_kwargs(entry.params)
         cls, bs = settings.optimizer_cls, settings.batch_size
@@ -1275,11 +1328,27 @@ class Runner:
         plans = hplan(lambda: self._build_model(entry), (x[:bs], y[:bs]), trials=self._n_trials,
                       steps=settings.total_steps, device=self.device, optimizer=lambda params: cls(params, **kw),
                       loss_fn=loss, B_values=range(1, min(_MAX_B, self._n_trials) + 1),
-                      memory_budget=None if self.memory_budget == "device" else self.memory_budget)
+                      memory_budget=sys.float_info.max)
+        every = plans.unbounded_front or plans.front
+        fitting = [p for p in every if p.peak_memory <= budget]
+        if not fitting:
+            least = min(every, key=lambda p: p.peak_memory)
+            have, need = _format_bytes(budget), _format_bytes(least.peak_memory)
+            if have == need:  # rounded alike: the exact counts tell them apart
+                have, need = f"{have} ({int(budget)} bytes)", f"{need} ({int(least.peak_memory)} bytes)"
+            if device_budget:
+                have = f"{have} ({_DEVICE_FRACTION:.0%} of the free memory of {self.device})"
+            group = ", ".join(f"{k}={entry.params[k]!r}" for k, _ in entry.key)
+            raise _Refused(f"Runner(memory_budget={self.memory_budget!r}): no strategy fits {have} for "
+                           f"the models {f'of group {group} ' if group else ''}(planned on trial "
+                           f"{entry.trial.number}'s model, before more trials were asked); the smallest plan "
+                           f"needs {need} ({least.strategy.label}): give a larger memory_budget (or B and a "
+                           f"strategy of your own instead)")
+        # The set plan() returns for the budget: the plans within it in front, all in unbounded_front.
+        plans = dataclasses.replace(plans, front=[p for p in plans.front if p.peak_memory <= budget],
+                                    memory_budget=budget, unbounded_front=list(every))
         chosen = plans.best()
-        self.group_plans[entry.key] = plans
-        if not hasattr(self, "plans"):  # the first group's
-            self.plans = plans
+        self.group_plans[entry.key] = plans  # runner.plans: the first group's (_size_of)
         _log.info("%splan: %s", self._group_label(entry), chosen.strategy.label)
         if self.progress:
             _report.note(f"hfkern.sweep: {self._group_label(entry)}{chosen.strategy.label} (predicted "
@@ -1495,9 +1564,15 @@ class Runner:
         trials); both are raised again. The summary counts this call's work
         only.
         """
-        self._n_trials = self._positive(n_trials, "n_trials")
-        if timeout is not None and not (_is_number(timeout) and timeout > 0):
-            raise ValueError(f"Runner.run: timeout must be a positive number of seconds or None, got {timeout!r}")
+        n_trials = self._positive(n_trials, "n_trials", "Runner.run")
+        if timeout is not None:
+            if not _is_number(timeout):
+                raise TypeError(f"Runner.run: timeout must be a number of seconds or None, got "
+                                f"{type(timeout).__name__} {timeout!r}")
+            if not timeout > 0:
+                raise ValueError(f"Runner.run: timeout must be a positive number of seconds or None, got "
+                                 f"{timeout!r}")
+        self._n_trials = n_trials
         start = time.monotonic()
         self._stop_asking = False
         self._tally = dict.fromkeys(self._tally, 0)  # the summary is this call's
@@ -1679,6 +1754,13 @@ class Runner:
                     self._sizes.update(state["sizes"])
                 elif self.B is not None:  # formats 1 and 2: one B and strategy for every group
                     self._sized_per_group = False
+                # runner.plans with runner.B and runner.strategy: the first group's (the checkpoint's first
+                # sized), where this runner planned it; the checkpoint holds no Pareto sets.
+                first = next(iter(state.get("sizes") or ()), None)
+                if first is not None and first in self.group_plans:
+                    self.plans = self.group_plans[first]
+                elif hasattr(self, "plans"):
+                    del self.plans
             self._queue = [e for e in map(self._entry_from, state["queue"]) if e is not None]
             for saved in arrays:
                 slots = [None if s is None else self._entry_from(s) for s in saved["slots"]]
