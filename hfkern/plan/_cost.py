@@ -50,9 +50,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .._array import broadcast
 from ..fusion import FusedModel, fuse
 from ._search import BlockCost, SharedBytes, StepCost, check_spaces, held_bytes, step_costs
-from ._strategy import InFlight, Strategy, _known_mean, _marked, _not_recomputable, apply, blocks, make_step
+from ._strategy import (_NOT_CALLED, InFlight, Strategy, _inputs_written, _known_mean, _marked, _not_recomputable,
+                        apply, blocks, make_step)
 
 __all__ = ["FittedCostModel", "Profile", "fit_cost_model", "fit_profiles", "profile_step", "profile_together"]
 
@@ -638,6 +640,8 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     """Profile ``hfkern.fuse(factory, B)`` at each B of ``B_values`` in every setting and fit the curves (:class:`Curve`).
 
     ``B_values``: default :func:`default_profile_B` (1, 2, 4, 8, and 16 on CUDA).
+    ``micro_batches``: counts of at most the N samples of ``example_batch`` (else
+    ValueError, before any profiling).
 
     ``example_batch``: ``(inputs [N, ...], targets [N])``, one batch as one model
     sees it. ``optimizer``: ``params -> optimizer`` (default ``hfkern.optim.Adam``);
@@ -645,7 +649,15 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     ``recompute``: also profile each block recomputed alone, and all of them
     together, at every B, and fit what recomputing each costs and saves from
     those (else: its forward again, its inputs kept and its saved tensors alive
-    again in its backward, as the hooks see them). ``arrays``: array counts in
+    again in its backward, as the hooks see them). Blocks that cannot be
+    recomputed are neither profiled recomputed nor recomputed by any plan
+    (:attr:`FittedCostModel.unrecomputable`), with a UserWarning naming each:
+    those the forward never runs as code of their own, and those whose input
+    the forward writes in place, in the block or after it (which
+    ``torch.utils.checkpoint``, keeping the inputs, would find modified in
+    backward), as the fused graph shows and as one forward of
+    ``example_batch``'s inputs (at B = 1, comparing the versions of every
+    block's inputs) finds. ``arrays``: array counts in
     flight to profile together (:class:`~hfkern.plan._strategy.InFlight`; on CUDA
     a stream each) at every B, for :meth:`FittedCostModel.in_flight`; counts not
     profiled are modelled as one array after another.
@@ -687,6 +699,7 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     if len(set(B_values)) < 2:
         raise ValueError(f"fit_cost_model: B_values needs at least two distinct sizes to fit curves, got "
                          f"{list(B_values)}")
+    check_micro_batches("fit_cost_model", micro_batches, example_batch)
     split = [m for m in micro_batches if m > 1]
     if split:  # make_step refuses them on batch norm: say so before the profiling, which takes minutes
         from ._strategy import _BATCH_NORMS
@@ -701,16 +714,28 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
     loss_fn = loss_fn or cross_entropy
     profiles: list[Profile] = []
     too_large: set[int] = set()    # default sizes whose profiles ran out of device memory
-    names = []  # each recomputed alone
-    if recompute:
-        one = fuse(factory, 1)
-        fixed = _not_recomputable(one)
-        names = [n for n in blocks(one) if n not in fixed]
-        if fixed:
-            warnings.warn(f"fit_cost_model: block(s) {list(fixed)} cannot be recomputed: {next(iter(fixed.values()))}; "
-                          f"their time and activations count with the rest of the step, and no plan recomputes "
-                          f"them", stacklevel=2)
-        del one
+    # Blocks that cannot be recomputed: those the fused forward never runs as code of its own (no
+    # time or activations of their own: the profiles report them), and those whose inputs are
+    # written in place in the block or after it, before backward (torch.utils.checkpoint's kept
+    # input would be found modified in backward), as the fused graph shows them (apply() refuses
+    # those) and as one forward of the fused model finds them. Neither is profiled recomputed,
+    # and the search leaves them out.
+    one = fuse(factory, 1).to(device)
+    fixed = _not_recomputable(one)
+    found = _written_inputs(one, example_batch[0], device)
+    every = blocks(one)
+    del one
+    never = [n for n, why in fixed.items() if why == _NOT_CALLED]  # (as the profiles report them too)
+    written = {n: why for n, why in fixed.items() if why != _NOT_CALLED}  # as the graph shows
+    written.update((n, why) for n, why in found.items() if n not in fixed)  # as the forward finds
+    written = {n: written[n] for n in every if n in written}
+    names = [n for n in every if n not in fixed and n not in written] if recompute else []  # each recomputed alone
+    if recompute and never:
+        warnings.warn(f"fit_cost_model: block(s) {never} cannot be recomputed: {_NOT_CALLED}; their time and "
+                      f"activations count with the rest of the step, and no plan recomputes them", stacklevel=2)
+    for n, why in written.items():
+        warnings.warn(f"fit_cost_model: block {n!r} cannot be recomputed: {why}. No plan recomputes it (it keeps "
+                      f"its activations, as the plain step does)", stacklevel=2)
     kw = dict(optimizer=optimizer, loss_fn=loss_fn, device=device, steps=steps, warmup=warmup)
     for precision in precisions:
         for m in micro_batches:
@@ -747,7 +772,32 @@ def fit_cost_model(factory: Callable[[], nn.Module], example_batch: tuple[torch.
                                       f"(pass B_values to choose the sizes)", stacklevel=2)
                 if interleave:
                     profiles += _scaled_across_B(factory, example_batch, groups, **kw)
-    return fit_profiles(profiles)
+    fitted = fit_profiles(profiles)
+    for n, why in written.items():
+        if n in fitted.blocks:
+            fitted.unrecomputable.setdefault(n, why)
+    return fitted
+
+
+def _written_inputs(model: nn.Module, x: torch.Tensor, device: torch.device) -> dict[str, str]:
+    """The blocks of ``model`` (a fused array of one model, on ``device``) whose inputs one
+    forward of the inputs ``x`` writes in place (:func:`hfkern.plan._strategy._inputs_written`);
+    the random number generators are left as they were. (The loss is not called: what it
+    computes, and how often it is called, is the profiles'.)"""
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return _inputs_written(model, (broadcast(x.to(device), 1),))
+
+
+def check_micro_batches(who: str, micro_batches: Sequence[int], example_batch: tuple[torch.Tensor, ...]) -> None:
+    """ValueError, before any profiling, for micro-batch counts above the example batch's N
+    samples: a step splits the batch into that many micro-batches, one sample each at least."""
+    N = example_batch[0].shape[0]
+    over = [m for m in micro_batches if m > N]
+    if over:
+        raise ValueError(f"{who}: micro_batches {over} exceed the batch size N={N} of example_batch: expected at "
+                         f"most one micro-batch per sample (micro_batches <= {N})")
 
 
 def _release(device: torch.device) -> None:

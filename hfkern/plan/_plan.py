@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ._cost import FittedCostModel, check_model_args, fit_cost_model
+from ._cost import FittedCostModel, check_micro_batches, check_model_args, fit_cost_model
 from ._search import Plan, check_budget, check_spaces, search
 
 __all__ = ["PlanSet", "plan"]
@@ -160,7 +160,8 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
         B_values: array sizes searched (default 1 to 64).
         precisions: default ``("fp32", "bf16")`` on CUDA, ``("fp32",)`` on the CPU.
         micro_batches: micro-batch counts searched (micro-batching changes batch-norm
-            statistics: only for models without it).
+            statistics: only for models without it), each at most the batch size N of
+            ``example_batch`` (else ValueError, before profiling).
         arrays: arrays in flight (default ``(1, 2)`` on CUDA, ``(1,)`` on the CPU), each
             count profiled together (:class:`hfkern.plan.InFlight`: a CUDA stream
             per array) for the cost model.
@@ -196,6 +197,8 @@ def plan(factory: Callable[[], nn.Module], example_batch: tuple[torch.Tensor, to
         profile_B = check_spaces("plan", trials, steps, profile_B=profile_B)["profile_B"]
         if len(set(profile_B)) < 2:
             raise ValueError(f"plan: profile_B needs at least two distinct sizes to fit curves, got {list(profile_B)}")
+    # a step splits the batch into micro_batches parts: at most one per sample
+    check_micro_batches("plan", spaces["micro_batches"], example_batch)
     memory_budget = check_budget("plan", memory_budget)
     trials, steps = int(trials), int(steps)
     B_values, precisions, micro_batches = spaces["B_values"], spaces["precisions"], spaces["micro_batches"]

@@ -45,6 +45,16 @@ for the recomputation, as it was for the forward. The recomputation runs in the
 train/eval mode of its forward, whatever the block's mode is by backward.
 Random draws (dropout) repeat the forward's masks:
 ``torch.utils.checkpoint`` restores the RNG state before the recomputation.
+
+Recomputation and inputs. ``torch.utils.checkpoint`` keeps a recomputed block's
+inputs for its recomputation, and backward refuses them if they were written in
+place since. A block whose input is written in place, in the block (an
+``nn.ReLU(inplace=True)`` first in it) or after it before backward (the model's
+``h.mul_(0.5)`` on what the block read), cannot be recomputed, though the plain
+model trains: :func:`apply` refuses such a block of a fused model where its
+graph shows the write, a block that writes its input in its forward raises
+RuntimeError at its first forward, and :func:`hfkern.plan.fit_cost_model` also
+finds such blocks by one forward and leaves them out of every plan.
 """
 
 from __future__ import annotations
@@ -52,10 +62,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import numbers
 import operator
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -66,8 +77,11 @@ from torch.utils.checkpoint import checkpoint
 from .. import _capture
 from .._capture import _version_of
 from .._array import broadcast
-from ..fusion import FusedModel, compiled_forward, graph_from_state, graph_state
+from ..fusion import _VIEW_FUNCTIONS, _VIEW_METHOD_NAMES, FusedModel, _ArrayCall, compiled_forward, graph_from_state, \
+    graph_state
 from ..nn._base import ArrayModule, set_memory_format
+from ..nn.dropout import _ArrayDropoutNd
+from ..nn.flatten import Flatten as _ArrayFlatten
 from ..nn.normalization import _BatchNorm as _ArrayBatchNorm
 
 __all__ = ["Strategy", "Recompute", "blocks", "apply", "unapply", "applied", "make_step"]
@@ -298,8 +312,9 @@ class _BlockState:
     the recomputation, it raises RuntimeError.
     """
 
-    def __init__(self, block: nn.Module, site: Any):
+    def __init__(self, block: nn.Module, site: Any, args: tuple = ()):
         self.block, self.site = block, site  # site: the call (a Recompute block, a fused block's run)
+        self.args = args  # the call's positional arguments, until its forward begins
         self.mode = block.training  # of its forward
         self.before: list[_Entry] = []
         self.trained: list = []
@@ -334,12 +349,18 @@ class _BeforeForward:
         block, site = self.state.block, self.state.site
         self.state.mode = mode = block.training
         self.first = mode not in _LEARNED.get(site, ())  # the call site's first forward in this mode
+        args, self.state.args = self.state.args, ()
+        # The first forward checks that it leaves its inputs as it found them (what checkpoint keeps
+        # of them must be as they were in backward); later forwards run the same code.
+        self.inputs = [(t, _version_of(t)) for t in torch.utils._pytree.tree_leaves(args)
+                       if isinstance(t, torch.Tensor)] if self.first else []
         self.state.before = _state_of(block, None if self.first else _WRITERS.get(block, {}).get(mode, set()))
         self.state.names, self.state.modes = _found_of(block)
         self.state.trained = _trained_parameters(block)
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if exc_type is not None:
+            self.inputs = []
             return
         # (in-place ops count in the version; a write through .data does not, and goes unseen)
         block = self.state.block
@@ -350,6 +371,13 @@ class _BeforeForward:
                 f"hfkern.plan: a recomputed block ({type(block).__name__}) wrote its parameters {written} in place in "
                 f"its forward; they require grad, so its recomputation in backward cannot run on copies "
                 f"and would write them again: leave the block out of Strategy.recompute")
+        inputs, self.inputs = self.inputs, []
+        if any(_version_of(t) != version for t, version in inputs):
+            site = self.state.site
+            name = f"block {site.block!r}" if isinstance(site, _RecomputeSegment) else type(block).__name__
+            raise RuntimeError(
+                f"hfkern.plan: a recomputed block ({name}) wrote its input in place in its forward; "
+                f"{_CHECKPOINT_KEEPS_INPUTS}: leave the block out of Strategy.recompute")
         state = [e for e in self.state.before if e.kind != "attribute"]
         if self.first:
             # The call site's first forward in this mode copied all the block's state and keeps it
@@ -428,7 +456,7 @@ def _checkpoint_block(fn: Callable, block: nn.Module, site: Any, args: tuple, kw
     finds the devices whose RNG state it keeps from their tensors."""
     if not torch.is_grad_enabled():  # nothing will be backpropagated: no need to snapshot or stash RNG
         return fn(*args, **kwargs)
-    state = _BlockState(block, site)
+    state = _BlockState(block, site, args)
     call = functools.partial(fn, **kwargs) if kwargs else fn
     return checkpoint(call, *args, use_reentrant=False, context_fn=state.contexts)
 
@@ -709,12 +737,213 @@ _NOT_CALLED = ("the fused forward never runs it as code of its own (the model's 
                "directly), so there is nothing to recompute")
 
 
+# ---- blocks whose inputs are written in place ---------------------------------------------
+# torch.utils.checkpoint keeps a recomputed block's inputs for its recomputation and checks their
+# versions when backward unpacks them: an input written in place inside the block (an
+# nn.ReLU(inplace=True) first in it) or after it, before backward (the model's own `h.mul_(0.5)`
+# on what the block read), makes backward raise "one of the variables needed for gradient
+# computation has been modified by an inplace operation", where the plain model (which need not
+# keep that input) trains. Such a block cannot be recomputed. apply() refuses it where the fused
+# graph shows the write (_graph_written_inputs); fit_cost_model() also runs one forward comparing
+# the versions of every block's inputs (_inputs_written), and leaves the blocks found out of the
+# search. Nothing of this runs in a training step.
+_CHECKPOINT_KEEPS_INPUTS = ("torch.utils.checkpoint keeps a recomputed block's inputs for its recomputation, and "
+                            "backward would find this one modified (torch: 'one of the variables needed for "
+                            "gradient computation has been modified by an inplace operation')")
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__", "__imatmul__"})
+# Modules that may return their input itself (a view of it): a write through their result reaches it.
+_RETURNS_INPUT = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd, _ArrayDropoutNd,
+                  _ArrayFlatten)
+
+
+def _inplace_name(name: Any) -> bool:
+    """Whether a method or function of this name writes its first argument in place (``relu_``,
+    ``mul_``, ``__setitem__``; not ``requires_grad_``)."""
+    return isinstance(name, str) and (name in _INPLACE_DUNDERS or (
+        name.endswith("_") and not name.endswith("__") and name != "requires_grad_"))
+
+
+def _asks_inplace(fn: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether a function call asks for ``inplace`` (``F.relu(x, inplace=True)``,
+    ``F.dropout(x, p, True, True)``)."""
+    if "inplace" in kwargs:
+        flag = kwargs["inplace"]
+        return isinstance(flag, fx.Node) or flag is True
+    try:
+        signature = _SIGNATURES[fn]
+    except (KeyError, TypeError):  # (TypeError: an unhashable callable)
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # no signature (a builtin)
+            signature = None
+        with contextlib.suppress(TypeError):
+            _SIGNATURES[fn] = signature
+    if signature is None or "inplace" not in signature.parameters:
+        return False
+    try:
+        flag = signature.bind(*args, **kwargs).arguments.get("inplace", False)
+    except TypeError:  # not a call it takes
+        return False
+    return isinstance(flag, fx.Node) or flag is True
+
+
+_SIGNATURES: dict[Callable, inspect.Signature | None] = {}
+
+
+def _effects(node: fx.Node, model: nn.Module) -> tuple[list[fx.Node], list[fx.Node], str]:
+    """What a node of a fused forward's graph does to the memory of others: (the nodes whose
+    tensors it writes in place, the nodes its result may share memory with, how it is written
+    in messages). Calls the fusion made of the model's own (an array op, a module of the
+    fused model) are read as the calls they stand for; the fusion's other targets (a user
+    module run under vmap, a custom autograd Function) are taken to write nothing, which the
+    forward :func:`_inputs_written` runs checks."""
+    first = [node.args[0]] if node.args and isinstance(node.args[0], fx.Node) else []
+    if node.op == "call_module":
+        module = model.get_submodule(node.target)
+        what = f"module {node.target!r} ({type(module).__name__}, inplace=True)"
+        if getattr(module, "inplace", False) is True:
+            return first, first, what
+        return [], first if isinstance(module, _RETURNS_INPUT) else [], what
+    method, fn = None, None
+    if node.op == "call_method":
+        method = node.target
+    elif node.op == "call_function":
+        if isinstance(node.target, _ArrayCall):  # the array op of a call of the model's code
+            method, fn = node.target.method, node.target.fn
+        elif not isinstance(node.target, _capture.GraphTarget):
+            fn = node.target
+    if method is not None:
+        if _inplace_name(method):
+            return first, first, f"`.{method}()`"
+        return [], first if method in _VIEW_METHOD_NAMES else [], f"`.{method}()`"
+    if fn is None:
+        return [], [], ""
+    name = getattr(fn, "__name__", None) or repr(fn)
+    outs = [n for n in torch.utils._pytree.tree_leaves(node.kwargs.get("out")) if isinstance(n, fx.Node)]
+    if fn in _capture._INPLACE_OPERATORS or _inplace_name(name) or _asks_inplace(fn, node.args, node.kwargs):
+        flags = ", inplace=True" if _asks_inplace(fn, node.args, node.kwargs) else ""
+        return first + outs, first + outs, f"`{name}(...{flags})`"
+    if outs:
+        return outs, outs, f"`{name}(..., out=...)`"
+    return [], first if fn in _VIEW_FUNCTIONS else [], f"`{name}(...)`"
+
+
+def _graph_written_inputs(graph: fx.Graph, model: nn.Module, names: set[str]) -> dict[str, str]:
+    """The blocks (of ``names``) of a fused forward's graph that read a tensor which the graph
+    writes in place (or a tensor sharing its memory: a view of it, its source), inside a run of
+    the block or after the run, each with the reason. Writes before the run do not matter: the
+    checkpoint keeps the input as the run finds it."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    parent: dict[fx.Node, fx.Node] = {}  # union-find of the nodes that may share memory
+
+    def find(n: fx.Node) -> fx.Node:
+        while n in parent:
+            n = parent[n]
+        return n
+
+    writes = []
+    for node in nodes:
+        written, shared, what = _effects(node, model)
+        for src in shared:
+            a, b = find(node), find(src)
+            if a is not b:
+                parent[a] = b
+        writes.extend((node, target, what) for target in written)
+    if not writes:
+        return {}
+    labels = _label(graph)
+    found: dict[str, str] = {}
+    for block, run in _runs(graph, names):
+        if block in found:
+            continue
+        members = set(run)
+        inputs: dict[fx.Node, fx.Node] = {}  # memory (its group) -> the input read from it
+        for n in run:
+            for i in n.all_input_nodes:
+                if i not in members:
+                    inputs.setdefault(find(i), i)
+        for node, target, what in writes:
+            read = inputs.get(find(target))
+            if read is None or order[node] < order[run[0]]:
+                continue
+            if labels[node] == block:
+                where = "in the block's own forward"
+            elif labels[node] is not None:
+                where = f"after it ran, by block {labels[node]!r}"
+            else:
+                where = "after it ran, by the model's own forward code"
+            found[block] = (f"its input ({read.name!r} in the fused model's code) is written in place ({what}) "
+                            f"{where}; {_CHECKPOINT_KEEPS_INPUTS}")
+            break
+    return found
+
+
+def _written_in_graphs(model: FusedModel, names: Sequence[str]) -> dict[str, str]:
+    """:func:`_graph_written_inputs` over the fused model's own graphs (each mode's), in block order."""
+    found: dict[str, str] = {}
+    for graph in model._own_graphs.values():
+        for block, why in _graph_written_inputs(graph, model, set(names)).items():
+            found.setdefault(block, why)
+    return {n: found[n] for n in names if n in found}
+
+
+def _inputs_written(model: nn.Module, args: tuple) -> dict[str, str]:
+    """The blocks of a fused model whose inputs one forward writes in place, in the block or after
+    it (by the model's code or a later block), each with the reason. Runs ``model(*args)`` once,
+    with grad enabled, in the model's train/eval mode, its graphs marked where each run of a
+    block's nodes begins and ends (:func:`_marked`); the versions of each run's input tensors are
+    compared at its start, at its end, and at the end of the forward. This is the check
+    torch.utils.checkpoint makes in backward (the versions of what it keeps), made before
+    anything recomputes. Not a fused model: ``{}``."""
+    if not isinstance(model, FusedModel):
+        return {}
+    names = blocks(model)
+    if not names:
+        return {}
+    runs: list[list] = []  # [block, [(tensor, version at its start)], versions at its end or None]
+
+    def enter(block: str, *values: Any) -> None:
+        tensors = [t for t in torch.utils._pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+        runs.append([block, [(t, _version_of(t)) for t in tensors], None])
+
+    def leave(block: str) -> None:
+        if runs and runs[-1][0] == block and runs[-1][2] is None:
+            runs[-1][2] = [_version_of(t) for t, _ in runs[-1][1]]
+
+    graphs = model._graphs
+    marked = {mode: _marked(g, set(names), enter, leave) for mode, g in graphs.items()}
+    model._run_graphs(marked)
+    try:
+        with torch.enable_grad():
+            model(*args)
+    finally:
+        if model._graphs is marked:  # (a capture of a new call pattern may have replaced them)
+            model._run_graphs(graphs)
+    found: dict[str, str] = {}
+    for block, entered, left in runs:
+        if block in found:
+            continue
+        if left is not None and any(v != w for (_, v), w in zip(entered, left)):
+            found[block] = "its forward writes its input in place; " + _CHECKPOINT_KEEPS_INPUTS
+        elif any(_version_of(t) != v for t, v in entered):
+            found[block] = ("its input is written in place after it ran (by the model's forward code or a later "
+                            "block), before backward; " + _CHECKPOINT_KEEPS_INPUTS)
+    runs.clear()
+    return {n: found[n] for n in names if n in found}
+
+
 def _not_recomputable(model: nn.Module) -> dict[str, str]:
-    """The blocks of an array model that :func:`apply` cannot recompute, each with the reason."""
+    """The blocks of an array model that :func:`apply` cannot recompute, each with the reason: of
+    a fused model, the blocks its forward never runs as code of their own and those whose input
+    its graph writes in place (in the block or after it); of another, its containers."""
     names = blocks(model)
     if isinstance(model, FusedModel):
         called = {block for g in model._own_graphs.values() for block, _ in _runs(g, set(names))}
-        return {n: _NOT_CALLED for n in names if n not in called}
+        written = _written_in_graphs(model, [n for n in names if n in called])
+        return {n: _NOT_CALLED if n not in called else written[n] for n in names if n not in called or n in written}
     children = dict(model.named_children())
     return {n: f"it is a {type(children[n]).__name__} (a container whose entries the model calls itself)"
             for n in names if type(children[n]).forward is nn.Module.forward}
@@ -734,6 +963,13 @@ def _fused_graphs(model: FusedModel, names: tuple[str, ...]) -> dict:
             f"apply: expected blocks that the fused forward calls, got {missing}: their parameters are "
             "used by the model's own forward code, not by a call of the block, so there is nothing "
             "to recompute")
+    written = _written_in_graphs(model, names)
+    if written:
+        raise ValueError(
+            f"apply: expected blocks whose inputs stay as they were until backward, got {list(written)}: "
+            + "; ".join(f"block {n!r}: {why}" for n, why in written.items())
+            + ". Leave such a block out of Strategy.recompute (or make its code and the code after it write "
+            "into a copy, e.g. nn.ReLU(inplace=False))")
     return {mode: _with_recompute(g, wanted) for mode, g in graphs.items()}
 
 
@@ -767,8 +1003,14 @@ def apply(model: nn.Module, strategy: Strategy) -> nn.Module:
 
     Raises TypeError for a model that is not an array model, ValueError for a
     ``strategy.B`` other than the model's, for names that are not blocks (the
-    message lists the blocks), and for blocks that cannot be recomputed; all
-    before the model changes.
+    message lists the blocks), and for blocks that cannot be recomputed (of a
+    fused model: a block its forward never calls, one whose grad-mode or
+    autocast region does not end within it, and one whose input the fused
+    graph writes in place, in the block or after it: the checkpoint keeps its
+    inputs for backward); all before the model changes. A block whose forward
+    writes its input in place in a way the graph does not show (a custom
+    autograd Function, a hand-written array's block) raises RuntimeError at its
+    first forward.
     """
     if not isinstance(strategy, Strategy):
         raise TypeError(f"apply: expected a hfkern.plan Strategy, got {type(strategy).__name__}")
