@@ -1154,93 +1154,96 @@ class _Tracer(fx.Tracer):
 
             setattr(owner, name, dispatch)
 
-        setattr_orig = nn.Module.__setattr__
-        patch(nn.Module, "__setattr__", lambda m, n, v: tracer._setattr(m, n, v, setattr_orig))
-        for cls in _REGION_CLASSES:
-            enter, exit_ = cls.__enter__, cls.__exit__
-            patch(cls, "__enter__", lambda c, _o=enter: tracer._enter(c, _o))
-            patch(cls, "__exit__", lambda c, *a, _o=exit_: tracer._exit(c, a, _o))
-        train = nn.Module.train
-        patch(nn.Module, "train", lambda m, mode=True, _o=train: tracer._train(m, mode, _o))
-        is_grad_enabled = torch.is_grad_enabled
-        patch(torch, "is_grad_enabled", lambda _o=is_grad_enabled: tracer._is_grad_enabled(_o))
-        sge = torch.autograd.grad_mode.set_grad_enabled
-        init, exit_ = sge.__init__, sge.__exit__
-        patch(sge, "__init__", lambda c, mode, _o=init: tracer._set_grad_enabled_init(c, mode, _o))
-        patch(sge, "__exit__", lambda c, *a, _o=exit_: tracer._exit(c, a, _o))
-        # A custom autograd Function is one call (its own backward), not the ops of its forward.
-        function = torch.autograd.function.Function
-        apply = vars(function)["apply"].__func__
-        saved.append((function, "apply", vars(function)["apply"]))
-
-        def apply_function(cls, *a, **k):
-            if threading.get_ident() != thread:
-                return apply(cls, *a, **k)
-            return tracer._apply_function(cls, a, k, apply)
-
-        function.apply = classmethod(apply_function)
-        patch(fx.Proxy, "__setattr__", lambda p, n, v, _o=object.__setattr__: tracer._tensor_setattr(p, n, v, _o))
-        # A real tensor's attribute assignments (a tensor attribute's `.data`), which fx does not see.
-        patch(torch.Tensor, "__setattr__", lambda t, n, v, _o=torch.Tensor.__setattr__:
-              tracer._plain_tensor_setattr(t, n, v, _o))
-        # fx's Proxy has no item assignment (`self.queue[:n] = keys`, `h[:, 0] = 0`): record it.
-        patch(fx.Proxy, "__setitem__", lambda p, index, value: tracer.create_proxy(
-            "call_function", operator.setitem, (p, index, value), {}))
-        for kind in ("parameters", "buffers"):
-            named = getattr(nn.Module, f"named_{kind}")
-
-            def named_state(m, *a, _named=named, **k):
-                if id(m) not in tracer._traced or tracer._internal:
-                    return _named(m, *a, **k)
-                return tracer._named_state(m, _named, a, k)
-
-            patch(nn.Module, f"named_{kind}", named_state)
-        # The recorded functions, by the function they stand for: patched where forward's code finds
-        # them, as attributes (`torch.randn`, `F.dropout`) and as names its modules imported
-        # (`from torch.nn.functional import dropout`, `from torch import randn`).
-        recorded: dict[Callable, Callable] = {}
-        for name in _RANDOM_FACTORIES:
-            fn = getattr(torch, name)
-            recorded[fn] = lambda *a, _fn=fn, **k: tracer._draw(_fn, a, k)
-            patch(torch, name, recorded[fn])
-        for name in _RANDOM_FUNCTIONALS:
-            fn = getattr(nn.functional, name)
-            recorded[fn] = lambda *a, _fn=fn, **k: tracer._random_functional(_fn, a, k)
-            patch(nn.functional, name, recorded[fn])
-        for name in _SIZED_FACTORIES:
-            fn = getattr(torch, name)
-            recorded[fn] = lambda *a, _fn=fn, **k: tracer._factory(_fn, a, k)
-            patch(torch, name, recorded[fn])
-        for namespace in getattr(self, "_namespaces", ()):
-            for name, value in list(namespace.items()):
-                new = recorded.get(value) if callable(value) else None
-                if new is not None:
-                    saved_globals.append((namespace, name, value))
-
-                    def dispatch_global(*args: Any, _new=new, _original=value, **kwargs: Any) -> Any:
-                        if threading.get_ident() != thread:
-                            return _original(*args, **kwargs)
-                        return _new(*args, **kwargs)
-
-                    namespace[name] = dispatch_global
-        patch(builtins, "len", lambda v, _o=builtins.len: tracer._len(v, _o))
-        for name in _RANDOM_INPLACE:
-            patch(torch.Tensor, name, lambda t, *a, _n=name, _o=getattr(torch.Tensor, name), **k:
-                  tracer._draw_inplace(t, _n, _o, a, k))
-        import torch.random as torch_random  # (torch.random, not torch's `random` attribute)
-        for owner, prefix, names in ((torch, "torch", _RNG_FUNCTIONS), (torch_random, "torch.random", _RNG_FUNCTIONS),
-                                     (torch_random, "torch.random", ("fork_rng",)),
-                                     (getattr(torch, "cuda", None), "torch.cuda", _CUDA_RNG_FUNCTIONS)):
-            for name in names:
-                fn = getattr(owner, name, None) if owner is not None else None
-                if callable(fn):
-                    patch(owner, name, lambda *a, _fn=fn, _n=f"{prefix}.{name}", **k: tracer._rng_call(_n, _fn, a, k))
-        hook = _checkpoint_attribute("_checkpoint_hook")  # (entered around a non-reentrant checkpoint's function)
-        if isinstance(hook, type):
-            enter, exit_ = hook.__enter__, hook.__exit__
-            patch(hook, "__enter__", lambda c, _o=enter: tracer._checkpoint_enter(c, _o))
-            patch(hook, "__exit__", lambda c, *a, _o=exit_: tracer._checkpoint_exit(c, a, _o))
+        # (inside the try: a patch that fails part of the way leaves none applied)
         try:
+            setattr_orig = nn.Module.__setattr__
+            patch(nn.Module, "__setattr__", lambda m, n, v: tracer._setattr(m, n, v, setattr_orig))
+            for cls in _REGION_CLASSES:
+                enter, exit_ = cls.__enter__, cls.__exit__
+                patch(cls, "__enter__", lambda c, _o=enter: tracer._enter(c, _o))
+                patch(cls, "__exit__", lambda c, *a, _o=exit_: tracer._exit(c, a, _o))
+            train = nn.Module.train
+            patch(nn.Module, "train", lambda m, mode=True, _o=train: tracer._train(m, mode, _o))
+            is_grad_enabled = torch.is_grad_enabled
+            patch(torch, "is_grad_enabled", lambda _o=is_grad_enabled: tracer._is_grad_enabled(_o))
+            sge = torch.autograd.grad_mode.set_grad_enabled
+            init, exit_ = sge.__init__, sge.__exit__
+            patch(sge, "__init__", lambda c, mode, _o=init: tracer._set_grad_enabled_init(c, mode, _o))
+            patch(sge, "__exit__", lambda c, *a, _o=exit_: tracer._exit(c, a, _o))
+            # A custom autograd Function is one call (its own backward), not the ops of its forward.
+            function = torch.autograd.function.Function
+            apply = vars(function)["apply"].__func__
+            saved.append((function, "apply", vars(function)["apply"]))
+
+            def apply_function(cls, *a, **k):
+                if threading.get_ident() != thread:
+                    return apply(cls, *a, **k)
+                return tracer._apply_function(cls, a, k, apply)
+
+            function.apply = classmethod(apply_function)
+            patch(fx.Proxy, "__setattr__", lambda p, n, v, _o=object.__setattr__: tracer._tensor_setattr(p, n, v, _o))
+            # A real tensor's attribute assignments (a tensor attribute's `.data`), which fx does not see.
+            patch(torch.Tensor, "__setattr__", lambda t, n, v, _o=torch.Tensor.__setattr__:
+                  tracer._plain_tensor_setattr(t, n, v, _o))
+            # fx's Proxy has no item assignment (`self.queue[:n] = keys`, `h[:, 0] = 0`): record it.
+            patch(fx.Proxy, "__setitem__", lambda p, index, value: tracer.create_proxy(
+                "call_function", operator.setitem, (p, index, value), {}))
+            for kind in ("parameters", "buffers"):
+                named = getattr(nn.Module, f"named_{kind}")
+
+                def named_state(m, *a, _named=named, **k):
+                    if id(m) not in tracer._traced or tracer._internal:
+                        return _named(m, *a, **k)
+                    return tracer._named_state(m, _named, a, k)
+
+                patch(nn.Module, f"named_{kind}", named_state)
+            # The recorded functions, by the function they stand for: patched where forward's code finds
+            # them, as attributes (`torch.randn`, `F.dropout`) and as names its modules imported
+            # (`from torch.nn.functional import dropout`, `from torch import randn`).
+            # (by identity: a user's module-level value may be unhashable, or hash by its own code)
+            recorded: dict[int, tuple[Callable, Callable]] = {}
+            for name in _RANDOM_FACTORIES:
+                fn = getattr(torch, name)
+                recorded[id(fn)] = fn, lambda *a, _fn=fn, **k: tracer._draw(_fn, a, k)
+                patch(torch, name, recorded[id(fn)][1])
+            for name in _RANDOM_FUNCTIONALS:
+                fn = getattr(nn.functional, name)
+                recorded[id(fn)] = fn, lambda *a, _fn=fn, **k: tracer._random_functional(_fn, a, k)
+                patch(nn.functional, name, recorded[id(fn)][1])
+            for name in _SIZED_FACTORIES:
+                fn = getattr(torch, name)
+                recorded[id(fn)] = fn, lambda *a, _fn=fn, **k: tracer._factory(_fn, a, k)
+                patch(torch, name, recorded[id(fn)][1])
+            for namespace in getattr(self, "_namespaces", ()):
+                for name, value in list(namespace.items()):
+                    entry = recorded.get(id(value))
+                    if entry is not None and entry[0] is value:
+                        new = entry[1]
+                        saved_globals.append((namespace, name, value))
+
+                        def dispatch_global(*args: Any, _new=new, _original=value, **kwargs: Any) -> Any:
+                            if threading.get_ident() != thread:
+                                return _original(*args, **kwargs)
+                            return _new(*args, **kwargs)
+
+                        namespace[name] = dispatch_global
+            patch(builtins, "len", lambda v, _o=builtins.len: tracer._len(v, _o))
+            for name in _RANDOM_INPLACE:
+                patch(torch.Tensor, name, lambda t, *a, _n=name, _o=getattr(torch.Tensor, name), **k:
+                      tracer._draw_inplace(t, _n, _o, a, k))
+            import torch.random as torch_random  # (torch.random, not torch's `random` attribute)
+            for owner, prefix, names in ((torch, "torch", _RNG_FUNCTIONS), (torch_random, "torch.random", _RNG_FUNCTIONS),
+                                         (torch_random, "torch.random", ("fork_rng",)),
+                                         (getattr(torch, "cuda", None), "torch.cuda", _CUDA_RNG_FUNCTIONS)):
+                for name in names:
+                    fn = getattr(owner, name, None) if owner is not None else None
+                    if callable(fn):
+                        patch(owner, name, lambda *a, _fn=fn, _n=f"{prefix}.{name}", **k: tracer._rng_call(_n, _fn, a, k))
+            hook = _checkpoint_attribute("_checkpoint_hook")  # (entered around a non-reentrant checkpoint's function)
+            if isinstance(hook, type):
+                enter, exit_ = hook.__enter__, hook.__exit__
+                patch(hook, "__enter__", lambda c, _o=enter: tracer._checkpoint_enter(c, _o))
+                patch(hook, "__exit__", lambda c, *a, _o=exit_: tracer._checkpoint_exit(c, a, _o))
             yield
         finally:
             for namespace, name, value in reversed(saved_globals):

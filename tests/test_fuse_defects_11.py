@@ -10,6 +10,8 @@ imported are recorded as the attributes are.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn, randn, zeros
 from torch.nn.functional import dropout
@@ -86,3 +88,36 @@ def test_the_imported_names_are_restored_after_the_capture():
     fused(torch.ones(B, 2, 4))
     assert dropout is torch.nn.functional.dropout and randn is torch.randn and zeros is torch.zeros
     assert globals()["dropout"] is torch.nn.functional.dropout
+
+
+@dataclasses.dataclass
+class _Scale:  # eq=True: unhashable, and callable, as a module-level value of the model's module
+    factor: float
+
+    def __call__(self, x):
+        return x * self.factor
+
+
+_SCALE = _Scale(2.0)
+
+
+class _UsesUnhashable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _SCALE(self.fc(x))
+
+
+def test_unhashable_callables_in_the_models_module_are_left_alone():
+    """The names are matched by identity: a callable module-level value that cannot be hashed
+    (a dataclass instance) neither breaks the capture nor leaves torch patched."""
+    torch.manual_seed(0)
+    models = [_UsesUnhashable() for _ in range(B)]
+    x = torch.randn(B, 2, 4)
+    out = hfkern.fuse(models)(x)
+    for b, m in enumerate(models):
+        assert_close(out[b], m(x[b]))
+    assert torch.nn.functional.dropout is dropout and torch.randn is randn
+    assert nn.Module.__setattr__ is torch.nn.modules.module.Module.__dict__["__setattr__"]
