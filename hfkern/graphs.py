@@ -126,7 +126,10 @@ How a call runs:
     another Python profiler, ``sys.setprofile``, they are not found and their
     modes, values and tensors are not watched: a UserWarning says so.)
   - a parameter's ``.grad`` that no longer fits the graph (see the
-    parameters' gradients above).
+    parameters' gradients above). Which parameters have a ``.grad`` at all
+    before a call is part of the graph's key instead: a caller that clears
+    the gradients every few calls (gradient accumulation) gets one graph for
+    the calls after a clear and one for the others.
 
   Everything else, written in place into the tensors the graph reads, takes
   effect without one: ``set_hyperparameters``, the schedulers' learning rates
@@ -140,10 +143,11 @@ How a call runs:
 
 Calls that keep coming with new signatures (a Python number that changes at
 every call, such as a step counter) each warm up and capture anew, so a
-signature that never reaches its capture runs eagerly every time: past 8
-signatures a UserWarning names the arguments that change; pass such values as
-tensors. Only the warm-up records of the 32 most recent signatures without a
-graph are kept.
+signature that never recurs runs eagerly every time: a UserWarning names a
+non-tensor argument once it has taken more than 8 values; pass such values as
+tensors. Only the warm-up records of the 1024 most recent signatures without a
+graph are kept (a warning says so when older ones are dropped). Batches of a
+few shapes are what graphs per signature are for: each shape gets its graph.
 
 A call whose capture raises has run the step's Python up to the error, but
 none of its device work (a capture records kernels, it does not run them: the
@@ -167,7 +171,7 @@ import operator
 import sys
 import threading
 import warnings
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -334,6 +338,18 @@ class _ModuleWatch:
         self.modules: list[torch.nn.Module] = []
         self.getters: list[tuple[torch.nn.Module, Callable]] = []
         self._ids: set[int] = set()
+        self.optimizers: dict[int, Any] = {}  # the optimizers the calls stepped
+        self._leaves: tuple[tuple, list[torch.Tensor]] = ((), [])
+
+    def grad_pattern(self) -> tuple[bool, ...]:
+        """Which of the parameters the calls reach have no ``.grad`` now: part of a graph's key (a
+        backward into a gradient that exists computes another thing than into none, so a caller
+        that clears the gradients every few calls gets a graph for each case, not a new capture
+        at every change)."""
+        known = (len(self.modules), tuple(self.optimizers))
+        if self._leaves[0] != known:
+            self._leaves = (known, _grad_leaves(self.modules, self.optimizers))
+        return tuple(map(operator.is_, map(_grad, self._leaves[1]), repeat(None)))
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Callable[[], _Modules]]:
@@ -372,7 +388,8 @@ class _ModuleWatch:
                     "capture_step: another Python profiler (sys.setprofile) runs while the step runs eagerly or "
                     "is captured, so the modules it runs are not found: a later train()/eval() of them, a "
                     "change of their host hyper-parameters, or new memory of their parameters or buffers, "
-                    "will not make a new capture (call "
+                    "will not make a new capture, and only the parameters of optimizers stepped in the step "
+                    "get their .grad back after a replay (call "
                     "CapturedStep.reset() after such a change, or capture without the profiler)",
                     UserWarning, stacklevel=4)
             yield snapshot
@@ -526,8 +543,13 @@ class _Grads:
     * ``g0`` None, ``g1`` new (the caller cleared the gradients before the call, the step does not):
       right only while ``.grad`` is None before the call (an eager call would add to another);
       a replay sets it to ``g1``, as the eager call leaves a new gradient.
-    * ``g0`` another tensor, ``g1`` new (the step clears the gradients itself,
-      ``zero_grad()``): right whatever ``.grad`` is before the call; a replay sets it to ``g1``.
+    * ``g0`` another tensor, ``g1`` new, ``g0`` not written in the capture (the step clears the
+      gradients itself, ``zero_grad()``): right whatever ``.grad`` is before the call; a replay
+      sets it to ``g1``.
+    * ``g0`` another tensor written in the capture, ``g1`` new (the step adds to the gradient, then
+      assigns another, ``p.grad = p.grad.clamp(...)``): the graph reads ``g0``'s memory, so a
+      replay is right only while the call's ``.grad`` is ``g0``, which the previous call's
+      ``g1`` is not: such a step is captured anew at each call, running as an eager one does.
 
     A ``.grad`` that no longer fits is a change (a new capture, after warm-up calls), as a
     change of the parameters themselves is."""
@@ -540,21 +562,21 @@ class _Grads:
             g1 = p.grad
             if g1 is None:
                 continue  # the step left no gradient: a replay leaves .grad as it finds it, as eager does
-            g0 = before.get(id(p), _UNKNOWN)
+            g0, version = before.get(id(p), (_UNKNOWN, None))
             if g0 is g1 or g0 is _UNKNOWN:
                 checked.append(p)
                 expected.append(g1)
             else:
-                if g0 is None:
+                if g0 is None or _version(g0) != version:  # (None: the caller cleared it; else written)
                     checked.append(p)
-                    expected.append(None)
+                    expected.append(g0)
                 restored.append((p, g1))
         self.checked = tuple(checked)
-        self.expected = tuple(map(id, expected))  # (the graph holds every g1: their ids stay theirs)
+        self.expected = tuple(expected)  # (held: an identity is not reused while it is compared)
         self.restored = tuple(restored)
 
     def changed(self) -> bool:
-        return tuple(map(id, map(_grad, self.checked))) != self.expected
+        return not all(map(operator.is_, map(_grad, self.checked), self.expected))
 
     def restore(self) -> None:
         for p, g1 in self.restored:
@@ -630,22 +652,23 @@ class _CudaGraph:
         self.graph.replay()
 
 
-_MANY_SIGNATURES = 8  # signatures past which a step warns that its calls keep needing new graphs
-_KEPT_COLD = 32  # signatures without a graph whose warm-up records are kept (the most recent ones)
+_MANY_VALUES = 8  # values of a non-tensor argument past which a step warns that they keep needing new graphs
+_KEPT_COLD = 1024  # signatures without a graph whose warm-up records are kept (the most recent ones)
 
 
-def _varying_leaves(keys: list[tuple]) -> list[str]:
-    """The argument leaves whose key differs between the signature keys ``keys`` (each
-    ``(spec, leaf keys)``), described: what makes calls need new graphs."""
-    sigs = [k[0][1] for k in keys if len(k[0][1]) == len(keys[0][0][1])]
+def _varying_values(bases: list[tuple]) -> list[tuple[int, str, int]]:
+    """The non-tensor argument leaves that take more than :data:`_MANY_VALUES` values among the
+    signatures ``bases`` (each ``((spec, leaf keys), ambient)``): ``(leaf, what, how many)``.
+    (Tensors of several shapes are what graphs per signature are for: not counted.)"""
+    sigs = [b[0][1] for b in bases if len(b[0][1]) == len(bases[0][0][1])]
     out = []
     for i in range(len(sigs[0]) if sigs else 0):
+        if sigs[0][i][0] == "tensor":
+            continue
         values = {sig[i] for sig in sigs}
-        if len(values) > 1:
+        if len(values) > _MANY_VALUES:
             first = sigs[0][i]
-            what = "a tensor's shape, dtype, strides or grad state" if first[0] == "tensor" else (
-                f"a {first[1].__name__ if isinstance(first[1], type) else first[0]} value")
-            out.append(f"leaf {i} ({what}, {len(values)} different)")
+            out.append((i, first[1].__name__ if isinstance(first[1], type) else first[0], len(values)))
     return out
 
 
@@ -684,20 +707,24 @@ class CapturedStep:
         sig = _signature(args, ordered)  # (on the CPU too: an argument no graph can key fails alike)
         if not _on_cuda(args, kwargs):
             return self._eager(args, kwargs)
-        key = (sig, _ambient())
+        base = (sig, _ambient())
+        watch = self._watches.get(base)
+        if watch is None:
+            self._new_signature(base)
+        # A graph per signature and pattern of the parameters' .grad (None or not); the warm-up
+        # calls, and what they depended on, per signature.
+        key = (base, watch.grad_pattern() if watch is not None else None)
         graph = self._graphs.get(key)
         if graph is not None and graph.stale():
             del self._graphs[key]  # what the graph depends on changed: it would run stale work
-            self._warm[key] = 0
+            self._warm[base] = 0
             graph = None
         if graph is None:
-            if key not in self._watches:
-                self._new_signature(key)
-            last = self._last_eager.get(key)
-            if self._warm.get(key, 0) < self.warmup or (last is not None and last.changed()):
+            last = self._last_eager.get(base)
+            if self._warm.get(base, 0) < self.warmup or (last is not None and last.changed()) or watch is None:
                 # warm-up; or a change since the last eager call, validated eagerly before a capture
-                out = self._eager(args, kwargs, key)
-                self._warm[key] = self._warm.get(key, 0) + 1  # a warm-up call that raised does not count
+                out = self._eager(args, kwargs, base)
+                self._warm[base] = self._warm.get(base, 0) + 1  # a warm-up call that raised does not count
                 return out
             graph = self._graphs[key] = self._capture(key, args, ordered)
             if graph.graph.runs_at_capture:
@@ -706,32 +733,34 @@ class CapturedStep:
             return self._replay(graph, args, ordered, checked=True)
         return self._replay(graph, args, ordered)
 
-    def _new_signature(self, key: tuple) -> None:
-        """A call of a signature not seen before (or forgotten): warn once when the calls keep
-        coming with new ones (each warms up and captures anew, and a signature that never
-        reaches its capture runs eagerly every time), and keep the warm-up records of the
-        most recent signatures without a graph only."""
-        cold = [k for k in self._watches if k not in self._graphs]
-        for k in cold[:max(len(cold) + 1 - _KEPT_COLD, 0)]:
+    def _new_signature(self, base: tuple) -> None:
+        """A call of a signature not seen before (or forgotten): warn once when a non-tensor
+        argument keeps taking new values (each value warms up and captures anew, so a value that
+        never recurs runs eagerly every time), and keep the warm-up records of the most recent
+        signatures without a graph only."""
+        captured = {key[0] for key in self._graphs}
+        cold = [b for b in self._watches if b not in captured]
+        dropped = cold[:max(len(cold) + 1 - _KEPT_COLD, 0)]
+        for b in dropped:
             for records in (self._warm, self._last_eager, self._watches):
-                records.pop(k, None)
-        seen = list(self._watches) + [key]
-        if len(seen) > _MANY_SIGNATURES and not self._warned_signatures:
+                records.pop(b, None)
+        if self._warned_signatures:
+            return
+        varying = _varying_values(list(self._watches) + [base])
+        if varying or dropped:
             self._warned_signatures = True
-            varying = _varying_leaves(seen)
+            what = ", ".join(f"leaf {i} (a {kind}, {n} values)" for i, kind, n in varying)
             warnings.warn(
-                f"capture_step: {getattr(self.step_fn, '__name__', 'the step')} has now been called with "
-                f"{len(seen)} different argument signatures (tensor shapes, dtypes and strides, non-tensor "
-                f"values, grad and autocast modes), and each needs {self.warmup} warm-up call(s) and a graph "
-                f"of its own: "
-                f"{'argument ' + ', '.join(varying) + ' change' if varying else 'the grad or autocast mode changes'}"
-                f". Pass a value that changes from call to call as a tensor (copied into the graph's input "
-                f"each call), not as a Python value", UserWarning, stacklevel=3)
+                f"capture_step: {getattr(self.step_fn, '__name__', 'the step')} keeps being called with new "
+                f"argument signatures ({'non-tensor argument ' + what if varying else f'{_KEPT_COLD} without a graph'}"
+                f"), and each needs {self.warmup} warm-up call(s) and a graph of its own: a signature that does "
+                f"not recur runs eagerly. Pass a value that changes from call to call as a tensor (copied into the "
+                f"graph's input at each call), not as a Python value", UserWarning, stacklevel=3)
 
     # ---- eager ----------------------------------------------------------------------------
     def _eager(self, args: tuple, kwargs: dict, key: tuple | None = None) -> Any:
-        """``step_fn`` eagerly; with ``key`` (a warm-up call on CUDA) on a side stream, watching
-        the optimizers it steps and the modules it runs."""
+        """``step_fn`` eagerly; with ``key`` (a warm-up call on CUDA: its signature) on a side
+        stream, watching the optimizers it steps and the modules it runs."""
         self.eager_calls += 1
         rec = _recording
         previous, rec.active = rec.active, self
@@ -746,6 +775,7 @@ class CapturedStep:
             with self._warmup_stream(), watch.running() as modules:
                 out = self.step_fn(*args, **kwargs)
             self._last_eager[key] = _EagerCall(rec.optimizers, modules())
+            watch.optimizers.update(rec.optimizers)
             return out
         finally:
             found = rec.optimizers
@@ -780,10 +810,11 @@ class CapturedStep:
         grads_before = {i: static[i].grad for i in tensors if static[i].requires_grad}
         static_args, static_kwargs = tree_unflatten(static, spec)
         graph = self._new_graph()
-        watch = self._watches.setdefault(key, _ModuleWatch())
-        last = self._last_eager.get(key)
+        watch = self._watches.setdefault(key[0], _ModuleWatch())
+        last = self._last_eager.get(key[0])
         # the parameters' .grad as the capture finds them (those the warm-up calls reached)
-        grads_found = {id(p): p.grad for p in _grad_leaves(watch.modules, last.optimizers if last else {})}
+        grads_found = {id(p): (p.grad, None if p.grad is None else _version(p.grad))
+                       for p in _grad_leaves(watch.modules, {**watch.optimizers, **(last.optimizers if last else {})})}
         rec = _recording
         previous = (rec.active, rec.capturing, rec.host_steps, rec.checks, rec.restores, rec.capture,
                     rec.optimizers)
