@@ -4395,25 +4395,34 @@ def _rewrite(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Mod
 def _fresh_sources(graph: fx.Graph, model: nn.Module, array_classes: dict) -> Callable[[fx.Node], list[fx.Node]]:
     """``sources(node)``: the nodes of ``graph`` that make new memory (a factory's, an arithmetic
     result's) which ``node``'s tensor may share (:func:`_alias_sources`, conservatively)."""
-    nodes = list(graph.nodes)
-    parent: dict[fx.Node, fx.Node] = {}
-
-    def find(n: fx.Node) -> fx.Node:
-        while n in parent:
-            n = parent[n]
-        return n
-
+    groups = MemoryGroups()
     fresh = []
-    for node in nodes:
+    for node in graph.nodes:
         sources = _alias_sources(node, model, array_classes)
         if not sources and node.op in ("call_function", "call_method") and not _is_metadata(node) \
                 and not isinstance(node.target, _capture.GraphTarget):
             fresh.append(node)
         for src in sources:
-            a, b = find(node), find(src)
-            if a is not b:
-                parent[a] = b
-    return lambda node: [n for n in fresh if find(n) is find(node)]
+            groups.join(node, src)
+    return lambda node: [n for n in fresh if groups.find(n) is groups.find(node)]
+
+
+class MemoryGroups:
+    """The nodes of a graph whose tensors may share memory, as groups (union-find): ``join(a, b)``
+    puts two in one group, ``find(n)`` gives the node that stands for ``n``'s group."""
+
+    def __init__(self) -> None:
+        self._parent: dict[fx.Node, fx.Node] = {}
+
+    def find(self, n: fx.Node) -> fx.Node:
+        while n in self._parent:
+            n = self._parent[n]
+        return n
+
+    def join(self, a: fx.Node, b: fx.Node) -> None:
+        a, b = self.find(a), self.find(b)
+        if a is not b:
+            self._parent[a] = b
 
 
 def _rewrite_pass(graph: fx.Graph, model: nn.Module, B: int, leaves: dict[str, nn.Module],

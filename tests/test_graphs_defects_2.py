@@ -40,6 +40,17 @@ def _model():
     return lin, hfkern.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9)
 
 
+def _sgd_step(lin, opt):
+    """The whole step of ``lin`` and ``opt``: forward, per-model losses, backward, optimizer step."""
+    def step(x):
+        losses = lin(hfkern.broadcast(x, B)).pow(2).mean(dim=(1, 2))
+        opt.zero_grad()
+        losses.sum().backward()
+        opt.step()
+        return losses.detach()
+    return step
+
+
 def _run(captured: bool, loop, steps: int = 6):
     """``loop(run, lin, opt, x, i)`` for each batch, ``run`` the step (forward and backward:
     ``fwd_bwd``) or its capture (one warm-up call); per call the weights and the gradient the
@@ -90,8 +101,6 @@ def test_gradients_cleared_before_the_call_are_the_steps_after_a_replay():
 def test_whole_step_with_gradients_cleared_outside_leaves_them_set():
     """The whole step captured, the gradients cleared outside it: after a replay .grad holds the
     step's gradient (gradient-norm logging after the call reads it), as after an eager call."""
-    lin, opt = _model()
-
     def make(lin, opt):
         def step(x):
             losses = lin(hfkern.broadcast(x, B)).pow(2).mean(dim=(1, 2))
@@ -228,14 +237,7 @@ def test_calls_that_keep_needing_new_graphs_warn_once_and_keep_bounded_records(m
 def test_a_few_signatures_do_not_warn():
     """Batches of a few shapes (a last, smaller batch) are what graphs per signature are for:
     no warning."""
-    lin, opt = _model()
-
-    def step(x):
-        losses = lin(hfkern.broadcast(x, B)).pow(2).mean(dim=(1, 2))
-        opt.zero_grad()
-        losses.sum().backward()
-        opt.step()
-        return losses.detach()
+    step = _sgd_step(*_model())
 
     with recorded(), warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -250,14 +252,7 @@ def test_many_recurring_batch_shapes_each_get_their_graph_without_a_warning():
     the records of signatures past the 32 most recent were dropped before they could reach a
     capture, so none was ever captured), and no warning (shapes are what graphs per signature
     are for)."""
-    lin, opt = _model()
-
-    def step(x):
-        losses = lin(hfkern.broadcast(x, B)).pow(2).mean(dim=(1, 2))
-        opt.zero_grad()
-        losses.sum().backward()
-        opt.step()
-        return losses.detach()
+    step = _sgd_step(*_model())
 
     with recorded(), warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -312,8 +307,6 @@ def test_a_step_that_adds_to_the_gradient_and_then_replaces_it_runs_as_eager():
     the caller steps and zeroes the gradients in place every second call. Each eager call adds
     to the previous call's new tensor, which a graph (reading the memory its capture added to)
     cannot: the calls equal eager ones (before, the replays kept adding to the old memory)."""
-    lin, opt = _model()
-
     def run_all(captured):
         lin, opt = _model()
 

@@ -77,8 +77,8 @@ from torch.utils.checkpoint import checkpoint
 from .. import _capture
 from .._capture import _version_of
 from .._array import broadcast
-from ..fusion import _VIEW_FUNCTIONS, _VIEW_METHOD_NAMES, FusedModel, _ArrayCall, compiled_forward, graph_from_state, \
-    graph_state
+from ..fusion import _VIEW_FUNCTIONS, _VIEW_METHOD_NAMES, FusedModel, MemoryGroups, _ArrayCall, compiled_forward, \
+    graph_from_state, graph_state
 from ..nn._base import ArrayModule, set_memory_format
 from ..nn.dropout import _ArrayDropoutNd
 from ..nn.flatten import Flatten as _ArrayFlatten
@@ -837,20 +837,13 @@ def _graph_written_inputs(graph: fx.Graph, model: nn.Module, names: set[str]) ->
     checkpoint keeps the input as the run finds it."""
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    parent: dict[fx.Node, fx.Node] = {}  # union-find of the nodes that may share memory
-
-    def find(n: fx.Node) -> fx.Node:
-        while n in parent:
-            n = parent[n]
-        return n
-
+    groups = MemoryGroups()  # the nodes that may share memory
+    find = groups.find
     writes = []
     for node in nodes:
         written, shared, what = _effects(node, model)
         for src in shared:
-            a, b = find(node), find(src)
-            if a is not b:
-                parent[a] = b
+            groups.join(node, src)
         writes.extend((node, target, what) for target in written)
     if not writes:
         return {}
