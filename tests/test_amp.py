@@ -125,7 +125,9 @@ def _run(poison, n_optimizers, clip, steps=STEPS, check_each_step=None):
                     continue
                 for k, q in model.named_parameters():
                     ours = array.get_parameter(k).grad[b]
-                    torch.testing.assert_close(ours, q.grad, rtol=1e-5, atol=1e-7,
+                    # (the array's batched matmuls round differently from torch's per-model ones: an
+                    # element far below the gradient's largest differs by rounding of those)
+                    torch.testing.assert_close(ours, q.grad, rtol=1e-5, atol=1e-6 * max(1.0, q.grad.abs().max().item()),
                                                msg=lambda m: f"step {step} model {b} {k}.grad: {m}")
     return array, torch_models, opts, scaler, ref_scalers, skipped
 
